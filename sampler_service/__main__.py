@@ -1,0 +1,3 @@
+from sampler_service.cli import main
+
+main()

@@ -1,0 +1,105 @@
+"""The one async interface every inference engine sits behind.
+
+The scheduler only ever talks to this interface, so the same adaptive loop drives the
+transformers backend on a laptop, vLLM on a GPU node, a Ray pool of replicas, or the
+simulated engine of the benchmarks.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class GenerationAborted(RuntimeError):
+    """The engine dropped a request (weight update in `abort` mode); re-issue it."""
+
+
+class WeightsRejected(ValueError):
+    """A weight file was refused before anything was loaded (maps to HTTP 4xx)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling knobs. Requests are only batched with equal params."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_tokens: int = 16
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One generated answer with the behaviour policy's per-token logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    policy_version: int = 0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one model tensor, used to vet weight files up front."""
+
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype string, e.g. "F32", "BF16"
+
+
+@dataclass
+class BackendHealth:
+    ok: bool
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(abc.ABC):
+    """An async generation engine with hot-swappable weights."""
+
+    name: str = "base"
+
+    @property
+    @abc.abstractmethod
+    def model_name(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int: ...
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the engine; /ready turns 200 after this returns."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        """Return n independent samples for one prompt; never blocks the event loop."""
+
+    @abc.abstractmethod
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        """Tensors a weight file may name: state_dict() keys and checkpoint names."""
+
+    @abc.abstractmethod
+    async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        """Install a (possibly partial) state dict and serve it as `version`.
+
+        Callers have already vetted names/shapes against weight_specs() and paused new
+        requests; implementations cast floating tensors to the engine dtype.
+        """
+
+    async def abort_all(self) -> int:
+        """Abort in-flight requests (weight update mode `abort`); returns how many."""
+        return 0
+
+    def health(self) -> BackendHealth:
+        return BackendHealth(ok=True)

@@ -1,0 +1,517 @@
+"""Transformers backend: the embedded default engine and the test backend.
+
+Concurrent `generate` calls are queued, and one batcher coroutine turns every queued
+request with equal sampling parameters into a single left-padded `model.generate` call,
+so the prompts of a wave share one forward pass per token instead of one each. All model
+access (load, generate, weight copies, scoring) runs on one dedicated thread: the event
+loop never waits on torch, and a weight load can only run between two batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+
+from sampler_service.backends.base import (
+    Backend,
+    BackendHealth,
+    Completion,
+    GenerationAborted,
+    SamplingParams,
+    TensorSpec,
+)
+from sampler_service.backends.weights import (
+    WeightSpecs,
+    check_tensor,
+    safetensors_dtype,
+    tensor_spec,
+)
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Decoder(Protocol):
+    """The part of a tokenizer the backend needs: token ids -> text."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    n: int
+    sampling: SamplingParams
+    future: asyncio.Future[list[Completion]]
+    scheduled: int = 0  # rows handed to batches so far (a large n may span batches)
+    completions: list[Completion] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Batch:
+    parts: list[tuple[_Request, int]]  # (request, rows of it in this batch)
+    sampling: SamplingParams
+    reseed: bool  # first chunk of a seeded request: seed the RNG before sampling
+    abort: threading.Event = field(default_factory=threading.Event)
+
+
+class _LogprobRecorder(LogitsProcessor):
+    """Collects log_softmax(raw_logits / T) of each sampled token, one step behind.
+
+    `output_logits=True` would keep a float32 [rows, vocab] copy per generated token until
+    generate returns (tens of GB for a 150k vocabulary at 256 rows x 1k tokens on a GPU).
+    Custom processors run before generate's temperature/top-k/top-p warpers, so this one
+    sees the raw logits; it keeps only the latest step's log-probabilities and gathers
+    them on the next call, when the sampled token is the last column of `input_ids`.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self._temperature = temperature
+        self._pending: torch.Tensor | None = None
+        self._steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._gather(input_ids[:, -1])
+        self._pending = torch.log_softmax(scores.float() / self._temperature, dim=-1)
+        return scores
+
+    def _gather(self, tokens: torch.Tensor) -> None:
+        if self._pending is not None:
+            self._steps.append(self._pending.gather(1, tokens[:, None]).squeeze(1))
+            self._pending = None
+
+    def finish(self, sequences: torch.Tensor) -> list[list[float]]:
+        """Per row, the logprob of every generated token (one column per step)."""
+        self._gather(sequences[:, -1])
+        if not self._steps:
+            return [[] for _ in range(sequences.shape[0])]
+        return torch.stack(self._steps, dim=1).tolist()
+
+
+class _AbortCriteria(StoppingCriteria):
+    """Stops every row of a running batch once `abort_all` sets the batch's event."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self._event = event
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
+    ) -> torch.BoolTensor:
+        return torch.full(
+            (input_ids.shape[0],), self._event.is_set(), dtype=torch.bool, device=input_ids.device
+        )
+
+
+class HFBackend(Backend):
+    """A transformers causal LM served on token ids, batching concurrent requests.
+
+    `tokenizer` only turns responses into `Completion.text`; when omitted it is loaded from
+    `model_dir` if one is saved there, else texts are empty (the service tokenizes prompts
+    itself). `max_batch_rows` bounds rows (sum of n) per `model.generate` call; a request
+    with a larger n is split over consecutive calls.
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_rows: int = 256,
+        tokenizer: Decoder | None = None,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if max_batch_rows < 1:
+            raise ValueError("max_batch_rows must be >= 1")
+        self._model_dir = Path(model_dir)
+        self._device = torch.device(device)
+        self._dtype_name = dtype
+        self._max_batch_rows = max_batch_rows
+        self._tokenizer = tokenizer
+        # One thread owns the model: generate batches, weight copies and scoring are
+        # serialized on it, which is what keeps a weight load out of a running batch.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-model")
+        self._model: PreTrainedModel | None = None
+        self._queue: deque[_Request] = deque()
+        self._wakeup = asyncio.Event()
+        self._batcher: asyncio.Task[None] | None = None
+        self._inflight: _Batch | None = None
+        self._failure: BaseException | None = None
+        self._version = 0
+        self._eos_ids: list[int] = []
+        self._pad_id = 0
+        self._vocab_size = 0
+        self._targets: dict[str, torch.Tensor] = {}  # state_dict key -> tensor sharing storage
+        self._names: dict[str, str] = {}  # accepted weight name -> state_dict key
+        self._specs = WeightSpecs({})
+        self.model_calls = 0  # model.generate calls made; shows batching at work
+        self.generated_tokens = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def model_name(self) -> str:
+        return str(self._model_dir)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a batch (not counting the one running)."""
+        return len(self._queue)
+
+    async def start(self) -> None:
+        await self._in_model_thread(self._load)
+        self._batcher = asyncio.create_task(self._serve(), name="hf-backend-batcher")
+        self._batcher.add_done_callback(self._on_batcher_exit)
+
+    async def close(self) -> None:
+        error = RuntimeError("hf backend closed")
+        self._failure = self._failure or error
+        self._fail_all(error)
+        if self._batcher is not None:
+            self._batcher.cancel()
+            await asyncio.gather(self._batcher, return_exceptions=True)
+        await asyncio.to_thread(self._executor.shutdown, wait=True)
+        self._model = None
+
+    def health(self) -> BackendHealth:
+        ok = self._model is not None and self._failure is None
+        detail: dict[str, Any] = {
+            "device": str(self._device),
+            "dtype": self._dtype_name,
+            "policy_version": self._version,
+            "queued_requests": len(self._queue),
+            "model_calls": self.model_calls,
+        }
+        if self._failure is not None:
+            detail["error"] = repr(self._failure)
+        return BackendHealth(ok=ok, detail=detail)
+
+    def _load(self) -> None:
+        model = AutoModelForCausalLM.from_pretrained(
+            self._model_dir, dtype=_DTYPES[self._dtype_name]
+        )
+        model.to(self._device).eval()
+        config, defaults = model.config, model.generation_config
+        eos: list[int] = []
+        for ids in (getattr(config, "eos_token_id", None), defaults.eos_token_id):
+            for token in [ids] if isinstance(ids, int) else ids or []:
+                if token not in eos:
+                    eos.append(token)
+        pad = getattr(config, "pad_token_id", None)
+        if pad is None:
+            pad = defaults.pad_token_id
+        self._eos_ids = eos
+        self._pad_id = pad if pad is not None else (eos[0] if eos else 0)
+        # A checkpoint's generation_config.json (top_k=20, repetition_penalty=1.05, ...)
+        # would otherwise fill every knob a request leaves unset and skew the logprobs.
+        model.generation_config = GenerationConfig(
+            eos_token_id=eos or None, pad_token_id=self._pad_id, bos_token_id=defaults.bos_token_id
+        )
+        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._targets = dict(model.state_dict())
+        self._names = {key: key for key in self._targets}
+        prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
+        for key in self._targets:
+            # Checkpoints saved from the bare base model name tensors without its prefix.
+            if prefix and key.startswith(prefix):
+                self._names.setdefault(key[len(prefix) :], key)
+        storages: dict[tuple[int, tuple[int, ...]], str] = {}
+        tied = {
+            key
+            for key, t in self._targets.items()
+            if t.numel() and storages.setdefault((t.data_ptr(), tuple(t.shape)), key) != key
+        }
+        self._specs = WeightSpecs(
+            {name: tensor_spec(self._targets[key]) for name, key in self._names.items()},
+            aliases=[name for name, key in self._names.items() if name != key or key in tied],
+        )
+        if self._tokenizer is None and any(
+            (self._model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
+        ):
+            self._tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
+        self._model = model
+        log.info(
+            "hf backend loaded %s on %s (%s): %d tensors, eos %s, pad %d",
+            self._model_dir,
+            self._device,
+            self._dtype_name,
+            len(self._targets),
+            eos,
+            self._pad_id,
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        self._require_running()
+        self._validate(prompt_token_ids, sampling)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Request(list(prompt_token_ids), n, sampling, future))
+        self._wakeup.set()
+        return await future
+
+    async def abort_all(self) -> int:
+        """Fail every queued and running request with GenerationAborted, for re-issue.
+
+        The running batch also stops within one decode step, so a weight update in
+        `abort` mode waits for at most one token instead of a whole batch.
+        """
+        aborted = {req for req in self._queue if not req.future.done()}
+        self._queue.clear()
+        if self._inflight is not None:
+            self._inflight.abort.set()
+            aborted.update(req for req, _ in self._inflight.parts if not req.future.done())
+        for req in aborted:
+            req.future.set_exception(GenerationAborted("aborted for a weight update"))
+        return len(aborted)
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while (batch := self._next_batch()) is not None:
+                # Stays set until the batch is delivered, so close() or a crash of this
+                # task can still fail the batch's callers instead of leaving them waiting.
+                self._inflight = batch
+                try:
+                    rows = await loop.run_in_executor(self._executor, self._run_batch, batch)
+                except Exception as exc:  # a failed batch fails its requests, not the service
+                    log.exception("hf generate failed for %d rows", sum(k for _, k in batch.parts))
+                    for req, _ in batch.parts:
+                        if not req.future.done():
+                            req.future.set_exception(exc)
+                else:
+                    for req, count in batch.parts:
+                        self._add_completions(req, rows[:count])
+                        rows = rows[count:]
+                self._inflight = None
+
+    def _next_batch(self) -> _Batch | None:
+        """Take up to max_batch_rows rows from the oldest request and those sharing its params.
+
+        A request with a seed runs alone, so its samples depend only on its own seed.
+        """
+        while self._queue and self._queue[0].future.done():
+            self._queue.popleft()
+        if not self._queue:
+            return None
+        head = self._queue[0]
+        sampling, seeded = head.sampling, head.sampling.seed is not None
+        batch = _Batch([], sampling, reseed=seeded and head.scheduled == 0)
+        budget = self._max_batch_rows
+        kept: deque[_Request] = deque()
+        for req in self._queue:
+            if req.future.done():
+                continue
+            if budget and req.sampling == sampling and (not seeded or req is head):
+                rows = min(req.n - req.scheduled, budget)
+                batch.parts.append((req, rows))
+                req.scheduled += rows
+                budget -= rows
+            if req.scheduled < req.n:
+                kept.append(req)
+        self._queue = kept
+        return batch
+
+    def _run_batch(self, batch: _Batch) -> list[Completion]:
+        """Model thread: one left-padded generate call; returns completions in row order."""
+        model = self._model
+        assert model is not None
+        sampling = batch.sampling
+        prompts = [req.prompt for req, rows in batch.parts for _ in range(rows)]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        recorder = _LogprobRecorder(sampling.temperature if sampling.temperature > 0 else 1.0)
+        if batch.reseed:
+            torch.manual_seed(sampling.seed)
+        version = self._version
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids.to(self._device),
+                attention_mask=attention_mask.to(self._device),
+                generation_config=self._generation_config(sampling),
+                logits_processor=LogitsProcessorList([recorder]),
+                stopping_criteria=StoppingCriteriaList([_AbortCriteria(batch.abort)]),
+            )
+        self.model_calls += 1
+        logprobs = recorder.finish(out.sequences)
+        completions = []
+        for tokens, lps in zip(out.sequences[:, width:].tolist(), logprobs, strict=True):
+            completions.append(self._completion(tokens, lps, sampling.max_tokens, version))
+        self.generated_tokens += sum(len(c.token_ids) for c in completions)
+        return completions
+
+    def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
+        """Every knob that shapes the distribution is explicit: nothing comes from defaults
+        (transformers would otherwise apply its global top_k=50)."""
+        common: dict[str, Any] = {
+            "max_new_tokens": sampling.max_tokens,
+            "eos_token_id": self._eos_ids or None,
+            "pad_token_id": self._pad_id,
+            "return_dict_in_generate": True,
+        }
+        if sampling.temperature == 0:
+            return GenerationConfig(do_sample=False, **common)
+        return GenerationConfig(
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k and sampling.top_k > 0 else 0,
+            **common,
+        )
+
+    def _completion(
+        self, tokens: list[int], logprobs: list[float], max_tokens: int, version: int
+    ) -> Completion:
+        """Cut a generated row after its first eos (the rest is padding) and label it."""
+        stop = next((i for i, token in enumerate(tokens) if token in self._eos_ids), None)
+        if stop is not None:
+            tokens, reason = tokens[: stop + 1], "stop"
+        else:  # without eos a row is only short of max_tokens when abort_all cut it
+            reason = "length" if len(tokens) >= max_tokens else "abort"
+        text = self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
+        return Completion(tokens, logprobs[: len(tokens)], text, reason, version)
+
+    def _add_completions(self, req: _Request, completions: list[Completion]) -> None:
+        if req.future.done():  # cancelled by its caller or aborted: drop its rows
+            return
+        req.completions.extend(completions)
+        if len(req.completions) == req.n:
+            req.future.set_result(req.completions)
+
+    # ------------------------------------------------------------------ weights
+
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        """Copy a (partial) state dict into the live parameters and serve it as `version`.
+
+        Everything is checked before the first copy, so a bad tensor changes nothing. The
+        copy is queued on the model thread, so it lands between two generate batches.
+        """
+        self._require_running()
+        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, value in tensors.items():
+            tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+            check_tensor(name, tuple(tensor.shape), safetensors_dtype(tensor.dtype), self._specs)
+            plan.append((self._targets[self._names[name]], tensor))
+        await self._in_model_thread(self._install, plan, version)
+
+    def _install(self, plan: list[tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
+        with torch.no_grad():
+            for target, tensor in plan:
+                target.copy_(tensor)  # casts floats to the model dtype, moves to its device
+        self._version = version
+        log.info("hf backend serving policy version %d (%d tensors updated)", version, len(plan))
+
+    async def score(
+        self, prompt_token_ids: list[int], response_token_ids: list[int], temperature: float = 1.0
+    ) -> list[float]:
+        """The current policy's log_softmax(logits / T) of each token of a fixed response.
+
+        Same convention as generation (T = 0 means greedy, scored at T = 1); used to check
+        logprob parity and to see that a weight load changed the policy.
+        """
+        self._require_running()
+        self._validate(
+            [*prompt_token_ids, *response_token_ids], SamplingParams(temperature=temperature)
+        )
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        return await self._in_model_thread(
+            self._score, list(prompt_token_ids), list(response_token_ids), temperature or 1.0
+        )
+
+    def _score(self, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+        assert self._model is not None
+        if not response:
+            return []
+        ids = torch.tensor([prompt + response], device=self._device)
+        with torch.inference_mode():
+            logits = self._model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        return logprobs.gather(1, ids[0, len(prompt) :, None]).squeeze(1).tolist()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _validate(self, token_ids: list[int], sampling: SamplingParams) -> None:
+        """Reject what would crash the engine (an out-of-range id is a device assert on CUDA)."""
+        if not token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        bad = next((t for t in token_ids if not 0 <= t < self._vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
+        if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
+        if not 0 < sampling.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+
+    def _require_running(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"hf backend is not serving: {self._failure!r}")
+        if self._model is None:
+            raise RuntimeError("hf backend not started")
+
+    async def _in_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _on_batcher_exit(self, task: asyncio.Task[None]) -> None:
+        """A batcher that died must fail its callers loudly rather than leave them hanging."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self._failure = task.exception()
+        log.error("hf backend batcher died", exc_info=self._failure)
+        self._fail_all(RuntimeError(f"hf backend batcher died: {self._failure!r}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        pending = list(self._queue)
+        if self._inflight is not None:
+            self._inflight.abort.set()
+            pending += [req for req, _ in self._inflight.parts]
+        self._queue.clear()
+        for req in pending:
+            if not req.future.done():
+                req.future.set_exception(error)

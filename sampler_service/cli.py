@@ -1,0 +1,161 @@
+"""`adaptive-rollout`: one console script for the sampler, the toy task and the trainer.
+
+Only argparse is imported at the top, so `adaptive-rollout train` on a trainer node
+never imports the server's dependencies; each subcommand imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+
+def _load_config_file(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, required=True, help="Hugging Face model directory (weights + tokenizer)")
+    p.add_argument(
+        "--data", type=Path, action="append", required=True,
+        help="prompt file (.jsonl or .parquet); repeat for several domains (domain = file stem unless a row says)",
+    )
+    p.add_argument(
+        "--verifier", default="exact",
+        help="default verifier for rows without one: exact | math | python:module:function",
+    )
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="inference engine")
+    p.add_argument("--device", default="cpu", help="torch device for the hf backend")
+    p.add_argument("--dtype", default="float32", help="engine dtype (float32, bfloat16, float16)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0 picks a free one)")
+    p.add_argument(
+        "--state-dir", type=Path, default=Path("sampler_state"),
+        help="directory for the SQLite store (groups, config, mixer state) and accepted weights",
+    )
+    p.add_argument(
+        "--api-key", default=os.environ.get("ADAPTIVE_ROLLOUT_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: env ADAPTIVE_ROLLOUT_API_KEY)",
+    )
+    p.add_argument(
+        "--config", type=Path,
+        help="initial sampler config (.json or .toml, the keys of GET /v1/config); a config saved "
+        "in the state dir by an earlier run wins",
+    )
+    p.add_argument("--heartbeat-s", type=float, default=5.0, help="stream heartbeat interval")
+    p.add_argument("--verifier-timeout-s", type=float, default=10.0, help="time limit per verification")
+    p.add_argument("--verifier-workers", type=int, default=2, help="verifier processes")
+    p.add_argument("--seed", type=int, default=0, help="seed for data order and sampling")
+    p.add_argument(
+        "--torch-threads", type=int, default=1,
+        help="CPU threads for torch in the server (1 suits small models: more threads spin "
+        "against the verifier and HTTP work on few cores; 0 leaves torch's default)",
+    )
+    p.add_argument(
+        "--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+        help="engine argument passed to vLLM, e.g. tensor_parallel_size=2 (value parsed as JSON if it can be)",
+    )
+    p.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def _parse_engine_args(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--vllm-arg expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from sampler_service.app import create_app
+    from sampler_service.config import ConfigError, ServeSettings, validate_config
+    from sampler_service.service import SamplerService
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    settings = ServeSettings(
+        model=args.model, data=args.data, verifier=args.verifier, backend=args.backend,
+        device=args.device, dtype=args.dtype, host=args.host, port=args.port, state_dir=args.state_dir,
+        api_key=args.api_key, heartbeat_s=args.heartbeat_s, verifier_timeout_s=args.verifier_timeout_s,
+        verifier_workers=args.verifier_workers, seed=args.seed, vllm=_parse_engine_args(args.vllm_arg),
+    )
+    try:
+        initial = validate_config(_load_config_file(args.config) if args.config else {})
+    except ConfigError as exc:
+        raise SystemExit(f"--config {args.config}: {exc}") from exc
+    service = SamplerService(settings, initial_config=initial)
+    app = create_app(service)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+
+    original_startup = server.startup
+
+    async def startup(sockets: Any = None) -> None:
+        await original_startup(sockets=sockets)
+        for srv in server.servers:
+            for sock in srv.sockets:
+                host, port = sock.getsockname()[:2]
+                # The one line scripts wait for: where the sampler listens.
+                print(f"adaptive-rollout sampler listening on http://{host}:{port}", flush=True)
+        logging.getLogger("sampler_service").info(
+            "effective config: %s", json.dumps(service.get_config(), sort_keys=True)
+        )
+
+    server.startup = startup  # type: ignore[method-assign]
+    server.run()
+
+
+def toy(args: argparse.Namespace) -> None:
+    from sampler_service.toy import build_toy
+
+    paths = build_toy(args.out, seed=args.seed)
+    print(f"model: {paths.model_dir}")
+    for f in paths.data_files:
+        print(f"data:  {f}")
+    for f in paths.eval_files:
+        print(f"eval:  {f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="adaptive-rollout", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_serve = sub.add_parser("serve", help="run the sampler service")
+    add_serve_arguments(p_serve)
+    p_serve.set_defaults(func=serve)
+
+    p_toy = sub.add_parser("toy", help="write the toy model and arithmetic data")
+    p_toy.add_argument("--out", type=Path, default=Path("toy"), help="output directory")
+    p_toy.add_argument("--seed", type=int, default=0)
+    p_toy.set_defaults(func=toy)
+
+    try:
+        from trainer_client.cli import add_trainer_commands
+    except ImportError:  # pragma: no cover - trainer side not installed
+        pass
+    else:
+        add_trainer_commands(sub)
+
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

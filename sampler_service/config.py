@@ -1,0 +1,217 @@
+"""All configuration of the sampler, in one place, as validated pydantic models.
+
+`SamplerConfig` is the live, runtime-tunable part (GET/PATCH /v1/config); `ServeSettings`
+is fixed at start-up (CLI flags). Unknown keys are errors, never ignored, and a bad
+combination names the knob at fault so the API can answer 422 with a `field`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from strategies import mixing, reweighting, selection, stopping
+from strategies.estimator import Estimator
+from strategies.registry import PolicyError
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be served; `field` names the knob at fault."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class PolicySpec(_Strict):
+    """A policy by registered name with its parameters (validated by the registry)."""
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class EstConfig(_Strict):
+    """Reinforce-Ada-Est estimator; the paper gives no values, these are ours."""
+
+    decay: float = Field(0.8, gt=0.0, le=1.0)
+    alpha: float = Field(1.0, gt=0.0)
+    beta: float = Field(1.0, gt=0.0)
+    eps: float = Field(0.01, gt=0.0)
+    n_min: int = Field(2, ge=1)
+    mean_budget: float = Field(8.0, gt=0.0)
+
+
+class MixingSpec(_Strict):
+    name: str = "static"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplerConfig(_Strict):
+    """Everything PATCH /v1/config may change while a run is live."""
+
+    # How prompts are sampled (snapshotted per prompt at admission).
+    mode: Literal["continuous", "rounds"] = "continuous"
+    cohort_size: int = Field(64, ge=1)
+    rule: Literal["fixed", "positive", "balanced", "est"] = "balanced"
+    k_pos: int = Field(2, ge=0)
+    k_neg: int = Field(2, ge=0)
+    n_max: int = Field(32, ge=1)
+    wave: Literal["fixed", "adaptive"] = "fixed"
+    wave_size: int = Field(8, ge=1)
+    group_size: int = Field(4, ge=0, description="0 keeps every sample")
+    positive_threshold: float = 0.5
+    downsample: Literal["balanced", "max_variance", "none"] = "balanced"
+    advantage: Literal["grpo", "global", "est"] = "global"
+    norm_by_std: bool | None = None
+    est: EstConfig = Field(default_factory=EstConfig)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    max_tokens: int = Field(1024, ge=1)
+    group_policies: list[PolicySpec] = Field(default_factory=list)
+    # Applied when a batch frame forms.
+    batch_groups: int = Field(1, ge=1)
+    batch_policies: list[PolicySpec] = Field(default_factory=list)
+    # Applied at once.
+    mixing: MixingSpec = Field(default_factory=MixingSpec)
+    max_active_prompts: int = Field(64, ge=1)
+    max_buffered_groups: int = Field(256, ge=1)
+    max_staleness: int | None = Field(None, ge=0)
+    lease_ttl_s: float = Field(300.0, gt=0.0)
+    weight_update_mode: Literal["wait", "abort"] = "wait"
+
+    def build_rule(self, estimator: Any = None) -> stopping.StoppingRule:
+        """The stopping rule this config describes (rounds mode always uses full waves)."""
+        params: dict[str, Any] = dict(
+            k_pos=self.k_pos,
+            k_neg=self.k_neg,
+            n_max=self.n_max,
+            wave_size=self.wave_size,
+            group_size=self.group_size,
+            wave="fixed" if self.mode == "rounds" else self.wave,
+        )
+        if self.rule == "est":
+            params["estimator"] = estimator
+        return stopping.build(self.rule, **params)
+
+    def build_estimator(self) -> Estimator:
+        """The Est pass-rate estimator; it learns under every rule, only est spends budgets.
+
+        Outside est its cap only has to admit mean_budget, so a small n_max under another
+        rule does not make the estimator's own n_min <= mean_budget <= n_max check fail.
+        """
+        est = self.est
+        n_max = self.n_max if self.rule == "est" else max(self.n_max, math.ceil(est.mean_budget))
+        return Estimator(
+            lam=est.decay, alpha=est.alpha, beta=est.beta, eps=est.eps,
+            n_min=est.n_min, n_max=n_max, mean_budget=est.mean_budget,
+        )
+
+    def group_policy_objects(self) -> list[Any]:
+        return [selection.build(p.name, **p.params) for p in self.group_policies]
+
+    def batch_policy_objects(self) -> tuple[list[Any], list[Any]]:
+        """(batch selections, reweightings) in the order given."""
+        selections, weights = [], []
+        for spec in self.batch_policies:
+            if spec.name in selection.SELECTIONS.names():
+                selections.append(selection.build(spec.name, **spec.params))
+            else:
+                weights.append(reweighting.build(spec.name, **spec.params))
+        return selections, weights
+
+
+#: PolicyError.field values that mean "no such policy" rather than a bad parameter.
+_FAMILY_KEYS = {None, "name", "selection", "reweighting", "mixing"}
+
+
+def _policy_field(where: str, field: str | None) -> str:
+    return f"{where}.name" if field in _FAMILY_KEYS else f"{where}.params.{field}"
+
+
+def _build_policy(spec: PolicySpec, scope: str, where: str) -> Any:
+    """Build one policy to validate it; errors name `where.params.<param>`."""
+    try:
+        if scope == "group" or spec.name in selection.SELECTIONS.names():
+            policy = selection.build(spec.name, **spec.params)
+        else:
+            policy = reweighting.build(spec.name, **spec.params)
+    except PolicyError as exc:
+        raise ConfigError(str(exc), _policy_field(where, exc.field)) from exc
+    if policy.scope != scope and not (scope == "batch" and policy.scope == "token"):
+        raise ConfigError(
+            f"policy {spec.name!r} has scope {policy.scope!r}; {where} takes {scope}-scope policies",
+            f"{where}.name",
+        )
+    return policy
+
+
+def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = None) -> None:
+    """Whole-config checks that single fields cannot express (DESIGN.md section 12)."""
+    if cfg.rule == "est" and not cfg.est.n_min <= cfg.est.mean_budget <= cfg.n_max:
+        raise ConfigError(
+            f"est needs n_min <= mean_budget <= n_max (got {cfg.est.n_min}, "
+            f"{cfg.est.mean_budget}, {cfg.n_max})",
+            "est.mean_budget",
+        )
+    try:
+        cfg.build_rule(estimator or cfg.build_estimator()).validate()
+    except PolicyError as exc:
+        raise ConfigError(str(exc), exc.field) from exc
+    for attr, scope in (("group_policies", "group"), ("batch_policies", "batch")):
+        for i, spec in enumerate(getattr(cfg, attr)):
+            _build_policy(spec, scope, f"{attr}[{i}]")
+    try:
+        mixing.build(cfg.mixing.name, domains=domains, **cfg.mixing.params)
+    except PolicyError as exc:
+        raise ConfigError(str(exc), _policy_field("mixing", exc.field)) from exc
+
+
+def validate_config(data: dict[str, Any]) -> SamplerConfig:
+    """Parse a full config dict, turning pydantic errors into one ConfigError."""
+    try:
+        return SamplerConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or None
+        raise ConfigError(f"{field}: {first['msg']}" if field else first["msg"], field) from exc
+
+
+def merge_patch(current: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """JSON merge patch: nested objects merge, lists and scalars replace."""
+    merged = copy.deepcopy(current)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key != "params":
+            merged[key] = merge_patch(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+class ServeSettings(_Strict):
+    """Start-up settings of `adaptive-rollout serve` (not changeable at runtime)."""
+
+    model: Path
+    data: list[Path]
+    verifier: str = "exact"
+    backend: Literal["hf", "vllm"] = "hf"
+    device: str = "cpu"
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    state_dir: Path = Path("sampler_state")
+    api_key: str | None = None
+    heartbeat_s: float = Field(5.0, gt=0.0)
+    verifier_timeout_s: float = Field(10.0, gt=0.0)
+    verifier_workers: int = Field(2, ge=1)
+    max_request_bytes: int = Field(1 << 20, ge=1024)
+    seed: int = 0
+    vllm: dict[str, Any] = Field(default_factory=dict, description="engine args passed through")

@@ -1,0 +1,191 @@
+"""Delivery of stored batch frames to consumers: at-least-once, nothing lost.
+
+READY -> LEASED(consumer, delivery_id, deadline) -> deleted on ack. Frames move as a
+unit: a consumer leases a whole frame, and whatever it has not acked when it
+disconnects (or its lease expires) goes back to READY together and is offered again
+before anything newer. The bytes of a group never change after framing, so a
+redelivered frame is byte-for-byte what was sent before (apart from the delivery id).
+
+An ack is honoured for any delivery id of a group that still exists, even one whose
+lease was already released (a trainer that lost its connection still acks what it
+trained on): that only saves a redelivery the client would have deduped anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sampler_service.store import AsyncStore, StoredFrame, StoredGroup
+
+
+@dataclass
+class _Frame:
+    batch_id: str
+    members: list[StoredGroup]
+    seq: int
+    consumer: str | None = None  # None while READY
+    deadline: float = 0.0
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """One group handed to a consumer in this delivery attempt."""
+
+    delivery_id: str
+    group: StoredGroup
+
+    def encoded(self) -> bytes:
+        """The stored group bytes with this attempt's delivery id spliced in."""
+        return b'{"delivery_id":"' + self.delivery_id.encode() + b'",' + self.group.payload[1:]
+
+
+class Outbox:
+    def __init__(self, store: AsyncStore, clock: Callable[[], float] = time.monotonic) -> None:
+        self._store = store
+        self._clock = clock
+        self._frames: dict[str, _Frame] = {}
+        self._ready: list[tuple[int, int, str]] = []  # (0 redelivery | 1 fresh, seq, batch_id)
+        self._by_delivery: dict[str, tuple[str, str]] = {}  # delivery_id -> (batch_id, group_id)
+        self._delivery_ids: dict[str, list[str]] = {}  # group_id -> every delivery id it had
+        self._streams: dict[str, object] = {}  # consumer -> token of its live stream
+        self._changed = asyncio.Event()
+
+    # -- bookkeeping ------------------------------------------------------------------
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next change (new frame, ack, release); grab before checking."""
+        return self._changed
+
+    def offer(self, frame: StoredFrame, redelivery: bool = False) -> None:
+        """Make a stored frame READY (called once its rows are committed)."""
+        seq = min(m.seq for m in frame.members)
+        self._frames[frame.batch_id] = _Frame(frame.batch_id, list(frame.members), seq)
+        heapq.heappush(self._ready, (0 if redelivery else 1, seq, frame.batch_id))
+        self._notify()
+
+    async def restore(self) -> int:
+        """After a restart every stored frame is READY again; returns how many groups."""
+        frames = await self._store.call(self._store.sync.frames)
+        for frame in frames:
+            self.offer(frame)
+        return sum(len(f.members) for f in frames)
+
+    @property
+    def ready_groups(self) -> int:
+        return sum(len(f.members) for f in self._frames.values() if f.consumer is None)
+
+    @property
+    def leased_groups(self) -> int:
+        return sum(len(f.members) for f in self._frames.values() if f.consumer is not None)
+
+    def unacked(self, consumer: str) -> int:
+        return sum(len(f.members) for f in self._frames.values() if f.consumer == consumer)
+
+    def next_frame_size(self) -> int | None:
+        """Size of the frame the next take() would hand out, or None if nothing is READY."""
+        while self._ready:
+            _, _, batch_id = self._ready[0]
+            frame = self._frames.get(batch_id)
+            if frame is not None and frame.consumer is None and frame.members:
+                return len(frame.members)
+            heapq.heappop(self._ready)  # stale heap entry
+        return None
+
+    # -- leasing --------------------------------------------------------------------
+    def take(self, consumer: str, ttl_s: float, max_groups: int | None = None) -> list[Delivered]:
+        """Lease whole READY frames, oldest (redeliveries first) until max_groups is met.
+
+        At least one frame is handed out when any is READY, even if it is larger than
+        max_groups, so a frame bigger than a consumer's credit still flows.
+        """
+        out: list[Delivered] = []
+        while (size := self.next_frame_size()) is not None:
+            if out and max_groups is not None and len(out) + size > max_groups:
+                break
+            _, _, batch_id = heapq.heappop(self._ready)
+            frame = self._frames[batch_id]
+            frame.consumer = consumer
+            frame.deadline = self._clock() + ttl_s
+            for member in frame.members:
+                delivery_id = uuid.uuid4().hex
+                self._by_delivery[delivery_id] = (batch_id, member.group_id)
+                self._delivery_ids.setdefault(member.group_id, []).append(delivery_id)
+                out.append(Delivered(delivery_id, member))
+            if max_groups is None:
+                break
+        return out
+
+    def _release(self, frame: _Frame) -> None:
+        frame.consumer = None
+        heapq.heappush(self._ready, (0, frame.seq, frame.batch_id))
+
+    def release_consumer(self, consumer: str) -> int:
+        """Put every frame leased by `consumer` back to READY at once."""
+        frames = [f for f in self._frames.values() if f.consumer == consumer]
+        for frame in frames:
+            self._release(frame)
+        if frames:
+            self._notify()
+        return sum(len(f.members) for f in frames)
+
+    def expire(self) -> int:
+        """Release leases past their deadline; returns how many groups came back."""
+        now = self._clock()
+        frames = [f for f in self._frames.values() if f.consumer is not None and f.deadline < now]
+        for frame in frames:
+            self._release(frame)
+        if frames:
+            self._notify()
+        return sum(len(f.members) for f in frames)
+
+    async def ack(self, delivery_ids: list[str]) -> tuple[int, int]:
+        """Delete acked groups durably; unknown or already-acked ids are counted, not errors."""
+        acked: dict[str, set[str]] = {}  # batch_id -> group ids
+        for delivery_id in dict.fromkeys(delivery_ids):
+            batch_id, group_id = self._by_delivery.get(delivery_id, ("", ""))
+            frame = self._frames.get(batch_id)
+            if frame is not None and any(m.group_id == group_id for m in frame.members):
+                acked.setdefault(batch_id, set()).add(group_id)
+        await self._store.call(self._store.sync.delete, [g for gids in acked.values() for g in gids])
+        removed = 0  # counted after the await: a concurrent ack may have taken some
+        for batch_id, gids in acked.items():
+            frame = self._frames.get(batch_id)
+            if frame is None:
+                continue
+            before = len(frame.members)
+            frame.members = [m for m in frame.members if m.group_id not in gids]
+            removed += before - len(frame.members)
+            if not frame.members:
+                del self._frames[batch_id]
+            for gid in gids:
+                for delivery_id in self._delivery_ids.pop(gid, []):
+                    self._by_delivery.pop(delivery_id, None)
+        if removed:
+            self._notify()
+        return removed, len(delivery_ids) - removed
+
+    # -- streams ----------------------------------------------------------------------
+    def connect(self, consumer: str) -> object:
+        """Register a stream; a newer stream with the same name replaces the old one."""
+        token = object()
+        self._streams[consumer] = token
+        self.release_consumer(consumer)
+        self._notify()
+        return token
+
+    def is_current(self, consumer: str, token: object) -> bool:
+        return self._streams.get(consumer) is token
+
+    def disconnect(self, consumer: str, token: object) -> None:
+        """A stream ended: its unacked groups are READY again at once."""
+        if self._streams.get(consumer) is token:
+            del self._streams[consumer]
+            self.release_consumer(consumer)

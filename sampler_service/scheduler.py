@@ -1,0 +1,566 @@
+"""The adaptive scheduler: per-prompt sampling until the stopping rule fires.
+
+Continuous mode (the default) has no global round barrier: every admitted prompt runs
+its own loop of waves (generate -> verify -> ask the rule), so the engine's continuous
+batching stays full and a new prompt is admitted as soon as one finishes. `mode:
+rounds` reproduces Reinforce-Ada's synchronous rounds for comparison.
+
+The scheduler owns no I/O of its own: the engine, the verifier, the clock and the sink
+that stores finished groups are injected, so the benchmarks drive this exact code with
+a simulated engine in simulated time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from sampler_service.aio import wait_event
+from sampler_service.backends.base import Backend, Completion, GenerationAborted, SamplingParams
+from sampler_service.config import SamplerConfig
+from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.metrics import Metrics
+from sampler_service.verifiers.base import Verdict
+from strategies import advantage, downsample, mixing, reweighting, views
+from strategies.stopping import StoppingRule
+from trainer_client.protocol import Group, GroupStats, Sample
+
+log = logging.getLogger(__name__)
+
+VerifyFn = Callable[[PromptRow, Completion], Awaitable[Verdict]]
+
+#: Attempts at a wave whose engine call fails before the prompt is given up.
+_ENGINE_RETRIES = 3
+#: Finalized groups between snapshots of the mixer/estimator/dataset state.
+_STATE_EVERY = 16
+
+
+class GroupSink(Protocol):
+    """Where finished groups go: the durable store in the service, memory in benchmarks."""
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None: ...
+
+    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None: ...
+
+    def buffered(self) -> int:
+        """Framed groups not yet acked (READY + LEASED)."""
+        ...
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """What a prompt snapshots at admission; later PATCHes do not touch it."""
+
+    config_version: int
+    cfg: SamplerConfig
+    sampling: SamplingParams
+
+
+@dataclass
+class PromptRun:
+    row: PromptRow
+    plan: PromptPlan
+    rule: StoppingRule
+    completions: list[Completion] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    n_pos: int = 0
+    n_neg: int = 0
+    done: bool = False
+
+    @property
+    def n_generated(self) -> int:
+        return self.n_pos + self.n_neg
+
+    def next_wave(self) -> int:
+        return self.rule.next_wave(self.n_pos, self.n_neg, prompt_id=self.row.id)
+
+
+@dataclass
+class DomainStats:
+    admitted: int = 0
+    emitted: int = 0
+    samples: int = 0
+    positives: int = 0
+    recent_pass_rates: deque[float] = field(default_factory=lambda: deque(maxlen=200))
+
+
+class SchedulerStats:
+    """Counters behind GET /v1/stats (Prometheus gets the same events via Metrics)."""
+
+    def __init__(self, domains: list[str], clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.started = clock()
+        self.domains = {d: DomainStats() for d in domains}
+        self.samples_per_group: Counter[int] = Counter()
+        self.stop_reasons: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self.samples = 0
+        self.tokens = 0
+        self.groups_emitted = 0
+        self.recent_emitted: deque[str] = deque(maxlen=200)
+        self.recent_admitted: deque[str] = deque(maxlen=200)
+
+    def to_dict(self) -> dict[str, Any]:
+        elapsed = max(self._clock() - self.started, 1e-9)
+        return {
+            "elapsed_s": elapsed,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "groups_emitted": self.groups_emitted,
+            "samples_per_s": self.samples / elapsed,
+            "tokens_per_s": self.tokens / elapsed,
+            "groups_per_s": self.groups_emitted / elapsed,
+            "samples_per_group": {str(k): v for k, v in sorted(self.samples_per_group.items())},
+            "stop_reasons": dict(self.stop_reasons),
+            "dropped": dict(self.dropped),
+        }
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        dataset: Dataset,
+        verify: VerifyFn,
+        sink: GroupSink,
+        config: SamplerConfig,
+        config_version: int = 0,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 0,
+    ) -> None:
+        self.backend = backend
+        self.dataset = dataset
+        self._verify = verify
+        self.sink = sink
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.config = config
+        self.config_version = config_version
+        self.estimator = config.build_estimator()
+        self.estimator.set_prompts(dataset.prompt_ids())
+        self.mixer = mixing.build(config.mixing.name, domains=dataset.domains, **config.mixing.params)
+        self.admitter = mixing.DeficitAdmitter(dataset.domains, window=200)
+        self.stats = SchedulerStats(dataset.domains, clock)
+        self._rng = np.random.default_rng(seed)
+        self._unframed: list[Group] = []
+        self._frame_lock = asyncio.Lock()
+        self._active: set[asyncio.Task[None]] = set()
+        self._gate = asyncio.Event()  # cleared while weights are being swapped
+        self._gate.set()
+        self._weights_lock = asyncio.Lock()
+        self._in_flight = 0
+        self._drained = asyncio.Event()  # set whenever no engine request is in flight
+        self._drained.set()
+        self._wakeup = asyncio.Event()
+        self._runner: asyncio.Task[None] | None = None
+        self._finalized = 0
+        self.last_error: str | None = None
+
+    # -- life cycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self._runner = asyncio.create_task(self._run(), name="scheduler")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._runner, *self._active) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._runner = None
+
+    def poke(self) -> None:
+        """Something that limits admission changed (ack, config, weights): re-check."""
+        self._wakeup.set()
+
+    @property
+    def active_prompts(self) -> int:
+        return len(self._active)
+
+    @property
+    def paused(self) -> bool:
+        return not self._gate.is_set()
+
+    # -- configuration ----------------------------------------------------------------
+    def apply_config(self, cfg: SamplerConfig, version: int) -> None:
+        """Install a validated config: admission knobs apply now, prompt knobs on admission."""
+        old = self.config
+        self.config, self.config_version = cfg, version
+        if cfg.mixing != old.mixing:
+            self.mixer = mixing.build(cfg.mixing.name, domains=self.dataset.domains, **cfg.mixing.params)
+        if cfg.est != old.est or cfg.n_max != old.n_max or cfg.rule != old.rule:
+            state = self.estimator.state_dict()
+            self.estimator = cfg.build_estimator()
+            self.estimator.set_prompts(self.dataset.prompt_ids())
+            self.estimator.load_state_dict(state)
+        self.metrics.config_version.set(version)
+        self.poke()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "mixer": self.mixer.state_dict(),
+            "admitter": self.admitter.state_dict(),
+            "estimator": self.estimator.state_dict(),
+            "dataset": self.dataset.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, target in (
+            ("mixer", self.mixer),
+            ("admitter", self.admitter),
+            ("estimator", self.estimator),
+            ("dataset", self.dataset),
+        ):
+            if key in state:
+                target.load_state_dict(state[key])
+
+    def restore_pending(self, groups: list[Group]) -> None:
+        """Finished groups stored before a restart but not yet framed."""
+        self._unframed.extend(groups)
+
+    # -- admission --------------------------------------------------------------------
+    def buffered(self) -> int:
+        return self.sink.buffered() + len(self._unframed)
+
+    def capacity(self) -> int:
+        """How many prompts may be admitted now (DESIGN.md section 5, backpressure)."""
+        cfg = self.config
+        if self.paused:
+            return 0
+        buffered = self.buffered()
+        if buffered >= cfg.max_buffered_groups:
+            return 0
+        cap = cfg.max_active_prompts - len(self._active)
+        if cfg.max_staleness is not None:
+            cap = min(cap, (cfg.max_staleness + 1) * cfg.batch_groups - (buffered + len(self._active)))
+        return max(cap, 0)
+
+    def _admit(self) -> PromptRun:
+        cfg = self.config
+        domain = self.admitter.choose(self.mixer.proportions())
+        row = self.dataset.next(domain)
+        sampling = SamplingParams(
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens
+        )
+        plan = PromptPlan(self.config_version, cfg, sampling)
+        self.stats.domains[domain].admitted += 1
+        self.stats.recent_admitted.append(domain)
+        return PromptRun(row, plan, cfg.build_rule(self.estimator))
+
+    def _spawn(self, run: PromptRun) -> None:
+        task = asyncio.create_task(self._run_prompt(run), name=f"prompt-{run.row.id}")
+        self._active.add(task)
+        self.metrics.active_prompts.set(len(self._active))
+
+        def finished(t: asyncio.Task[None]) -> None:
+            self._active.discard(t)
+            self.metrics.active_prompts.set(len(self._active))
+            if not t.cancelled() and t.exception() is not None:
+                self.last_error = f"prompt task failed: {t.exception()!r}"
+                log.error("prompt %s failed", run.row.id, exc_info=t.exception())
+            self.poke()
+
+        task.add_done_callback(finished)
+
+    async def _sleep_until_poked(self, timeout: float) -> None:
+        self._wakeup.clear()
+        await wait_event(self._wakeup, timeout)
+
+    async def _run(self) -> None:
+        while True:
+            if self.config.mode == "rounds":
+                await self._run_cohort()
+                continue
+            n = self.capacity()
+            if n <= 0:
+                await self._sleep_until_poked(1.0)
+                continue
+            for _ in range(n):
+                self._spawn(self._admit())
+            await asyncio.sleep(0)
+
+    async def _run_cohort(self) -> None:
+        """Paper mode: a cohort runs synchronous rounds; the next waits for all of it."""
+        while self.capacity() <= 0 or self._active:
+            await self._sleep_until_poked(1.0)
+        cfg = self.config
+        runs = [self._admit() for _ in range(cfg.cohort_size)]
+        self.metrics.active_prompts.set(len(runs))
+        for _ in range(math.ceil(cfg.n_max / cfg.wave_size)):
+            live = [(run, n) for run in runs if not run.done and (n := run.next_wave()) > 0]
+            if not live:
+                break
+            results = await asyncio.gather(*(self._wave(run, n) for run, n in live))
+            for (run, _), ok in zip(live, results, strict=True):
+                if not ok:
+                    self._drop(run, "engine_error")
+                elif run.next_wave() == 0:
+                    await self._finalize(run)
+        for run in runs:
+            if not run.done:
+                await self._finalize(run)
+        self.metrics.active_prompts.set(0)
+
+    # -- one prompt -------------------------------------------------------------------
+    async def _run_prompt(self, run: PromptRun) -> None:
+        while (n := run.next_wave()) > 0:
+            if not await self._wave(run, n):
+                self._drop(run, "engine_error")
+                return
+        await self._finalize(run)
+
+    @contextlib.asynccontextmanager
+    async def _generating(self) -> AsyncIterator[None]:
+        await self._gate.wait()
+        self._in_flight += 1
+        self._drained.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._drained.set()
+                self.poke()
+
+    async def _wave(self, run: PromptRun, n: int) -> bool:
+        """Generate and verify one wave; False if the engine kept failing."""
+        started = self.clock()
+        completions: list[Completion] | None = None
+        failures = 0
+        while completions is None:
+            try:
+                async with self._generating():
+                    completions = await self.backend.generate(run.row.token_ids, n, run.plan.sampling)
+            except GenerationAborted:
+                continue  # a weight update aborted it: re-issue once the gate reopens
+            except Exception as exc:  # noqa: BLE001 - any engine failure is retried, then reported
+                failures += 1
+                self.last_error = f"engine error: {exc!r}"
+                log.warning("wave for prompt %s failed (%d/%d): %r", run.row.id, failures, _ENGINE_RETRIES, exc)
+                if failures >= _ENGINE_RETRIES:
+                    return False
+                await asyncio.sleep(0.5 * 2**failures)
+        verdicts = await asyncio.gather(*(self._score(run.row, c) for c in completions))
+        threshold = run.plan.cfg.positive_threshold
+        domain_stats = self.stats.domains[run.row.domain]
+        for completion, verdict in zip(completions, verdicts, strict=True):
+            positive = verdict.reward > threshold
+            run.completions.append(completion)
+            run.verdicts.append(verdict)
+            run.n_pos += positive
+            run.n_neg += not positive
+            outcome = "error" if verdict.error else ("positive" if positive else "negative")
+            self.metrics.samples_generated.labels(run.row.domain, outcome).inc()
+            self.metrics.generated_tokens.inc(len(completion.token_ids))
+            domain_stats.samples += 1
+            domain_stats.positives += positive
+            self.stats.samples += 1
+            self.stats.tokens += len(completion.token_ids)
+        self.metrics.wave_latency.observe(self.clock() - started)
+        return True
+
+    async def _score(self, row: PromptRow, completion: Completion) -> Verdict:
+        """A truncated answer scores 0 without being verified (DESIGN.md section 12)."""
+        if completion.finish_reason == "length":
+            return Verdict(0.0, None)
+        return await self._verify(row, completion)
+
+    # -- finalization -----------------------------------------------------------------
+    def _drop(self, run: PromptRun, reason: str) -> None:
+        run.done = True
+        self.stats.dropped[reason] += 1
+        self.metrics.groups_dropped.labels(reason).inc()
+
+    async def _finalize(self, run: PromptRun) -> None:
+        """Down-sample, compute advantages, apply group policies, store (section 12)."""
+        run.done = True
+        cfg, row = run.plan.cfg, run.row
+        rewards = np.array([v.reward for v in run.verdicts], dtype=np.float64)
+        lengths = np.array([len(c.token_ids) for c in run.completions], dtype=np.float64)
+        n_gen = len(rewards)
+        stop_reason = run.rule.stop_reason(run.n_pos, run.n_neg, prompt_id=row.id)
+        self.stats.samples_per_group[n_gen] += 1
+        self.stats.stop_reasons[stop_reason] += 1
+        self.metrics.samples_per_group.observe(n_gen)
+        self.metrics.stop_reasons.labels(stop_reason).inc()
+        self.metrics.pass_rate.observe(run.n_pos / n_gen)
+        self.stats.domains[row.domain].recent_pass_rates.append(run.n_pos / n_gen)
+        self.estimator.update(row.id, n_gen, run.n_pos)
+
+        kept = np.array(
+            downsample.apply(cfg.downsample, rewards, cfg.group_size, cfg.positive_threshold), dtype=np.int64
+        )
+        adv = advantage.compute(rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std)
+        self.mixer.observe(row.domain, float(rewards.mean()), float(np.abs(adv).mean()) if len(adv) else 0.0)
+        self._finalized += 1
+
+        drop_reason = None
+        for policy in cfg.group_policy_objects():
+            view = views.GroupView(
+                rewards=rewards[kept], lengths=lengths[kept], all_rewards=rewards,
+                threshold=cfg.positive_threshold,
+            )
+            chosen = policy.select(view)
+            if chosen is None or len(chosen) == 0:
+                drop_reason = policy.name
+                break
+            if len(chosen) != len(kept):
+                kept = kept[np.asarray(chosen, dtype=np.int64)]
+                adv = advantage.compute(rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std)
+        if drop_reason is None and len(kept) < 2:
+            drop_reason = "too_few_samples"
+        if drop_reason is not None:
+            self._drop(run, drop_reason)
+            return
+
+        samples = [
+            Sample(
+                sample_id=uuid.uuid4().hex,
+                response_token_ids=run.completions[i].token_ids,
+                response_text=run.completions[i].text,
+                logprobs=run.completions[i].logprobs,
+                reward=float(rewards[i]),
+                finish_reason=run.completions[i].finish_reason,
+                policy_version=run.completions[i].policy_version,
+                verifier_error=run.verdicts[i].error,
+                advantage=float(a),
+            )
+            for i, a in zip(kept.tolist(), adv, strict=True)
+        ]
+        versions = [s.policy_version for s in samples]
+        group = Group(
+            group_id=uuid.uuid4().hex,
+            prompt_id=row.id,
+            domain=row.domain,
+            prompt_token_ids=row.token_ids,
+            prompt_text=row.text,
+            answer=row.answer,
+            metadata=row.metadata,
+            config_version=run.plan.config_version,
+            policy_version_min=min(versions),
+            policy_version_max=max(versions),
+            stop_reason=stop_reason,
+            stats=GroupStats(
+                n_generated=n_gen,
+                n_pos=run.n_pos,
+                n_neg=run.n_neg,
+                reward_mean=float(rewards.mean()),
+                reward_std=float(rewards.std(ddof=1)) if n_gen > 1 else 0.0,
+            ),
+            samples=samples,
+            batch_id="",
+            batch_index=0,
+            batch_size=0,
+        )
+        self.metrics.staleness.set(self.backend.policy_version - group.policy_version_min)
+        async with self._frame_lock:
+            state = self.state_dict() if self._finalized % _STATE_EVERY == 0 else None
+            await self.sink.add_pending(group, state)
+            self._unframed.append(group)
+            await self._form_frames()
+
+    async def form_frames(self) -> None:
+        """Re-check framing (e.g. after batch_groups was lowered by a PATCH)."""
+        async with self._frame_lock:
+            await self._form_frames()
+
+    async def _form_frames(self) -> None:
+        while len(self._unframed) >= self.config.batch_groups:
+            members = self._unframed[: self.config.batch_groups]
+            del self._unframed[: self.config.batch_groups]
+            kept, dropped = self._apply_batch_policies(members)
+            for group in kept:
+                self.stats.groups_emitted += 1
+                self.stats.domains[group.domain].emitted += 1
+                self.stats.recent_emitted.append(group.domain)
+                self.metrics.groups_emitted.labels(group.domain).inc()
+            await self.sink.add_frame(kept, [g.group_id for g in dropped])
+
+    def _apply_batch_policies(self, groups: list[Group]) -> tuple[list[Group], list[Group]]:
+        """Batch-scope selection and reweighting, fixed into the frame's stored bytes."""
+        selections, weightings = self.config.batch_policy_objects()
+        dropped: list[Group] = []
+
+        def view(gs: list[Group]) -> views.BatchView:
+            return views.BatchView(
+                groups=[
+                    views.BatchGroup(
+                        advantages=np.array([s.advantage for s in g.samples]),
+                        pass_rate=g.stats.n_pos / g.stats.n_generated,
+                        token_logprobs=[np.array(s.logprobs) for s in g.samples],
+                    )
+                    for g in gs
+                ]
+            )
+
+        for policy in selections:
+            keep = policy.select(view(groups))
+            survivors = []
+            for group, idx in zip(groups, keep, strict=True):
+                if len(idx) < 2:
+                    dropped.append(group)
+                    self.stats.dropped[policy.name] += 1
+                    self.metrics.groups_dropped.labels(policy.name).inc()
+                    continue
+                group.samples = [group.samples[i] for i in np.asarray(idx).tolist()]
+                survivors.append(group)
+            groups = survivors
+        if groups:
+            sample_w, token_w = reweighting.combine(weightings, view(groups))
+            for gi, group in enumerate(groups):
+                for si, sample in enumerate(group.samples):
+                    sample.weight = float(sample_w[gi][si])
+                    if token_w is not None:
+                        sample.token_weights = [float(w) for w in token_w[gi][si]]
+        batch_id = uuid.uuid4().hex
+        for i, group in enumerate(groups):
+            group.batch_id, group.batch_index, group.batch_size = batch_id, i, len(groups)
+        return groups, dropped
+
+    # -- weight updates ---------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def paused_for_weights(self) -> AsyncIterator[None]:
+        """Stop new waves, drain (`wait`) or abort (`abort`) in-flight ones, then resume."""
+        async with self._weights_lock:
+            self._gate.clear()
+            try:
+                if self.config.weight_update_mode == "abort":
+                    await self.backend.abort_all()
+                await self._drained.wait()
+                yield
+            finally:
+                self._gate.set()
+                self.metrics.policy_version.set(self.backend.policy_version)
+                self.poke()
+
+
+class MemorySink:
+    """In-memory sink for benchmarks and tests: frames are 'acked' by popping them."""
+
+    def __init__(self) -> None:
+        self.frames: list[list[Group]] = []
+        self.dropped: list[str] = []
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        return None
+
+    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+        if groups:
+            self.frames.append(groups)
+        self.dropped.extend(dropped)
+
+    def buffered(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+    def groups(self) -> list[Group]:
+        return [g for frame in self.frames for g in frame]

@@ -1,0 +1,427 @@
+"""The service layer: everything the HTTP routes call, and nothing about HTTP.
+
+Composes engine, dataset, verifiers, scheduler, durable store and outbox, owns their
+life cycle, and turns every client mistake into a `ServiceError` with a status code, so
+routes stay thin (parse, call, map errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from sampler_service.aio import wait_event
+from sampler_service.backends.base import Backend, Completion, WeightsRejected
+from sampler_service.config import (
+    ConfigError,
+    SamplerConfig,
+    ServeSettings,
+    check_consistency,
+    merge_patch,
+    validate_config,
+)
+from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.metrics import Metrics
+from sampler_service.outbox import Delivered, Outbox
+from sampler_service.scheduler import Scheduler
+from sampler_service.store import AsyncStore, Store, StoredFrame, StoredGroup
+from sampler_service.verifiers.base import Verdict
+from sampler_service.verifiers.pool import VerifierPool
+from trainer_client.protocol import AckResponse, Group, Health, Heartbeat, WeightsResponse
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    """A request the service refuses; carries the HTTP status and an error code."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.field = status, code, message, field
+
+
+def encode_group(group: Group) -> bytes:
+    """The stored (and streamed) bytes of a group; delivery ids are spliced in per send."""
+    return group.model_dump_json(exclude={"delivery_id"}).encode()
+
+
+def group_line(delivered: Delivered) -> bytes:
+    return b'{"type":"group","group":' + delivered.encoded() + b"}\n"
+
+
+class StoreSink:
+    """Scheduler sink that persists groups in SQLite and offers frames to the outbox."""
+
+    def __init__(self, store: AsyncStore, outbox: Outbox) -> None:
+        self._store = store
+        self._outbox = outbox
+        self._seq: dict[str, int] = {}
+        self.pending = 0
+
+    def remember(self, group_id: str, seq: int) -> None:
+        self._seq[group_id] = seq
+        self.pending += 1
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        items = {"scheduler_state": state} if state is not None else None
+        seq = await self._store.call(self._store.sync.add_pending, group.group_id, encode_group(group), items)
+        self.remember(group.group_id, seq)
+
+    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+        members = [(g.group_id, encode_group(g)) for g in groups]
+        batch_id = groups[0].batch_id if groups else uuid.uuid4().hex
+        await self._store.call(self._store.sync.frame, batch_id, members, dropped)
+        self.pending -= len(dropped) + len(groups)
+        stored = [StoredGroup(self._seq.pop(gid), gid, payload) for gid, payload in members]
+        for gid in dropped:
+            self._seq.pop(gid, None)
+        if stored:
+            self._outbox.offer(StoredFrame(batch_id, stored))
+
+    def buffered(self) -> int:
+        return self._outbox.ready_groups + self._outbox.leased_groups
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def build_backend(settings: ServeSettings, tokenizer: Any) -> Backend:
+    if settings.backend == "vllm":
+        from sampler_service.backends.vllm import VLLMBackend
+
+        return VLLMBackend(settings.model, tokenizer=tokenizer, seed=settings.seed, **settings.vllm)
+    from sampler_service.backends.hf import HFBackend
+
+    return HFBackend(settings.model, device=settings.device, dtype=settings.dtype, tokenizer=tokenizer)
+
+
+class SamplerService:
+    def __init__(
+        self,
+        settings: ServeSettings,
+        initial_config: SamplerConfig | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        self.settings = settings
+        self.started_at = time.time()
+        self.metrics = Metrics()
+        self._initial_config = initial_config or SamplerConfig()
+        self._backend = backend
+        self.ready = False
+        self._config_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- life cycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self.settings
+        s.state_dir.mkdir(parents=True, exist_ok=True)
+        self.store = AsyncStore(Store(s.state_dir / "sampler.sqlite"))
+        self.outbox = Outbox(self.store)
+        self.sink = StoreSink(self.store, self.outbox)
+        loop = asyncio.get_running_loop()
+        self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, s.model)
+        self.dataset = Dataset(s.data, self._tokenize, seed=s.seed)
+        saved = await self.store.call(self.store.sync.get, "config")
+        if saved is not None:
+            cfg, version = validate_config(saved["config"]), int(saved["version"])
+        else:
+            cfg, version = self._initial_config, 0
+        check_consistency(cfg, self.dataset.domains)
+        self.backend = self._backend or build_backend(s, self.tokenizer)
+        await self.backend.start()
+        await self._restore_weights()
+        self.verifiers = VerifierPool(max_workers=s.verifier_workers, timeout_s=s.verifier_timeout_s)
+        self.scheduler = Scheduler(
+            backend=self.backend,
+            dataset=self.dataset,
+            verify=self._verify,
+            sink=self.sink,
+            config=cfg,
+            config_version=version,
+            metrics=self.metrics,
+            seed=s.seed,
+        )
+        state = await self.store.call(self.store.sync.get, "scheduler_state")
+        if state:
+            self.scheduler.load_state_dict(state)
+        restored = await self.outbox.restore()
+        pending = await self.store.call(self.store.sync.pending)
+        for stored in pending:
+            self.sink.remember(stored.group_id, stored.seq)
+        self.scheduler.restore_pending([Group.model_validate_json(p.payload) for p in pending])
+        await self.scheduler.form_frames()
+        self.metrics.config_version.set(version)
+        self.metrics.policy_version.set(self.backend.policy_version)
+        self.scheduler.start()
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
+        self.ready = True
+        log.info(
+            "sampler ready: backend=%s model=%s domains=%s restored %d groups (%d unframed)",
+            self.backend.name, self.backend.model_name, self.dataset.domains, restored, len(pending),
+        )
+
+    async def stop(self) -> None:
+        self.ready = False
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if hasattr(self, "scheduler"):
+            await self.scheduler.stop()
+            await self.store.call(self.store.sync.put, {"scheduler_state": self.scheduler.state_dict()})
+        if hasattr(self, "verifiers"):
+            self.verifiers.close()
+        if hasattr(self, "backend"):
+            await self.backend.close()
+        if hasattr(self, "store"):
+            await self.store.close()
+
+    async def _housekeeping(self) -> None:
+        """Expire stale leases and keep the queue gauges current."""
+        while True:
+            if self.outbox.expire():
+                self.scheduler.poke()
+            self._update_gauges()
+            await asyncio.sleep(1.0)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.queue_depth.labels("ready").set(self.outbox.ready_groups)
+        m.queue_depth.labels("leased").set(self.outbox.leased_groups)
+        m.queue_depth.labels("pending").set(self.sink.pending)
+        for domain, shares in self._domain_shares().items():
+            for kind in ("target", "admitted", "emitted"):
+                m.mixing_share.labels(domain, kind).set(shares[f"{kind}_share"])
+
+    # -- helpers ----------------------------------------------------------------------
+    def _tokenize(self, row: PromptRow) -> None:
+        if isinstance(row.prompt, str):
+            row.text = row.prompt
+            row.token_ids = list(self.tokenizer(row.prompt)["input_ids"])
+        else:
+            row.text = self.tokenizer.apply_chat_template(
+                row.prompt, add_generation_prompt=True, tokenize=False
+            )
+            row.token_ids = list(self.tokenizer(row.text, add_special_tokens=False)["input_ids"])
+
+    async def _verify(self, row: PromptRow, completion: Completion) -> Verdict:
+        spec = row.verifier or self.settings.verifier
+        verdict = await self.verifiers.verify(spec, completion.text, row.answer, row.metadata)
+        self.metrics.verifier_latency.observe(verdict.seconds)
+        if verdict.error:
+            kind = "timeout" if "timeout" in verdict.error.lower() else "error"
+            self.metrics.verifier_errors.labels(kind).inc()
+        return verdict
+
+    # -- health -----------------------------------------------------------------------
+    def health(self) -> Health:
+        backend = getattr(self, "backend", None)
+        return Health(
+            status="ok" if self.ready else "starting",
+            backend=self.settings.backend,
+            model=str(self.settings.model),
+            policy_version=backend.policy_version if backend and self.ready else 0,
+            uptime_s=time.time() - self.started_at,
+        )
+
+    # -- config -----------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        return {"config_version": self.scheduler.config_version, **self.scheduler.config.model_dump()}
+
+    async def patch_config(self, patch: Any) -> dict[str, Any]:
+        if not isinstance(patch, dict):
+            raise ServiceError(422, "invalid_config", "the body must be a JSON object of config keys")
+        async with self._config_lock:
+            expected = patch.pop("config_version", None)
+            if expected is not None and expected != self.scheduler.config_version:
+                raise ServiceError(
+                    409, "config_version_conflict",
+                    f"config_version is {self.scheduler.config_version}, not {expected}",
+                    "config_version",
+                )
+            merged = merge_patch(self.scheduler.config.model_dump(), patch)
+            try:
+                cfg = validate_config(merged)
+                check_consistency(cfg, self.dataset.domains)
+            except ConfigError as exc:
+                raise ServiceError(422, "invalid_config", str(exc), exc.field) from exc
+            version = self.scheduler.config_version + 1
+            await self.store.call(
+                self.store.sync.put, {"config": {"config": cfg.model_dump(mode="json"), "version": version}}
+            )
+            self.scheduler.apply_config(cfg, version)
+            await self.scheduler.form_frames()
+        log.info("config v%d: %s", version, patch)
+        return self.get_config()
+
+    # -- delivery ---------------------------------------------------------------------
+    def _heartbeat(self, consumer: str) -> bytes:
+        beat = Heartbeat(
+            time=time.time(),
+            policy_version=self.backend.policy_version,
+            config_version=self.scheduler.config_version,
+            ready=self.outbox.ready_groups,
+            leased=self.outbox.leased_groups,
+            active_prompts=self.scheduler.active_prompts,
+            unacked=self.outbox.unacked(consumer),
+        )
+        return beat.model_dump_json().encode() + b"\n"
+
+    async def stream(self, consumer: str, max_unacked: int, heartbeat_s: float) -> AsyncIterator[bytes]:
+        """NDJSON lines for one consumer: whole frames as credit allows, else heartbeats."""
+        token = self.outbox.connect(consumer)
+        try:
+            yield self._heartbeat(consumer)
+            next_beat = time.monotonic() + heartbeat_s
+            while self.outbox.is_current(consumer, token):
+                changed = self.outbox.changed()
+                size = self.outbox.next_frame_size()
+                unacked = self.outbox.unacked(consumer)
+                if size is not None and (unacked + size <= max_unacked or unacked == 0):
+                    ttl = self.scheduler.config.lease_ttl_s
+                    yield b"".join(group_line(d) for d in self.outbox.take(consumer, ttl))
+                    continue
+                now = time.monotonic()
+                if now >= next_beat:
+                    yield self._heartbeat(consumer)
+                    next_beat = now + heartbeat_s
+                await wait_event(changed, next_beat - now)
+        finally:
+            self.outbox.disconnect(consumer, token)
+            self.scheduler.poke()
+
+    async def ack(self, delivery_ids: list[str]) -> AckResponse:
+        acked, unknown = await self.outbox.ack(delivery_ids)
+        self.scheduler.poke()
+        return AckResponse(acked=acked, unknown=unknown)
+
+    async def lease(self, consumer: str, max_groups: int, wait_s: float) -> bytes:
+        """A JSON LeaseResponse, built from the stored bytes without re-encoding groups."""
+        deadline = time.monotonic() + wait_s
+        while self.outbox.next_frame_size() is None and time.monotonic() < deadline:
+            await wait_event(self.outbox.changed(), deadline - time.monotonic())
+        ttl = self.scheduler.config.lease_ttl_s
+        delivered = self.outbox.take(consumer, ttl, max_groups=max_groups)
+        head = orjson.dumps({"lease_id": uuid.uuid4().hex, "expires_at": time.time() + ttl})
+        return head[:-1] + b',"groups":[' + b",".join(d.encoded() for d in delivered) + b"]}"
+
+    # -- weights ----------------------------------------------------------------------
+    def weights_size_limit(self) -> int:
+        """Twice the model's weight bytes (DESIGN.md section 12)."""
+        from sampler_service.backends.weights import spec_bytes
+
+        return 2 * spec_bytes(self.backend.weight_specs())
+
+    def check_version(self, version: int) -> None:
+        current = self.backend.policy_version
+        if version <= current:
+            raise ServiceError(
+                409, "stale_version", f"version {version} must be greater than the served {current}", "version"
+            )
+
+    async def _install(self, files: list[Path], version: int) -> WeightsResponse:
+        from sampler_service.backends.weights import vet_weight_files
+
+        specs = self.backend.weight_specs()
+        loop = asyncio.get_running_loop()
+        try:
+            tensors = await loop.run_in_executor(None, vet_weight_files, files, specs)
+        except WeightsRejected as exc:
+            raise ServiceError(422, "weights_rejected", str(exc)) from exc
+        started = time.monotonic()
+        async with self.scheduler.paused_for_weights():
+            self.check_version(version)
+            await self.backend.load_weights(tensors, version)
+        elapsed = time.monotonic() - started
+        self.metrics.weight_updates.inc()
+        self.metrics.weight_update_seconds.observe(elapsed)
+        log.info("serving weights v%d (%d tensors, %.3fs paused)", version, len(tensors), elapsed)
+        return WeightsResponse(policy_version=version, tensors=len(tensors), load_s=elapsed)
+
+    async def put_weights(self, upload: Path, version: int) -> WeightsResponse:
+        """Install an uploaded safetensors file, then keep it as the restart weights."""
+        result = await self._install([upload], version)
+        keep = self.settings.state_dir / "weights" / "current.safetensors"
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(upload, keep)
+        await self.store.call(self.store.sync.put, {"weights": {"files": [str(keep)], "version": version}})
+        return result
+
+    async def load_weights(self, path: str, version: int) -> WeightsResponse:
+        from sampler_service.backends.weights import weight_files
+
+        self.check_version(version)
+        try:
+            files = weight_files(Path(path))
+        except WeightsRejected as exc:
+            raise ServiceError(422, "weights_rejected", str(exc), "path") from exc
+        result = await self._install(files, version)
+        await self.store.call(
+            self.store.sync.put, {"weights": {"files": [str(f) for f in files], "version": version}}
+        )
+        return result
+
+    async def _restore_weights(self) -> None:
+        """Serve the last accepted weights again after a restart, before /ready."""
+        from sampler_service.backends.weights import vet_weight_files
+
+        saved = await self.store.call(self.store.sync.get, "weights")
+        if not saved:
+            return
+        files = [Path(f) for f in saved["files"]]
+        if not all(f.exists() for f in files):
+            log.error("weights v%s to restore are gone (%s); serving the base model", saved["version"], files)
+            return
+        loop = asyncio.get_running_loop()
+        tensors = await loop.run_in_executor(None, vet_weight_files, files, self.backend.weight_specs())
+        await self.backend.load_weights(tensors, int(saved["version"]))
+        log.info("restored weights v%s", saved["version"])
+
+    # -- stats ------------------------------------------------------------------------
+    def _domain_shares(self) -> dict[str, dict[str, Any]]:
+        st = self.scheduler.stats
+        targets = self.scheduler.mixer.proportions()
+        out = {}
+        for domain, ds in st.domains.items():
+            rates = ds.recent_pass_rates
+            out[domain] = {
+                "pass_rate": sum(rates) / len(rates) if rates else None,
+                "target_share": targets[domain],
+                "admitted_share": st.recent_admitted.count(domain) / max(len(st.recent_admitted), 1),
+                "emitted_share": st.recent_emitted.count(domain) / max(len(st.recent_emitted), 1),
+                "admitted": ds.admitted,
+                "emitted": ds.emitted,
+                "samples": ds.samples,
+            }
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy_version": self.backend.policy_version,
+            "config_version": self.scheduler.config_version,
+            "queue": {
+                "ready": self.outbox.ready_groups,
+                "leased": self.outbox.leased_groups,
+                "pending": self.sink.pending,
+                "active_prompts": self.scheduler.active_prompts,
+            },
+            "paused": self.scheduler.paused,
+            "last_error": self.scheduler.last_error,
+            "domains": self._domain_shares(),
+            **self.scheduler.stats.to_dict(),
+        }
+
+    def metrics_text(self) -> bytes:
+        self._update_gauges()
+        return self.metrics.render()
+

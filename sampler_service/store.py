@@ -1,0 +1,173 @@
+"""Durable state in one SQLite file (WAL): finished groups and the sampler's own state.
+
+A group is written here before it is offered to any consumer and deleted only when it
+is acked, so a crash, a dropped connection or a restart never loses a finished group.
+Lease state lives in memory only: after a restart every group is READY again, which is
+exactly the at-least-once contract, so persisting leases would buy nothing.
+
+SQLite calls block, so the async side goes through `AsyncStore`, which runs every call
+on one dedicated thread (one connection, no cross-thread sharing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS groups (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    group_id    TEXT NOT NULL UNIQUE,
+    batch_id    TEXT,             -- NULL while the group waits for its batch frame
+    batch_index INTEGER,
+    payload     BLOB NOT NULL,    -- the encoded Group, exactly the bytes that are sent
+    created_at  REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS groups_batch ON groups(batch_id);
+CREATE TABLE IF NOT EXISTS kv (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class StoredGroup:
+    seq: int
+    group_id: str
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class StoredFrame:
+    batch_id: str
+    members: list[StoredGroup]  # in batch_index order
+
+
+class Store:
+    """Synchronous SQLite access; use from a single thread."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode survives a process crash (kill -9); only an OS crash or
+        # power loss can drop the last commits.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(self._db)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+        return result
+
+    # -- groups ---------------------------------------------------------------------
+    def add_pending(self, group_id: str, payload: bytes, state: dict[str, Any] | None = None) -> int:
+        """Persist a finished group (not yet framed) and any state that moved with it."""
+
+        def run(db: sqlite3.Connection) -> int:
+            cur = db.execute(
+                "INSERT INTO groups (group_id, payload, created_at) VALUES (?, ?, ?)",
+                (group_id, payload, time.time()),
+            )
+            self._put_many(db, state or {})
+            return int(cur.lastrowid)
+
+        return self._tx(run)
+
+    def frame(
+        self, batch_id: str, members: list[tuple[str, bytes]], dropped: Iterable[str] = ()
+    ) -> None:
+        """Turn pending groups into one READY batch frame, with their final bytes."""
+
+        def run(db: sqlite3.Connection) -> None:
+            db.executemany(
+                "UPDATE groups SET batch_id = ?, batch_index = ?, payload = ? WHERE group_id = ?",
+                [(batch_id, i, payload, gid) for i, (gid, payload) in enumerate(members)],
+            )
+            db.executemany("DELETE FROM groups WHERE group_id = ?", [(g,) for g in dropped])
+
+        self._tx(run)
+
+    def delete(self, group_ids: Iterable[str]) -> int:
+        ids = [(g,) for g in group_ids]
+        if not ids:
+            return 0
+
+        def run(db: sqlite3.Connection) -> int:
+            before = db.total_changes
+            db.executemany("DELETE FROM groups WHERE group_id = ?", ids)
+            return db.total_changes - before
+
+        return self._tx(run)
+
+    def pending(self) -> list[StoredGroup]:
+        rows = self._db.execute(
+            "SELECT seq, group_id, payload FROM groups WHERE batch_id IS NULL ORDER BY seq"
+        ).fetchall()
+        return [StoredGroup(s, g, bytes(p)) for s, g, p in rows]
+
+    def frames(self) -> list[StoredFrame]:
+        """Every framed group, grouped by frame, oldest frame first."""
+        rows = self._db.execute(
+            "SELECT seq, group_id, payload, batch_id FROM groups WHERE batch_id IS NOT NULL "
+            "ORDER BY batch_id, batch_index"
+        ).fetchall()
+        by_batch: dict[str, list[StoredGroup]] = {}
+        for seq, gid, payload, batch_id in rows:
+            by_batch.setdefault(batch_id, []).append(StoredGroup(seq, gid, bytes(payload)))
+        frames = [StoredFrame(b, members) for b, members in by_batch.items()]
+        frames.sort(key=lambda f: min(m.seq for m in f.members))
+        return frames
+
+    def count(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM groups").fetchone()[0])
+
+    # -- key/value state ------------------------------------------------------------
+    @staticmethod
+    def _put_many(db: sqlite3.Connection, items: dict[str, Any]) -> None:
+        db.executemany(
+            "INSERT INTO kv (key, value) VALUES (?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+            [(k, json.dumps(v)) for k, v in items.items()],
+        )
+
+    def put(self, items: dict[str, Any]) -> None:
+        self._tx(lambda db: self._put_many(db, items))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        row = self._db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return default if row is None else json.loads(row[0])
+
+
+class AsyncStore:
+    """Runs every Store call on one dedicated thread so the event loop never blocks."""
+
+    def __init__(self, store: Store) -> None:
+        self.sync = store
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def close(self) -> None:
+        await self.call(self.sync.close)
+        self._thread.shutdown(wait=True)

@@ -1,0 +1,254 @@
+"""Verifier worker processes with a time limit enforced by the parent.
+
+A verifier is user code: it may raise, return garbage, hang in a sympy simplification or
+kill its own process. Each worker is a separate process owned by one slot; the parent
+sends (spec, response, answer, metadata) over a pipe and waits at most `timeout_s` for
+the reply. A worker that overruns is SIGKILLed and its slot starts a fresh one before its
+next call, so a hung verifier costs one timeout and never blocks later verifications.
+`concurrent.futures.ProcessPoolExecutor` cannot do this: killing one of its workers
+breaks the whole pool.
+
+Workers are forked from a forkserver that has preloaded the built-in verifiers (and
+math-verify, whose import takes ~0.6 s), so replacing a killed worker costs ~20 ms, and
+nothing of the server (torch, the model, the event loop) is inherited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import numbers
+import reprlib
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal, NamedTuple
+
+from sampler_service.verifiers import BUILTIN, resolve
+from sampler_service.verifiers.base import Verdict
+
+log = logging.getLogger(__name__)
+
+# Run on the event loop, not in a worker: `exact` costs ~3-10 us (<0.5 ms for a 100 KB
+# response), while a pool round trip costs ~0.35-0.6 ms of which the thread hop alone
+# exceeds the verification. It cannot hang: linear string ops on a bounded response.
+INLINE = frozenset({"exact"})
+
+_PRELOAD = [__name__, *(target.partition(":")[0] for target in BUILTIN.values())]
+_READY = "ready"
+_BOOT_TIMEOUT_S = 60.0
+_MAX_ERROR_CHARS = 500
+
+Request = tuple[str, str, str, dict[str, Any] | None]
+
+
+class _Outcome(NamedTuple):
+    reward: float
+    error: str | None
+    kind: Literal["ok", "error", "timeout", "crash"]
+
+
+@dataclass
+class VerifierStats:
+    """Running totals for metrics export. `errors` counts failures other than timeouts."""
+
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    restarts: int = 0  # workers replaced after a timeout or a crash
+    seconds_total: float = 0.0
+
+
+def run_verifier(
+    spec: str, response: str, answer: str, metadata: dict[str, Any] | None
+) -> tuple[float, str | None]:
+    """Call the verifier `spec` names; any failure is reward 0 with an error message."""
+    try:
+        value = resolve(spec)(response, answer, metadata)
+    except Exception as exc:
+        return 0.0, f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
+    # `not 0 <= value <= 1` also rejects NaN, for which every comparison is false.
+    if not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        return 0.0, f"verifier returned {reprlib.repr(value)}, not a reward in [0, 1]"
+    return float(value), None
+
+
+def _worker_main(conn: Connection, sys_path: list[str]) -> None:
+    """Worker process: answer requests until the parent closes the pipe."""
+    sys.path[:] = sys_path  # so python:module:function resolves as in the server
+    # Ctrl-C reaches the whole process group; the server decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn.send(_READY)
+    while True:
+        try:
+            request: Request = conn.recv()
+        except EOFError:
+            return
+        conn.send(run_verifier(*request))
+
+
+class _Worker:
+    """One verifier process, (re)started on demand; used by one pool thread at a time."""
+
+    def __init__(self, ctx: ForkServerContext) -> None:
+        self._ctx = ctx
+        self._proc: BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def call(self, request: Request, timeout_s: float) -> _Outcome:
+        """Blocking; runs on a pool thread. The clock starts once the worker is up."""
+        if self._proc is None:
+            self._start()
+        assert self._proc is not None and self._conn is not None
+        try:
+            self._conn.send(request)
+            if not self._conn.poll(timeout_s):
+                self.kill()
+                self.reap()
+                return _Outcome(
+                    0.0, f"timeout: no verdict within {timeout_s:g} s (worker killed)", "timeout"
+                )
+            reward, error = self._conn.recv()
+        except (EOFError, OSError):
+            self.kill()
+            code = self.reap()
+            return _Outcome(0.0, f"verifier worker died (exit code {code})", "crash")
+        return _Outcome(reward, error, "ok" if error is None else "error")
+
+    def _start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child, list(sys.path)), name="verifier", daemon=True
+        )
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        try:
+            ready = parent.poll(_BOOT_TIMEOUT_S) and parent.recv() == _READY
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            self.kill()
+            code = self.reap()
+            raise RuntimeError(f"verifier worker failed to start (exit code {code})")
+
+    def kill(self) -> None:
+        """SIGKILL the process; safe from any thread (the owning thread then sees EOF)."""
+        if self._proc is not None and self._proc.exitcode is None:
+            self._proc.kill()
+
+    def reap(self) -> int | None:
+        """Wait for a killed or exited process and drop it; only its owning thread calls this."""
+        if self._proc is None:
+            return None
+        self._proc.join()
+        code = self._proc.exitcode
+        assert self._conn is not None
+        self._conn.close()
+        self._proc = self._conn = None
+        return code
+
+
+class VerifierPool:
+    """`await pool.verify(spec, response, answer, metadata)` -> Verdict.
+
+    A verifier that raises, returns something other than a number in [0, 1], crashes its
+    process or runs past `timeout_s` yields reward 0 with `error` set (its worker is then
+    replaced); verify itself only raises once the pool is closed. Specs in INLINE run
+    in-process, all others in a worker process: at most `max_workers` at once, the rest
+    wait for a free worker (a wait that is not part of the time limit). `stats` keeps the
+    totals for metrics.
+    """
+
+    def __init__(self, max_workers: int = 2, timeout_s: float = 10.0) -> None:
+        if max_workers < 1:
+            raise ValueError("max_workers must be >= 1")
+        if not timeout_s > 0:
+            raise ValueError("timeout_s must be > 0")
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        self.timeout_s = timeout_s
+        self.stats = VerifierStats()
+        self._workers = [_Worker(ctx) for _ in range(max_workers)]
+        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        for worker in self._workers:
+            self._idle.put_nowait(worker)
+        # Each busy worker is driven by one thread blocked on its pipe, off the event loop.
+        self._threads = ThreadPoolExecutor(max_workers, thread_name_prefix="verifier")
+        self._closed = False
+
+    def worker_pids(self) -> list[int | None]:
+        """Process ids of the workers (None for one not started yet or just killed)."""
+        return [worker.pid for worker in self._workers]
+
+    async def verify(
+        self, spec: str, response: str, answer: str, metadata: dict[str, Any] | None = None
+    ) -> Verdict:
+        if self._closed:
+            raise RuntimeError("verifier pool is closed")
+        if spec in INLINE:
+            started = time.perf_counter()
+            reward, error = run_verifier(spec, response, answer, metadata)
+            outcome = _Outcome(reward, error, "ok" if error is None else "error")
+            return self._record(spec, outcome, time.perf_counter() - started)
+        worker = await self._idle.get()
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        try:
+            job = self._threads.submit(
+                worker.call, (spec, response, answer, metadata), self.timeout_s
+            )
+        except RuntimeError:  # closed while this call waited for a worker
+            self._release(worker)
+            raise
+        # The worker goes back to the idle queue when its thread is done with it, even if
+        # this coroutine is cancelled first (so two calls can never share a worker).
+        job.add_done_callback(lambda _: self._release_threadsafe(loop, worker))
+        try:
+            outcome = await asyncio.wrap_future(job)
+        except Exception as exc:  # the pool itself failed (e.g. no worker could start)
+            log.exception("verifier pool failure for %s", spec)
+            outcome = _Outcome(0.0, f"verifier pool: {exc!r}", "error")
+        return self._record(spec, outcome, time.perf_counter() - started)
+
+    def _record(self, spec: str, outcome: _Outcome, seconds: float) -> Verdict:
+        stats = self.stats
+        stats.calls += 1
+        stats.seconds_total += seconds
+        if outcome.kind == "timeout":
+            stats.timeouts += 1
+        elif outcome.error is not None:
+            stats.errors += 1
+        if outcome.kind in ("timeout", "crash"):
+            stats.restarts += 1
+            log.warning("verifier %s: %s", spec, outcome.error)
+        return Verdict(reward=outcome.reward, error=outcome.error, seconds=seconds)
+
+    def close(self) -> None:
+        """Kill every worker. Calls in progress return an error verdict; later ones raise."""
+        self._closed = True
+        for worker in self._workers:
+            worker.kill()
+        while not self._idle.empty():  # idle workers have no thread to reap them
+            self._idle.get_nowait().reap()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _release(self, worker: _Worker) -> None:
+        if self._closed:
+            worker.reap()
+        else:
+            self._idle.put_nowait(worker)
+
+    def _release_threadsafe(self, loop: asyncio.AbstractEventLoop, worker: _Worker) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(self._release, worker)

@@ -1,0 +1,28 @@
+"""Pure policy math for adaptive rollout sampling: stopping rules, down-sampling,
+advantages, selection, reweighting and domain mixing, on numpy arrays (no I/O)."""
+
+from strategies import (
+    advantage,
+    downsample,
+    estimator,
+    mixing,
+    registry,
+    reweighting,
+    selection,
+    stopping,
+    views,
+)
+from strategies.registry import PolicyError
+
+__all__ = [
+    "PolicyError",
+    "advantage",
+    "downsample",
+    "estimator",
+    "mixing",
+    "registry",
+    "reweighting",
+    "selection",
+    "stopping",
+    "views",
+]

@@ -1,0 +1,78 @@
+"""Advantage estimators for the kept samples of one prompt.
+
+- ``grpo``: baseline and spread from the kept samples only (plain GRPO); a singleton
+  group has no baseline, so its advantage is 0. Divides by the std by default.
+- ``global``: Reinforce-Ada's baseline from **all** answers generated for the prompt,
+  using their real rewards, so down-sampling does not bias it and non-binary rewards
+  stay correct. No std division by default (the released script uses A = r - mean).
+- ``est``: A = (r - rbar) / sqrt(max(rbar, 0) + eps) with rbar over all answers, which
+  up-weights prompts the policy rarely solves; ``norm_by_std`` does not apply.
+
+With std division, A = (r - mean) / (std_ddof1 + eps); a spread over fewer than two
+rewards is taken as 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from strategies.registry import NoParams, Registry
+
+Rewards = Sequence[float] | np.ndarray
+AdvantageFn = Callable[[np.ndarray, np.ndarray, bool | None, float], np.ndarray]
+
+ESTIMATORS: Registry[AdvantageFn] = Registry("advantage")
+
+
+def _std(values: np.ndarray) -> float:
+    """Unbiased (ddof 1) std; 0 when there are fewer than two values."""
+    return float(np.std(values, ddof=1)) if len(values) >= 2 else 0.0
+
+
+def _centered(kept: np.ndarray, ref: np.ndarray, norm_by_std: bool, eps: float) -> np.ndarray:
+    adv = kept - ref.mean()
+    return adv / (_std(ref) + eps) if norm_by_std else adv
+
+
+def _grpo(kept: np.ndarray, all_: np.ndarray, norm_by_std: bool | None, eps: float) -> np.ndarray:
+    if len(kept) < 2:
+        return np.zeros(len(kept))
+    return _centered(kept, kept, True if norm_by_std is None else norm_by_std, eps)
+
+
+def _global(kept: np.ndarray, all_: np.ndarray, norm_by_std: bool | None, eps: float) -> np.ndarray:
+    return _centered(kept, all_, False if norm_by_std is None else norm_by_std, eps)
+
+
+def _est(kept: np.ndarray, all_: np.ndarray, norm_by_std: bool | None, eps: float) -> np.ndarray:
+    rbar = float(all_.mean())
+    return (kept - rbar) / np.sqrt(max(rbar, 0.0) + eps)
+
+
+ESTIMATORS.add("grpo", NoParams, lambda _params: _grpo, scope="group")
+ESTIMATORS.add("global", NoParams, lambda _params: _global, scope="group")
+ESTIMATORS.add("est", NoParams, lambda _params: _est, scope="group")
+
+
+def compute(
+    kept_rewards: Rewards,
+    all_rewards: Rewards,
+    estimator: str = "grpo",
+    norm_by_std: bool | None = None,
+    eps: float = 1e-6,
+) -> np.ndarray:
+    """Advantages of the kept samples (same order as ``kept_rewards``).
+
+    ``all_rewards`` are the rewards of every answer generated for the prompt (the kept
+    ones included); ``norm_by_std=None`` means the estimator's default.
+    """
+    fn = ESTIMATORS.build(estimator)
+    kept = np.asarray(kept_rewards, dtype=float)
+    all_ = np.asarray(all_rewards, dtype=float)
+    if len(kept) == 0:
+        return np.zeros(0)
+    if len(all_) == 0:
+        raise ValueError("all_rewards is empty but kept_rewards is not")
+    return fn(kept, all_, norm_by_std, eps)

@@ -1,0 +1,161 @@
+"""Reinforce-Ada *Est*: a per-prompt pass-rate estimate and the budget it implies.
+
+Each prompt id keeps exponentially decayed counts (EMA with decay ``lambda``) of answers
+and correct answers; a Beta(alpha, beta) prior keeps the estimate away from 0 and 1 for
+rarely-seen prompts. Hard prompts (low p) get more answers: N_x proportional to
+1/sqrt(p_x), with the constant c chosen so that the dataset-wide mean budget is
+``mean_budget``, which makes Est's cost comparable to GRPO with that group size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from pydantic import ConfigDict, Field
+
+from strategies.registry import Params, PolicyError, parse_params
+
+#: Bisection iterations for c; 200 halvings shrink any float interval to adjacent floats.
+_BISECTION_STEPS = 200
+
+
+class EstimatorParams(Params):
+    """Est knobs (the paper gives no values; these are DESIGN.md's defaults)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    lam: float = Field(0.8, alias="lambda", ge=0.0, le=1.0)
+    alpha: float = Field(1.0, gt=0.0)
+    beta: float = Field(1.0, gt=0.0)
+    eps: float = Field(0.01, ge=0.0)
+    n_min: int = Field(2, ge=1)
+    n_max: int = Field(32, ge=1)
+    mean_budget: float = 8.0
+    recalibrate_every: int = Field(64, ge=1)
+
+
+class Estimator:
+    """Pass-rate estimator and budget allocator for the ``est`` stopping rule."""
+
+    def __init__(self, **params: Any) -> None:
+        self.params = parse_params(EstimatorParams, params, kind="estimator", name="est")
+        p = self.params
+        if not p.n_min <= p.mean_budget <= p.n_max:
+            raise PolicyError(
+                f"est needs n_min <= mean_budget <= n_max (got {p.n_min} <= "
+                f"{p.mean_budget} <= {p.n_max})",
+                field="mean_budget",
+            )
+        self._stats: dict[str, tuple[float, float]] = {}  # id -> (N_tot, N_pos)
+        self._prompts: frozenset[str] = frozenset()
+        self._finalized = 0
+        self.c = 0.0
+        self.recalibrate()
+
+    @property
+    def prior(self) -> float:
+        """The pass rate assumed for a prompt never seen: the Beta prior's mean."""
+        return self.params.alpha / (self.params.alpha + self.params.beta)
+
+    def seen(self, prompt_id: str) -> bool:
+        """Whether a finalized group of this prompt has updated the estimate."""
+        return prompt_id in self._stats
+
+    def p(self, prompt_id: str) -> float:
+        """Posterior-mean pass rate (N_pos + alpha) / (N_tot + alpha + beta)."""
+        n_tot, n_pos = self._stats.get(prompt_id, (0.0, 0.0))
+        return (n_pos + self.params.alpha) / (n_tot + self.params.alpha + self.params.beta)
+
+    def update(self, prompt_id: str, n: int, k: int) -> None:
+        """Fold in a finalized group of ``n`` answers, ``k`` of them correct.
+
+        Every ``recalibrate_every`` finalized groups c is recomputed, so the mean budget
+        tracks the estimates as they move.
+        """
+        if not 0 <= k <= n:
+            raise ValueError(f"need 0 <= k <= n, got n={n}, k={k}")
+        lam = self.params.lam
+        n_tot, n_pos = self._stats.get(prompt_id, (0.0, 0.0))
+        self._stats[prompt_id] = (lam * n_tot + n, lam * n_pos + k)
+        self._finalized += 1
+        if self._finalized % self.params.recalibrate_every == 0:
+            self.recalibrate()
+
+    def set_prompts(self, prompt_ids: Iterable[str]) -> None:
+        """Declare the dataset's prompt ids (the population c is calibrated on)."""
+        self._prompts = frozenset(prompt_ids)
+        self.recalibrate()
+
+    def budget(self, prompt_id: str) -> int:
+        """N_x = clip(round(c / sqrt(p_x + eps)), n_min, n_max)."""
+        return int(self._budgets(self.c, np.array([self.p(prompt_id)]))[0])
+
+    def recalibrate(self) -> float:
+        """Set c by bisection so the population's mean budget is closest to mean_budget.
+
+        The mean budget is a non-decreasing step function of c, so an exact match may
+        not exist: we take whichever side of the step nearest the target is closer
+        (the upper side on a tie).
+        """
+        probs, weights = self._population()
+        target = self.params.mean_budget
+        lo, hi = 0.0, (self.params.n_max + 1) * math.sqrt(1.0 + self.params.eps)
+        if self._mean(lo, probs, weights) >= target:
+            self.c = lo
+            return self.c
+        for _ in range(_BISECTION_STEPS):
+            mid = 0.5 * (lo + hi)
+            if mid in (lo, hi):
+                break
+            if self._mean(mid, probs, weights) >= target:
+                hi = mid
+            else:
+                lo = mid
+        below, above = self._mean(lo, probs, weights), self._mean(hi, probs, weights)
+        self.c = lo if target - below < above - target else hi
+        return self.c
+
+    def current_mean_budget(self) -> float:
+        """The mean budget over the calibration population at the current c."""
+        return self._mean(self.c, *self._population())
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable learned state (c, group counter, per-prompt counts)."""
+        return {
+            "c": self.c,
+            "finalized": self._finalized,
+            "stats": {pid: [n_tot, n_pos] for pid, (n_tot, n_pos) in self._stats.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; parameters come from the constructor."""
+        self.c = float(state["c"])
+        self._finalized = int(state["finalized"])
+        self._stats = {pid: (float(t), float(k)) for pid, (t, k) in state["stats"].items()}
+
+    def _population(self) -> tuple[np.ndarray, np.ndarray]:
+        """Pass rates c is calibrated on, with the number of prompts at each.
+
+        The population is the declared dataset, else the prompts seen so far, else a
+        single unseen prompt (so c is defined before any data). Unseen dataset prompts
+        all sit at the prior, so they are one weighted entry: a recalibration costs
+        O(prompts seen), not O(dataset).
+        """
+        if self._prompts:
+            seen = [self.p(i) for i in self._stats if i in self._prompts]
+            unseen = len(self._prompts) - len(seen)
+        else:
+            seen = [self.p(i) for i in self._stats]
+            unseen = 0 if seen else 1
+        return np.array([*seen, self.prior]), np.array([1.0] * len(seen) + [unseen])
+
+    def _budgets(self, c: float, probs: np.ndarray) -> np.ndarray:
+        """Clipped budgets for pass rates ``probs``; rounding is half-up."""
+        raw = np.floor(c / np.sqrt(probs + self.params.eps) + 0.5)
+        return np.clip(raw, self.params.n_min, self.params.n_max).astype(np.int64)
+
+    def _mean(self, c: float, probs: np.ndarray, weights: np.ndarray) -> float:
+        return float(np.average(self._budgets(c, probs), weights=weights))

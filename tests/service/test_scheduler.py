@@ -1,0 +1,197 @@
+"""The scheduler in-process with the real transformers backend and the toy model.
+
+These check the sampling semantics of DESIGN.md sections 5, 6 and 12 (rules, rounds,
+adaptive waves, est budgets, group and batch policies, backpressure, weight pauses)
+without HTTP; the API tests cover the networked path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from transformers import AutoTokenizer
+
+from sampler_service.backends.base import Completion
+from sampler_service.backends.hf import HFBackend
+from sampler_service.config import SamplerConfig, check_consistency
+from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.scheduler import MemorySink, Scheduler
+from sampler_service.verifiers import exact
+from sampler_service.verifiers.base import Verdict
+from strategies import advantage
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest_asyncio.fixture
+async def backend(toy) -> AsyncIterator[HFBackend]:
+    tokenizer = AutoTokenizer.from_pretrained(toy.model_dir)
+    engine = HFBackend(toy.model_dir, tokenizer=tokenizer)
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+async def _verify(row: PromptRow, completion: Completion) -> Verdict:
+    return Verdict(exact.verify(completion.text, row.answer, row.metadata))
+
+
+def make_scheduler(toy, backend: HFBackend, **cfg: Any) -> tuple[Scheduler, MemorySink]:
+    tokenizer = AutoTokenizer.from_pretrained(toy.model_dir)
+
+    def tokenize(row: PromptRow) -> None:
+        row.text, row.token_ids = row.prompt, tokenizer(row.prompt)["input_ids"]
+
+    dataset = Dataset(toy.data_files, tokenize)
+    config = SamplerConfig(**{"max_tokens": 8, "max_active_prompts": 16, **cfg})
+    check_consistency(config, dataset.domains)
+    sink = MemorySink()
+    scheduler = Scheduler(backend=backend, dataset=dataset, verify=_verify, sink=sink, config=config)
+    return scheduler, sink
+
+
+async def run_until(scheduler: Scheduler, sink: MemorySink, n_groups: int, timeout: float = 120) -> list:
+    scheduler.start()
+    try:
+        async with asyncio.timeout(timeout):
+            while len(sink.groups()) < n_groups:
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        import sys
+        print("TIMEOUT", len(sink.groups()), scheduler.active_prompts, scheduler.stats.to_dict(), scheduler.last_error, file=sys.stderr)
+        for t in asyncio.all_tasks():
+            t.print_stack(limit=6, file=sys.stderr)
+        raise
+    finally:
+        await scheduler.stop()
+    return sink.groups()
+
+
+async def test_positive_rule_stops_at_first_correct_answer(toy, backend) -> None:
+    scheduler, sink = make_scheduler(
+        toy, backend, rule="positive", k_pos=1, n_max=16, wave_size=1, group_size=0, downsample="none"
+    )
+    for g in await run_until(scheduler, sink, 10):
+        rewards = [s.reward for s in g.samples]
+        assert len(rewards) == g.stats.n_generated  # group_size 0 keeps everything
+        if g.stop_reason == "rule":
+            # One answer per wave: the rule fires on exactly the first positive.
+            assert rewards[-1] > 0.5 and all(r <= 0.5 for r in rewards[:-1])
+        else:
+            assert g.stop_reason == "n_max" and g.stats.n_pos == 0 and g.stats.n_generated == 16
+
+
+async def test_rounds_mode_uses_whole_waves(toy, backend) -> None:
+    scheduler, sink = make_scheduler(
+        toy, backend, mode="rounds", cohort_size=6, rule="balanced", n_max=16, wave_size=4
+    )
+    groups = await run_until(scheduler, sink, 12)
+    for g in groups:
+        assert g.stats.n_generated % 4 == 0 and g.stats.n_generated <= 16
+        if g.stop_reason == "rule":
+            assert g.stats.n_pos >= 2 and g.stats.n_neg >= 2
+
+
+async def test_adaptive_waves_respect_budget_and_rule(toy, backend) -> None:
+    scheduler, sink = make_scheduler(toy, backend, rule="balanced", wave="adaptive", n_max=12, wave_size=8)
+    groups = await run_until(scheduler, sink, 20)
+    sizes = {g.stats.n_generated for g in groups}
+    assert max(sizes) <= 12
+    assert any(n % 8 for n in sizes), f"adaptive waves never cut a wave short: {sizes}"
+    for g in groups:
+        if g.stop_reason == "rule":
+            assert g.stats.n_pos >= 2 and g.stats.n_neg >= 2
+
+
+async def test_est_rule_spends_budgets_and_learns(toy, backend) -> None:
+    scheduler, sink = make_scheduler(
+        toy, backend, rule="est", advantage="est", group_size=0, downsample="none", n_max=16, wave_size=8,
+        est={"mean_budget": 6, "n_min": 2},
+    )
+    groups = await run_until(scheduler, sink, 12)
+    for g in groups:
+        assert g.stop_reason == "budget"
+        assert 2 <= g.stats.n_generated <= 16
+        rewards = np.array([s.reward for s in g.samples])
+        expected = advantage.compute(rewards, rewards, "est")
+        np.testing.assert_allclose([s.advantage for s in g.samples], expected, atol=1e-9)
+    assert any(scheduler.estimator.seen(g.prompt_id) for g in groups)
+
+
+async def test_maxvar_keeps_half_and_recomputes_grpo_advantages(toy, backend) -> None:
+    scheduler, sink = make_scheduler(
+        toy, backend, rule="fixed", group_size=8, n_max=8, wave_size=8, downsample="none",
+        advantage="grpo", group_policies=[{"name": "maxvar", "params": {"keep_fraction": 0.5}}],
+    )
+    for g in await run_until(scheduler, sink, 8):
+        assert len(g.samples) == 4
+        rewards = np.array([s.reward for s in g.samples])
+        np.testing.assert_allclose(
+            [s.advantage for s in g.samples], advantage.compute(rewards, rewards, "grpo"), atol=1e-9
+        )
+
+
+async def test_batch_frames_topk_and_weights(toy, backend) -> None:
+    scheduler, sink = make_scheduler(
+        toy, backend, rule="balanced", n_max=16, batch_groups=4,
+        batch_policies=[{"name": "topk", "params": {"fraction": 0.75}}, {"name": "per", "params": {}}, {"name": "ar"}],
+    )
+    await run_until(scheduler, sink, 12)
+    for frame in sink.frames:
+        assert len({g.batch_id for g in frame}) == 1
+        assert [g.batch_index for g in frame] == list(range(len(frame)))
+        assert all(g.batch_size == len(frame) for g in frame)
+        weights = [s.weight for g in frame for s in g.samples]
+        assert np.mean(weights) == pytest.approx(1.0)
+        tokens = [w for g in frame for s in g.samples for w in s.token_weights]
+        assert np.mean(tokens) == pytest.approx(1.0)
+        assert all(len(g.samples) >= 2 for g in frame)
+    total = sum(len(g.samples) for f in sink.frames for g in f)
+    assert total < 4 * len(sink.groups()), "topk 0.75 must drop samples"
+
+
+async def test_staleness_zero_admits_one_prompt_at_a_time(toy, backend) -> None:
+    scheduler, sink = make_scheduler(toy, backend, rule="fixed", group_size=2, n_max=2, wave_size=2, max_staleness=0)
+    scheduler.start()
+    try:
+        peak = 0
+        async with asyncio.timeout(60):
+            while len(sink.groups()) < 1:
+                peak = max(peak, scheduler.active_prompts)
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)
+        # One buffered group and nothing acked: no further admission.
+        assert scheduler.active_prompts == 0 and len(sink.groups()) == 1 and peak == 1
+        sink.frames.clear()  # the trainer consumed it
+        scheduler.poke()
+        async with asyncio.timeout(60):
+            while not sink.groups():
+                await asyncio.sleep(0.01)
+    finally:
+        await scheduler.stop()
+
+
+async def test_weight_update_waits_for_in_flight_and_tags_versions(toy, backend) -> None:
+    scheduler, sink = make_scheduler(toy, backend, rule="fixed", group_size=4, n_max=4, wave_size=4)
+    scheduler.start()
+    try:
+        async with asyncio.timeout(60):
+            while not sink.groups():
+                await asyncio.sleep(0.01)
+        tensors = {name: t.clone() for name, t in backend._model.state_dict().items()}  # noqa: SLF001
+        async with scheduler.paused_for_weights():
+            assert scheduler._in_flight == 0 and scheduler.capacity() == 0  # noqa: SLF001
+            await backend.load_weights(tensors, 1)
+        seen = len(sink.groups())
+        async with asyncio.timeout(60):
+            while not [g for g in sink.groups()[seen:] if g.policy_version_min == 1]:
+                await asyncio.sleep(0.01)
+    finally:
+        await scheduler.stop()
+    for g in sink.groups():
+        assert g.policy_version_min == g.policy_version_max or g.policy_version_max == 1

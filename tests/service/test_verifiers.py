@@ -1,0 +1,143 @@
+"""Verifiers and the verifier pool, with real worker processes.
+
+Misbehaving verifiers come from `sampler_service.verifiers.testing`, which worker
+processes import by package name (no sys.path set-up needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from sampler_service.verifiers import resolve
+from sampler_service.verifiers.pool import VerifierPool
+
+pytestmark = pytest.mark.timeout(60)
+
+T = "python:sampler_service.verifiers.testing:"
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "reward"),
+    [
+        ("82", "82", 1.0),
+        (" 82.0\n", "82", 1.0),
+        ("82.", "82", 1.0),
+        ("8.2e1", "82", 1.0),
+        ("-0", "0", 1.0),
+        ("Paris", "paris.", 1.0),
+        ("83", "82", 0.0),
+        ("82 apples", "82", 0.0),
+        ("", "82", 0.0),
+        ("nan", "NaN.", 1.0),  # equal as strings, although NaN != NaN as numbers
+        ("inf", "1e999", 0.0),
+    ],
+)
+def test_exact(response: str, answer: str, reward: float) -> None:
+    assert resolve("exact")(response, answer, None) == reward
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "reward"),
+    [
+        ("\\frac{1}{2}", "0.5", 1.0),
+        ("0.5", "\\frac{1}{2}", 1.0),
+        ("so the answer is \\boxed{\\frac{1}{2}}.", "1/2", 1.0),
+        ("$\\sqrt{2}$", "\\sqrt{2}", 1.0),
+        ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),
+        ("\\boxed{3}", "4", 0.0),
+        ("no idea", "4", 0.0),
+    ],
+)
+def test_math(response: str, answer: str, reward: float) -> None:
+    assert resolve("math")(response, answer, None) == reward
+
+
+def test_resolve() -> None:
+    from sampler_service.verifiers import testing
+
+    assert resolve(T + "fail") is testing.fail
+    for bad in ("nope", "python:", "python:sampler_service.verifiers.testing", T + "missing"):
+        with pytest.raises(ValueError):
+            resolve(bad)
+    with pytest.raises(ImportError):
+        resolve("python:no_such_module_here:fn")
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[VerifierPool]:
+    pool = VerifierPool(max_workers=2, timeout_s=1.0)
+    yield pool
+    pool.close()
+
+
+async def test_pool_runs_builtin_and_python_verifiers(pool: VerifierPool) -> None:
+    math, exact, meta = await asyncio.gather(
+        pool.verify("math", "\\boxed{\\frac{1}{2}}", "0.5"),
+        pool.verify("exact", "82.0", "82"),
+        pool.verify(T + "metadata_reward", "x", "y", {"reward": 0.25}),
+    )
+    assert (math.reward, math.error) == (1.0, None)
+    assert (exact.reward, exact.error) == (1.0, None)
+    assert (meta.reward, meta.error) == (0.25, None)
+    assert pool.stats.calls == 3 and pool.stats.errors == 0
+    assert all(v.seconds > 0 for v in (math, exact, meta))
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("fail", "RuntimeError: verifier failed on purpose"),
+        ("out_of_range", "verifier returned 2.0, not a reward in [0, 1]"),
+        ("not_a_number", "verifier returned 'yes', not a reward in [0, 1]"),
+        ("exit_process", "verifier worker died (exit code 3)"),
+    ],
+)
+async def test_failing_verifier_scores_zero_and_the_pool_goes_on(
+    pool: VerifierPool, name: str, error: str
+) -> None:
+    verdict = await pool.verify(T + name, "42", "42")
+    assert verdict.reward == 0.0
+    assert verdict.error is not None and verdict.error.startswith(error)
+    assert pool.stats.errors == 1 and pool.stats.timeouts == 0
+    assert (await pool.verify("math", "42", "42")).reward == 1.0
+
+
+async def test_hung_verifier_times_out_and_its_worker_is_replaced(pool: VerifierPool) -> None:
+    await asyncio.gather(*(pool.verify("math", "1", "1") for _ in range(2)))  # start both
+    before = pool.worker_pids()
+    hung = asyncio.create_task(pool.verify(T + "hang", "1", "1"))
+    # While one worker hangs, the other keeps serving (and the event loop keeps running).
+    started = time.monotonic()
+    assert (await pool.verify("math", "2", "2")).reward == 1.0
+    assert time.monotonic() - started < 0.9 and not hung.done()
+
+    verdict = await hung
+    assert verdict.reward == 0.0 and verdict.error is not None
+    assert verdict.error.startswith("timeout")
+    assert 1.0 <= verdict.seconds < 3.0
+    killed = next(pid for pid in before if pid not in pool.worker_pids())
+    with pytest.raises(ProcessLookupError):
+        os.kill(killed, 0)  # SIGKILLed and reaped, not left running
+
+    # Both slots serve again, the replaced one included, with no time limit left over.
+    started = time.monotonic()
+    verdicts = await asyncio.gather(*(pool.verify("math", "3", "3") for _ in range(4)))
+    assert [v.reward for v in verdicts] == [1.0] * 4
+    assert time.monotonic() - started < 1.0
+    assert None not in pool.worker_pids() and killed not in pool.worker_pids()
+    assert (pool.stats.timeouts, pool.stats.restarts, pool.stats.errors) == (1, 1, 0)
+
+
+async def test_close_ends_calls_in_progress(pool: VerifierPool) -> None:
+    hung = asyncio.create_task(pool.verify(T + "hang", "1", "1"))
+    await asyncio.sleep(0.3)
+    pool.close()
+    verdict = await hung
+    assert verdict.reward == 0.0 and verdict.error is not None
+    with pytest.raises(RuntimeError):
+        await pool.verify("exact", "1", "1")

@@ -1,0 +1,157 @@
+"""The NCCL weight-transfer control plane without GPUs: vetting and the HTTP round.
+
+The transfer itself needs two GPUs (tests/vllm_backend/test_nccl_gpu.py); here a stub vLLM
+backend records what the routes ask of it, so the checks that must run before any NCCL
+call (a refusal mid-broadcast would block the trainer) are covered on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from sampler_service.backends.base import TensorSpec
+from sampler_service.backends.vllm import VLLMBackend
+from sampler_service.backends.vllm_nccl import NCCLUpdateInfo, create_nccl_router, vet_update_info
+from trainer_client.nccl import NCCLTransferError, ServiceWeightSyncClient, check_metadata
+
+pytestmark = pytest.mark.vllm
+
+SPECS = {"a.weight": TensorSpec((4, 2), "F32"), "b.weight": TensorSpec((3,), "BF16")}
+
+
+class StubBackend(VLLMBackend):
+    def __init__(self) -> None:  # no engine: only what the routes touch
+        self.calls: list[tuple[str, Any]] = []
+        self._version = 0
+
+    def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
+        return dict(SPECS), set(SPECS)
+
+    def nccl_workers(self) -> int:
+        return 2
+
+    def health(self) -> Any:
+        return type("H", (), {"detail": {"nccl_weight_transfer": True}})()
+
+    async def nccl_init(self, init_info: dict[str, Any]) -> None:
+        self.calls.append(("init", init_info))
+
+    async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:
+        self.calls.append(("update", (update_info, version)))
+        self._version = version
+
+
+class StubService:
+    def __init__(self) -> None:
+        from sampler_service.metrics import Metrics
+
+        self.backend = StubBackend()
+        self.metrics = Metrics()
+        self.paused = 0
+        service = self
+
+        class Scheduler:
+            @contextlib.asynccontextmanager
+            async def paused_for_weights(self):  # type: ignore[no-untyped-def]
+                service.paused += 1
+                yield
+
+        self.scheduler = Scheduler()
+
+    def check_version(self, version: int) -> None:
+        from sampler_service.service import ServiceError
+
+        if version <= self.backend.policy_version:
+            raise ServiceError(409, "stale_version", "stale", "version")
+
+
+def _app(service: StubService) -> FastAPI:
+    from sampler_service.service import ServiceError
+
+    app = FastAPI()
+    app.include_router(create_nccl_router(service), prefix="/v1")  # type: ignore[arg-type]
+
+    @app.exception_handler(ServiceError)
+    async def _err(_: Any, exc: ServiceError) -> JSONResponse:
+        return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=exc.status)
+
+    return app
+
+
+def _client(app: FastAPI) -> ServiceWeightSyncClient:
+    """The trainer-side client, its HTTP calls served in-process by the app."""
+    client = ServiceWeightSyncClient("http://sampler")
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        async def call() -> httpx.Response:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sampler") as c:
+                r = await c.request(request.method, request.url.path, content=request.content,
+                                    headers=dict(request.headers))
+                return httpx.Response(r.status_code, content=r.content, headers=r.headers)
+
+        return asyncio.run(call())
+
+    client._http = httpx.Client(transport=httpx.MockTransport(handle), base_url="http://sampler")
+    return client
+
+
+def test_vet_update_info() -> None:
+    ok = NCCLUpdateInfo(names=["a.weight", "b.weight"], dtype_names=["float32", "bfloat16"], shapes=[[4, 2], [3]])
+    assert vet_update_info(ok, SPECS, set(SPECS)) is None
+    cases = {
+        "missing": NCCLUpdateInfo(names=["a.weight"], dtype_names=["float32"], shapes=[[4, 2]]),
+        "no tensor": NCCLUpdateInfo(names=["a.weight", "b.weight", "c"], dtype_names=["float32"] * 3, shapes=[[4, 2], [3], [1]]),
+        "shape": NCCLUpdateInfo(names=["a.weight", "b.weight"], dtype_names=["float32"] * 2, shapes=[[2, 4], [3]]),
+        "floating": NCCLUpdateInfo(names=["a.weight", "b.weight"], dtype_names=["int32", "float32"], shapes=[[4, 2], [3]]),
+        "same length": NCCLUpdateInfo(names=["a.weight", "b.weight"], dtype_names=["float32"], shapes=[[4, 2], [3]]),
+        "twice": NCCLUpdateInfo(names=["a.weight", "a.weight"], dtype_names=["float32"] * 2, shapes=[[4, 2]] * 2),
+    }
+    for word, info in cases.items():
+        problem = vet_update_info(info, SPECS, set(SPECS))
+        assert problem and word in problem, (word, problem)
+
+
+def test_trainer_side_check_metadata() -> None:
+    info = {"tensors": {n: [list(s.shape), s.dtype] for n, s in SPECS.items()}, "required": sorted(SPECS)}
+    check_metadata([("a.weight", "float32", (4, 2)), ("b.weight", "float32", (3,))], info)
+    for bad in (
+        [("a.weight", "float32", (4, 2))],
+        [("a.weight", "float32", (4, 2)), ("b.weight", "float32", (4,))],
+        [("a.weight", "float32", (4, 2)), ("b.weight", "int64", (3,))],
+        [("a.weight", "float32", (4, 2)), ("b.weight", "float32", (3,)), ("zz", "float32", (1,))],
+    ):
+        with pytest.raises(NCCLTransferError):
+            check_metadata(bad, info)
+
+
+def test_http_round_versions_and_refusals() -> None:
+    service = StubService()
+    client = _client(_app(service))
+    info = client.info()
+    assert info["enabled"] and info["inference_ranks"] == 2 and info["policy_version"] == 0
+    assert info["tensors"]["a.weight"] == [[4, 2], "F32"] and info["required"] == ["a.weight", "b.weight"]
+    client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 3})
+    assert service.backend.calls[0][0] == "init"
+
+    update = {"names": ["a.weight", "b.weight"], "dtype_names": ["float32", "float32"], "shapes": [[4, 2], [3]]}
+    with pytest.raises(NCCLTransferError, match="version"):
+        client.update_weights(update)  # no version set
+    client.version = 3
+    client.start_weight_update()
+    client.update_weights(update)
+    client.finish_weight_update()
+    assert service.backend.calls[-1] == ("update", (update, 3)) and service.paused == 1
+    assert client.info()["policy_version"] == 3
+    with pytest.raises(NCCLTransferError, match="409"):
+        client.update_weights(update)  # version 3 again
+    client.version = 4
+    with pytest.raises(NCCLTransferError, match="422"):
+        client.update_weights({**update, "shapes": [[4, 2], [5]]})
+    assert service.paused == 1 and len(service.backend.calls) == 2  # refused before pausing

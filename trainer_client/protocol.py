@@ -1,0 +1,133 @@
+"""The wire format between the sampler service and its trainers.
+
+Defined once, here, and imported by both sides. It depends on pydantic alone so a
+trainer node that imports it pulls in nothing of the server (FastAPI, engines).
+Unknown fields are ignored on read so an older client keeps working against a newer
+server that adds fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+StopReason = Literal["rule", "n_max", "budget", "fixed"]
+
+MSGPACK_MEDIA_TYPE = "application/x-msgpack"
+NDJSON_MEDIA_TYPE = "application/x-ndjson"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Sample(_Wire):
+    """One generated answer, with what the trainer needs to use it."""
+
+    sample_id: str
+    response_token_ids: list[int]
+    response_text: str
+    logprobs: list[float] = Field(description="behaviour logprob of each response token")
+    reward: float
+    finish_reason: str
+    policy_version: int
+    verifier_error: str | None = None
+    advantage: float = 0.0
+    weight: float = Field(1.0, description="sample weight, mean 1 over its batch frame")
+    token_weights: list[float] | None = None
+
+
+class GroupStats(_Wire):
+    """Counts over ALL answers generated for the prompt, not only the kept ones."""
+
+    n_generated: int
+    n_pos: int
+    n_neg: int
+    reward_mean: float
+    reward_std: float
+
+
+class Group(_Wire):
+    """A finished training group: the unit of delivery, acked and deduped by id."""
+
+    group_id: str
+    prompt_id: str
+    domain: str
+    prompt_token_ids: list[int]
+    prompt_text: str
+    answer: str | None = None
+    metadata: dict[str, Any] | None = None
+    config_version: int
+    policy_version_min: int
+    policy_version_max: int
+    stop_reason: StopReason
+    stats: GroupStats
+    samples: list[Sample]
+    batch_id: str
+    batch_index: int
+    batch_size: int
+    delivery_id: str | None = None
+
+
+class Heartbeat(_Wire):
+    """Sent on an idle stream so a client can tell a slow sampler from a dead one."""
+
+    type: Literal["heartbeat"] = "heartbeat"
+    time: float
+    policy_version: int
+    config_version: int
+    ready: int
+    leased: int
+    active_prompts: int
+    unacked: int
+
+
+class AckRequest(_Wire):
+    delivery_ids: list[str] = Field(max_length=100_000)
+
+
+class AckResponse(_Wire):
+    acked: int
+    unknown: int
+
+
+class LeaseRequest(_Wire):
+    max_groups: int = Field(8, ge=1, le=100_000)
+    wait_s: float = Field(0.0, ge=0.0, le=300.0)
+    consumer: str = Field("lease", min_length=1, max_length=200)
+
+
+class LeaseResponse(_Wire):
+    lease_id: str
+    groups: list[Group]
+    expires_at: float
+
+
+class WeightsLoadRequest(_Wire):
+    path: str = Field(min_length=1)
+    version: int = Field(ge=0)
+
+
+class WeightsResponse(_Wire):
+    policy_version: int
+    tensors: int
+    load_s: float
+
+
+class Health(_Wire):
+    status: str
+    backend: str
+    model: str
+    policy_version: int
+    uptime_s: float
+
+
+class ErrorDetail(_Wire):
+    code: str
+    message: str
+    field: str | None = None
+
+
+class ErrorResponse(_Wire):
+    error: ErrorDetail
