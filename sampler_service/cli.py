@@ -146,12 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     p_toy.add_argument("--seed", type=int, default=0)
     p_toy.set_defaults(func=toy)
 
-    try:
-        from trainer_client.cli import add_trainer_commands
-    except ImportError:  # pragma: no cover - trainer side not installed
-        pass
-    else:
-        add_trainer_commands(sub)
+    from trainer_client.cli import add_trainer_commands
+
+    add_trainer_commands(sub)
 
     args = parser.parse_args(argv)
     args.func(args)

@@ -1,13 +1,24 @@
-"""Shared test set-up: offline hub, quiet tokenizers, and the toy task built once."""
+"""Shared test set-up: offline hub, quiet tokenizers, one torch thread, the toy task."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # Tiny models on 2 shared cores: one torch thread each is ~30x faster than two threads
 # spinning against each other and the server (measured in the hf backend: 19 vs 711 ms
 # per call under load).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The toy model and data (shipped warm-start weights), built once per session."""
+    from sampler_service.toy import build_toy  # imports torch: only for tests that need it
+
+    return build_toy(tmp_path_factory.mktemp("toy"), seed=0)

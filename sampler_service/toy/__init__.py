@@ -7,8 +7,8 @@ them. See :mod:`sampler_service.toy.task` for the domains and
 """
 
 from sampler_service.toy.build import ToyPaths, build_toy
-from sampler_service.toy.evaluate import greedy_accuracy, measure_pass_rates
 from sampler_service.toy.task import DOMAIN_NAMES, eval_rows, read_jsonl, train_rows
+from trainer_client.evaluate import greedy_accuracy, measure_pass_rates
 
 __all__ = [
     "DOMAIN_NAMES",

@@ -45,7 +45,7 @@ from transformers import (
 
 from sampler_service.toy import task
 from sampler_service.toy.build import WEIGHTS_DIR
-from sampler_service.toy.evaluate import greedy_accuracy_of, pass_rates_of
+from trainer_client.evaluate import greedy_accuracy_of, pass_rates_of
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 #: Every character a toy prompt or answer can contain, plus a few harmless extras.

@@ -8,6 +8,7 @@ without HTTP; the API tests cover the networked path.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -62,10 +63,11 @@ async def run_until(scheduler: Scheduler, sink: MemorySink, n_groups: int, timeo
             while len(sink.groups()) < n_groups:
                 await asyncio.sleep(0.05)
     except TimeoutError:
-        import sys
-        print("TIMEOUT", len(sink.groups()), scheduler.active_prompts, scheduler.stats.to_dict(), scheduler.last_error, file=sys.stderr)
-        for t in asyncio.all_tasks():
-            t.print_stack(limit=6, file=sys.stderr)
+        # Say what we waited for: progress so far and where every task is parked.
+        print(f"waited for {n_groups} groups, got {len(sink.groups())}:", scheduler.stats.to_dict(),
+              scheduler.last_error, file=sys.stderr)
+        for task in asyncio.all_tasks():
+            task.print_stack(limit=6, file=sys.stderr)
         raise
     finally:
         await scheduler.stop()

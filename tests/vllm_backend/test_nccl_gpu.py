@@ -7,7 +7,6 @@ must sit on different devices (NCCL refuses two ranks of one group on one GPU).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
@@ -88,9 +87,8 @@ def test_nccl_weight_transfer_into_the_service(toy, tmp_path) -> None:
 
     from trainer_client.nccl import NCCLTransferError, NCCLWeightSender
 
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2, "max_tokens": 6,
-                                  "max_active_prompts": 4, "max_buffered_groups": 4}))
+    config = {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2, "max_tokens": 6,
+              "max_active_prompts": 4, "max_buffered_groups": 4}
     server = ServeProcess(toy, tmp_path / "state", config,
                           extra=["--vllm-arg", "gpu_memory_utilization=0.3", "--vllm-arg", "dtype=float32"])
     env_before = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +24,7 @@ CONFIG = {
 def server(toy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     pytest.importorskip("vllm.v1.engine.async_llm")
     root = tmp_path_factory.mktemp("vllm-serve")
-    config = root / "config.json"
-    config.write_text(json.dumps(CONFIG))
-    proc = ServeProcess(toy, root / "state", config, extra=[])
+    proc = ServeProcess(toy, root / "state", CONFIG, extra=[])
     proc.start()
     REPORT["service start to /ready, --backend vllm (s)"] = round(proc.ready_s, 1)
     yield proc

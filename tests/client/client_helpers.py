@@ -1,0 +1,133 @@
+"""Builders for wire objects and a scripted fake stream, for client tests without a server."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+import orjson
+
+
+def sample(tokens: list[int], logprobs: list[float] | None = None, reward: float = 1.0, **kw: Any) -> dict[str, Any]:
+    return {
+        "sample_id": uuid.uuid4().hex,
+        "response_token_ids": tokens,
+        "response_text": "".join(map(str, tokens)),
+        "logprobs": logprobs if logprobs is not None else [-0.5] * len(tokens),
+        "reward": reward,
+        "finish_reason": "stop",
+        "policy_version": kw.pop("policy_version", 0),
+        **kw,
+    }
+
+
+def group(
+    gid: str,
+    samples: list[dict[str, Any]] | None = None,
+    *,
+    batch_id: str = "b0",
+    batch_index: int = 0,
+    batch_size: int = 1,
+    prompt: list[int] | None = None,
+    domain: str = "d",
+    delivery_id: str | None = None,
+    config_version: int = 0,
+) -> dict[str, Any]:
+    samples = samples if samples is not None else [sample([5, 6], reward=1.0), sample([7], reward=0.0)]
+    rewards = [s["reward"] for s in samples]
+    return {
+        "group_id": gid,
+        "prompt_id": f"p-{gid}",
+        "domain": domain,
+        "prompt_token_ids": prompt if prompt is not None else [1, 2, 3],
+        "prompt_text": "1+2=",
+        "config_version": config_version,
+        "policy_version_min": 0,
+        "policy_version_max": 0,
+        "stop_reason": "rule",
+        "stats": {
+            "n_generated": len(samples) * 2,
+            "n_pos": sum(r > 0.5 for r in rewards),
+            "n_neg": sum(r <= 0.5 for r in rewards) + len(samples),
+            "reward_mean": sum(rewards) / (2 * len(samples)),
+            "reward_std": 0.5,
+        },
+        "samples": samples,
+        "batch_id": batch_id,
+        "batch_index": batch_index,
+        "batch_size": batch_size,
+        "delivery_id": delivery_id or uuid.uuid4().hex,
+    }
+
+
+def group_line(g: dict[str, Any]) -> bytes:
+    return orjson.dumps({"type": "group", "group": g}) + b"\n"
+
+
+def heartbeat_line(policy_version: int = 0) -> bytes:
+    return orjson.dumps({
+        "type": "heartbeat", "time": 0.0, "policy_version": policy_version, "config_version": 0,
+        "ready": 0, "leased": 0, "active_prompts": 0, "unacked": 0,
+    }) + b"\n"
+
+
+class FakeSampler:
+    """A scripted sampler behind httpx.MockTransport.
+
+    `connections` is a list of scripts, one per stream connection: each a list of byte
+    lines, or an exception instance to raise at that point (a dropped connection). After
+    the scripts run out, a connection just ends. Acks and other requests are recorded.
+    """
+
+    def __init__(
+        self,
+        connections: list[list[Any]],
+        routes: dict[str, Callable[[httpx.Request], httpx.Response]] | None = None,
+        asynchronous: bool = False,
+    ) -> None:
+        self.asynchronous = asynchronous
+        self.connections = list(connections)
+        self.routes = routes or {}
+        self.acks: list[list[str]] = []
+        self.stream_params: list[dict[str, str]] = []
+        self.requests: list[httpx.Request] = []
+        self.lock = threading.Lock()
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        path = request.url.path
+        if path == "/v1/groups/stream":
+            self.stream_params.append(dict(request.url.params))
+            script = self.connections.pop(0) if self.connections else []
+            return httpx.Response(200, content=_aplay(script) if self.asynchronous else _play(script))
+        if path == "/v1/groups/ack":
+            ids = orjson.loads(request.content)["delivery_ids"]
+            self.acks.append(ids)
+            return httpx.Response(200, json={"acked": len(ids), "unknown": 0})
+        if path in self.routes:
+            return self.routes[path](request)
+        return httpx.Response(404, json={"error": {"code": "not_found", "message": path}})
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handler)
+
+    @property
+    def acked_ids(self) -> list[str]:
+        return [i for batch in self.acks for i in batch]
+
+
+def _play(script: list[Any]) -> Iterator[bytes]:
+    for item in script:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+async def _aplay(script: list[Any]) -> AsyncIterator[bytes]:
+    for item in script:
+        if isinstance(item, BaseException):
+            raise item
+        yield item

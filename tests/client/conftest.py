@@ -1,0 +1,100 @@
+"""A real sampler (`adaptive-rollout serve` subprocess) for the live client tests, and a
+TCP proxy that can cut every connection through it (a dropped network, server side)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sampler_service.toy import ToyPaths
+from trainer_client.launch import SamplerProcess
+
+BASE_CONFIG = {"max_tokens": 6, "max_active_prompts": 16, "max_buffered_groups": 16}
+
+
+def start_sampler(toy: ToyPaths, where: Path, config: dict[str, Any], name: str = "state") -> SamplerProcess:
+    proc = SamplerProcess(
+        toy.model_dir, toy.data_files, where / name, {**BASE_CONFIG, **config}, where / f"{name}.log",
+        heartbeat_s=0.5,
+    )
+    proc.start()
+    return proc
+
+
+@pytest.fixture(scope="module")
+def sampler(toy: ToyPaths, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SamplerProcess]:
+    """Fast fixed-rule groups in frames of 2."""
+    proc = start_sampler(
+        toy, tmp_path_factory.mktemp("sampler"),
+        {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2, "batch_groups": 2},
+    )
+    yield proc
+    proc.stop()
+
+
+class CuttableProxy:
+    """Forwards 127.0.0.1:port to a target; `cut()` resets every open connection."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            with self._lock:
+                self._conns += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def cut(self) -> int:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)  # wakes the pumps; both peers see the connection end
+            with contextlib.suppress(OSError):
+                s.close()
+        return len(conns) // 2
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        self.cut()
+
+
+@pytest.fixture
+def proxy(sampler: SamplerProcess) -> Iterator[CuttableProxy]:
+    host, port = sampler.url.removeprefix("http://").rsplit(":", 1)
+    p = CuttableProxy(host, int(port))
+    yield p
+    p.close()

@@ -1,0 +1,165 @@
+"""Batch layout, the assembler's whole-frame rule, and the trainer's loss by hand."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from client_helpers import group, sample
+
+from trainer_client.batch import BatchAssembler, collate
+from trainer_client.grpo import (
+    GRPOTrainer,
+    TrainConfig,
+    approx_kl,
+    grpo_advantages,
+    ppo_clip_loss,
+    token_logprobs,
+)
+from trainer_client.protocol import Group
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def G(gid: str, **kw) -> Group:
+    return Group.model_validate(group(gid, **kw))
+
+
+def test_collate_lays_out_rows_right_padded_and_aligned() -> None:
+    g1 = G("a", prompt=[1, 2, 3], samples=[
+        sample([4, 5], logprobs=[-0.1, -0.2], reward=1.0, advantage=0.5, weight=2.0, token_weights=[1.5, 0.5]),
+        sample([6], logprobs=[-0.3], reward=0.0, advantage=-0.5, weight=0.5),
+    ])
+    g2 = G("b", prompt=[7], samples=[sample([8, 9, 10], logprobs=[-1.0, -2.0, -3.0], reward=1.0, advantage=0.0,
+                                            policy_version=3)])
+    b = collate([g1, g2], pad_id=0)
+    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5], [1, 2, 3, 6, 0], [7, 8, 9, 10, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
+    assert b.response_mask.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0], [0, 1, 1, 1, 0]]
+    assert torch.allclose(b.behaviour_logprobs[0], torch.tensor([0, 0, 0, -0.1, -0.2]))
+    assert torch.allclose(b.behaviour_logprobs[2], torch.tensor([0, -1.0, -2.0, -3.0, 0]))
+    assert b.token_weights.tolist() == [[0, 0, 0, 1.5, 0.5], [0, 0, 0, 1, 0], [0, 1, 1, 1, 0]]
+    assert b.advantages.tolist() == [0.5, -0.5, 0.0]
+    assert b.sample_weights.tolist() == [2.0, 0.5, 1.0]
+    assert b.group_index.tolist() == [0, 0, 1]
+    assert b.policy_versions.tolist() == [0, 0, 3]
+    assert b.group_ids == ["a", "b"]
+    s = b.summary()
+    assert s["samples"] == 3 and s["groups"] == 2
+    assert s["kept_fraction"] == pytest.approx(3 / 6)
+
+
+def test_assembler_takes_whole_frames_only() -> None:
+    asm = BatchAssembler(batch_groups=3, pad_id=0)
+    frame1 = [G(f"x{i}", batch_id="f1", batch_index=i, batch_size=2) for i in range(2)]
+    frame2 = [G(f"y{i}", batch_id="f2", batch_index=i, batch_size=2) for i in range(2)]
+    assert asm.add(frame1[1]) is None  # out of order within a frame is fine
+    assert asm.add(frame1[0]) is None  # 2 < 3 groups
+    assert asm.add(frame2[0]) is None  # frame 2 incomplete: never split
+    batch = asm.add(frame2[1])
+    assert batch is not None and batch.group_ids == ["x0", "x1", "y0", "y1"]
+    assert asm.pending_groups == 0
+    single = BatchAssembler(batch_groups=1, pad_id=0)
+    assert [b.group_ids for b in single.batches([G("p", batch_id="1"), G("q", batch_id="2")])] == [["p"], ["q"]]
+
+
+def test_ppo_clip_loss_matches_hand_computation() -> None:
+    # Two samples; sample 0 has 2 response tokens, sample 1 has 1 (its 2nd column is padding).
+    old = torch.tensor([[-1.0, -1.0], [-2.0, 0.0]])
+    ratios = torch.tensor([[1.5, 0.7], [0.5, 9.0]])
+    new = old + ratios.log()
+    adv = torch.tensor([1.0, -2.0])
+    weights = torch.tensor([[1.0, 2.0], [0.5, 7.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, stats = ppo_clip_loss(new, old, adv, weights, mask, clip_low=0.2, clip_high=0.28)
+    # token (0,0): A=1,  r=1.5 -> max(-1.5, -1.28) = -1.28, w 1   -> -1.28 (clipped)
+    # token (0,1): A=1,  r=0.7 -> max(-0.7, -0.8)  = -0.7,  w 2   -> -1.4
+    # token (1,0): A=-2, r=0.5 -> max(1.0, 1.6)    = 1.6,   w 0.5 -> 0.8  (clipped)
+    expected = (-1.28 - 1.4 + 0.8) / 3
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert stats["clip_frac"] == pytest.approx(2 / 3)
+
+
+def test_grpo_advantages_per_group() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
+    index = torch.tensor([0, 0, 0, 1, 1, 2])
+    adv = grpo_advantages(rewards, index)
+    std0 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)
+    assert adv[:3].tolist() == pytest.approx([(2 / 3) / (std0 + 1e-6), -(1 / 3) / (std0 + 1e-6), -(1 / 3) / (std0 + 1e-6)])
+    assert adv[3:].tolist() == [0.0, 0.0, 0.0]  # equal rewards, and a singleton group
+
+
+def test_approx_kl_is_zero_on_policy_and_positive_off() -> None:
+    lp = torch.tensor([[0.0, -1.0, -2.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    assert approx_kl(lp, lp, mask) == 0.0
+    assert approx_kl(lp, lp - 0.3, mask) > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen2ForCausalLM
+
+    from sampler_service.toy.model import build_config, build_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny")
+    tok = build_tokenizer()
+    cfg = build_config(len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_token_logprobs_at_temperature(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 0, 0]])
+    att = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    temps = torch.tensor([0.7, 1.3])
+    lp = token_logprobs(model, ids, att, temps)
+    with torch.no_grad():
+        for row in range(2):
+            n = int(att[row].sum())
+            logits = model(input_ids=ids[row : row + 1, :n]).logits[0]
+            for t in range(1, n):
+                want = torch.log_softmax(logits[t - 1] / temps[row], -1)[ids[row, t]]
+                assert lp[row, t].item() == pytest.approx(want.item(), abs=1e-5)
+    assert lp[:, 0].tolist() == [0.0, 0.0]
+
+
+class _NoClient:
+    def close(self) -> None: ...
+
+
+def test_train_step_loss_matches_hand_computed_value(tiny_model_dir: Path) -> None:
+    """On a tiny batch the trainer's step-1 loss is the hand-computed PPO-clip value.
+
+    At the start of a step the ratio to the proximal policy is 1, so with the service's
+    weights and truncated importance weights w_t the PPO-clip token-mean loss is
+    -sum_t A_i w_t / #response tokens; each w_t is checked here from the formula.
+    """
+    cfg = TrainConfig(url="http://unused", model=tiny_model_dir, tis_cap=1.5, advantage="server", lr=0.0)
+    trainer = GRPOTrainer(cfg, client=_NoClient())  # type: ignore[arg-type]
+    trainer._temperatures[0] = 0.8
+    g = G("a", prompt=[3, 4], samples=[
+        sample([5, 6], logprobs=[-2.0, -2.5], reward=1.0, advantage=0.75, weight=1.2, token_weights=[0.5, 1.5]),
+        sample([7], logprobs=[-0.01], reward=0.0, advantage=-0.75, weight=0.8),
+    ])
+    batch = collate([g], pad_id=0)
+    with torch.no_grad():
+        lp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, torch.full((2,), 0.8))
+    terms = []
+    for i, adv, sw, tw, cols in ((0, 0.75, 1.2, [0.5, 1.5], [2, 3]), (1, -0.75, 0.8, [1.0], [2])):
+        for col, w_tok in zip(cols, tw, strict=True):
+            tis = min(math.exp(lp[i, col].item() - batch.behaviour_logprobs[i, col].item()), 1.5)
+            terms.append(-adv * sw * w_tok * tis)
+    expected = sum(terms) / 3
+    metrics = trainer.train_step(batch)
+    assert metrics["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    # lr 0: nothing moved, and the ratio was exactly 1 so nothing was clipped.
+    assert metrics["clip_frac"] == 0.0
+    assert metrics["version_lag_mean"] == 0.0

@@ -1,0 +1,94 @@
+"""Sampler and trainer as two processes over loopback HTTP: weights flow back, acks land."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trainer_client.batch import collate
+from trainer_client.client import SamplerClient
+from trainer_client.grpo import token_logprobs
+from trainer_client.launch import SamplerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+TEMPERATURE = 0.9  # not 1, so a trainer that ignored the sampler's temperature would show
+STEPS = 3
+
+
+def max_logprob_gap(model, groups) -> float:
+    """Max |trainer logprob - sampler logprob| over the response tokens of `groups`."""
+    batch = collate(groups, pad_id=0)
+    with torch.no_grad():
+        lp = token_logprobs(model, batch.input_ids, batch.attention_mask, torch.full((batch.size,), TEMPERATURE))
+    mask = batch.response_mask.bool()
+    return (lp[mask] - batch.behaviour_logprobs[mask]).abs().max().item()
+
+
+def lease_until(client: SamplerClient, want, n: int, timeout_s: float = 120.0):
+    """Lease (and ack) groups until `n` satisfy `want`; returns (matching, all leased ids)."""
+    found, seen = [], set()
+    deadline = time.monotonic() + timeout_s
+    while len(found) < n:
+        assert time.monotonic() < deadline, f"only {len(found)} of {n} wanted groups in {timeout_s}s"
+        lease = client.lease(max_groups=8, wait_s=10.0)
+        client.ack(lease.groups)
+        seen.update(g.group_id for g in lease.groups)
+        found += [g for g in lease.groups if want(g)]
+    return found, seen
+
+
+def test_trainer_process_pushes_weights_the_sampler_serves_and_acks_what_it_used(toy, tmp_path) -> None:
+    config = {
+        "rule": "fixed", "group_size": 4, "n_max": 4, "wave_size": 4, "advantage": "grpo",
+        "temperature": TEMPERATURE, "max_tokens": 6, "max_active_prompts": 8, "max_buffered_groups": 8,
+    }
+    sampler = SamplerProcess(toy.model_dir, toy.data_files, tmp_path / "state", config, tmp_path / "sampler.log",
+                             heartbeat_s=0.5)
+    base = AutoModelForCausalLM.from_pretrained(toy.model_dir, dtype=torch.float32).eval()
+    with sampler, SamplerClient(sampler.url, consumer="probe", watchdog_s=60) as client:
+        # Before: the sampler's logprobs are the base model's (so the comparison below means something).
+        before, _ = lease_until(client, lambda g: g.policy_version_max == 0, 2)
+        gap = max_logprob_gap(base, before)
+        assert gap < 1e-4, gap
+
+        run = tmp_path / "run"
+        cmd = [sys.executable, "-m", "sampler_service", "train", "--url", sampler.url,
+               "--model", str(toy.model_dir), "--out", str(run), "--steps", str(STEPS), "--batch-groups", "4",
+               "--lr", "3e-3", "--sync-every", "1", "--consumer", "e2e-trainer", "--watchdog-s", "60",
+               "--no-progress"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+        # The policy version rose with every push.
+        assert client.health().policy_version == STEPS
+        log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+        assert [r["policy_version"] for r in log] == list(range(1, STEPS + 1))
+        used = {gid for r in log for gid in r["group_ids"]}
+        assert len(used) == sum(r["groups"] for r in log) == sum(r["acked"] for r in log) >= 4 * STEPS
+        assert all(r["version_lag_max"] <= 2 for r in log)
+
+        # After: samples made with the last version are scored by the trainer's final weights,
+        # not by the base model: the sampler's logprob of the same tokens changed.
+        after, leased = lease_until(client, lambda g: g.policy_version_min == STEPS, 2)
+        final = AutoModelForCausalLM.from_pretrained(run / "final", dtype=torch.float32).eval()
+        gaps = {
+            "final vs sampler after": max_logprob_gap(final, after),
+            "base vs sampler after": max_logprob_gap(base, after),
+            # a fixed answer the sampler gave before training now gets another logprob
+            "final vs sampler before": max_logprob_gap(final, before),
+        }
+        print(f"logprob gaps: before/base {gap:.2e}", {k: f"{v:.2e}" for k, v in gaps.items()})
+        assert gaps["final vs sampler after"] < 1e-4, gaps
+        assert gaps["base vs sampler after"] > 1e-3, gaps
+        assert gaps["final vs sampler before"] > 1e-3, gaps
+
+        # Every group the trainer used was acked: none comes back (redeliveries come first).
+        assert not used & leased
+        assert not used & {g.group_id for g in client.lease(max_groups=64, wait_s=2.0).groups}

@@ -1,0 +1,184 @@
+"""The deploy config, the ``adaptive_rollout`` trainer mode's construction and start-up checks.
+
+- deploy/verl/sampler_grpo.yaml composes on top of verl's own ppo_trainer.yaml and passes
+  verl's ``validate_config``; its class paths resolve the way verl resolves them;
+- the trainer mode is registered, builds on verl's PPOTrainer, and asks for actor workers
+  only (no rollout engine on the trainer GPUs) with the sampler checkpoint engine;
+- start-up refuses a sampler verl cannot train on, with a message naming each problem,
+  and sets the sampler's batch_groups to the step's group count.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from verl_suite import GRPO_CONFIG, REPO, verl_config
+
+from trainer_client.client import SamplerClient
+from trainer_client.verl.settings import (
+    MODE,
+    IncompatibleSamplerConfig,
+    SamplerSettings,
+    check_sampler_config,
+    check_verl_config,
+)
+
+pytestmark = pytest.mark.verl
+
+
+def test_deploy_config_passes_verls_validation(monkeypatch) -> None:
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.utils.config import validate_config
+    from verl.utils.import_utils import load_class_from_fqn
+
+    import trainer_client.verl.v1  # noqa: F401  (what VERL_USE_EXTERNAL_MODULES imports)
+
+    monkeypatch.setenv("ADAPTIVE_ROLLOUT_URL", "http://sampler.example:8000")
+    cfg = verl_config("${oc.env:ADAPTIVE_ROLLOUT_URL}", n=4, batch=8, overrides=["actor_rollout_ref.model.path=/models/x"])
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert get_trainer_cls(cfg.trainer.v1.trainer_mode).__name__ == "SamplerPPOTrainer"
+    manager = load_class_from_fqn(cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "AgentLoopManager")
+    assert manager.__name__ == "SamplerAgentLoopManager"
+    settings = SamplerSettings.from_verl_config(cfg)
+    assert settings.url == "http://sampler.example:8000" and settings.weight_sync == "upload"
+    assert cfg.trainer.use_v1 and not need_critic(cfg)
+
+
+def test_launch_scripts_parse() -> None:
+    for script in ("deploy/verl/launch.sh", "deploy/gpu_checks/verl_gpu_check.sh"):
+        subprocess.run(["bash", "-n", str(REPO / script)], check=True)
+
+
+def test_launch_script_composes_verls_config(tmp_path) -> None:
+    """The trainer role's exact verl command line, up to Hydra's composed config (``--cfg job``)."""
+    import os
+    import sys
+
+    env = {**os.environ, "MODEL": "/models/x", "SAMPLER_URL": "http://inference-0:8000", "GROUP_SIZE": "8",
+           "TRAIN_BATCH": "32", "PACING_DATA": str(tmp_path / "pacing.parquet"), "PYTHON": sys.executable}
+    out = subprocess.run([str(REPO / "deploy/verl/launch.sh"), "trainer", "--cfg", "job"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(out.stdout)
+    assert cfg.trainer.v1.trainer_mode == MODE and cfg.trainer.v1.adaptive_rollout.url == "http://inference-0:8000"
+    assert cfg.actor_rollout_ref.rollout.n == 8 and cfg.data.train_batch_size == 32
+    assert cfg.actor_rollout_ref.model.path == "/models/x" and cfg.data.train_files == env["PACING_DATA"]
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "trainer_client.verl.v1"
+    assert (tmp_path / "pacing.parquet").is_file()
+
+
+def test_trainer_mode_builds_without_rollout_engine(sampler) -> None:
+    from verl.trainer.ppo.utils import Role
+
+    from trainer_client.verl.v1 import SamplerPPOTrainer
+
+    cfg = verl_config(sampler.url, overrides=["actor_rollout_ref.model.path=/models/x"])
+    trainer = SamplerPPOTrainer(cfg)
+    assert trainer.trainer_mode == MODE and trainer._enable_hybrid_replicas is False
+    trainer._init_resource_pool_mgr()
+    assert set(trainer.role_worker_mapping) == {Role.Actor}  # no ActorRollout: no vLLM on these GPUs
+    engine = cfg.actor_rollout_ref.rollout.checkpoint_engine
+    assert engine.backend == MODE and engine.custom_backend_module == "trainer_client.verl.weights"
+    assert engine.engine_kwargs[MODE]["url"] == sampler.url
+
+
+def test_dapo_filtering_and_reward_models_are_refused(sampler) -> None:
+    from trainer_client.verl.v1 import SamplerPPOTrainer
+
+    cfg = verl_config(sampler.url, overrides=["actor_rollout_ref.model.path=/m", "algorithm.filter_groups.enable=True",
+                                              "algorithm.filter_groups.metric=acc"])
+    assert check_verl_config(cfg)
+    with pytest.raises(IncompatibleSamplerConfig, match="nonzero_std"):
+        SamplerPPOTrainer(cfg)
+
+
+def _start(trainer_cls, cfg):
+    """on_init_end of the V1 trainer mode, on an instance without worker groups."""
+    trainer = object.__new__(trainer_cls)
+    trainer.config, trainer.settings = cfg, SamplerSettings.from_verl_config(cfg)
+    trainer.client = SamplerClient(trainer.settings.url)
+    trainer.parameter_sync_step, trainer.use_critic, trainer.global_steps = 1, False, 0
+    trainer.on_init_end()
+    return trainer
+
+
+def test_start_up_checks_against_the_live_sampler(sampler, reinforce_ada_sampler) -> None:
+    from trainer_client.verl.v1 import SamplerPPOTrainer
+
+    with pytest.raises(IncompatibleSamplerConfig) as err:
+        _start(SamplerPPOTrainer, verl_config(sampler.url, n=3, overrides=[
+            "actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.temperature=0.7"]))
+    message = str(err.value)
+    assert "rollout.n = 3" in message and "group_size 4" in message and "temperature" in message
+    assert len(err.value.problems) == 2
+
+    client = SamplerClient(sampler.url)
+    try:
+        trainer = _start(SamplerPPOTrainer, verl_config(sampler.url, n=4, batch=3, overrides=["actor_rollout_ref.model.path=/m"]))
+        assert client.get_config()["batch_groups"] == 3  # set to the step's group count
+        assert trainer.use_sampler_advantages is False  # grpo: verl's estimator gives the same numbers
+        assert trainer.versions.version(1) == max(1, client.health().policy_version + 1)
+    finally:
+        client.update_config(batch_groups=1)
+    ada = _start(SamplerPPOTrainer, verl_config(reinforce_ada_sampler.url, n=4, overrides=["actor_rollout_ref.model.path=/m"]))
+    assert ada.use_sampler_advantages is True  # global baseline: only the service can compute it
+
+
+@pytest.mark.parametrize(
+    ("patch", "needle"),
+    [
+        ({"group_size": 0}, "group_size 0"),
+        ({"group_policies": [{"name": "maxvar", "params": {}}]}, "'maxvar'"),
+        ({"group_policies": [{"name": "gfpo", "params": {}}]}, "'gfpo'"),
+        ({"batch_policies": [{"name": "topk", "params": {}}]}, "'topk'"),
+        ({"rule": "est", "group_size": 4}, "est.n_min"),
+        ({"rule": "positive", "k_pos": 1, "wave_size": 2}, "fewer than group_size"),
+        ({"rule": "balanced", "k_pos": 1, "k_neg": 1, "wave": "adaptive", "wave_size": 8}, "fewer than group_size"),
+    ],
+)
+def test_incompatible_configs(patch, needle) -> None:
+    problems, _ = check_sampler_config({**GRPO_CONFIG, **patch}, rollout_n=4, temperature=1.0)
+    assert problems and any(needle in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {},
+        {"group_policies": [{"name": "nonzero_std", "params": {}}, {"name": "difffilter", "params": {}}]},
+        {"batch_policies": [{"name": "per", "params": {}}, {"name": "ar", "params": {}}]},
+        {"rule": "balanced", "k_pos": 2, "k_neg": 2, "wave": "adaptive"},
+        {"rule": "positive", "k_pos": 1, "wave_size": 8, "advantage": "global"},
+        {"rule": "est", "est": {"n_min": 4, "mean_budget": 8}, "n_max": 16},
+    ],
+)
+def test_compatible_configs(patch) -> None:
+    problems, _ = check_sampler_config({**GRPO_CONFIG, **patch}, rollout_n=4, temperature=1.0)
+    assert problems == []
+
+
+def test_v0_trainer_start_and_batches_from_the_sampler(sampler) -> None:
+    """SamplerRayPPOTrainer's own steps before verl's: start-up checks, lease -> DataProto, ack."""
+    from trainer_client.verl.source import GroupSource
+    from trainer_client.verl.v0 import SamplerRayPPOTrainer
+
+    cfg = verl_config(sampler.url, n=4, batch=3, overrides=["actor_rollout_ref.model.path=/m"], consumer="v0")
+    trainer = object.__new__(SamplerRayPPOTrainer)  # workers are not needed for these steps
+    trainer.config, trainer.settings = cfg, SamplerSettings.from_verl_config(cfg)
+    trainer.source = GroupSource(trainer.settings)
+    trainer.client, trainer.use_critic, trainer.global_steps = trainer.source.client, False, 0
+    try:
+        sampler_config = trainer.sampler_start()
+        assert sampler_config["batch_groups"] == 3 and trainer.use_sampler_advantages is False
+        groups, batch = trainer.lease_batch()
+        assert len(groups) == 3 and len(batch) == 12
+        assert batch.meta_info["temperature"] == 1.0
+        assert list(batch.non_tensor_batch["uid"]) == [g.group_id for g in groups for _ in range(4)]
+        assert trainer.source.ack(groups) == 3
+        assert trainer.client.stats()["queue"]["leased"] == 0
+    finally:
+        trainer.client.update_config(batch_groups=1)

@@ -1,0 +1,126 @@
+"""`adaptive-rollout demo`: the whole loop on one CPU machine, in a few minutes.
+
+1. writes the toy model and arithmetic data (`adaptive-rollout toy`, a subprocess);
+2. starts the sampler service as its own process on a free loopback port, with balanced
+   adaptive sampling (Reinforce-Ada: sample each prompt until it has 2 right and 2 wrong
+   answers, at most 16, keep 2 + 2, advantages against the mean of all its answers);
+3. runs the reference GRPO trainer in this process against it over HTTP: groups stream
+   in, the trainer acks them and pushes its weights back after every step;
+4. prints greedy accuracy per domain on the held-out split before and after, the sampling
+   figures from the service (answers per group, stop reasons, mixing shares), and writes
+   `demo_out/report.png`.
+
+The sampler is started through the console script, not imported: the trainer side of the
+project never imports the server (only processes talk to each other, over HTTP).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer_client.launch import SamplerProcess, build_toy
+
+
+@dataclass
+class DemoSettings:
+    out_dir: Path = Path("demo_out")
+    seed: int = 0
+    progress: bool = True
+    time_limit_s: float | None = None  # training time budget (default: see run_demo)
+    # Trainer. Tuned on 2 CPU cores, where 200 steps take 1-3 minutes: with lr 5e-5 the
+    # mean held-out accuracy rose in all 6 runs tried (+0.045..+0.087), with 1e-4 in all 6
+    # (+0.037..+0.084); 2e-4 and up destabilize this tiny model (it collapses in ~30 steps).
+    steps: int = 200
+    batch_groups: int = 16
+    lr: float = 5e-5
+    sync_every: int = 1
+    # Sampler: balanced adaptive sampling (Reinforce-Ada, DESIGN.md section 5) with the
+    # global baseline, uniform domain mixing, and at most one policy version of lag.
+    sampler: dict[str, Any] = field(default_factory=lambda: {
+        "rule": "balanced", "k_pos": 2, "k_neg": 2, "n_max": 16,
+        "wave": "adaptive", "wave_size": 8, "group_size": 4,
+        "downsample": "balanced", "advantage": "global",
+        "temperature": 1.0, "max_tokens": 6,
+        "max_active_prompts": 24, "max_buffered_groups": 32, "max_staleness": 1,
+        "mixing": {"name": "static"},
+    })
+
+
+def run_demo(settings: DemoSettings) -> int:
+    """Run the demo; returns 0 when held-out accuracy improved on average, else 1."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from trainer_client.client import SamplerClient
+    from trainer_client.grpo import GRPOTrainer, TrainConfig
+    from trainer_client.report import accuracy_table, plot_report, sampling_tables
+
+    started = time.monotonic()
+    out = settings.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("sampler_state", "train"):  # a fresh run every time
+        shutil.rmtree(out / stale, ignore_errors=True)
+    # Two processes share the machine's cores: the sampler generates while we train.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    hf_logging.disable_progress_bar()  # no "Loading weights" bars between ours
+
+    print("== adaptive-rollout demo: toy arithmetic, sampler + GRPO trainer over loopback HTTP ==")
+    model_dir, data, evals = build_toy(out / "toy", settings.seed)
+    print(f"toy model {model_dir}; domains: {', '.join(f.stem for f in data)} "
+          f"(held-out: {sum(1 for f in evals for _ in f.open())} prompts)")
+
+    config = {**settings.sampler, "batch_groups": settings.batch_groups}
+    sampler = SamplerProcess(model_dir, data, out / "sampler_state", config, out / "sampler.log", seed=settings.seed)
+    with sampler:
+        print(f"sampler listening on {sampler.url} (log {out / 'sampler.log'}); config: "
+              + ", ".join(f"{k}={v}" for k, v in config.items() if k in ("rule", "k_pos", "k_neg", "n_max", "wave", "group_size")))
+        # Training gets what remains of 3.5 minutes after start-up, so the whole run (with
+        # the final evaluation, report and shutdown) ends well inside 5 minutes even on a
+        # slow or busy machine; on an idle 2-core machine the 200 steps need less.
+        budget = settings.time_limit_s if settings.time_limit_s is not None else max(
+            30.0, 210.0 - (time.monotonic() - started))
+        cfg = TrainConfig(
+            url=sampler.url, model=model_dir, out_dir=out / "train", steps=settings.steps,
+            batch_groups=settings.batch_groups, lr=settings.lr, advantage="server",
+            sync_every=settings.sync_every, watchdog_s=60.0, consumer="demo-trainer", seed=settings.seed,
+            progress=settings.progress, eval_files=evals, time_limit_s=budget,
+        )
+        trainer = GRPOTrainer(cfg)
+        with trainer.client:
+            trainer.train()
+            with SamplerClient(sampler.url) as client:
+                stats = client.stats()
+                health = client.health()
+    history = trainer.history
+    before, after = trainer.evals[0]["greedy_accuracy"], trainer.evals[-1]["greedy_accuracy"]
+    (out / "sampler_stats.json").write_text(json.dumps(stats, indent=1))
+    report = plot_report(out / "report.png", history, stats, before, after,
+                         title=f"adaptive-rollout demo: {len(history)} GRPO steps, balanced adaptive sampling")
+
+    mean_before = sum(before.values()) / len(before)
+    mean_after = sum(after.values()) / len(after)
+    improved = mean_after > mean_before
+    wall = time.monotonic() - started
+    print()
+    print("greedy accuracy on the held-out split (exact match):")
+    print(accuracy_table(before, after))
+    print()
+    print(sampling_tables(history, stats))
+    print()
+    groups = sum(r["groups"] for r in history)
+    acked = sum(r["acked"] for r in history)
+    print(f"{len(history)} steps, {groups} groups trained on and acked ({acked}); sampler serves policy "
+          f"v{health.policy_version}; {stats.get('samples', 0)} answers generated")
+    print(f"report: {report}; train log: {out / 'train' / 'train_log.jsonl'}")
+    print(f"wall time {wall:.0f}s; held-out accuracy {mean_before:.3f} -> {mean_after:.3f}: "
+          + ("improved" if improved else "NOT improved"))
+    summary = {"before": before, "after": after, "mean_before": mean_before, "mean_after": mean_after,
+               "improved": improved, "steps": len(history), "wall_s": wall}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return 0 if improved else 1

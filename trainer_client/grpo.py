@@ -1,0 +1,330 @@
+"""The reference GRPO trainer: takes groups from the sampler over HTTP, pushes weights back.
+
+The whole algorithm is `GRPOTrainer.train_step` plus the three functions above it:
+
+- per-token logprobs of the sampled tokens under the current policy, at the sampler's
+  temperature (log_softmax(logits / T), as the sampler computed its own);
+- advantages from the service (`advantage="server"`, e.g. Reinforce-Ada's global
+  baseline) or recomputed here per group (`"grpo"`: (r - mean) / (std + 1e-6));
+- PPO-clip with asymmetric clipping (0.2 low, 0.28 high, as DAPO) against the proximal
+  policy (the weights at the start of the step), token-mean over the batch's response
+  tokens, each token's loss multiplied by the service's sample and token weights and,
+  optionally, by a truncated importance weight min(pi_old / pi_sampler, cap) that
+  corrects for the sampler running older weights;
+- AdamW; every `sync_every` steps the weights go to the sampler as a new policy version.
+
+Nothing here imports the server: a trainer node needs torch, transformers and httpx.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Generator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from trainer_client.batch import BatchAssembler, TrainBatch
+from trainer_client.client import SamplerClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    url: str
+    model: Path
+    out_dir: Path = Path("runs/train")
+    steps: int = 100
+    batch_groups: int = 8
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    advantage: Literal["server", "grpo"] = "server"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float | None = None  # truncated importance correction vs the sampler's logprobs
+    ppo_epochs: int = 1
+    minibatches: int = 1  # optimizer steps per epoch (the batch is split this many ways)
+    sync_every: int = 1
+    save_every: int = 0  # 0: only the final checkpoint
+    device: str = "cpu"
+    consumer: str = "trainer"
+    api_key: str | None = None
+    watchdog_s: float = 120.0
+    max_unacked: int | None = None  # default: 2 x batch_groups (one batch in flight)
+    configure_sampler: bool = True  # PATCH the sampler's batch_groups to ours
+    seed: int = 0
+    progress: bool = True
+    time_limit_s: float | None = None  # stop early (after a whole step) once this much time is spent
+    eval_files: list[Path] = field(default_factory=list)
+
+
+# -- the algorithm ------------------------------------------------------------------------
+def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """[B, L]: column t holds log p(token t | tokens < t) at temperature T (0 at t = 0)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    logp = torch.log_softmax(logits / temperature.view(-1, 1, 1), dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(r - group mean) / (group std + eps), std with ddof 1; 0 for a singleton group."""
+    n = torch.zeros(int(group_index.max()) + 1).index_add_(0, group_index, torch.ones_like(rewards))
+    mean = torch.zeros_like(n).index_add_(0, group_index, rewards) / n
+    dev = rewards - mean[group_index]
+    var = torch.zeros_like(n).index_add_(0, group_index, dev**2) / (n - 1).clamp(min=1)
+    adv = dev / (var.sqrt()[group_index] + eps)
+    return torch.where(n[group_index] > 1, adv, torch.zeros_like(adv))
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean PPO-clip: sum_t w_t max(-A r_t, -A clip(r_t, 1-lo, 1+hi)) / #tokens."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages[:, None]
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped) * weights
+    n_tokens = mask.sum().clamp(min=1.0)
+    loss = (per_token * mask).sum() / n_tokens
+    clip_frac = ((clipped > unclipped).float() * mask).sum() / n_tokens
+    return loss, {"clip_frac": clip_frac.item()}
+
+
+def approx_kl(logprobs: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> float:
+    """k3 estimate of KL(sampler || policy) over response tokens: E[r - 1 - log r]."""
+    log_r = (logprobs - behaviour) * mask
+    return ((torch.exp(log_r) - 1 - log_r) * mask).sum().item() / max(mask.sum().item(), 1.0)
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: TrainConfig, client: SamplerClient | None = None) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.client = client or SamplerClient(
+            cfg.url, api_key=cfg.api_key, consumer=cfg.consumer, watchdog_s=cfg.watchdog_s,
+            max_unacked=cfg.max_unacked or 2 * cfg.batch_groups,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(cfg.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        self.step, self.version = 0, 0
+        state = cfg.model / "trainer_state.json"
+        if state.is_file():  # resuming from one of our checkpoints
+            saved = json.loads(state.read_text())
+            self.step, self.version = saved["step"], saved["policy_version"]
+            if (cfg.model / "optimizer.pt").is_file():
+                self.optimizer.load_state_dict(torch.load(cfg.model / "optimizer.pt"))
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        self._temperatures: dict[int, float] = {}
+        self.history: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+
+    # -- one step: the whole algorithm ---------------------------------------------------
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        cfg, b = self.cfg, batch.to(self.cfg.device)
+        temps = self._temperature_of(batch).to(cfg.device)
+        mask = b.response_mask
+        self.model.eval()  # no dropout: logprobs must be the policy's, as the sampler's are
+        with torch.no_grad():
+            old_lp = token_logprobs(self.model, b.input_ids, b.attention_mask, temps)
+        adv = b.advantages if cfg.advantage == "server" else grpo_advantages(b.rewards, b.group_index)
+        weights = b.sample_weights[:, None] * b.token_weights
+        if cfg.tis_cap:
+            weights = weights * torch.exp(old_lp - b.behaviour_logprobs).clamp(max=cfg.tis_cap)
+        losses, clip_fracs, grad_norms = [], [], []
+        for _ in range(cfg.ppo_epochs):
+            for idx in torch.randperm(b.size).chunk(cfg.minibatches):
+                lp = token_logprobs(self.model, b.input_ids[idx], b.attention_mask[idx], temps[idx])
+                loss, st = ppo_clip_loss(
+                    lp, old_lp[idx], adv[idx], weights[idx], mask[idx], cfg.clip_low, cfg.clip_high
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm).item())
+                self.optimizer.step()
+                losses.append(loss.item())
+                clip_fracs.append(st["clip_frac"])
+        lag = (self.version - b.policy_versions).float()
+        return {
+            "loss": sum(losses) / len(losses),
+            "clip_frac": sum(clip_fracs) / len(clip_fracs),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "approx_kl": approx_kl(old_lp, b.behaviour_logprobs, mask),
+            "version_lag_mean": lag.mean().item(),
+            "version_lag_max": lag.max().item(),
+            "advantage_abs_mean": adv.abs().mean().item(),
+        }
+
+    def train(self) -> list[dict[str, Any]]:
+        """Run `cfg.steps` steps (from where a resumed checkpoint left off); returns the log."""
+        cfg = self.cfg
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        self._prepare_sampler()
+        if cfg.eval_files:
+            self._log_eval("before")
+        batches = self._batches()
+        bar = tqdm(total=cfg.steps, initial=min(self.step, cfg.steps), desc="train", unit="step",
+                   disable=not cfg.progress, dynamic_ncols=True)
+        deadline = time.monotonic() + cfg.time_limit_s if cfg.time_limit_s else math.inf
+        with (cfg.out_dir / "train_log.jsonl").open("a") as log_file:
+            while self.step < cfg.steps and time.monotonic() < deadline:
+                t0 = time.monotonic()
+                batch = next(batches)  # blocks on the sampler; SamplerUnavailable if it died
+                t1 = time.monotonic()
+                metrics = self.train_step(batch)
+                self.step += 1
+                acked = self.client.ack(batch.groups)  # used: the sampler may delete them
+                t2 = time.monotonic()
+                last = self.step == cfg.steps or time.monotonic() >= deadline
+                if self.step % cfg.sync_every == 0 or last:
+                    self.version += 1
+                    self.client.push_weights(self.model.state_dict(), self.version)
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save(cfg.out_dir / f"checkpoint-{self.step}")
+                record = self._record(batch, metrics, acked.acked, wait_s=t1 - t0, train_s=t2 - t1,
+                                      sync_s=time.monotonic() - t2)
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+                self.history.append(record)
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward_mean']:.2f}", pass_rate=f"{record['pass_rate']:.2f}",
+                                loss=f"{record['loss']:+.3f}", kl=f"{record['approx_kl']:.4f}", v=self.version)
+        bar.close()
+        batches.close()  # ends the stream: prefetched, unused groups go back to the sampler
+        if cfg.eval_files:
+            self._log_eval("after")
+        self.save(cfg.out_dir / "final")
+        return self.history
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy exact-match accuracy per domain on `cfg.eval_files` (held-out prompts)."""
+        from trainer_client.evaluate import greedy_accuracy_of, read_rows
+
+        return greedy_accuracy_of(self.model, self.tokenizer, read_rows(self.cfg.eval_files))
+
+    def _log_eval(self, when: str) -> dict[str, float]:
+        acc = self.evaluate()
+        record = {"when": when, "step": self.step, "policy_version": self.version, "greedy_accuracy": acc}
+        with (self.cfg.out_dir / "eval.jsonl").open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.evals.append(record)
+        tqdm.write(f"eval ({when}, step {self.step}): " + " ".join(f"{d}={a:.3f}" for d, a in acc.items()))
+        return acc
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _prepare_sampler(self) -> None:
+        health = self.client.wait_ready()
+        # Versions only grow: continue above whatever the sampler serves (a restarted run).
+        self.version = max(self.version, health.policy_version)
+        if self.cfg.configure_sampler:
+            config = self.client.get_config()
+            if config.get("batch_groups") != self.cfg.batch_groups:
+                config = self.client.update_config(batch_groups=self.cfg.batch_groups)
+            self._temperatures[config["config_version"]] = float(config["temperature"])
+
+    def _batches(self) -> Generator[TrainBatch, None, None]:
+        assembler = BatchAssembler(self.cfg.batch_groups, self.pad_id)
+        groups = self.client.groups()
+        try:
+            yield from assembler.batches(groups)
+        finally:
+            groups.close()
+
+    def _temperature_of(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-sample sampling temperature, from the config version each group was admitted under."""
+        versions = {g.config_version for g in batch.groups}
+        if not versions <= self._temperatures.keys():
+            config = self.client.get_config()
+            self._temperatures[config["config_version"]] = float(config["temperature"])
+
+        def temp(v: int) -> float:
+            if v in self._temperatures:
+                return self._temperatures[v]
+            known = [k for k in self._temperatures if k <= v] or list(self._temperatures)
+            return self._temperatures[max(known)]  # unchanged since the newest version we know
+
+        per_group = torch.tensor([temp(g.config_version) for g in batch.groups])
+        return per_group[batch.group_index]
+
+    def _record(self, batch: TrainBatch, metrics: dict[str, float], acked: int, **timing: float) -> dict[str, Any]:
+        domains = Counter(batch.domains)
+        return {
+            "step": self.step,
+            "time": time.time(),
+            "policy_version": self.version,
+            **batch.summary(),
+            **metrics,
+            "acked": acked,
+            "domains": dict(domains),
+            "domain_generated": dict(sum((Counter({g.domain: g.stats.n_generated}) for g in batch.groups), Counter())),
+            "domain_reward": _domain_means(batch),
+            "stop_reasons": dict(Counter(g.stop_reason for g in batch.groups)),
+            "group_ids": batch.group_ids,
+            **{k: round(v, 4) for k, v in timing.items()},
+        }
+
+    def save(self, path: Path) -> Path:
+        """A complete HF model directory plus trainer_state.json and the optimizer state."""
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        gen = self.cfg.model / "generation_config.json"
+        if gen.is_file():
+            (path / "generation_config.json").write_bytes(gen.read_bytes())
+        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        state = {"step": self.step, "policy_version": self.version, "config": _jsonable(asdict(self.cfg))}
+        (path / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+        return path
+
+
+def _domain_means(batch: TrainBatch) -> dict[str, float]:
+    """Mean reward over ALL answers generated for the batch's prompts, per domain."""
+    total: dict[str, list[float]] = {}
+    for g in batch.groups:
+        t = total.setdefault(g.domain, [0.0, 0.0])
+        t[0] += g.stats.reward_mean * g.stats.n_generated
+        t[1] += g.stats.n_generated
+    return {d: s / n for d, (s, n) in total.items() if n and not math.isnan(s)}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items() if k != "api_key"}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
+
+
+def train(cfg: TrainConfig, on_trainer: Callable[[GRPOTrainer], None] | None = None) -> GRPOTrainer:
+    """Build a trainer from `cfg`, run it, and return it (its model holds the final weights)."""
+    trainer = GRPOTrainer(cfg)
+    if on_trainer:
+        on_trainer(trainer)
+    try:
+        trainer.train()
+    finally:
+        trainer.client.close()
+    return trainer

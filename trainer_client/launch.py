@@ -1,0 +1,142 @@
+"""Start the sampler service as a child process (demo, tests, single-machine runs).
+
+Runs the `adaptive-rollout` console entry (`python -m sampler_service`) rather than
+importing the server, so the trainer side never imports server code: the two talk over
+HTTP only, as they do across machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+LISTEN = re.compile(r"listening on (http://[\w.\[\]:-]+:\d+)")
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-m", "sampler_service"]
+
+
+def build_toy(out: Path, seed: int) -> tuple[Path, list[Path], list[Path]]:
+    """Run `adaptive-rollout toy` and parse what it wrote (model dir, data and eval files)."""
+    done = subprocess.run([*_python(), "toy", "--out", str(out), "--seed", str(seed)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the toy task failed:\n{done.stdout}\n{done.stderr}")
+    model, data, evals = None, [], []
+    for line in done.stdout.splitlines():
+        key, _, value = line.partition(":")
+        if key == "model":
+            model = Path(value.strip())
+        elif key == "data":
+            data.append(Path(value.strip()))
+        elif key == "eval":
+            evals.append(Path(value.strip()))
+    if model is None or not data or not evals:
+        raise RuntimeError(f"unexpected output of `adaptive-rollout toy`:\n{done.stdout}")
+    return model, data, evals
+
+
+class SamplerProcess:
+    """`adaptive-rollout serve` as a child process on a free loopback port.
+
+    `start()` returns once the server prints where it listens, which it does after its
+    engine and dataset are loaded. The server's stdout and stderr go to `log_path`.
+    """
+
+    def __init__(
+        self,
+        model: Path,
+        data: list[Path],
+        state_dir: Path,
+        config: dict[str, Any],
+        log_path: Path,
+        *,
+        seed: int = 0,
+        heartbeat_s: float = 1.0,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        state_dir = Path(state_dir)
+        state_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.config_file = state_dir.parent / f"{state_dir.name}-config.json"
+        self.config_file.write_text(json.dumps(config, indent=1))
+        self.cmd = [
+            *_python(), "serve", "--model", str(model), *[a for f in data for a in ("--data", str(f))],
+            "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state_dir),
+            "--config", str(self.config_file), "--heartbeat-s", str(heartbeat_s),
+            "--verifier-workers", "1", "--seed", str(seed), *(extra or []),
+        ]
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+        self._reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    def start(self, timeout_s: float = 180.0) -> str:
+        log = self.log_path.open("a")
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=self.env)
+        found = threading.Event()
+        proc = self.proc
+
+        def read_stdout() -> None:
+            assert proc.stdout is not None
+            with log, proc.stdout:
+                for line in proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    if not found.is_set() and (m := LISTEN.search(line)):
+                        self.url = m.group(1)
+                        found.set()
+
+        self._reader = threading.Thread(target=read_stdout, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout_s
+        while not found.wait(0.2):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"the sampler did not start (exit code {proc.returncode}); "
+                    f"log {self.log_path}:\n{self.log_path.read_text()[-3000:]}"
+                )
+        return self.url
+
+    def stop(self) -> None:
+        """SIGTERM (a clean shutdown that persists the sampler's state), SIGKILL after 30 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, with no chance to persist anything (restart tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+    def __enter__(self) -> SamplerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,265 @@
+"""What the verl integration needs to know about the sampler, and what it must refuse.
+
+`SamplerSettings` is read from the verl config section ``trainer.v1.adaptive_rollout``
+(Hydra: ``+trainer.v1.adaptive_rollout.url=http://sampler:8000``; the V0 trainer reads the
+same section), with the URL and API key falling back to the environment variables
+``ADAPTIVE_ROLLOUT_URL`` / ``ADAPTIVE_ROLLOUT_API_KEY``.
+
+`check_sampler_config` compares the sampler's live config (GET /v1/config) with what verl
+assumes about a GRPO group (DESIGN.md section 12, "verl"):
+
+- every group has exactly ``actor_rollout_ref.rollout.n`` samples: verl lays a batch out as
+  ``train_batch_size x n`` rows and sizes its mini-batches as ``ppo_mini_batch_size x n``.
+  So ``group_size`` must equal ``n``, and nothing may leave a group smaller: no
+  ``maxvar``/``gfpo`` (they keep a subset of a group) and no ``topk`` (it drops samples out
+  of a frame); the stopping rule must generate at least ``group_size`` answers for every
+  prompt (``est`` budgets and small adaptive waves may stop earlier);
+- the sampler's temperature is the one verl recomputes log-probs at;
+- policies that drop whole groups (``nonzero_std``, ``difffilter``) are fine.
+
+Pure Python: importable without verl.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+#: The name our trainer mode and checkpoint engine are registered under in verl.
+MODE = "adaptive_rollout"
+
+#: Group-scope policies that keep a subset of a group's samples (verl needs all n).
+SUBSET_GROUP_POLICIES = frozenset({"maxvar", "gfpo"})
+#: Batch-scope policies that drop samples from a frame.
+SAMPLE_DROPPING_BATCH_POLICIES = frozenset({"topk"})
+
+
+class IncompatibleSamplerConfig(ValueError):
+    """The sampler's config breaks an assumption verl makes about groups; `problems` lists each."""
+
+    def __init__(self, problems: list[str], url: str = "") -> None:
+        self.problems = problems
+        where = f" at {url}" if url else ""
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(
+            f"the sampler{where} is configured in a way verl cannot train on:\n{lines}\n"
+            "Fix it with PATCH /v1/config (e.g. `curl -X PATCH $URL/v1/config -d "
+            "'{\"group_size\": N}'`) or in the verl config, then restart the trainer."
+        )
+
+
+@dataclass
+class SamplerSettings:
+    """The ``trainer.v1.adaptive_rollout`` section of a verl config."""
+
+    url: str = ""
+    api_key: str | None = None
+    consumer: str = "verl"
+    #: How weights reach the sampler at the end of each step: ``upload`` (PUT /v1/weights,
+    #: any set-up), ``path`` (write a safetensors file under `weights_dir`, a directory the
+    #: sampler can read too, then POST /v1/weights/load) or ``none``.
+    weight_sync: Literal["upload", "path", "none"] = "upload"
+    weights_dir: str | None = None
+    #: Keep only the newest file in `weights_dir` (path mode writes one per step).
+    keep_weight_files: int = 1
+    #: ``sampler``: train on the service's advantages (e.g. Reinforce-Ada's global
+    #: baseline); ``verl``: let verl's estimator compute them from the rewards; ``auto``:
+    #: the service's unless its estimator is ``grpo`` (then both are the same numbers).
+    advantages: Literal["auto", "sampler", "verl"] = "auto"
+    #: Multiply the service's sample/token weights into verl's ``rollout_is_weights``.
+    use_sample_weights: bool = True
+    #: Refuse to start when the sampler's config is incompatible (see the module docstring).
+    check_config: bool = True
+    #: PATCH the sampler's batch_groups to the trainer's train_batch_size at start-up.
+    configure_sampler: bool = True
+    #: Seconds one lease call waits for groups; the manager keeps asking until it has enough.
+    lease_wait_s: float = 10.0
+    #: Give up (with a message saying what the sampler reported) when no group arrived
+    #: for this long. 0 waits forever.
+    group_timeout_s: float = 1800.0
+    #: The client's watchdog: a sampler that stops answering raises after this long.
+    watchdog_s: float = 120.0
+    #: Push the trainer's weights once before the first step (``auto``: only when verl
+    #: resumed from a checkpoint, since a fresh run starts from the sampler's own model).
+    push_initial_weights: Literal["auto", "always", "never"] = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, section: Mapping[str, Any] | None) -> SamplerSettings:
+        data = dict(section or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"parameter_sync_step"})
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) in trainer.v1.{MODE}: {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        settings = cls(**{k: v for k, v in data.items() if k in known})
+        settings.url = (settings.url or os.environ.get("ADAPTIVE_ROLLOUT_URL", "")).rstrip("/")
+        settings.api_key = settings.api_key or os.environ.get("ADAPTIVE_ROLLOUT_API_KEY") or None
+        if not settings.url:
+            raise ValueError(
+                f"no sampler URL: set +trainer.v1.{MODE}.url=http://HOST:PORT in the verl config "
+                "or the ADAPTIVE_ROLLOUT_URL environment variable"
+            )
+        if settings.weight_sync not in ("upload", "path", "none"):
+            raise ValueError(f"trainer.v1.{MODE}.weight_sync must be upload, path or none, not {settings.weight_sync!r}")
+        if settings.weight_sync == "path" and not settings.weights_dir:
+            raise ValueError(f"trainer.v1.{MODE}.weight_sync=path needs weights_dir (shared storage)")
+        if settings.advantages not in ("auto", "sampler", "verl"):
+            raise ValueError(f"trainer.v1.{MODE}.advantages must be auto, sampler or verl, not {settings.advantages!r}")
+        return settings
+
+    @classmethod
+    def from_verl_config(cls, config: Any) -> SamplerSettings:
+        """From a verl (OmegaConf) config: the ``trainer.v1.adaptive_rollout`` section."""
+        section = _select(config, f"trainer.v1.{MODE}")
+        if section is not None and not isinstance(section, Mapping):
+            from omegaconf import OmegaConf  # verl's configs are OmegaConf objects
+
+            section = OmegaConf.to_container(section, resolve=True)
+        return cls.from_mapping(section)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def client_kwargs(self) -> dict[str, Any]:
+        return {"api_key": self.api_key, "consumer": self.consumer, "watchdog_s": self.watchdog_s}
+
+    def sampler_advantages(self, sampler_config: Mapping[str, Any]) -> bool:
+        """Whether verl should train on the service's advantages (see `advantages`)."""
+        if self.advantages == "auto":
+            return sampler_config.get("advantage", "global") != "grpo"
+        return self.advantages == "sampler"
+
+
+def _select(config: Any, dotted: str) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return None
+        node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
+    return node
+
+
+def check_sampler_config(
+    sampler: Mapping[str, Any],
+    *,
+    rollout_n: int,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    max_response_length: int | None = None,
+) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of training verl with rollout.n = `rollout_n` on this sampler config."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    group_size = int(sampler.get("group_size", 0))
+    if group_size != rollout_n:
+        what = "keeps every sample (group_size 0, variable group sizes)" if group_size == 0 else f"has group_size {group_size}"
+        fix = f"set the sampler's group_size to {rollout_n}" + (f" (or rollout.n to {group_size})" if group_size else "")
+        problems.append(
+            f"verl needs every group to have exactly actor_rollout_ref.rollout.n = {rollout_n} samples, "
+            f"but the sampler {what}: {fix}"
+        )
+    for spec in sampler.get("group_policies") or []:
+        name = spec.get("name") if isinstance(spec, Mapping) else str(spec)
+        if name in SUBSET_GROUP_POLICIES:
+            problems.append(
+                f"group policy {name!r} keeps a subset of each group's samples; verl needs all "
+                f"{rollout_n} (policies that drop whole groups, like nonzero_std and difffilter, are fine)"
+            )
+    for spec in sampler.get("batch_policies") or []:
+        name = spec.get("name") if isinstance(spec, Mapping) else str(spec)
+        if name in SAMPLE_DROPPING_BATCH_POLICIES:
+            problems.append(
+                f"batch policy {name!r} drops samples out of groups; verl needs all {rollout_n} "
+                "(reweighting policies per/softmax/diffband/ar are fine: they become rollout_is_weights)"
+            )
+    rule = sampler.get("rule", "balanced")
+    if group_size > 0 and rule != "fixed":
+        if rule == "est":
+            est = sampler.get("est") or {}
+            n_min = int(est.get("n_min", 2))
+            if n_min < group_size:
+                problems.append(
+                    f"rule 'est' may stop a prompt after est.n_min = {n_min} < group_size = {group_size} "
+                    f"answers; set est.n_min >= {group_size} or use another rule"
+                )
+        else:
+            first_wave = int(sampler.get("wave_size", 8))
+            if sampler.get("wave", "fixed") == "adaptive" and sampler.get("mode", "continuous") != "rounds":
+                first_wave = 1  # an adaptive wave can be a single answer
+            k_pos, k_neg = int(sampler.get("k_pos", 2)), int(sampler.get("k_neg", 2))
+            least = k_pos if rule == "positive" else k_pos + k_neg
+            if max(first_wave, least) < group_size:
+                problems.append(
+                    f"rule {rule!r} can stop a prompt with fewer than group_size = {group_size} answers "
+                    f"(first wave {first_wave}, rule satisfied after {least}); use wave 'fixed' with "
+                    f"wave_size >= {group_size}, or rule 'fixed'"
+                )
+    if temperature is not None and abs(float(sampler.get("temperature", 1.0)) - float(temperature)) > 1e-9:
+        problems.append(
+            f"the sampler generates at temperature {sampler.get('temperature')} but verl computes "
+            f"log-probs at actor_rollout_ref.rollout.temperature = {temperature}; they must be equal"
+        )
+    if top_p is not None and abs(float(sampler.get("top_p", 1.0)) - float(top_p)) > 1e-9:
+        warnings.append(
+            f"sampler top_p {sampler.get('top_p')} differs from rollout.top_p {top_p} "
+            "(verl does not use top_p in the loss; the logprobs come from the sampler)"
+        )
+    if max_response_length is not None and int(sampler.get("max_tokens", 0)) > int(max_response_length):
+        warnings.append(
+            f"sampler max_tokens {sampler.get('max_tokens')} > data.max_response_length "
+            f"{max_response_length}: size verl's token budgets (ppo_max_token_len_per_gpu) for the longer answers"
+        )
+    return problems, warnings
+
+
+def require_compatible(sampler: Mapping[str, Any], *, url: str = "", **kw: Any) -> list[str]:
+    """Raise `IncompatibleSamplerConfig` listing every problem; return the warnings."""
+    problems, warnings = check_sampler_config(sampler, **kw)
+    if problems:
+        raise IncompatibleSamplerConfig(problems, url)
+    return warnings
+
+
+def check_verl_config(config: Any) -> list[str]:
+    """Problems in the verl config itself when the sampler does the rollout."""
+    problems = []
+    filter_groups = _select(config, "algorithm.filter_groups")
+    if filter_groups is not None and filter_groups.get("enable", False):
+        problems.append(
+            "algorithm.filter_groups (DAPO) would evict groups the sampler already selected; "
+            "use the sampler's nonzero_std group policy instead and set algorithm.filter_groups.enable=False"
+        )
+    reward_model = _select(config, "reward.reward_model")
+    if reward_model is not None and reward_model.get("enable", False):
+        problems.append(
+            "reward.reward_model.enable=True: rewards come from the sampler's verifiers; disable verl's reward model"
+        )
+    return problems
+
+
+def sampler_metrics(stats: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """GET /v1/stats flattened into numeric metrics for verl's logger (``adaptive_rollout/...``)."""
+    head = f"{prefix}/{MODE}" if prefix else MODE
+    out: dict[str, float] = {}
+
+    def put(key: str, value: Any) -> None:
+        if isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, int | float):
+            out[f"{head}/{key}"] = float(value)
+
+    for key in ("policy_version", "config_version", "samples_per_s", "tokens_per_s", "groups_per_s", "groups_emitted"):
+        put(key, stats.get(key))
+    for key, value in (stats.get("queue") or {}).items():
+        put(f"queue/{key}", value)
+    for domain, d in (stats.get("domains") or {}).items():
+        for key in ("pass_rate", "target_share", "admitted_share", "emitted_share"):
+            put(f"{domain}/{key}", (d or {}).get(key))
+    for reason, count in (stats.get("dropped") or {}).items():
+        put(f"dropped/{reason}", count)
+    return out

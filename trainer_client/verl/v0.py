@@ -1,0 +1,355 @@
+"""verl <= 0.8 (and 0.9's legacy trainer): a `RayPPOTrainer` whose `fit` trains on the sampler's groups.
+
+`SamplerRayPPOTrainer.fit` replaces verl's generate step by: lease ``train_batch_size``
+groups from the sampler, convert them to a `DataProto` (trainer_client.verl.convert,
+the layout verl's agent loop produces), then run verl's own pipeline on it: old
+log-probs, reference log-probs, values, KL-in-reward, rollout correction, the advantage
+estimator, critic and actor updates, checkpoints and metrics, all through the trainer's
+own methods. At the end of a step the weights go to the sampler and the step's groups
+are acked. Service advantages and weights are applied as in the V1 mode
+(trainer_client.verl.v1).
+
+Weights leave the actor workers through the ``adaptive_rollout`` checkpoint engine on
+verl >= 0.9; on older verl through an actor checkpoint that includes ``hf_model``, which
+the sampler then loads (``weight_sync: path``, shared storage) or receives as an upload
+(single-file models).
+
+verl's own entry point builds a plain `RayPPOTrainer`; run this one with
+``python -m trainer_client.verl.v0 <the same hydra overrides>`` (``trainer.use_v1=False``
+on verl 0.9). The rollout engine verl colocates on the actor GPUs in this trainer is
+created and put to sleep but never used; give it little memory
+(``actor_rollout_ref.rollout.gpu_memory_utilization=0.2``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pprint import pprint
+from typing import Any
+
+import torch
+import verl
+from verl import DataProto
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty, compute_advantage
+from verl.utils.debug import marked_timer
+
+from trainer_client.protocol import Group
+from trainer_client.verl.convert import groups_to_dataproto
+from trainer_client.verl.settings import (
+    MODE,
+    IncompatibleSamplerConfig,
+    SamplerSettings,
+    check_verl_config,
+    require_compatible,
+    sampler_metrics,
+)
+from trainer_client.verl.source import GroupSource
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SamplerRayPPOTrainer", "main"]
+
+
+def _version_tuple(text: str) -> tuple[int, int]:
+    parts = [int("".join(ch for ch in p if ch.isdigit()) or 0) for p in text.split(".")[:2]]
+    return parts[0], parts[1]
+
+
+#: verl >= 0.9 has checkpoint-engine backends on its actor workers.
+HAS_CHECKPOINT_ENGINE = _version_tuple(verl.__version__) >= (0, 9)
+
+
+class SamplerRayPPOTrainer(RayPPOTrainer):
+    """RayPPOTrainer fed by the sampler (see the module docstring)."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        self.settings = SamplerSettings.from_verl_config(config)
+        problems = check_verl_config(config)
+        if problems:
+            raise IncompatibleSamplerConfig(problems)
+        if HAS_CHECKPOINT_ENGINE:
+            from trainer_client.verl.weights import configure_for_sampler
+
+            configure_for_sampler(config, self.settings)
+        elif self.settings.weight_sync != "none":
+            from omegaconf import open_dict
+
+            with open_dict(config):
+                contents = list(config.actor_rollout_ref.actor.checkpoint.get("save_contents", []) or [])
+                if "hf_model" not in contents:
+                    config.actor_rollout_ref.actor.checkpoint.save_contents = [*contents, "hf_model"]
+        super().__init__(config, *args, **kwargs)
+        self.source = GroupSource(self.settings)
+        self.client = self.source.client
+        self.use_sampler_advantages = False
+        self.version_offset = 0
+
+    # -- pieces of a step (usable on their own) ------------------------------------------
+    def sampler_start(self) -> dict[str, Any]:
+        """Check the sampler's config, set its batch_groups, fix the policy-version offset."""
+        health = self.client.wait_ready(timeout_s=self.settings.watchdog_s)
+        sampler_config = self.client.get_config()
+        rollout = self.config.actor_rollout_ref.rollout
+        if self.settings.check_config:
+            for warning in require_compatible(
+                sampler_config, url=self.settings.url, rollout_n=int(rollout.n),
+                temperature=float(rollout.temperature), top_p=float(rollout.get("top_p", 1.0)),
+                max_response_length=self.config.data.get("max_response_length"),
+            ):
+                log.warning("sampler config: %s", warning)
+        self.use_sampler_advantages = self.settings.sampler_advantages(sampler_config)
+        if self.use_sampler_advantages and self.use_critic:
+            raise IncompatibleSamplerConfig(
+                [f"the service's advantages replace verl's estimator; set trainer.v1.{MODE}.advantages=verl to use a critic"],
+                self.settings.url,
+            )
+        groups = int(self.config.data.train_batch_size)
+        if self.settings.configure_sampler and sampler_config.get("batch_groups") != groups:
+            sampler_config = self.client.update_config(batch_groups=groups)
+        self.version_offset = max(0, health.policy_version - self.global_steps)
+        return sampler_config
+
+    def lease_batch(self, count: int | None = None) -> tuple[list[Group], DataProto]:
+        """`count` (default train_batch_size) groups from the sampler, as verl's DataProto."""
+        groups = self.source.take(int(count or self.config.data.train_batch_size))
+        batch = groups_to_dataproto(
+            groups, self._pad_token_id(), n=int(self.config.actor_rollout_ref.rollout.n),
+            sample_weights=self.settings.use_sample_weights,
+            meta_info={"temperature": self.config.actor_rollout_ref.rollout.temperature, "global_steps": self.global_steps},
+        )
+        return groups, batch
+
+    def _pad_token_id(self) -> int:
+        tok = getattr(self, "tokenizer", None)
+        pad = getattr(tok, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(tok, "eos_token_id", None)
+        return int(pad or 0)
+
+    def compute_advantages(self, batch: DataProto, metrics: dict) -> DataProto:
+        """verl's reward/KL/rollout-correction/advantage block, then the service's outputs."""
+        batch.batch["token_level_scores"] = batch.batch["rm_scores"]
+        if self.config.algorithm.use_kl_in_reward:
+            batch, kl_metrics = apply_kl_penalty(batch, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty)
+            metrics.update(kl_metrics)
+        else:
+            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        rollout_corr = self.config.algorithm.get("rollout_correction", None)
+        bypass = bool(rollout_corr and rollout_corr.get("bypass_mode", False))
+        if "rollout_is_weights" in batch.batch:
+            batch.batch.pop("rollout_is_weights")  # verl computes its own below, if configured
+        if rollout_corr is not None and not bypass:
+            from verl.trainer.ppo.rollout_corr_helper import (
+                compute_rollout_correction_and_add_to_batch,
+            )
+
+            batch, is_metrics = compute_rollout_correction_and_add_to_batch(batch, rollout_corr)
+            metrics.update(is_metrics)
+        batch = compute_advantage(
+            batch,
+            adv_estimator=self.config.algorithm.adv_estimator,
+            gamma=self.config.algorithm.gamma,
+            lam=self.config.algorithm.lam,
+            num_repeat=self.config.actor_rollout_ref.rollout.n,
+            norm_adv_by_std_in_grpo=self.config.algorithm.get("norm_adv_by_std_in_grpo", True),
+            config=self.config.algorithm,
+        )
+        return apply_sampler_outputs(
+            batch, metrics, advantages=self.use_sampler_advantages, weights=self.settings.use_sample_weights
+        )
+
+    def push_weights(self, metrics: dict) -> None:
+        """The actor's weights -> the sampler, as policy version global_steps + offset."""
+        if self.settings.weight_sync == "none":
+            return
+        version = self.global_steps + self.version_offset
+        if HAS_CHECKPOINT_ENGINE:
+            import ray
+
+            results = ray.get(self.actor_rollout_wg.update_weights(global_steps=version, mode=MODE))
+            for result in results if isinstance(results, list) else [results]:
+                if isinstance(result, dict):
+                    metrics.update(result)
+            return
+        root = self.settings.weights_dir or os.path.join(self.config.trainer.default_local_dir, "sampler_weights")
+        local = os.path.join(root, f"policy_v{version:08d}")
+        self.actor_rollout_wg.save_checkpoint(local, None, self.global_steps, max_ckpt_to_keep=self.settings.keep_weight_files)
+        hf_dir = os.path.join(local, "huggingface")
+        if self.settings.weight_sync == "path":
+            reply = self.client.load_weights(hf_dir, version)
+        else:
+            reply = self.client.push_weights(hf_dir, version)
+        metrics[f"{MODE}/policy_version"] = float(reply.policy_version)
+
+    # -- the loop --------------------------------------------------------------------------
+    def fit(self) -> None:
+        from omegaconf import OmegaConf
+        from verl.trainer.ppo.metric_utils import (
+            compute_data_metrics,
+            compute_throughout_metrics,
+            compute_timing_metrics,
+        )
+        from verl.utils.tracking import Tracking
+
+        tracker = Tracking(
+            project_name=self.config.trainer.project_name,
+            experiment_name=self.config.trainer.experiment_name,
+            default_backend=self.config.trainer.logger,
+            config=OmegaConf.to_container(self.config, resolve=True),
+        )
+        self.global_steps = 0
+        self._load_checkpoint()
+        self.sampler_start()
+        if self.settings.push_initial_weights == "always" or (
+            self.settings.push_initial_weights == "auto" and self.global_steps > 0
+        ):
+            self.version_offset += 1  # the initial push takes version step + offset
+            self.push_weights({})
+        if self.config.trainer.get("val_before_train", True):
+            tracker.log(data=sampler_metrics(self.client.stats(), prefix="val-aux"), step=self.global_steps)
+        self.global_steps += 1
+        while self.global_steps <= self.total_training_steps:
+            metrics: dict[str, Any] = {}
+            timing_raw: dict[str, float] = {}
+            is_last_step = self.global_steps >= self.total_training_steps
+            with marked_timer("step", timing_raw):
+                with marked_timer("gen", timing_raw, color="red"):
+                    groups, batch = self.lease_batch()
+                batch = self.train_step(batch, metrics, timing_raw)
+                if self.config.trainer.save_freq > 0 and (is_last_step or self.global_steps % self.config.trainer.save_freq == 0):
+                    with marked_timer("save_checkpoint", timing_raw, color="green"):
+                        self._save_checkpoint()
+                with marked_timer("update_weights", timing_raw, color="red"):
+                    self.push_weights(metrics)
+                self.source.ack(groups)
+            metrics.update({"training/global_step": self.global_steps, f"{MODE}/groups_acked": float(len(groups))})
+            metrics.update(compute_data_metrics(batch=batch, use_critic=self.use_critic))
+            metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing_raw))
+            metrics.update(compute_throughout_metrics(batch=batch, timing_raw=timing_raw, n_gpus=self.resource_pool_manager.get_n_gpus()))
+            try:
+                metrics.update(sampler_metrics(self.client.stats()))
+            except Exception as exc:  # metrics only
+                log.warning("sampler stats unavailable: %s", exc)
+            tracker.log(data=metrics, step=self.global_steps)
+            self.global_steps += 1
+        pprint(f"trained {self.global_steps - 1} steps on the sampler's groups")
+
+    def train_step(self, batch: DataProto, metrics: dict, timing_raw: dict) -> DataProto:
+        """verl's step from "a generated batch" on: log-probs, advantages, critic and actor updates."""
+        batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
+        if self.config.trainer.get("balance_batch", True):
+            self._balance_batch(batch, metrics=metrics)
+            batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
+        rollout_corr = self.config.algorithm.get("rollout_correction", None)
+        if rollout_corr and rollout_corr.get("bypass_mode", False):
+            from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
+
+            apply_bypass_mode(batch=batch, rollout_corr_config=rollout_corr, policy_loss_config=self.config.actor_rollout_ref.actor.policy_loss)
+        else:
+            with marked_timer("old_log_prob", timing_raw, color="blue"):
+                old_log_prob, _mfu = self._compute_old_log_prob(batch)
+                old_log_prob.batch.pop("entropys", None)
+                batch = batch.union(old_log_prob)
+        if self.use_reference_policy:
+            with marked_timer("ref", timing_raw, color="olive"):
+                batch = batch.union(self._compute_ref_log_prob(batch))
+        if self.use_critic:
+            with marked_timer("values", timing_raw, color="cyan"):
+                batch = batch.union(self._compute_values(batch))
+        with marked_timer("adv", timing_raw, color="brown"):
+            batch = self.compute_advantages(batch, metrics)
+        if self.use_critic:
+            with marked_timer("update_critic", timing_raw, color="pink"):
+                critic_output = self._update_critic(batch)
+            metrics.update(_reduce(critic_output.meta_info["metrics"]))
+        if self.config.trainer.critic_warmup <= self.global_steps:
+            with marked_timer("update_actor", timing_raw, color="red"):
+                actor_output = self._update_actor(batch)
+            metrics.update(_reduce(actor_output.meta_info["metrics"]))
+        return batch
+
+
+def _reduce(metrics: dict) -> dict:
+    from verl.utils.metric import reduce_metrics
+
+    return reduce_metrics(metrics)
+
+
+def apply_sampler_outputs(batch: DataProto, metrics: dict, *, advantages: bool, weights: bool) -> DataProto:
+    """Service advantages replace verl's (optional); service weights multiply ``rollout_is_weights``."""
+    mask = batch.batch["response_mask"].to(torch.float32)
+    if advantages:
+        adv = batch.batch["sampler_advantages"].to(torch.float32) * mask
+        batch.batch["advantages"] = adv
+        batch.batch["returns"] = adv.clone()
+    if weights:
+        service = batch.batch["sampler_weights"].to(torch.float32) * mask
+        current = batch.batch.get("rollout_is_weights", None)
+        combined = service if current is None else current.to(torch.float32) * service
+        batch.batch["rollout_is_weights"] = combined
+        valid = combined[mask > 0]
+        if valid.numel():
+            metrics[f"{MODE}/is_weight_mean"] = float(valid.mean())
+            metrics[f"{MODE}/is_weight_max"] = float(valid.max())
+    return batch
+
+
+# -- entry point ----------------------------------------------------------------------------
+def _task_runner_cls() -> Any:
+    """verl's TaskRunner as a Ray actor that builds our trainer in place of RayPPOTrainer."""
+    import importlib
+
+    import ray
+
+    for name in ("verl.trainer.main_ppo_v0", "verl.trainer.main_ppo"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "TaskRunner") and hasattr(module, "RayPPOTrainer"):
+            break
+    else:
+        raise ImportError("no verl TaskRunner that builds a RayPPOTrainer (verl.trainer.main_ppo_v0 / main_ppo)")
+    base = getattr(module.TaskRunner, "__ray_actor_class__", module.TaskRunner)
+    module_name = module.__name__
+
+    class SamplerTaskRunner(base):  # type: ignore[misc, valid-type]
+        def run(self, config: Any) -> Any:
+            target = importlib.import_module(module_name)
+            target.RayPPOTrainer = SamplerRayPPOTrainer  # run() builds the trainer by this name
+            return super().run(config)
+
+    return ray.remote(SamplerTaskRunner)
+
+
+def main() -> None:
+    """``python -m trainer_client.verl.v0 <hydra overrides>``: verl's main_ppo with our trainer."""
+    import hydra
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+
+    @hydra.main(config_path=config_dir, config_name="ppo_trainer", version_base=None)
+    def _main(config: Any) -> None:
+        from omegaconf import open_dict
+        from verl.trainer.main_ppo import run_ppo
+        from verl.trainer.ppo.utils import need_critic, need_reference_policy
+        from verl.utils.config import validate_config
+
+        with open_dict(config):
+            if "use_v1" in config.trainer:
+                config.trainer.use_v1 = False
+        try:
+            from verl.utils.device import auto_set_device
+
+            auto_set_device(config)
+        except ImportError:
+            pass
+        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        run_ppo(config, task_runner_class=_task_runner_cls())
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()
