@@ -264,6 +264,43 @@ class _Backoff:
         self.attempt = 0
 
 
+class _Attempts:
+    """Retry bookkeeping of one plain request, shared by the sync and async clients.
+
+    Sans-I/O: the caller performs the request and sleeps; this decides. `answered` and
+    `failed` return the delay before the next try (None: the response is the answer) or
+    raise the error to report (a typed 4xx/5xx, or SamplerUnavailable once the watchdog
+    is spent).
+    """
+
+    def __init__(self, client: Any, method: str, path: str, retry: bool) -> None:
+        self.client, self.retry = client, retry
+        self.what = f"reply to {method} {path}"
+        self.started, self.count = time.monotonic(), 0
+        self.backoff = _Backoff(*client.backoff_s)
+
+    def answered(self, response: httpx.Response) -> float | None:
+        self.count += 1
+        if response.status_code < 400:
+            return None
+        error = _http_error(response, self.count)
+        if response.status_code not in _TRANSIENT or not self.retry:
+            raise error
+        return self._delay(error)
+
+    def failed(self, exc: httpx.TransportError) -> float:
+        self.count += 1
+        if isinstance(exc, httpx.TimeoutException) or not isinstance(exc, _RETRYABLE) or not self.retry:
+            raise self.client._unavailable(self.what, self.started, self.count, exc) from exc
+        return self._delay(exc)
+
+    def _delay(self, error: Any) -> float:
+        delay = self.backoff.next()
+        if time.monotonic() + delay - self.started > self.client.watchdog_s:
+            raise self.client._unavailable(self.what, self.started, self.count, error)
+        return delay
+
+
 class _Core:
     """Configuration and the I/O-free logic shared by both clients."""
 
@@ -380,27 +417,15 @@ class SamplerClient(_Core):
     # -- plain requests -----------------------------------------------------------------
     def _request(self, method: str, path: str, *, retry: bool = True, **kw: Any) -> httpx.Response:
         """One request; transient failures are retried with backoff for up to `watchdog_s`."""
-        started, backoff, attempts = time.monotonic(), _Backoff(*self.backoff_s), 0
+        attempts = _Attempts(self, method, path, retry)
         while True:
-            attempts += 1
-            error: Any
             try:
                 response = self._http.request(method, path, **kw)
-            except httpx.TimeoutException as exc:
-                raise self._unavailable(f"reply to {method} {path}", started, attempts, exc) from exc
-            except _RETRYABLE as exc:
-                if not retry:
-                    raise self._unavailable(f"reply to {method} {path}", started, attempts, exc) from exc
-                error = exc
+            except httpx.TransportError as exc:
+                delay = attempts.failed(exc)
             else:
-                if response.status_code < 400:
+                if (delay := attempts.answered(response)) is None:
                     return response
-                error = _http_error(response, attempts)
-                if response.status_code not in _TRANSIENT or not retry:
-                    raise error
-            delay = backoff.next()
-            if time.monotonic() + delay - started > self.watchdog_s:
-                raise self._unavailable(f"reply to {method} {path}", started, attempts, error)
             time.sleep(delay)
 
     def health(self) -> Health:
@@ -566,27 +591,15 @@ class AsyncSamplerClient(_Core):
         await self.aclose()
 
     async def _request(self, method: str, path: str, *, retry: bool = True, **kw: Any) -> httpx.Response:
-        started, backoff, attempts = time.monotonic(), _Backoff(*self.backoff_s), 0
+        attempts = _Attempts(self, method, path, retry)
         while True:
-            attempts += 1
-            error: Any
             try:
                 response = await self._http.request(method, path, **kw)
-            except httpx.TimeoutException as exc:
-                raise self._unavailable(f"reply to {method} {path}", started, attempts, exc) from exc
-            except _RETRYABLE as exc:
-                if not retry:
-                    raise self._unavailable(f"reply to {method} {path}", started, attempts, exc) from exc
-                error = exc
+            except httpx.TransportError as exc:
+                delay = attempts.failed(exc)
             else:
-                if response.status_code < 400:
+                if (delay := attempts.answered(response)) is None:
                     return response
-                error = _http_error(response, attempts)
-                if response.status_code not in _TRANSIENT or not retry:
-                    raise error
-            delay = backoff.next()
-            if time.monotonic() + delay - started > self.watchdog_s:
-                raise self._unavailable(f"reply to {method} {path}", started, attempts, error)
             await asyncio.sleep(delay)
 
     async def health(self) -> Health:
