@@ -1,0 +1,121 @@
+"""Shared helpers of the benchmarks: result files, tables, environment notes."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def environment() -> dict[str, Any]:
+    """Where a result was measured (ratios only compare within one run)."""
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        rev = ""
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "git": rev or None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_json(name: str, data: dict[str, Any]) -> Path:
+    """Write bench/results/<name>.json (atomically) and return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"environment": environment(), **data}, indent=1, default=_default) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value != value:  # nan
+            return "nan"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{digits}g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Iterable[tuple[str, str]], digits: int = 3) -> str:
+    """A Markdown table (also readable on a terminal) of `rows` for (key, header) columns."""
+    columns = list(columns)
+    cells = [[fmt(r.get(k), digits) for k, _ in columns] for r in rows]
+    headers = [h for _, h in columns]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    for c in cells:
+        lines.append("| " + " | ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and all its live descendants (Linux /proc).
+
+    Engines such as vLLM run their engine core in a child process, so a process's own
+    CPU time would miss most of the work.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, frontier = 0.0, [pid]
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    while frontier:
+        p = frontier.pop()
+        total += cpu.get(p, 0.0)
+        frontier.extend(children.get(p, []))
+    return total
+
+
+def thread_cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds of one thread (default: the process's main thread, whose id is the pid)."""
+    fields = Path(f"/proc/{pid}/task/{tid or pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

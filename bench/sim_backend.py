@@ -1,0 +1,262 @@
+"""A simulated inference engine behind the real `Backend` interface.
+
+It models what decides a rollout's wall time on an engine with continuous batching
+(vLLM-style):
+
+- at most `max_num_seqs` sequences decode at once; further ones wait in a FIFO queue and
+  join the running batch as soon as a slot frees (no global barrier inside the engine);
+- every decode step advances each running sequence by one token and takes
+  `step_base_s + step_per_seq_s x running` seconds (memory-bound decode: a fuller batch
+  costs a little more per step but far less per token);
+- a request's prompt is prefilled once when its first sequence is scheduled (the n
+  samples share the prefix), stalling the batch for `prefill_per_token_s x prompt length`;
+- answer lengths are log-normal (median `length_median`, log-sd `length_sigma`),
+  truncated at the request's `max_tokens` (finish reason "length", which the scheduler
+  scores 0 without verifying).
+
+Rewards are Bernoulli draws from a per-prompt pass rate. The prompt is identified by its
+first token id (the benchmark's tokenizer puts the prompt's index there), and the drawn
+reward is written into the completion text (`REWARD_TEXT`), so the benchmark's verify fn
+only reads it back: the scheduler, rules and policies are the project's real code.
+
+The engine is event-driven, not token-stepped: between two events (an arrival, a
+finishing sequence) the batch size is constant, so every running sequence advances at
+the same rate and the next finish is computed exactly. It runs on whatever clock the
+event loop has: simulated time under `bench.virtual_clock`, or real time (the stream
+benchmark uses it with tiny step times to feed the real service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sampler_service.aio import wait_event
+from sampler_service.backends.base import (
+    Backend,
+    BackendHealth,
+    Completion,
+    SamplingParams,
+    TensorSpec,
+)
+from sampler_service.verifiers.base import Verdict
+
+#: Completion text for a correct / incorrect simulated answer.
+REWARD_TEXT = {True: "sim:correct", False: "sim:wrong"}
+
+#: Token steps a sequence may be short of its length and still count as finished
+#: (float rounding of the event arithmetic).
+_EPS_STEPS = 1e-6
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Throughput model of the simulated engine (defaults: a ~1.5B model on one GPU)."""
+
+    max_num_seqs: int = 256
+    step_base_s: float = 0.012
+    step_per_seq_s: float = 0.00005
+    prefill_per_token_s: float = 0.00002
+    length_median: float = 700.0
+    length_sigma: float = 0.6
+    #: Multiplies the length of a wrong answer (wrong answers tend to ramble); 1 = none.
+    wrong_length_factor: float = 1.0
+
+    def step_s(self, running: int) -> float:
+        return self.step_base_s + self.step_per_seq_s * running
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt_len: int
+    future: asyncio.Future[list[Completion]]
+    completions: list[Completion | None]
+    left: int
+    prefilled: bool = False
+
+
+@dataclass(eq=False)
+class _Seq:
+    request: _Request
+    index: int
+    length: int
+    finish_reason: str
+    correct: bool
+
+
+@dataclass
+class EngineStats:
+    """What the engine did, for utilization breakdowns."""
+
+    sequences: int = 0
+    tokens: int = 0
+    busy_slot_s: float = 0.0  # integral of running sequences over time
+    decode_s: float = 0.0  # time with at least one sequence decoding
+    prefill_s: float = 0.0
+    #: (time, running sequences, queued sequences) after every change, if recording.
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+
+
+class SimBackend(Backend):
+    """The simulated engine (see the module docstring)."""
+
+    name = "sim"
+
+    def __init__(
+        self,
+        pass_rates: Sequence[float],
+        spec: EngineSpec | None = None,
+        *,
+        seed: int = 0,
+        record_timeline: bool = False,
+        payload: Callable[[np.random.Generator, int], tuple[list[int], list[float]]] | None = None,
+    ) -> None:
+        self.pass_rates = np.asarray(pass_rates, dtype=np.float64)
+        self.spec = spec or EngineSpec()
+        self.stats = EngineStats()
+        self._rng = np.random.default_rng(seed)
+        self._record = record_timeline
+        self._payload = payload or _cheap_payload
+        self._queue: deque[_Seq] = deque()
+        self._running: list[tuple[float, int, _Seq]] = []  # (finish step, tiebreak, seq)
+        self._tiebreak = itertools.count()
+        self._steps = 0.0  # decode steps done so far: a running seq's progress clock
+        self._stall_s = 0.0  # prefill time owed before decoding resumes
+        self._arrival = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._version = 0
+
+    # -- Backend interface ------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return "simulated-engine"
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._serve(), name="sim-engine")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        return {}
+
+    async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        self._version = version
+
+    def health(self) -> BackendHealth:
+        return BackendHealth(ok=self._task is not None, detail={"queued": len(self._queue)})
+
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        if self._task is None:
+            raise RuntimeError("sim engine not started")
+        p = float(self.pass_rates[prompt_token_ids[0]])
+        spec = self.spec
+        correct = self._rng.random(n) < p
+        lengths = np.exp(self._rng.normal(math.log(spec.length_median), spec.length_sigma, n))
+        lengths = np.where(correct, lengths, lengths * spec.wrong_length_factor)
+        lengths = np.maximum(1, np.round(lengths)).astype(np.int64)
+        future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
+        request = _Request(len(prompt_token_ids), future, [None] * n, n)
+        for i in range(n):
+            length = int(lengths[i])
+            truncated = length > sampling.max_tokens
+            self._queue.append(
+                _Seq(request, i, min(length, sampling.max_tokens), "length" if truncated else "stop", bool(correct[i]))
+            )
+        self._arrival.set()
+        return await future
+
+    # -- the engine -------------------------------------------------------------------
+    def _schedule(self) -> None:
+        """Move queued sequences into free slots; their prompts' prefill stalls the batch."""
+        spec = self.spec
+        while self._queue and len(self._running) < spec.max_num_seqs:
+            seq = self._queue.popleft()
+            if seq.request.future.done():  # cancelled caller
+                continue
+            if not seq.request.prefilled:
+                seq.request.prefilled = True
+                stall = spec.prefill_per_token_s * seq.request.prompt_len
+                self._stall_s += stall
+                self.stats.prefill_s += stall
+            heapq.heappush(self._running, (self._steps + seq.length, next(self._tiebreak), seq))
+
+    def _finish(self, seq: _Seq) -> None:
+        request = seq.request
+        token_ids, logprobs = self._payload(self._rng, seq.length)
+        request.completions[seq.index] = Completion(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            text=REWARD_TEXT[seq.correct],
+            finish_reason=seq.finish_reason,  # type: ignore[arg-type]
+            policy_version=self._version,
+        )
+        self.stats.sequences += 1
+        self.stats.tokens += seq.length
+        request.left -= 1
+        if request.left == 0 and not request.future.done():
+            request.future.set_result(request.completions)  # type: ignore[arg-type]
+
+    def _mark(self, now: float) -> None:
+        if self._record:
+            self.stats.timeline.append((now, len(self._running), len(self._queue)))
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._arrival.clear()
+            self._schedule()
+            self._mark(loop.time())
+            if not self._running:
+                await self._arrival.wait()
+                continue
+            running = len(self._running)
+            step = self.spec.step_s(running)
+            next_finish = self._running[0][0]
+            horizon = self._stall_s + max(0.0, next_finish - self._steps) * step
+            started = loop.time()
+            await wait_event(self._arrival, horizon)
+            elapsed = loop.time() - started
+            stalled = min(elapsed, self._stall_s)
+            self._stall_s -= stalled
+            decoding = elapsed - stalled
+            self._steps += decoding / step
+            self.stats.busy_slot_s += running * elapsed
+            self.stats.decode_s += decoding
+            while self._running and self._running[0][0] <= self._steps + _EPS_STEPS:
+                _, _, seq = heapq.heappop(self._running)
+                self._finish(seq)
+
+
+def _cheap_payload(rng: np.random.Generator, length: int) -> tuple[list[int], list[float]]:
+    """Token ids and logprobs of the right length, as cheaply as possible."""
+    return [1] * length, [-1.0] * length
+
+
+def realistic_payload(rng: np.random.Generator, length: int) -> tuple[list[int], list[float]]:
+    """Random token ids (a 150k vocabulary) and logprobs, for payload-size realism."""
+    ids = rng.integers(0, 151_000, length).tolist()
+    logprobs = (-rng.exponential(0.7, length)).tolist()
+    return ids, logprobs
+
+
+async def verify_reward_text(row: Any, completion: Completion) -> Verdict:
+    """The benchmark's verify fn: the engine wrote the drawn reward into the text."""
+    return Verdict(1.0 if completion.text == REWARD_TEXT[True] else 0.0)

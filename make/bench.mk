@@ -1,0 +1,25 @@
+# Benchmarks (BENCHMARKS.md). Included by the Makefile; not part of `make test`.
+#
+#   make bench                   every benchmark in its quick mode (each < 10 minutes on 2 cores)
+#   make bench BENCH_ARGS=       the full runs (more batches, seeds and repeats)
+#   make bench-sim | bench-overhead | bench-stream | bench-learning    one of them
+#
+# Results go to bench/results/*.json and *.png. Performance figures are ratios measured
+# side by side in one run; on a shared machine, rerun before comparing across runs.
+BENCH_ARGS ?= --quick
+
+.PHONY: bench bench-sim bench-overhead bench-stream bench-learning
+
+bench: bench-sim bench-overhead bench-stream bench-learning
+
+bench-sim: venv
+	$(BIN)/python -m bench.adaptive_sim $(BENCH_ARGS)
+
+bench-overhead: venv
+	$(BIN)/python -m bench.overhead $(BENCH_ARGS)
+
+bench-stream: venv
+	$(BIN)/python -m bench.stream $(BENCH_ARGS)
+
+bench-learning: venv
+	$(BIN)/python -m bench.learning $(BENCH_ARGS)
