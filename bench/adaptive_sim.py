@@ -354,7 +354,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-num-seqs", type=int, default=EngineSpec.max_num_seqs)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--replot", action="store_true",
+                   help="redraw adaptive_sim.png from the saved JSON (re-simulating only the timelines)")
     args = p.parse_args(argv)
+    if args.replot:
+        return replot()
     args.batches = args.batches or (3 if args.quick else 8)
     spec = replace(EngineSpec(), max_num_seqs=args.max_num_seqs)
     chosen = [m for m in methods(args.batch) if not args.method or m.key in args.method]
@@ -444,6 +448,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
+def replot() -> dict[str, Any]:
+    """Redraw the PNG from bench/results/adaptive_sim.json; the occupancy timelines are not
+    saved (too large), so the two Seq-Balance hard-mix runs are simulated again for them."""
+    saved = json.loads((RESULTS / "adaptive_sim.json").read_text())
+    st = saved["settings"]
+    spec = EngineSpec(**st["engine"])
+    args = argparse.Namespace(seed=st["seed"], prompts=st["prompts"], batch=st["batch"], batches=2,
+                              warmup=st["warmup"], history_epochs=st["history_epochs"])
+    by_key = {m.key: m for m in methods(st["batch"])}
+    timelines, frame_times = {}, {}
+    for key in ("seqbal_rounds", "seqbal_cont"):
+        r = run_one(by_key[key], "hard", args, spec, timeline=True)
+        timelines[key], frame_times[key] = r["timeline"], r["frame_times"]
+    png = _plot(saved["results"], saved["sweep"], timelines, frame_times, spec)
+    print(f"wrote {png}")
+    return saved
+
+
 def _checks(results: dict[str, list[dict[str, Any]]], sweep: list[dict[str, Any]], spec: EngineSpec) -> list[dict[str, Any]]:
     checks = []
     for mix, rows in results.items():
@@ -490,15 +512,15 @@ def _plot(results: dict[str, list[dict[str, Any]]], sweep: list[dict[str, Any]],
         ax.legend(title="difficulty mix")
         ax.grid(axis="x", alpha=0.3)
     ax = axes[1, 0]
-    for key, color in (("seqbal_rounds", "tab:red"), ("seqbal_cont", "tab:blue")):
+    ax.axhline(spec.max_num_seqs, color="0.6", ls="--", lw=0.8, label="max_num_seqs")
+    for key, color, lw in (("seqbal_cont", "tab:blue", 2.5), ("seqbal_rounds", "tab:red", 0.8)):
         if key not in timelines:
             continue
         tl = np.array(timelines[key], dtype=float)
-        ax.step(tl[:, 0], tl[:, 1], where="post", color=color, lw=0.8,
+        ax.step(tl[:, 0], tl[:, 1], where="post", color=color, lw=lw,
                 label=f"{key}: running sequences")
         for t in frame_times.get(key, []):
             ax.axvline(t, color=color, ls=":", lw=1)
-    ax.axhline(spec.max_num_seqs, color="k", ls="--", lw=0.8, label="max_num_seqs")
     ax.set_xlabel("simulated seconds (dotted: a batch of 512 groups is complete)")
     ax.set_ylabel("sequences decoding")
     ax.set_title("engine occupancy, hard mix: synchronous rounds idle the engine at every round's tail", fontsize=10)

@@ -118,6 +118,22 @@ def aggregate(runs: list[dict[str, Any]], domains: list[str], grid: np.ndarray) 
     return out
 
 
+def _paired(runs: list[dict[str, Any]], domains: list[str], budget: int) -> dict[str, Any] | None:
+    """Per seed, Seq-Balance minus GRPO n=4 in mean accuracy at the budget (interpolated)."""
+    def final(r: dict[str, Any]) -> float:
+        xs = [p["answers"] for p in r["points"]]
+        ys = [float(np.mean([p[d] for d in domains])) for p in r["points"]]
+        return float(np.interp(budget, xs, ys))
+
+    by = {(r["method"], r["seed"]): final(r) for r in runs}
+    seeds = sorted({s for m, s in by if m == "seqbal" and ("grpo4", s) in by})
+    if not seeds:
+        return None
+    diffs = [by[("seqbal", s)] - by[("grpo4", s)] for s in seeds]
+    return {"diffs": diffs, "mean": float(np.mean(diffs)),
+            "sd": float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0, "wins": sum(d > 0 for d in diffs)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 seeds, 6,000 answers per run (~5 minutes)")
@@ -175,7 +191,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             gr[method] = c["mean"]["mean"][i]
         grid_rows.append(gr)
     print(table(grid_rows, [("answers", "answers"), *[(m, f"{METHODS[m]['label']} mean acc") for m in curves]]))
-    out = {"settings": {**vars(args), "seeds": seeds, "budget": budget, "methods": {m: METHODS[m] for m in methods},
+    paired = _paired(runs, domains, budget)
+    if paired:
+        print(f"\npaired by seed, mean accuracy at {budget:,} answers, Seq-Balance - GRPO n=4: "
+              + ", ".join(f"{d:+.3f}" for d in paired["diffs"])
+              + f" (mean {paired['mean']:+.3f}, sd {paired['sd']:.3f}, {paired['wins']} of {len(paired['diffs'])} seeds > 0)")
+    out = {"paired_by_seed": paired, "settings": {**vars(args), "seeds": seeds, "budget": budget, "methods": {m: METHODS[m] for m in methods},
                         "common": COMMON},
            "runs": runs, "grid": grid.tolist(), "curves": curves, "summary": rows, "real_s": time.monotonic() - started}
     path = write_json("learning", out)

@@ -166,6 +166,14 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
         cfg.build_rule(estimator or cfg.build_estimator()).validate()
     except PolicyError as exc:
         raise ConfigError(str(exc), exc.field) from exc
+    if cfg.batch_groups > cfg.max_buffered_groups:
+        # Admission stops at max_buffered_groups (unframed groups count), so a frame larger
+        # than that would never complete: the sampler would hang silently.
+        raise ConfigError(
+            f"batch_groups ({cfg.batch_groups}) must not exceed max_buffered_groups "
+            f"({cfg.max_buffered_groups}): such a frame could never fill",
+            "batch_groups",
+        )
     for attr, scope in (("group_policies", "group"), ("batch_policies", "batch")):
         for i, spec in enumerate(getattr(cfg, attr)):
             _build_policy(spec, scope, f"{attr}[{i}]")
