@@ -18,14 +18,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sampler_service.backends.vllm_nccl import create_nccl_router
+from sampler_service.encoding import negotiate
 from sampler_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sampler_service.service import SamplerService, ServiceError
-from trainer_client.protocol import (
-    NDJSON_MEDIA_TYPE,
-    AckRequest,
-    LeaseRequest,
-    WeightsLoadRequest,
-)
+from trainer_client.protocol import AckRequest, LeaseRequest, WeightsLoadRequest
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -150,9 +146,11 @@ def create_app(service: SamplerService) -> FastAPI:
         consumer: Annotated[str, Query(min_length=1, max_length=200)] = "default",
         max_unacked: Annotated[int, Query(ge=1, le=100_000)] = 8,
         heartbeat_s: Annotated[float | None, Query(gt=0, le=300)] = None,
+        accept: Annotated[str | None, Header()] = None,
     ) -> StreamingResponse:
-        lines = service.stream(consumer, max_unacked, heartbeat_s or settings.heartbeat_s)
-        return StreamingResponse(lines, media_type=NDJSON_MEDIA_TYPE)
+        encoding = negotiate(accept)
+        messages = service.stream(consumer, max_unacked, heartbeat_s or settings.heartbeat_s, encoding)
+        return StreamingResponse(messages, media_type=encoding.stream_media_type)
 
     @v1.post("/groups/ack")
     async def ack(request: Request) -> Response:
@@ -160,10 +158,11 @@ def create_app(service: SamplerService) -> FastAPI:
         return _json(await service.ack(body.delivery_ids))
 
     @v1.post("/groups/lease")
-    async def lease(request: Request) -> Response:
+    async def lease(request: Request, accept: Annotated[str | None, Header()] = None) -> Response:
         body = _parse(LeaseRequest, await _read_body(request, settings.max_request_bytes))
-        payload = await service.lease(body.consumer, body.max_groups, body.wait_s)
-        return Response(payload, media_type="application/json")
+        encoding = negotiate(accept)
+        payload = await service.lease(body.consumer, body.max_groups, body.wait_s, encoding)
+        return Response(payload, media_type=encoding.lease_media_type)
 
     @v1.put("/weights")
     async def put_weights(

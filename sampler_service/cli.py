@@ -52,6 +52,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-s", type=float, default=5.0, help="stream heartbeat interval")
     p.add_argument("--verifier-timeout-s", type=float, default=10.0, help="time limit per verification")
     p.add_argument("--verifier-workers", type=int, default=2, help="verifier processes")
+    p.add_argument(
+        "--store-checkpoint-s", type=float, default=0.5,
+        help="seconds between SQLite WAL checkpoints, run off the write path; 0 = SQLite's default (inside commits)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for data order and sampling")
     p.add_argument(
         "--torch-threads", type=int, default=1,
@@ -94,7 +98,8 @@ def serve(args: argparse.Namespace) -> None:
         model=args.model, data=args.data, verifier=args.verifier, backend=args.backend,
         device=args.device, dtype=args.dtype, host=args.host, port=args.port, state_dir=args.state_dir,
         api_key=args.api_key, heartbeat_s=args.heartbeat_s, verifier_timeout_s=args.verifier_timeout_s,
-        verifier_workers=args.verifier_workers, seed=args.seed, vllm=_parse_engine_args(args.vllm_arg),
+        verifier_workers=args.verifier_workers, store_checkpoint_s=args.store_checkpoint_s, seed=args.seed,
+        vllm=_parse_engine_args(args.vllm_arg),
     )
     try:
         initial = validate_config(_load_config_file(args.config) if args.config else {})

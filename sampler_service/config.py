@@ -221,5 +221,8 @@ class ServeSettings(_Strict):
     verifier_timeout_s: float = Field(10.0, gt=0.0)
     verifier_workers: int = Field(2, ge=1)
     max_request_bytes: int = Field(1 << 20, ge=1024)
+    store_checkpoint_s: float = Field(
+        0.5, ge=0.0, description="seconds between WAL checkpoints on their own thread; 0 = inside commits"
+    )
     seed: int = 0
     vllm: dict[str, Any] = Field(default_factory=dict, description="engine args passed through")

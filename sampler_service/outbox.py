@@ -39,10 +39,6 @@ class Delivered:
     delivery_id: str
     group: StoredGroup
 
-    def encoded(self) -> bytes:
-        """The stored group bytes with this attempt's delivery id spliced in."""
-        return b'{"delivery_id":"' + self.delivery_id.encode() + b'",' + self.group.payload[1:]
-
 
 class Outbox:
     def __init__(self, store: AsyncStore, clock: Callable[[], float] = time.monotonic) -> None:

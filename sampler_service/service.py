@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from sampler_service.aio import wait_event
 from sampler_service.backends.base import Backend, Completion, WeightsRejected
 from sampler_service.config import (
@@ -29,13 +27,15 @@ from sampler_service.config import (
     validate_config,
 )
 from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.encoding import Encoding
 from sampler_service.metrics import Metrics
-from sampler_service.outbox import Delivered, Outbox
+from sampler_service.outbox import Outbox
 from sampler_service.scheduler import Scheduler
 from sampler_service.store import AsyncStore, Store, StoredFrame, StoredGroup
 from sampler_service.verifiers.base import Verdict
 from sampler_service.verifiers.pool import VerifierPool
 from trainer_client.protocol import AckResponse, Group, Health, Heartbeat, WeightsResponse
+from trainer_client.wire import pack_group, unpack_group
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +46,6 @@ class ServiceError(Exception):
     def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.field = status, code, message, field
-
-
-def encode_group(group: Group) -> bytes:
-    """The stored (and streamed) bytes of a group; delivery ids are spliced in per send."""
-    return group.model_dump_json(exclude={"delivery_id"}).encode()
-
-
-def group_line(delivered: Delivered) -> bytes:
-    return b'{"type":"group","group":' + delivered.encoded() + b"}\n"
 
 
 class StoreSink:
@@ -72,11 +63,11 @@ class StoreSink:
 
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
         items = {"scheduler_state": state} if state is not None else None
-        seq = await self._store.call(self._store.sync.add_pending, group.group_id, encode_group(group), items)
+        seq = await self._store.call(self._store.sync.add_pending, group.group_id, pack_group(group), items)
         self.remember(group.group_id, seq)
 
     async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
-        members = [(g.group_id, encode_group(g)) for g in groups]
+        members = [(g.group_id, pack_group(g)) for g in groups]
         batch_id = groups[0].batch_id if groups else uuid.uuid4().hex
         await self._store.call(self._store.sync.frame, batch_id, members, dropped)
         self.pending -= len(dropped) + len(groups)
@@ -126,7 +117,7 @@ class SamplerService:
     async def start(self) -> None:
         s = self.settings
         s.state_dir.mkdir(parents=True, exist_ok=True)
-        self.store = AsyncStore(Store(s.state_dir / "sampler.sqlite"))
+        self.store = AsyncStore(Store(s.state_dir / "sampler.sqlite", s.store_checkpoint_s or None))
         self.outbox = Outbox(self.store)
         self.sink = StoreSink(self.store, self.outbox)
         loop = asyncio.get_running_loop()
@@ -159,7 +150,7 @@ class SamplerService:
         pending = await self.store.call(self.store.sync.pending)
         for stored in pending:
             self.sink.remember(stored.group_id, stored.seq)
-        self.scheduler.restore_pending([Group.model_validate_json(p.payload) for p in pending])
+        self.scheduler.restore_pending([unpack_group(p.payload) for p in pending])
         await self.scheduler.form_frames()
         self.metrics.config_version.set(version)
         self.metrics.policy_version.set(self.backend.policy_version)
@@ -265,8 +256,8 @@ class SamplerService:
         return self.get_config()
 
     # -- delivery ---------------------------------------------------------------------
-    def _heartbeat(self, consumer: str) -> bytes:
-        beat = Heartbeat(
+    def _heartbeat(self, consumer: str) -> dict[str, Any]:
+        return Heartbeat(
             time=time.time(),
             policy_version=self.backend.policy_version,
             config_version=self.scheduler.config_version,
@@ -274,14 +265,15 @@ class SamplerService:
             leased=self.outbox.leased_groups,
             active_prompts=self.scheduler.active_prompts,
             unacked=self.outbox.unacked(consumer),
-        )
-        return beat.model_dump_json().encode() + b"\n"
+        ).model_dump()
 
-    async def stream(self, consumer: str, max_unacked: int, heartbeat_s: float) -> AsyncIterator[bytes]:
-        """NDJSON lines for one consumer: whole frames as credit allows, else heartbeats."""
+    async def stream(
+        self, consumer: str, max_unacked: int, heartbeat_s: float, encoding: Encoding
+    ) -> AsyncIterator[bytes]:
+        """Messages for one consumer: whole frames as credit allows, else heartbeats."""
         token = self.outbox.connect(consumer)
         try:
-            yield self._heartbeat(consumer)
+            yield encoding.message(self._heartbeat(consumer))
             next_beat = time.monotonic() + heartbeat_s
             while self.outbox.is_current(consumer, token):
                 changed = self.outbox.changed()
@@ -289,11 +281,11 @@ class SamplerService:
                 unacked = self.outbox.unacked(consumer)
                 if size is not None and (unacked + size <= max_unacked or unacked == 0):
                     ttl = self.scheduler.config.lease_ttl_s
-                    yield b"".join(group_line(d) for d in self.outbox.take(consumer, ttl))
+                    yield b"".join(map(encoding.group_message, self.outbox.take(consumer, ttl)))
                     continue
                 now = time.monotonic()
                 if now >= next_beat:
-                    yield self._heartbeat(consumer)
+                    yield encoding.message(self._heartbeat(consumer))
                     next_beat = now + heartbeat_s
                 await wait_event(changed, next_beat - now)
         finally:
@@ -305,15 +297,14 @@ class SamplerService:
         self.scheduler.poke()
         return AckResponse(acked=acked, unknown=unknown)
 
-    async def lease(self, consumer: str, max_groups: int, wait_s: float) -> bytes:
-        """A JSON LeaseResponse, built from the stored bytes without re-encoding groups."""
+    async def lease(self, consumer: str, max_groups: int, wait_s: float, encoding: Encoding) -> bytes:
+        """An encoded LeaseResponse, built from the stored group bytes."""
         deadline = time.monotonic() + wait_s
         while self.outbox.next_frame_size() is None and time.monotonic() < deadline:
             await wait_event(self.outbox.changed(), deadline - time.monotonic())
         ttl = self.scheduler.config.lease_ttl_s
         delivered = self.outbox.take(consumer, ttl, max_groups=max_groups)
-        head = orjson.dumps({"lease_id": uuid.uuid4().hex, "expires_at": time.time() + ttl})
-        return head[:-1] + b',"groups":[' + b",".join(d.encoded() for d in delivered) + b"]}"
+        return encoding.lease({"lease_id": uuid.uuid4().hex, "expires_at": time.time() + ttl}, delivered)
 
     # -- weights ----------------------------------------------------------------------
     def weights_size_limit(self) -> int:

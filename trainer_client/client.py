@@ -28,12 +28,14 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
 
+from trainer_client import wire
 from trainer_client.protocol import (
+    MSGPACK_MEDIA_TYPE,
     NDJSON_MEDIA_TYPE,
     AckResponse,
     Group,
@@ -249,6 +251,40 @@ class _Dedupe:
         return ids
 
 
+class _LineDecoder:
+    """NDJSON split on bytes (no text decoding of ~100 KB lines); feed() returns messages."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> list[Any]:
+        lines = (self._tail + chunk).split(b"\n")
+        self._tail = lines.pop()
+        return [orjson.loads(line) for line in lines if line.strip()]
+
+
+class _MsgpackDecoder:
+    def __init__(self) -> None:
+        self._unpacker = wire.stream_decoder()
+
+    def feed(self, chunk: bytes) -> list[Any]:
+        self._unpacker.feed(chunk)
+        return list(self._unpacker)
+
+
+def _decoder(response: httpx.Response) -> _LineDecoder | _MsgpackDecoder:
+    """Decode what the server sent (by its Content-Type), whatever was asked for."""
+    if response.headers.get("content-type", "").startswith(MSGPACK_MEDIA_TYPE):
+        return _MsgpackDecoder()
+    return _LineDecoder()
+
+
+def _lease_response(response: httpx.Response) -> LeaseResponse:
+    if response.headers.get("content-type", "").startswith(MSGPACK_MEDIA_TYPE):
+        return LeaseResponse.model_validate(wire.unpack(response.content))
+    return LeaseResponse.model_validate_json(response.content)
+
+
 class _Backoff:
     """Exponential backoff with jitter: uniform in [base/2, min(cap, base * 2**attempt)]."""
 
@@ -316,6 +352,7 @@ class _Core:
         timeout_s: float = 30.0,
         weights_timeout_s: float = 600.0,
         backoff_s: tuple[float, float] = (0.2, 5.0),
+        encoding: Literal["msgpack", "json"] = "msgpack",
     ) -> None:
         if watchdog_s <= 0:
             raise ValueError("watchdog_s must be positive")
@@ -330,6 +367,9 @@ class _Core:
         self.weights_timeout_s = weights_timeout_s
         self.backoff_s = backoff_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Groups and leases come as msgpack (a third of JSON's bytes, half its decoding
+        # time) unless "json" is asked for; either way the same Group objects result.
+        self.accept = {"msgpack": MSGPACK_MEDIA_TYPE, "json": NDJSON_MEDIA_TYPE}[encoding]
         self.dedupe = _Dedupe()
         #: The newest heartbeat seen on the stream (policy/config version, queue depths).
         self.last_heartbeat: Heartbeat | None = None
@@ -364,12 +404,9 @@ class _Core:
             raise error
         return error
 
-    def _parse_line(self, line: str | bytes) -> Group | None:
-        """A group to hand on, or None (heartbeat, blank line, or an unknown message type)."""
-        if not line or not line.strip():
-            return None
-        msg = orjson.loads(line)
-        kind = msg.get("type")
+    def _message(self, msg: Any) -> Group | None:
+        """A group to hand on, or None (a heartbeat or an unknown message type)."""
+        kind = msg.get("type") if isinstance(msg, dict) else None
         if kind == "group":
             return Group.model_validate(msg["group"])
         if kind == "heartbeat":
@@ -483,8 +520,10 @@ class SamplerClient(_Core):
     def lease(self, max_groups: int = 8, wait_s: float = 0.0, consumer: str | None = None) -> LeaseResponse:
         """Lease whole frames without a stream; duplicates are filtered as on the stream."""
         body = {"max_groups": max_groups, "wait_s": wait_s, "consumer": consumer or self.consumer}
-        r = self._request("POST", "/v1/groups/lease", json=body, timeout=self.timeout_s + wait_s)
-        lease = LeaseResponse.model_validate_json(r.content)
+        r = self._request(
+            "POST", "/v1/groups/lease", json=body, headers={"Accept": self.accept}, timeout=self.timeout_s + wait_s
+        )
+        lease = _lease_response(r)
         keep = []
         for group in lease.groups:
             fresh, ack_now = self.dedupe.admit(group)
@@ -511,25 +550,27 @@ class SamplerClient(_Core):
             try:
                 with self._http.stream(
                     "GET", "/v1/groups/stream", params=params,
-                    headers={"Accept": NDJSON_MEDIA_TYPE}, timeout=httpx.Timeout(remaining),
+                    headers={"Accept": self.accept}, timeout=httpx.Timeout(remaining),
                 ) as response:
                     if response.status_code >= 400:
                         response.read()
                         error = self._refused(response)
                     else:
                         self.connections += 1
-                        for line in response.iter_lines():
+                        decoder = _decoder(response)
+                        for chunk in response.iter_bytes():
                             last_seen = time.monotonic()
                             backoff.reset()
-                            group = self._parse_line(line)
-                            if group is None:
-                                continue
-                            fresh, ack_now = self.dedupe.admit(group)
-                            if ack_now:
-                                self._ack_quietly(ack_now)
-                            if fresh:
-                                yield group
-                                last_seen = max(last_seen, time.monotonic())
+                            for msg in decoder.feed(chunk):
+                                group = self._message(msg)
+                                if group is None:
+                                    continue
+                                fresh, ack_now = self.dedupe.admit(group)
+                                if ack_now:
+                                    self._ack_quietly(ack_now)
+                                if fresh:
+                                    yield group
+                                    last_seen = max(last_seen, time.monotonic())
                         error = "the server ended the stream"
             except httpx.TimeoutException as exc:
                 error = exc
@@ -645,8 +686,10 @@ class AsyncSamplerClient(_Core):
 
     async def lease(self, max_groups: int = 8, wait_s: float = 0.0, consumer: str | None = None) -> LeaseResponse:
         body = {"max_groups": max_groups, "wait_s": wait_s, "consumer": consumer or self.consumer}
-        r = await self._request("POST", "/v1/groups/lease", json=body, timeout=self.timeout_s + wait_s)
-        lease = LeaseResponse.model_validate_json(r.content)
+        r = await self._request(
+            "POST", "/v1/groups/lease", json=body, headers={"Accept": self.accept}, timeout=self.timeout_s + wait_s
+        )
+        lease = _lease_response(r)
         keep = []
         for group in lease.groups:
             fresh, ack_now = self.dedupe.admit(group)
@@ -669,25 +712,27 @@ class AsyncSamplerClient(_Core):
             try:
                 async with self._http.stream(
                     "GET", "/v1/groups/stream", params=params,
-                    headers={"Accept": NDJSON_MEDIA_TYPE}, timeout=httpx.Timeout(remaining),
+                    headers={"Accept": self.accept}, timeout=httpx.Timeout(remaining),
                 ) as response:
                     if response.status_code >= 400:
                         await response.aread()
                         error = self._refused(response)
                     else:
                         self.connections += 1
-                        async for line in response.aiter_lines():
+                        decoder = _decoder(response)
+                        async for chunk in response.aiter_bytes():
                             last_seen = time.monotonic()
                             backoff.reset()
-                            group = self._parse_line(line)
-                            if group is None:
-                                continue
-                            fresh, ack_now = self.dedupe.admit(group)
-                            if ack_now:
-                                await self._ack_quietly(ack_now)
-                            if fresh:
-                                yield group
-                                last_seen = max(last_seen, time.monotonic())
+                            for msg in decoder.feed(chunk):
+                                group = self._message(msg)
+                                if group is None:
+                                    continue
+                                fresh, ack_now = self.dedupe.admit(group)
+                                if ack_now:
+                                    await self._ack_quietly(ack_now)
+                                if fresh:
+                                    yield group
+                                    last_seen = max(last_seen, time.monotonic())
                         error = "the server ended the stream"
             except httpx.TimeoutException as exc:
                 error = exc

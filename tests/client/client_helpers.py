@@ -10,6 +10,12 @@ from typing import Any
 import httpx
 import orjson
 
+from sampler_service.encoding import MSGPACK
+from sampler_service.outbox import Delivered
+from sampler_service.store import StoredGroup
+from trainer_client import wire
+from trainer_client.protocol import MSGPACK_MEDIA_TYPE, NDJSON_MEDIA_TYPE, Group
+
 
 def sample(tokens: list[int], logprobs: list[float] | None = None, reward: float = 1.0, **kw: Any) -> dict[str, Any]:
     return {
@@ -74,12 +80,22 @@ def heartbeat_line(policy_version: int = 0) -> bytes:
     }) + b"\n"
 
 
+def as_msgpack(line: bytes) -> bytes:
+    """An NDJSON stream line as the service sends it to a client that accepts msgpack."""
+    msg = orjson.loads(line)
+    if msg.get("type") != "group":
+        return wire.pack(msg)
+    g = Group.model_validate(msg["group"])
+    return MSGPACK.group_message(Delivered(g.delivery_id, StoredGroup(0, g.group_id, wire.pack_group(g))))
+
+
 class FakeSampler:
     """A scripted sampler behind httpx.MockTransport.
 
     `connections` is a list of scripts, one per stream connection: each a list of byte
     lines, or an exception instance to raise at that point (a dropped connection). After
     the scripts run out, a connection just ends. Acks and other requests are recorded.
+    Lines go out as written (NDJSON), or as msgpack when the client accepts it.
     """
 
     def __init__(
@@ -102,7 +118,12 @@ class FakeSampler:
         if path == "/v1/groups/stream":
             self.stream_params.append(dict(request.url.params))
             script = self.connections.pop(0) if self.connections else []
-            return httpx.Response(200, content=_aplay(script) if self.asynchronous else _play(script))
+            media_type = NDJSON_MEDIA_TYPE
+            if MSGPACK_MEDIA_TYPE in request.headers.get("accept", ""):
+                media_type = MSGPACK_MEDIA_TYPE
+                script = [item if isinstance(item, BaseException) else as_msgpack(item) for item in script]
+            content = _aplay(script) if self.asynchronous else _play(script)
+            return httpx.Response(200, content=content, headers={"content-type": media_type})
         if path == "/v1/groups/ack":
             ids = orjson.loads(request.content)["delivery_ids"]
             self.acks.append(ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import httpx
 import orjson
@@ -10,6 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
+
+from trainer_client import wire
+from trainer_client.protocol import MSGPACK_MEDIA_TYPE, NDJSON_MEDIA_TYPE, Group, LeaseResponse
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,13 +34,29 @@ def collect(client: httpx.Client, n: int, ack: bool = True, **kw) -> list[dict]:
     return groups
 
 
-def stream_groups(client: httpx.Client, n: int, consumer: str, max_unacked: int = 8) -> list[dict]:
+def _msgpack_messages(response: httpx.Response) -> Iterator[dict]:
+    decoder = wire.stream_decoder()
+    for chunk in response.iter_bytes():
+        decoder.feed(chunk)
+        yield from decoder
+
+
+def stream_groups(
+    client: httpx.Client, n: int, consumer: str, max_unacked: int = 8, accept: str | None = None
+) -> list[dict]:
     """Read n groups from the stream without acking, then drop the connection."""
     out: list[dict] = []
-    with client.stream("GET", "/v1/groups/stream", params={"consumer": consumer, "max_unacked": max_unacked}) as r:
+    params = {"consumer": consumer, "max_unacked": max_unacked}
+    headers = {"Accept": accept} if accept else {}
+    with client.stream("GET", "/v1/groups/stream", params=params, headers=headers) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            msg = orjson.loads(line)
+        if accept == MSGPACK_MEDIA_TYPE:
+            assert r.headers["content-type"] == MSGPACK_MEDIA_TYPE
+            messages = _msgpack_messages(r)
+        else:
+            assert r.headers["content-type"].startswith(NDJSON_MEDIA_TYPE)
+            messages = (orjson.loads(line) for line in r.iter_lines())
+        for msg in messages:
             if msg["type"] == "group":
                 out.append(msg["group"])
                 if len(out) >= n:
@@ -120,6 +140,25 @@ def test_redelivery_after_disconnect_and_kill9(make_server) -> None:
         redelivered = stream_groups(c, 4, consumer="d", max_unacked=4)
         assert [g["group_id"] for g in redelivered] == [g["group_id"] for g in unacked]
         assert acked.isdisjoint(g["group_id"] for g in redelivered)
+
+
+def test_msgpack_and_json_deliver_the_same_groups(make_server) -> None:
+    """Stream and lease in both encodings: the same values, only the delivery ids differ."""
+    server = make_server({"rule": "fixed", "group_size": 3, "n_max": 3, "wave_size": 3, "max_tokens": 16})
+    with server.client() as c:
+        packed = stream_groups(c, 4, consumer="m", max_unacked=4, accept=MSGPACK_MEDIA_TYPE)
+        as_json = stream_groups(c, 4, consumer="j", max_unacked=4)  # the same frames, redelivered
+        assert [g["group_id"] for g in as_json] == [g["group_id"] for g in packed]
+        for a, b in zip(packed, as_json, strict=True):
+            assert a["delivery_id"] != b["delivery_id"]
+            assert {**a, "delivery_id": None} == {**b, "delivery_id": None}
+            assert all(s["logprobs"] and all(math.isfinite(x) for x in s["logprobs"]) for s in a["samples"])
+            Group.model_validate(a)
+        r = c.post("/v1/groups/lease", json={"max_groups": 4, "consumer": "l"}, headers={"Accept": MSGPACK_MEDIA_TYPE})
+        assert r.status_code == 200 and r.headers["content-type"] == MSGPACK_MEDIA_TYPE
+        leased = LeaseResponse.model_validate(wire.unpack(r.content))
+        assert [g.group_id for g in leased.groups] == [g["group_id"] for g in packed]
+        assert leased.groups[0].samples[0].logprobs == packed[0]["samples"][0]["logprobs"]
 
 
 def _perturbed_state(model_dir, scale: float) -> bytes:

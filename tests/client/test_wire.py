@@ -1,0 +1,64 @@
+"""The msgpack encoding of groups: exact round trips, compact arrays, delivery-id splicing."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import orjson
+import pytest
+from client_helpers import group, sample
+
+from trainer_client import wire
+from trainer_client.protocol import Group
+
+
+def _group(**sample_kw) -> Group:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 151_000, 1024).tolist()
+    logprobs = np.log(rng.random(1024)).astype(np.float32).astype(float).tolist()
+    return Group.model_validate(group("g", [sample(tokens, logprobs, **sample_kw) for _ in range(4)]))
+
+
+def test_round_trip_is_exact_and_compact() -> None:
+    for g in (_group(), _group(token_weights=[0.1 * i for i in range(1024)])):  # float64 weights
+        packed = wire.pack_group(g)
+        assert wire.unpack_group(packed) == g.model_copy(update={"delivery_id": None})
+        as_json = g.model_dump_json(exclude={"delivery_id"}).encode()
+        assert wire.unpack(packed) == orjson.loads(as_json)  # the same values, key for key
+    g = _group()
+    assert len(wire.pack_group(g)) < len(g.model_dump_json()) / 2  # ids and float32 logprobs as raw arrays
+
+
+def test_arrays_widen_only_when_needed() -> None:
+    def dtype_code(values: list, kind: str) -> int:
+        return wire._array(values, kind).code
+
+    assert dtype_code([1, 2, 2**31 - 1], "int") == dtype_code([0], "int")
+    assert dtype_code([2**40], "int") != dtype_code([0], "int")  # int64, not truncated
+    assert dtype_code([-0.5, 0.25], "float") != dtype_code([0.1], "float")  # float32 vs float64
+    for values, kind in [([2**40, -3], "int"), ([0.1, 1 / 3], "float"), ([-0.5, 0.25], "float"), ([], "int")]:
+        assert wire.unpack(msgpack.packb(wire._array(values, kind))) == values
+
+
+@pytest.mark.parametrize("entries", [1, 14, 15, 16, 70_000])
+def test_splice_map_adds_one_entry_for_every_map_size(entries: int) -> None:
+    doc = {f"k{i}": i for i in range(entries)}
+    spliced = wire.splice_map(msgpack.packb(doc), "delivery_id", "abc")
+    assert wire.unpack(spliced) == {**doc, "delivery_id": "abc"}
+
+
+def test_splice_map_refuses_what_is_not_a_map() -> None:
+    with pytest.raises(ValueError, match="not a msgpack map"):
+        wire.splice_map(msgpack.packb([1, 2]), "delivery_id", "x")
+
+
+def test_stream_decoder_reassembles_messages_cut_anywhere() -> None:
+    g = _group()
+    messages = [wire.pack({"type": "heartbeat", "ready": 1}), wire.pack_group(g), wire.pack({"type": "x"})]
+    stream = b"".join(messages)
+    decoder, out = wire.stream_decoder(), []
+    for start in range(0, len(stream), 997):  # chunks that split messages mid-array
+        decoder.feed(stream[start:start + 997])
+        out.extend(decoder)
+    assert out[0] == {"type": "heartbeat", "ready": 1} and out[2] == {"type": "x"}
+    assert Group.model_validate(out[1]) == g.model_copy(update={"delivery_id": None})

@@ -1,0 +1,63 @@
+"""The SQLite store: groups survive reopening, and WAL checkpoints run off the write path."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+from sampler_service.store import Store
+
+PAYLOAD = os.urandom(200_000)  # about one group of 4 x 1,024 tokens
+
+
+def _fill(store: Store, n: int) -> None:
+    for i in range(n):
+        store.add_pending(f"g{i}", PAYLOAD)
+    store.frame("b0", [(f"g{i}", PAYLOAD) for i in range(n // 2)])
+
+
+def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_checkpoints_move_the_wal_into_the_database_from_another_thread(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite", checkpoint_every_s=0.05)
+    # The writer never checkpoints by itself...
+    assert store._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    _fill(store, 40)  # ~8 MB of WAL, eight times SQLite's default checkpoint threshold
+    # ...the checkpoint thread copies the log into the database file.
+    assert _wait_for(lambda: (tmp_path / "s.sqlite").stat().st_size > 40 * len(PAYLOAD))
+    assert _wait_for(lambda: store.checkpoints > 0)
+    store.close()
+    assert not (tmp_path / "s.sqlite-wal").exists() or (tmp_path / "s.sqlite-wal").stat().st_size == 0
+
+
+def test_without_the_thread_sqlite_checkpoints_inside_commits(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite", checkpoint_every_s=None)
+    assert store._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
+    assert store.checkpoints == 0
+    store.close()
+
+
+def test_groups_and_frames_survive_reopening(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite", checkpoint_every_s=0.05)
+    _fill(store, 10)
+    store.delete(["g0"])
+    store.put({"scheduler_state": {"cursor": 7}})
+    store._checkpointer.stop()  # as a crash would leave it: no final checkpoint, no close
+    store._checkpointer = None
+    reopened = Store(tmp_path / "s.sqlite")
+    assert [g.group_id for g in reopened.pending()] == [f"g{i}" for i in range(5, 10)]
+    (frame,) = reopened.frames()
+    assert [m.group_id for m in frame.members] == ["g1", "g2", "g3", "g4"]
+    assert all(m.payload == PAYLOAD for m in frame.members)
+    assert reopened.get("scheduler_state") == {"cursor": 7}
+    assert sqlite3.connect(tmp_path / "s.sqlite").execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    reopened.close()
