@@ -143,7 +143,7 @@ def run_raw(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- through the service ------------------------------------------------------------------------
-def run_service(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+def run_service(spec: dict[str, Any], work: Path, hf_engine: str = "process") -> dict[str, Any]:
     from trainer_client.client import SamplerClient
     from trainer_client.launch import SamplerProcess
 
@@ -154,7 +154,8 @@ def run_service(spec: dict[str, Any], work: Path) -> dict[str, Any]:
               "batch_groups": 1}
     state = work / f"state-{spec['backend']}-{time.monotonic_ns()}"
     proc = SamplerProcess(Path(spec["model"]), [Path(f) for f in spec["data"]], state, config,
-                          work / "sampler.log", extra=["--backend", spec["backend"], "--torch-threads", "1"],
+                          work / "sampler.log",
+                          extra=["--backend", spec["backend"], "--torch-threads", "1", "--hf-engine", hf_engine],
                           env=_env())
     if spec["backend"] == "vllm":
         proc.cmd[0] = str(VLLM_PYTHON)
@@ -276,20 +277,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                             else 400 if args.quick else 600),
             }
             repeats = args.repeats or (1 if cpu_engine else 3 if args.quick else 6)
-            raw_runs, svc_runs = [], []
+            # hf: the service with its engine in a child process (the default) and on a
+            # thread of the server process; vLLM's engine core is always its own process.
+            kinds = ["raw", "service"] + (["service, engine thread"] if backend == "hf" else [])
+            by_kind: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
             for i in range(repeats):
-                # Alternate which goes first, so a load change on a shared box hits both.
-                for kind in (("raw", "service") if i % 2 == 0 else ("service", "raw")):
+                # Rotate the order, so a load change on a shared box hits every kind.
+                for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
                     t = time.monotonic()
                     load = os.getloadavg()[0]
-                    r = run_raw(spec) if kind == "raw" else run_service(spec, work)
+                    if kind == "raw":
+                        r = run_raw(spec)
+                    else:
+                        r = run_service(spec, work, "thread" if kind.endswith("engine thread") else "process")
                     r["loadavg_before"] = load
-                    (raw_runs if kind == "raw" else svc_runs).append(r)
+                    by_kind[kind].append(r)
                     runs.append({"backend": backend, "kind": kind, "repeat": i, **r})
                     print(f"  [{backend}] {kind} #{i + 1}: {r['tokens_per_s']:,.0f} tokens/s, "
                           f"{r['cpu_ms_per_1k_tokens']:.0f} CPU ms/1k tokens ({r['tokens_per_answer']:.2f} "
                           f"tokens/answer, load {load:.1f}, {time.monotonic() - t:.0f}s)", flush=True)
-            rows.append(_summarize(backend, args, spec, raw_runs, svc_runs))
+            for kind in kinds[1:]:
+                label = backend if kind == "service" else f"{backend} ({kind.split(', ')[1]})"
+                rows.append(_summarize(label, args, spec, by_kind["raw"], by_kind[kind]))
     print("\n== service overhead: generated tokens/s, raw engine vs through the service to a client ==")
     print(table(rows, [("backend", "backend"), ("answers", "answers"), ("n", "n"), ("max_tokens", "max_tokens"),
                        ("concurrency", "prompts in flight"), ("prompts", "prompts measured"),

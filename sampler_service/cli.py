@@ -32,6 +32,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="default verifier for rows without one: exact | math | python:module:function",
     )
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="inference engine")
+    p.add_argument(
+        "--hf-engine", choices=["process", "thread"], default="process",
+        help="run the hf backend in its own process (the service's work then never waits on the "
+        "engine's GIL) or on a thread of the server process",
+    )
     p.add_argument("--device", default="cpu", help="torch device for the hf backend")
     p.add_argument("--dtype", default="float32", help="engine dtype (float32, bfloat16, float16)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -95,7 +100,8 @@ def serve(args: argparse.Namespace) -> None:
 
         torch.set_num_threads(args.torch_threads)
     settings = ServeSettings(
-        model=args.model, data=args.data, verifier=args.verifier, backend=args.backend,
+        model=args.model, data=args.data, verifier=args.verifier, backend=args.backend, hf_engine=args.hf_engine,
+        torch_threads=args.torch_threads,
         device=args.device, dtype=args.dtype, host=args.host, port=args.port, state_dir=args.state_dir,
         api_key=args.api_key, heartbeat_s=args.heartbeat_s, verifier_timeout_s=args.verifier_timeout_s,
         verifier_workers=args.verifier_workers, store_checkpoint_s=args.store_checkpoint_s, seed=args.seed,

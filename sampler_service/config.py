@@ -211,6 +211,10 @@ class ServeSettings(_Strict):
     data: list[Path]
     verifier: str = "exact"
     backend: Literal["hf", "vllm"] = "hf"
+    hf_engine: Literal["process", "thread"] = Field(
+        "process", description="hf backend in a child process (default) or on a thread of the server's"
+    )
+    torch_threads: int = Field(1, ge=0, description="torch CPU threads of the engine; 0 = torch's default")
     device: str = "cpu"
     dtype: str = "float32"
     host: str = "127.0.0.1"

@@ -160,6 +160,13 @@ class Scheduler:
         self._unframed: list[Group] = []
         self._frame_lock = asyncio.Lock()
         self._active: set[asyncio.Task[None]] = set()
+        # Prompts whose answers are all in wait here for one finalizer task to store
+        # their groups. A prompt leaves its engine slot as soon as its answers are
+        # verified, so the next prompt is admitted at once and the engine never waits on
+        # the store; waiting groups count as buffered for backpressure.
+        self._finished: asyncio.Queue[PromptRun] = asyncio.Queue()
+        self._finalizing = 0
+        self._finalizer: asyncio.Task[None] | None = None
         self._gate = asyncio.Event()  # cleared while weights are being swapped
         self._gate.set()
         self._weights_lock = asyncio.Lock()
@@ -174,13 +181,24 @@ class Scheduler:
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> None:
         self._runner = asyncio.create_task(self._run(), name="scheduler")
+        self._finalizer = asyncio.create_task(self._finalize_finished(), name="finalizer")
 
-    async def stop(self) -> None:
+    async def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop generating; groups whose answers are all in are still stored (bounded wait)."""
         tasks = [t for t in (self._runner, *self._active) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._runner = None
+        if self._finalizer is not None:
+            try:
+                async with asyncio.timeout(drain_timeout_s):
+                    await self._finished.join()
+            except TimeoutError:
+                log.error("stopped with %d finished groups not stored", self._finalizing)
+            self._finalizer.cancel()
+            await asyncio.gather(self._finalizer, return_exceptions=True)
+            self._finalizer = None
 
     def poke(self) -> None:
         """Something that limits admission changed (ack, config, weights): re-check."""
@@ -233,7 +251,7 @@ class Scheduler:
 
     # -- admission --------------------------------------------------------------------
     def buffered(self) -> int:
-        return self.sink.buffered() + len(self._unframed)
+        return self.sink.buffered() + len(self._unframed) + self._finalizing
 
     def capacity(self) -> int:
         """How many prompts may be admitted now (DESIGN.md section 5, backpressure)."""
@@ -320,7 +338,21 @@ class Scheduler:
             if not await self._wave(run, n):
                 self._drop(run, "engine_error")
                 return
-        await self._finalize(run)
+        self._finalizing += 1
+        self._finished.put_nowait(run)
+
+    async def _finalize_finished(self) -> None:
+        while True:
+            run = await self._finished.get()
+            try:
+                await self._finalize(run)
+            except Exception as exc:  # noqa: BLE001 - one bad group must not stop the rest
+                self.last_error = f"finalizing prompt {run.row.id} failed: {exc!r}"
+                log.exception("finalizing prompt %s failed", run.row.id)
+            finally:
+                self._finalizing -= 1
+                self._finished.task_done()
+                self.poke()
 
     @contextlib.asynccontextmanager
     async def _generating(self) -> AsyncIterator[None]:

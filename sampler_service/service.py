@@ -8,6 +8,7 @@ routes stay thin (parse, call, map errors).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -94,6 +95,12 @@ def build_backend(settings: ServeSettings, tokenizer: Any) -> Backend:
         return VLLMBackend(settings.model, tokenizer=tokenizer, seed=settings.seed, **settings.vllm)
     from sampler_service.backends.hf import HFBackend
 
+    if settings.hf_engine == "process":
+        from sampler_service.backends.engine_process import EngineProcess
+
+        # The child loads the tokenizer itself (from the model directory) for response texts.
+        factory = functools.partial(HFBackend, settings.model, device=settings.device, dtype=settings.dtype)
+        return EngineProcess(factory, torch_threads=settings.torch_threads)
     return HFBackend(settings.model, device=settings.device, dtype=settings.dtype, tokenizer=tokenizer)
 
 

@@ -33,6 +33,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from sampler_service.aio import wait_event
 from sampler_service.backends.base import (
     Backend,
     BackendHealth,
@@ -133,6 +134,14 @@ class HFBackend(Backend):
     `model_dir` if one is saved there, else texts are empty (the service tokenizes prompts
     itself). `max_batch_rows` bounds rows (sum of n) per `model.generate` call; a request
     with a larger n is split over consecutive calls.
+
+    A generate call cannot take new rows once it runs. Under steady load a batch started
+    the moment the previous one ends would hold only the few requests that arrived during
+    it, while the previous batch's prompts come back a few ms later and must wait a whole
+    batch: the engine then alternates a nearly empty batch with a full one. So, as a
+    dynamic batcher's queue delay (Triton's `max_queue_delay`), a batch waits up to
+    `max_batch_wait_s` for as many rows as the recent batches had. Without recent load
+    (one request at a time) nothing waits.
     """
 
     name = "hf"
@@ -144,6 +153,7 @@ class HFBackend(Backend):
         dtype: str = "float32",
         max_batch_rows: int = 256,
         tokenizer: Decoder | None = None,
+        max_batch_wait_s: float = 0.05,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -153,6 +163,8 @@ class HFBackend(Backend):
         self._device = torch.device(device)
         self._dtype_name = dtype
         self._max_batch_rows = max_batch_rows
+        self._max_batch_wait_s = max_batch_wait_s
+        self._recent_rows: deque[int] = deque(maxlen=4)
         self._tokenizer = tokenizer
         # One thread owns the model: generate batches, weight copies and scoring are
         # serialized on it, which is what keeps a weight load out of a running batch.
@@ -304,7 +316,11 @@ class HFBackend(Backend):
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while (batch := self._next_batch()) is not None:
+            while True:
+                await self._let_batch_fill()
+                if (batch := self._next_batch()) is None:
+                    break
+                self._recent_rows.append(sum(rows for _, rows in batch.parts))
                 # Stays set until the batch is delivered, so close() or a crash of this
                 # task can still fail the batch's callers instead of leaving them waiting.
                 self._inflight = batch
@@ -320,6 +336,18 @@ class HFBackend(Backend):
                         self._add_completions(req, rows[:count])
                         rows = rows[count:]
                 self._inflight = None
+
+    def _queued_rows(self) -> int:
+        return sum(req.n - req.scheduled for req in self._queue if not req.future.done())
+
+    async def _let_batch_fill(self) -> None:
+        """See the class docstring: wait (bounded) for the rows recent batches had."""
+        loop = asyncio.get_running_loop()
+        target = min(self._max_batch_rows, max(self._recent_rows, default=0))
+        deadline = loop.time() + self._max_batch_wait_s
+        while 0 < self._queued_rows() < target and (remaining := deadline - loop.time()) > 0:
+            self._wakeup.clear()  # generate() sets it for each new request
+            await wait_event(self._wakeup, remaining)
 
     def _next_batch(self) -> _Batch | None:
         """Take up to max_batch_rows rows from the oldest request and those sharing its params.

@@ -147,6 +147,22 @@ async def test_requests_beyond_max_batch_rows_are_split(model_dir: Path) -> None
         assert backend.model_calls == 3  # 11 rows in batches of 4, 4, 3
 
 
+async def test_under_load_a_batch_waits_for_the_requests_still_coming(model_dir: Path) -> None:
+    """After a 16-row batch, four 4-row requests arriving one by one run as one batch."""
+    async with started(model_dir, max_batch_wait_s=30.0) as backend:
+        sampling = SamplingParams(max_tokens=4)
+        await asyncio.gather(*(backend.generate([5 + i], 4, sampling) for i in range(4)))
+        assert backend.model_calls == 1
+
+        async def late(i: int) -> list[Completion]:
+            await asyncio.sleep(0.02 * i)
+            return await backend.generate([5 + i], 4, sampling)
+
+        results = await asyncio.gather(*(late(i) for i in range(4)))
+        assert [len(r) for r in results] == [4] * 4
+        assert backend.model_calls == 2  # not one call per request
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.3, 0.0])
 async def test_logprobs_match_an_independent_forward_pass(
     backend: HFBackend, reference: Any, temperature: float

@@ -197,3 +197,31 @@ async def test_weight_update_waits_for_in_flight_and_tags_versions(toy, backend)
         await scheduler.stop()
     for g in sink.groups():
         assert g.policy_version_min == g.policy_version_max or g.policy_version_max == 1
+
+
+class SlowSink(MemorySink):
+    """A store that takes 50 ms per group: the engine must not wait for it."""
+
+    async def add_pending(self, group: Any, state: Any) -> None:
+        await asyncio.sleep(0.05)
+
+
+async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(toy, backend) -> None:
+    scheduler, _ = make_scheduler(toy, backend, rule="fixed", group_size=2, n_max=2, wave_size=2,
+                                  max_active_prompts=4, max_buffered_groups=1000)
+    sink = scheduler.sink = SlowSink()
+    scheduler.start()
+    try:
+        async with asyncio.timeout(120):
+            # Finished groups pile up behind the slow store while generation goes on:
+            # their prompts no longer hold the 4 engine slots.
+            while scheduler._finalizing < 8:
+                assert scheduler.active_prompts <= 4
+                await asyncio.sleep(0.01)
+            assert scheduler.buffered() >= 8  # waiting groups count for backpressure
+    finally:
+        await scheduler.stop()
+    # Every prompt whose answers were all in got its group stored.
+    assert scheduler._finalizing == 0
+    finished = sum(scheduler.stats.stop_reasons.values())
+    assert finished >= 8 and len(sink.groups()) + len(scheduler._unframed) == finished
