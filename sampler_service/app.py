@@ -120,6 +120,8 @@ def create_app(service: SamplerService) -> FastAPI:
     async def ready() -> Response:
         if not service.ready:
             return _error(503, "not_ready", "the engine or dataset is still loading")
+        if error := service.engine_error():
+            return _error(503, "engine_failed", f"the engine failed and generates nothing: {error}")
         return _json({"status": "ready"})
 
     @app.get("/metrics")

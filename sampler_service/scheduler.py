@@ -209,6 +209,11 @@ class Scheduler:
         return len(self._active)
 
     @property
+    def finalizing(self) -> int:
+        """Prompts whose answers are all in, their groups not yet stored."""
+        return self._finalizing
+
+    @property
     def paused(self) -> bool:
         return not self._gate.is_set()
 
@@ -256,7 +261,7 @@ class Scheduler:
     def capacity(self) -> int:
         """How many prompts may be admitted now (DESIGN.md section 5, backpressure)."""
         cfg = self.config
-        if self.paused:
+        if self.paused or not self.backend.health().ok:  # a dead engine would only burn prompts
             return 0
         buffered = self.buffered()
         if buffered >= cfg.max_buffered_groups:

@@ -222,14 +222,23 @@ class SamplerService:
         return verdict
 
     # -- health -----------------------------------------------------------------------
+    def engine_error(self) -> str | None:
+        """Why the engine cannot generate any more (it died or failed), or None."""
+        if not self.ready:
+            return None
+        health = self.backend.health()
+        return None if health.ok else str(health.detail.get("error", "the engine reports it is unhealthy"))
+
     def health(self) -> Health:
         backend = getattr(self, "backend", None)
+        error = self.engine_error()
         return Health(
-            status="ok" if self.ready else "starting",
+            status="engine_failed" if error else "ok" if self.ready else "starting",
             backend=self.settings.backend,
             model=str(self.settings.model),
             policy_version=backend.policy_version if backend and self.ready else 0,
             uptime_s=time.time() - self.started_at,
+            engine_error=error,
         )
 
     # -- config -----------------------------------------------------------------------
@@ -270,8 +279,9 @@ class SamplerService:
             config_version=self.scheduler.config_version,
             ready=self.outbox.ready_groups,
             leased=self.outbox.leased_groups,
-            active_prompts=self.scheduler.active_prompts,
+            active_prompts=self.scheduler.active_prompts + self.scheduler.finalizing,
             unacked=self.outbox.unacked(consumer),
+            engine_error=self.engine_error(),
         ).model_dump()
 
     async def stream(
@@ -412,9 +422,12 @@ class SamplerService:
                 "leased": self.outbox.leased_groups,
                 "pending": self.sink.pending,
                 "active_prompts": self.scheduler.active_prompts,
+                "finalizing": self.scheduler.finalizing,
             },
             "paused": self.scheduler.paused,
             "last_error": self.scheduler.last_error,
+            "engine_error": self.engine_error(),
+            "engine": self.backend.health().detail,
             "domains": self._domain_shares(),
             **self.scheduler.stats.to_dict(),
         }

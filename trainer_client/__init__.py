@@ -5,7 +5,8 @@
 - `trainer_client.batch`: `BatchAssembler` / `collate` (groups -> padded training tensors);
 - `trainer_client.grpo`: the reference GRPO trainer (`adaptive-rollout train`);
 - `trainer_client.demo`: `adaptive-rollout demo`;
-- `trainer_client.protocol`: the wire models shared with the server.
+- `trainer_client.protocol`: the wire models shared with the server, and
+  `trainer_client.wire` their msgpack encoding.
 
 Nothing here imports the server or its dependencies (FastAPI, uvicorn, vLLM). Names are
 loaded lazily, so `import trainer_client` stays cheap:
@@ -24,6 +25,7 @@ _EXPORTS = {
     "SamplerError": "trainer_client.client",
     "SamplerUnavailable": "trainer_client.client",
     "SamplerHTTPError": "trainer_client.client",
+    "EngineFailed": "trainer_client.client",
     "BatchAssembler": "trainer_client.batch",
     "TrainBatch": "trainer_client.batch",
     "GRPOTrainer": "trainer_client.grpo",

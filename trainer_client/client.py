@@ -49,6 +49,7 @@ __all__ = [
     "AsyncSamplerClient",
     "AuthError",
     "ConflictError",
+    "EngineFailed",
     "InvalidRequest",
     "NotFound",
     "PayloadTooLarge",
@@ -91,6 +92,16 @@ class SamplerUnavailable(SamplerError):
             detail = last_error if isinstance(last_error, str) else f"{type(last_error).__name__}: {last_error}"
             msg += f"; last error: {detail}"
         super().__init__(msg)
+
+
+class EngineFailed(SamplerError):
+    """The sampler answers but its engine has failed: no new groups will come.
+
+    Raised by `groups()` once a heartbeat says the engine failed and nothing more can
+    reach this stream: no READY group, no prompt still finishing, no group leased by
+    another consumer that could come back. Every group finished before the failure is
+    delivered first. The message carries the engine's error.
+    """
 
 
 class SamplerHTTPError(SamplerError):
@@ -411,6 +422,9 @@ class _Core:
             return Group.model_validate(msg["group"])
         if kind == "heartbeat":
             self.last_heartbeat = Heartbeat.model_validate(msg)
+            beat = self.last_heartbeat
+            if beat.engine_error and not beat.ready and not beat.active_prompts and beat.leased <= beat.unacked:
+                raise EngineFailed(f"sampler at {self.base_url}: engine failed: {beat.engine_error}")
         return None
 
     def _unavailable(self, waited_for: str, since: float, attempts: int, error: Any) -> SamplerUnavailable:

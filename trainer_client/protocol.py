@@ -79,8 +79,9 @@ class Heartbeat(_Wire):
     config_version: int
     ready: int
     leased: int
-    active_prompts: int
+    active_prompts: int = Field(description="prompts generating or finishing: groups still to come")
     unacked: int
+    engine_error: str | None = Field(None, description="set once the engine has failed: no new groups will come")
 
 
 class AckRequest(_Wire):
@@ -116,11 +117,12 @@ class WeightsResponse(_Wire):
 
 
 class Health(_Wire):
-    status: str
+    status: str = Field(description="starting, ok, or engine_failed")
     backend: str
     model: str
     policy_version: int
     uptime_s: float
+    engine_error: str | None = None
 
 
 class ErrorDetail(_Wire):

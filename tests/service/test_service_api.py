@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -248,3 +249,44 @@ def test_reward_gap_mixing_favours_hardest_domain(make_server) -> None:
     assert domains[hardest]["target_share"] > domains[easiest]["target_share"]
     for d in domains.values():
         assert math.isclose(d["admitted_share"], d["target_share"], abs_tol=0.15)
+
+
+def test_a_dead_engine_is_reported_not_a_silent_hang(make_server) -> None:
+    """SIGKILL the engine process: health and readiness say so, admission stops, and the
+    client raises EngineFailed once the groups already finished are delivered."""
+    import os
+    import signal
+
+    from trainer_client.client import EngineFailed, SamplerClient
+    from trainer_client.verl.settings import SamplerSettings
+    from trainer_client.verl.source import GroupSource
+
+    server = make_server({"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2})
+    with server.client() as c:
+        collect(c, 4)
+        pid = c.get("/v1/stats").json()["engine"]["engine_pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while c.get("/health").json()["status"] != "engine_failed":
+            assert time.monotonic() < deadline, "health never reported the dead engine"
+            time.sleep(0.2)
+        health = c.get("/health").json()
+        assert "exit code -9" in health["engine_error"]
+        r = c.get("/ready")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+        admitted = sum(d["admitted"] for d in c.get("/v1/stats").json()["domains"].values())
+        time.sleep(2.0)  # no prompts burned on an engine that cannot run them
+        assert sum(d["admitted"] for d in c.get("/v1/stats").json()["domains"].values()) == admitted
+    with SamplerClient(server.url, consumer="after", watchdog_s=60, heartbeat_s=0.5) as client:
+        delivered = 0
+        with pytest.raises(EngineFailed, match="exit code -9"):
+            for group in client.groups():
+                delivered += 1
+                client.ack([group])
+    # Everything that finished before the engine died was delivered first.
+    assert delivered > 0 and client.last_heartbeat.ready == 0
+    # The leasing source of the verl integration stops too, instead of waiting out its timeout.
+    source = GroupSource(SamplerSettings(url=server.url, lease_wait_s=0.5, group_timeout_s=600))
+    with pytest.raises(EngineFailed, match="exit code -9"):
+        source.take(4)
+    source.close()

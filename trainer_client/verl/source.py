@@ -13,7 +13,7 @@ import logging
 import time
 from collections import deque
 
-from trainer_client.client import SamplerClient
+from trainer_client.client import EngineFailed, SamplerClient
 from trainer_client.protocol import Group
 from trainer_client.verl.settings import SamplerSettings
 
@@ -31,7 +31,11 @@ class GroupSource:
         return len(self._pending)
 
     def take(self, count: int) -> list[Group]:
-        """`count` finished groups, oldest first; raises TimeoutError after group_timeout_s of nothing."""
+        """`count` finished groups, oldest first.
+
+        Raises EngineFailed as soon as the sampler's engine has failed and nothing is left
+        to deliver, and TimeoutError after group_timeout_s without a group.
+        """
         started = last_arrival = last_log = time.monotonic()
         while len(self._pending) < count:
             lease = self.client.lease(
@@ -43,6 +47,7 @@ class GroupSource:
                 self._pending.extend(lease.groups)
                 last_arrival = now
                 continue
+            self._check_engine(count)
             timeout = self.settings.group_timeout_s
             if timeout and now - last_arrival > timeout:
                 raise TimeoutError(
@@ -54,6 +59,16 @@ class GroupSource:
                             len(self._pending), count, now - started, self.describe())
                 last_log = now
         return [self._pending.popleft() for _ in range(count)]
+
+    def _check_engine(self, count: int) -> None:
+        stats = self.client.stats()
+        queue = stats.get("queue", {})
+        error = stats.get("engine_error")
+        if error and not queue.get("ready") and not queue.get("active_prompts") and not queue.get("finalizing"):
+            raise EngineFailed(
+                f"sampler at {self.settings.url}: engine failed: {error} "
+                f"(have {len(self._pending)} of {count} groups for this step)"
+            )
 
     def ack(self, groups: list[Group]) -> int:
         if groups:
