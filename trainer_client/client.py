@@ -427,6 +427,16 @@ class _Core:
                 raise EngineFailed(f"sampler at {self.base_url}: engine failed: {beat.engine_error}")
         return None
 
+    def _arrivals(
+        self, decoder: _LineDecoder | _MsgpackDecoder, chunk: bytes
+    ) -> Iterator[tuple[Group | None, str | None]]:
+        """For each group in `chunk`: (the group if it is new, else None; a delivery id to ack now)."""
+        for msg in decoder.feed(chunk):
+            group = self._message(msg)
+            if group is not None:
+                fresh, ack_now = self.dedupe.admit(group)
+                yield (group if fresh else None), ack_now
+
     def _unavailable(self, waited_for: str, since: float, attempts: int, error: Any) -> SamplerUnavailable:
         return SamplerUnavailable(waited_for, time.monotonic() - since, self.base_url, attempts, error)
 
@@ -575,14 +585,10 @@ class SamplerClient(_Core):
                         for chunk in response.iter_bytes():
                             last_seen = time.monotonic()
                             backoff.reset()
-                            for msg in decoder.feed(chunk):
-                                group = self._message(msg)
-                                if group is None:
-                                    continue
-                                fresh, ack_now = self.dedupe.admit(group)
+                            for group, ack_now in self._arrivals(decoder, chunk):
                                 if ack_now:
                                     self._ack_quietly(ack_now)
-                                if fresh:
+                                if group is not None:
                                     yield group
                                     last_seen = max(last_seen, time.monotonic())
                         error = "the server ended the stream"
@@ -737,14 +743,10 @@ class AsyncSamplerClient(_Core):
                         async for chunk in response.aiter_bytes():
                             last_seen = time.monotonic()
                             backoff.reset()
-                            for msg in decoder.feed(chunk):
-                                group = self._message(msg)
-                                if group is None:
-                                    continue
-                                fresh, ack_now = self.dedupe.admit(group)
+                            for group, ack_now in self._arrivals(decoder, chunk):
                                 if ack_now:
                                     await self._ack_quietly(ack_now)
-                                if fresh:
+                                if group is not None:
                                     yield group
                                     last_seen = max(last_seen, time.monotonic())
                         error = "the server ended the stream"
