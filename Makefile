@@ -8,13 +8,23 @@ STAMP := $(VENV)/.installed
 # project's torch range does not pull a multi-GB CUDA build (DESIGN.md section 11).
 CPU_TORCH := torch==2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+# Nothing phones home: no hub downloads, no usage statistics from vLLM or Ray.
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+export VLLM_NO_USAGE_STATS := 1
+export RAY_USAGE_STATS_ENABLED := 0
+export DO_NOT_TRACK := 1
 
-# Suites: make/*.mk add their own environments and append their test targets here.
+# Suites: make/*.mk add their own environments and append their test targets here, and
+# their pytest marker to SUITE_MARKERS so that test-core leaves their tests out.
 SUITES := test-core
+SUITE_MARKERS := vllm verl gpu ray browser api deploy gpu_bundle
+empty :=
+space := $(empty) $(empty)
+CORE_EXPR = not $(subst $(space), and not ,$(strip $(SUITE_MARKERS)))
+LINT_PATHS := strategies sampler_service trainer_client tests bench
 
-.PHONY: venv test test-core lint demo clean
+.PHONY: venv test test-core lint format demo clean
 
 venv: $(STAMP)
 
@@ -26,13 +36,28 @@ $(STAMP): pyproject.toml
 
 include $(wildcard make/*.mk)
 
-test: $(SUITES)
+# Every suite runs even when an earlier one fails; each one's wall time is printed at
+# the end, and the target fails if any suite did.
+test:
+	@failed=""; times=""; \
+	for suite in $(SUITES); do \
+	  start=$$(date +%s); \
+	  $(MAKE) --no-print-directory $$suite || failed="$$failed $$suite"; \
+	  times="$$times\n  $$suite: $$(( $$(date +%s) - start )) s"; \
+	done; \
+	printf "suite wall times:$$times\n"; \
+	if [ -n "$$failed" ]; then echo "failed suites:$$failed"; exit 1; fi
 
 test-core: venv
-	$(BIN)/python -m pytest tests -m "not vllm and not verl and not gpu" -q
+	$(BIN)/python -m pytest tests -m "$(CORE_EXPR)" -q
 
 lint: venv
-	$(BIN)/ruff check strategies sampler_service trainer_client tests bench
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+
+format: venv
+	$(BIN)/ruff format $(LINT_PATHS)
+	$(BIN)/ruff check --fix $(LINT_PATHS)
 
 demo: venv
 	$(BIN)/adaptive-rollout demo

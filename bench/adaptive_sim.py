@@ -63,26 +63,78 @@ def methods(batch: int) -> list[Method]:
     """The compared rules, as sampler configs (DESIGN.md sections 5, 6)."""
     rounds = {"mode": "rounds", "cohort_size": batch}
     grpo = {"rule": "fixed", "advantage": "grpo", "downsample": "none"}
-    ada = {"k_pos": 2, "k_neg": 2, "n_max": 32, "wave_size": 8, "group_size": 4,
-           "downsample": "balanced", "advantage": "global"}
+    ada = {
+        "k_pos": 2,
+        "k_neg": 2,
+        "n_max": 32,
+        "wave_size": 8,
+        "group_size": 4,
+        "downsample": "balanced",
+        "advantage": "global",
+    }
     return [
-        Method("grpo4", "GRPO n=4 (sync)", {**rounds, **grpo, "group_size": 4, "wave_size": 4, "n_max": 4}),
-        Method("grpo16", "GRPO n=16 (sync)", {**rounds, **grpo, "group_size": 16, "wave_size": 16, "n_max": 16}),
-        Method("dapo4", "DAPO filter+refill n=4 (sync)", {
-            **rounds, **grpo, "group_size": 4, "wave_size": 4, "n_max": 4,
-            "group_policies": [{"name": "nonzero_std"}]}),
-        Method("dapo16", "DAPO filter+refill n=16 (sync)", {
-            **rounds, **grpo, "group_size": 16, "wave_size": 16, "n_max": 16,
-            "group_policies": [{"name": "nonzero_std"}]}),
+        Method(
+            "grpo4",
+            "GRPO n=4 (sync)",
+            {**rounds, **grpo, "group_size": 4, "wave_size": 4, "n_max": 4},
+        ),
+        Method(
+            "grpo16",
+            "GRPO n=16 (sync)",
+            {**rounds, **grpo, "group_size": 16, "wave_size": 16, "n_max": 16},
+        ),
+        Method(
+            "dapo4",
+            "DAPO filter+refill n=4 (sync)",
+            {
+                **rounds,
+                **grpo,
+                "group_size": 4,
+                "wave_size": 4,
+                "n_max": 4,
+                "group_policies": [{"name": "nonzero_std"}],
+            },
+        ),
+        Method(
+            "dapo16",
+            "DAPO filter+refill n=16 (sync)",
+            {
+                **rounds,
+                **grpo,
+                "group_size": 16,
+                "wave_size": 16,
+                "n_max": 16,
+                "group_policies": [{"name": "nonzero_std"}],
+            },
+        ),
         Method("seqpos_rounds", "Seq-Pos rounds 4x8, n=4", {**rounds, **ada, "rule": "positive"}),
-        Method("seqbal_rounds", "Seq-Balance rounds 4x8, n=4", {**rounds, **ada, "rule": "balanced"}),
-        Method("grpo4_cont", "GRPO n=4 continuous", {**grpo, "group_size": 4, "wave_size": 4, "n_max": 4}),
+        Method(
+            "seqbal_rounds", "Seq-Balance rounds 4x8, n=4", {**rounds, **ada, "rule": "balanced"}
+        ),
+        Method(
+            "grpo4_cont",
+            "GRPO n=4 continuous",
+            {**grpo, "group_size": 4, "wave_size": 4, "n_max": 4},
+        ),
         Method("seqbal_cont", "Seq-Balance continuous", {**ada, "rule": "balanced"}),
-        Method("seqbal_adaptive", "Seq-Balance continuous, adaptive waves", {
-            **ada, "rule": "balanced", "wave": "adaptive"}),
-        Method("est", "Est (mean budget 8), continuous", {
-            "rule": "est", "advantage": "est", "group_size": 0, "downsample": "none",
-            "n_max": 32, "wave_size": 32, "est": {"mean_budget": 8}}),
+        Method(
+            "seqbal_adaptive",
+            "Seq-Balance continuous, adaptive waves",
+            {**ada, "rule": "balanced", "wave": "adaptive"},
+        ),
+        Method(
+            "est",
+            "Est (mean budget 8), continuous",
+            {
+                "rule": "est",
+                "advantage": "est",
+                "group_size": 0,
+                "downsample": "none",
+                "n_max": 32,
+                "wave_size": 32,
+                "est": {"mean_budget": 8},
+            },
+        ),
     ]
 
 
@@ -127,22 +179,27 @@ class BatchRecorder(MemorySink):
             return
         sched = self._scheduler[0]
         informative = sum(1 for g in groups if _informative(g))
-        self.records.append({
-            "t": self._clock(),
-            "cpu": time.process_time(),
-            "samples": sched.stats.samples,
-            "tokens": sched.stats.tokens,
-            "admitted": sum(d.admitted for d in sched.stats.domains.values()),
-            "groups": len(groups),
-            "informative": informative,
-            "hard_informative": sum(
-                1 for g in groups if _informative(g) and self._rates[int(g.prompt_id[1:])] <= HARD_P),
-            "kept_samples": sum(len(g.samples) for g in groups),
-            "n_generated_emitted": sum(g.stats.n_generated for g in groups),
-            "stop_n_max": sum(1 for g in groups if g.stop_reason == "n_max"),
-            "busy_slot_s": self._engine.stats.busy_slot_s,
-            "engine_tokens": self._engine.stats.tokens,
-        })
+        self.records.append(
+            {
+                "t": self._clock(),
+                "cpu": time.process_time(),
+                "samples": sched.stats.samples,
+                "tokens": sched.stats.tokens,
+                "admitted": sum(d.admitted for d in sched.stats.domains.values()),
+                "groups": len(groups),
+                "informative": informative,
+                "hard_informative": sum(
+                    1
+                    for g in groups
+                    if _informative(g) and self._rates[int(g.prompt_id[1:])] <= HARD_P
+                ),
+                "kept_samples": sum(len(g.samples) for g in groups),
+                "n_generated_emitted": sum(g.stats.n_generated for g in groups),
+                "stop_n_max": sum(1 for g in groups if g.stop_reason == "n_max"),
+                "busy_slot_s": self._engine.stats.busy_slot_s,
+                "engine_tokens": self._engine.stats.tokens,
+            }
+        )
         if len(self.records) >= self.want:
             self.done.set()
 
@@ -167,8 +224,13 @@ async def simulate(
 ) -> dict[str, Any]:
     """Run one method until warmup + batches frames of `batch` groups have formed."""
     loop = asyncio.get_running_loop()
-    prompt_lens = np.clip(np.round(np.exp(np.random.default_rng(seed + 7).normal(math.log(150), 0.4,
-                                                                            len(pass_rates)))), 16, 2048)
+    prompt_lens = np.clip(
+        np.round(
+            np.exp(np.random.default_rng(seed + 7).normal(math.log(150), 0.4, len(pass_rates)))
+        ),
+        16,
+        2048,
+    )
 
     def tokenize(row: PromptRow) -> None:
         index = int(row.id[1:])
@@ -176,13 +238,15 @@ async def simulate(
         row.token_ids = [index] + [0] * (int(prompt_lens[index]) - 1)
 
     dataset = Dataset([dataset_file], tokenize, seed=seed)
-    cfg = SamplerConfig(**{
-        "batch_groups": batch,
-        "max_active_prompts": batch,
-        "max_buffered_groups": 8 * batch,
-        "max_tokens": 4096,
-        **method.config,
-    })
+    cfg = SamplerConfig(
+        **{
+            "batch_groups": batch,
+            "max_active_prompts": batch,
+            "max_buffered_groups": 8 * batch,
+            "max_tokens": 4096,
+            **method.config,
+        }
+    )
     check_consistency(cfg, dataset.domains)
     engine = SimBackend(pass_rates, spec, seed=seed + 1, record_timeline=record_timeline)
     await engine.start()
@@ -190,8 +254,13 @@ async def simulate(
     sink = BatchRecorder(loop.time, holder, engine)
     sink.want = warmup + batches
     scheduler = Scheduler(
-        backend=engine, dataset=dataset, verify=verify_reward_text, sink=sink, config=cfg,
-        clock=loop.time, seed=seed,
+        backend=engine,
+        dataset=dataset,
+        verify=verify_reward_text,
+        sink=sink,
+        config=cfg,
+        clock=loop.time,
+        seed=seed,
     )
     holder.append(scheduler)
     if history_epochs:
@@ -206,10 +275,16 @@ async def simulate(
         for _ in range(history_epochs):
             n_tot = lam * n_tot + 8
             n_pos = lam * n_pos + hist.binomial(8, pass_rates)
-        scheduler.estimator.load_state_dict({
-            "c": 0.0, "finalized": 0,
-            "stats": {f"p{i:06d}": [float(t), float(k)] for i, (t, k) in enumerate(zip(n_tot, n_pos, strict=True))},
-        })
+        scheduler.estimator.load_state_dict(
+            {
+                "c": 0.0,
+                "finalized": 0,
+                "stats": {
+                    f"p{i:06d}": [float(t), float(k)]
+                    for i, (t, k) in enumerate(zip(n_tot, n_pos, strict=True))
+                },
+            }
+        )
         scheduler.estimator.recalibrate()
     cpu0, t0 = time.process_time(), loop.time()
     scheduler.start()
@@ -220,9 +295,20 @@ async def simulate(
         await scheduler.stop()
         await engine.close()
     recs = sink.records
-    start = recs[warmup - 1] if warmup else {
-        "t": t0, "cpu": cpu0, "samples": 0, "tokens": 0, "admitted": 0, "busy_slot_s": 0.0, "engine_tokens": 0}
-    measured = recs[warmup:warmup + batches]
+    start = (
+        recs[warmup - 1]
+        if warmup
+        else {
+            "t": t0,
+            "cpu": cpu0,
+            "samples": 0,
+            "tokens": 0,
+            "admitted": 0,
+            "busy_slot_s": 0.0,
+            "engine_tokens": 0,
+        }
+    )
+    measured = recs[warmup : warmup + batches]
     end = measured[-1]
     k = len(measured)
     times = np.diff([start["t"]] + [r["t"] for r in measured])
@@ -247,7 +333,8 @@ async def simulate(
         "n_max_frac": sum(r["stop_n_max"] for r in measured) / groups,
         "wall_s": wall,
         "wall_s_sd": float(np.std(times, ddof=1)) if k > 1 else 0.0,
-        "engine_occupancy": (end["busy_slot_s"] - start["busy_slot_s"]) / (spec.max_num_seqs * wall * k),
+        "engine_occupancy": (end["busy_slot_s"] - start["busy_slot_s"])
+        / (spec.max_num_seqs * wall * k),
         "engine_tokens_per_s": (end["engine_tokens"] - start["engine_tokens"]) / (wall * k),
         "sim_cpu_s_per_batch": (end["cpu"] - start["cpu"]) / k,
         "dropped": dict(scheduler.stats.dropped),
@@ -256,13 +343,19 @@ async def simulate(
         horizon = recs[min(len(recs), 3) - 1]["t"]
         out["timeline"] = [(t, r, q) for t, r, q in engine.stats.timeline if t <= horizon]
         out["frame_times"] = [r["t"] for r in recs[:3]]
-        out["rounds"] = round_breakdown(engine.stats.timeline, [r["t"] for r in recs], spec.max_num_seqs,
-                                        start["t"], end["t"])
+        out["rounds"] = round_breakdown(
+            engine.stats.timeline, [r["t"] for r in recs], spec.max_num_seqs, start["t"], end["t"]
+        )
     return out
 
 
-def round_breakdown(timeline: list[tuple[float, int, int]], frame_times: list[float], slots: int,
-                    t_start: float, t_end: float) -> list[dict[str, Any]]:
+def round_breakdown(
+    timeline: list[tuple[float, int, int]],
+    frame_times: list[float],
+    slots: int,
+    t_start: float,
+    t_end: float,
+) -> list[dict[str, Any]]:
     """Split an engine timeline into busy periods (the engine's rounds in rounds mode).
 
     A period starts when a sequence starts on an empty engine and ends when the engine is
@@ -292,35 +385,57 @@ def round_breakdown(timeline: list[tuple[float, int, int]], frame_times: list[fl
         last_frame = max((f for f in frame_times if f <= p["start"] + 1e-9), default=0.0)
         index = sum(1 for q in periods if last_frame - 1e-9 <= q["start"] <= p["start"])
         duration = p["end"] - p["start"]
-        out.append({"round": index, "duration_s": duration, "occupancy": p["slot_s"] / (slots * duration),
-                    "below_full_s": p["below_full_s"]})
+        out.append(
+            {
+                "round": index,
+                "duration_s": duration,
+                "occupancy": p["slot_s"] / (slots * duration),
+                "below_full_s": p["below_full_s"],
+            }
+        )
     return out
 
 
-def summarize_rounds(rounds: list[dict[str, Any]], wall: float, batches: int) -> list[dict[str, Any]]:
+def summarize_rounds(
+    rounds: list[dict[str, Any]], wall: float, batches: int
+) -> list[dict[str, Any]]:
     rows = []
     for k in sorted({r["round"] for r in rounds}):
         rs = [r for r in rounds if r["round"] == k]
-        rows.append({
-            "round": k,
-            "count": len(rs),
-            "duration_s": float(np.mean([r["duration_s"] for r in rs])),
-            "occupancy": float(np.mean([r["occupancy"] for r in rs])),
-            "below_full_s": float(np.mean([r["below_full_s"] for r in rs])),
-            "share_of_batch": sum(r["duration_s"] for r in rs) / (wall * batches),
-        })
+        rows.append(
+            {
+                "round": k,
+                "count": len(rs),
+                "duration_s": float(np.mean([r["duration_s"] for r in rs])),
+                "occupancy": float(np.mean([r["occupancy"] for r in rs])),
+                "below_full_s": float(np.mean([r["below_full_s"] for r in rs])),
+                "share_of_batch": sum(r["duration_s"] for r in rs) / (wall * batches),
+            }
+        )
     return rows
 
 
-def run_one(method: Method, mix: str, args: argparse.Namespace, spec: EngineSpec, *, timeline: bool = False) -> dict[str, Any]:
+def run_one(
+    method: Method, mix: str, args: argparse.Namespace, spec: EngineSpec, *, timeline: bool = False
+) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     rates = draw_pass_rates(mix, args.prompts, rng)
     with tempfile.TemporaryDirectory() as tmp:
         data = write_dataset(Path(tmp), args.prompts)
-        result = virtual_clock.run(simulate(
-            method, rates, data, batch=args.batch, batches=args.batches, warmup=args.warmup, spec=spec,
-            seed=args.seed, history_epochs=args.history_epochs, record_timeline=timeline,
-        ))
+        result = virtual_clock.run(
+            simulate(
+                method,
+                rates,
+                data,
+                batch=args.batch,
+                batches=args.batches,
+                warmup=args.warmup,
+                spec=spec,
+                seed=args.seed,
+                history_epochs=args.history_epochs,
+                record_timeline=timeline,
+            )
+        )
     result["mix"] = mix
     return result
 
@@ -342,20 +457,31 @@ COLUMNS = [
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer batches and a smaller sweep (~1-2 min)")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer batches and a smaller sweep (~1-2 min)"
+    )
     p.add_argument("--batch", type=int, default=512, help="groups per batch (B)")
     p.add_argument("--batches", type=int, default=None, help="measured batches per method")
     p.add_argument("--warmup", type=int, default=1, help="batches run before measuring")
     p.add_argument("--prompts", type=int, default=2048, help="prompts in the simulated dataset")
-    p.add_argument("--history-epochs", type=int, default=2,
-                   help="earlier epochs the pass-rate estimator has seen (0: a cold first epoch)")
-    p.add_argument("--mix", action="append", choices=sorted(MIXES), help="difficulty mixes (default: all)")
+    p.add_argument(
+        "--history-epochs",
+        type=int,
+        default=2,
+        help="earlier epochs the pass-rate estimator has seen (0: a cold first epoch)",
+    )
+    p.add_argument(
+        "--mix", action="append", choices=sorted(MIXES), help="difficulty mixes (default: all)"
+    )
     p.add_argument("--method", action="append", help="method keys (default: all)")
     p.add_argument("--max-num-seqs", type=int, default=EngineSpec.max_num_seqs)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--replot", action="store_true",
-                   help="redraw adaptive_sim.png from the saved JSON (re-simulating only the timelines)")
+    p.add_argument(
+        "--replot",
+        action="store_true",
+        help="redraw adaptive_sim.png from the saved JSON (re-simulating only the timelines)",
+    )
     args = p.parse_args(argv)
     if args.replot:
         return replot()
@@ -378,8 +504,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r["rel_wall"] = r["wall_s"] / base["wall_s"] if base else None
             r["rel_answers"] = r["answers"] / base["answers"] if base else None
         results[mix] = rows
-        print(f"\n== mix {mix}: B={args.batch}, engine {spec.max_num_seqs} seqs, "
-              f"{args.batches} measured batches per method ==")
+        print(
+            f"\n== mix {mix}: B={args.batch}, engine {spec.max_num_seqs} seqs, "
+            f"{args.batches} measured batches per method =="
+        )
         print(table(rows, COLUMNS))
 
     breakdown = []
@@ -390,19 +518,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r.pop("rounds", None)
     if breakdown:
         print("\n== why rounds lose time: Seq-Balance rounds, hard mix, per round of a batch ==")
-        print(table(breakdown, [("round", "round"), ("duration_s", "mean s"), ("share_of_batch", "share of batch time"),
-                                ("occupancy", "mean occupancy"), ("below_full_s", "s below full occupancy")]))
+        print(
+            table(
+                breakdown,
+                [
+                    ("round", "round"),
+                    ("duration_s", "mean s"),
+                    ("share_of_batch", "share of batch time"),
+                    ("occupancy", "mean occupancy"),
+                    ("below_full_s", "s below full occupancy"),
+                ],
+            )
+        )
 
     # Sweep: rounds vs continuous Seq-Balance (same rule, same batch) as the engine's
     # concurrency and the spread of answer lengths change.
-    variants = [(seqs, spec.length_sigma) for seqs in ([64, 256, 1024] if args.quick else [64, 128, 256, 512, 1024, 2048])]
+    variants = [
+        (seqs, spec.length_sigma)
+        for seqs in ([64, 256, 1024] if args.quick else [64, 128, 256, 512, 1024, 2048])
+    ]
     variants += [(seqs, 1.0) for seqs in ([256, 1024] if args.quick else [64, 256, 1024])]
     by_key = {m.key: m for m in methods(args.batch)}
     sweep = []
-    for seqs, sigma in ([] if args.method else variants):
+    for seqs, sigma in [] if args.method else variants:
         s = replace(spec, max_num_seqs=seqs, length_sigma=sigma)
         row: dict[str, Any] = {"max_num_seqs": seqs, "length_sigma": sigma}
-        keys = ("seqbal_rounds", "seqbal_cont") if args.quick else ("seqbal_rounds", "seqbal_cont", "seqbal_adaptive")
+        keys = (
+            ("seqbal_rounds", "seqbal_cont")
+            if args.quick
+            else ("seqbal_rounds", "seqbal_cont", "seqbal_adaptive")
+        )
         for key in keys:
             r = run_one(by_key[key], "hard", args, s)
             row[key] = r["wall_s"]
@@ -412,27 +557,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "seqbal_adaptive" in row:
             row["adaptive_vs_rounds"] = row["seqbal_adaptive"] / row["seqbal_rounds"]
         sweep.append(row)
-        print(f"  [sweep] max_num_seqs={seqs} sigma={sigma}: cont/rounds {row['cont_vs_rounds']:.2f}", flush=True)
+        print(
+            f"  [sweep] max_num_seqs={seqs} sigma={sigma}: cont/rounds {row['cont_vs_rounds']:.2f}",
+            flush=True,
+        )
     if sweep:
-        print("\n== Seq-Balance, hard mix: continuous vs rounds by engine concurrency and length spread ==")
-        print(table(sweep, [
-            ("max_num_seqs", "max_num_seqs"), ("length_sigma", "length log-sd"), ("seqbal_rounds", "rounds s"),
-            ("seqbal_cont", "continuous s"), ("seqbal_adaptive", "adaptive s"), ("cont_vs_rounds", "cont/rounds"),
-            ("adaptive_vs_rounds", "adaptive/rounds"), ("seqbal_rounds_occupancy", "rounds occupancy"),
-            ("seqbal_cont_occupancy", "cont occupancy"),
-        ]))
+        print(
+            "\n== Seq-Balance, hard mix: continuous vs rounds by engine concurrency and length spread =="
+        )
+        print(
+            table(
+                sweep,
+                [
+                    ("max_num_seqs", "max_num_seqs"),
+                    ("length_sigma", "length log-sd"),
+                    ("seqbal_rounds", "rounds s"),
+                    ("seqbal_cont", "continuous s"),
+                    ("seqbal_adaptive", "adaptive s"),
+                    ("cont_vs_rounds", "cont/rounds"),
+                    ("adaptive_vs_rounds", "adaptive/rounds"),
+                    ("seqbal_rounds_occupancy", "rounds occupancy"),
+                    ("seqbal_cont_occupancy", "cont occupancy"),
+                ],
+            )
+        )
 
     checks = _checks(results, sweep, spec)
     print("\n== checks ==")
     for c in checks:
         print(f"[{'met' if c['met'] else 'MISSED'}] {c['target']}: {c['measured']}")
 
-    timelines = {r["method"]: r.pop("timeline") for rows in results.values() for r in rows if "timeline" in r}
-    frame_times = {r["method"]: r.pop("frame_times") for rows in results.values() for r in rows if "frame_times" in r}
+    timelines = {
+        r["method"]: r.pop("timeline") for rows in results.values() for r in rows if "timeline" in r
+    }
+    frame_times = {
+        r["method"]: r.pop("frame_times")
+        for rows in results.values()
+        for r in rows
+        if "frame_times" in r
+    }
     out = {
-        "settings": {"batch": args.batch, "batches": args.batches, "warmup": args.warmup, "prompts": args.prompts,
-                     "history_epochs": args.history_epochs, "seed": args.seed, "quick": args.quick,
-                     "engine": asdict(spec), "max_tokens": 4096, "mixes": {k: MIXES[k] for k in mixes}},
+        "settings": {
+            "batch": args.batch,
+            "batches": args.batches,
+            "warmup": args.warmup,
+            "prompts": args.prompts,
+            "history_epochs": args.history_epochs,
+            "seed": args.seed,
+            "quick": args.quick,
+            "engine": asdict(spec),
+            "max_tokens": 4096,
+            "mixes": {k: MIXES[k] for k in mixes},
+        },
         "results": results,
         "sweep": sweep,
         "rounds_breakdown": breakdown,
@@ -454,8 +630,14 @@ def replot() -> dict[str, Any]:
     saved = json.loads((RESULTS / "adaptive_sim.json").read_text())
     st = saved["settings"]
     spec = EngineSpec(**st["engine"])
-    args = argparse.Namespace(seed=st["seed"], prompts=st["prompts"], batch=st["batch"], batches=2,
-                              warmup=st["warmup"], history_epochs=st["history_epochs"])
+    args = argparse.Namespace(
+        seed=st["seed"],
+        prompts=st["prompts"],
+        batch=st["batch"],
+        batches=2,
+        warmup=st["warmup"],
+        history_epochs=st["history_epochs"],
+    )
     by_key = {m.key: m for m in methods(st["batch"])}
     timelines, frame_times = {}, {}
     for key in ("seqbal_rounds", "seqbal_cont"):
@@ -466,29 +648,59 @@ def replot() -> dict[str, Any]:
     return saved
 
 
-def _checks(results: dict[str, list[dict[str, Any]]], sweep: list[dict[str, Any]], spec: EngineSpec) -> list[dict[str, Any]]:
+def _checks(
+    results: dict[str, list[dict[str, Any]]], sweep: list[dict[str, Any]], spec: EngineSpec
+) -> list[dict[str, Any]]:
     checks = []
     for mix, rows in results.items():
         r = {x["method"]: x for x in rows}
         if "grpo4" in r and "seqbal_rounds" in r:
             ratio = r["seqbal_rounds"]["answers"] / r["grpo4"]["answers"]
-            checks.append({"mix": mix, "target": f"[{mix}] paper check: Seq-Balance rounds answers/step >= 2x GRPO n=4",
-                           "measured": f"{ratio:.2f}x", "value": ratio, "met": ratio >= 2.0})
+            checks.append(
+                {
+                    "mix": mix,
+                    "target": f"[{mix}] paper check: Seq-Balance rounds answers/step >= 2x GRPO n=4",
+                    "measured": f"{ratio:.2f}x",
+                    "value": ratio,
+                    "met": ratio >= 2.0,
+                }
+            )
         if "seqbal_rounds" in r and "seqbal_cont" in r:
             ratio = r["seqbal_cont"]["wall_s"] / r["seqbal_rounds"]["wall_s"]
-            checks.append({"mix": mix, "target": f"[{mix}] continuous Seq-Balance wall <= 0.7x rounds "
-                           f"(engine {spec.max_num_seqs} seqs)",
-                           "measured": f"{ratio:.2f}x", "value": ratio, "met": ratio <= 0.7})
+            checks.append(
+                {
+                    "mix": mix,
+                    "target": f"[{mix}] continuous Seq-Balance wall <= 0.7x rounds "
+                    f"(engine {spec.max_num_seqs} seqs)",
+                    "measured": f"{ratio:.2f}x",
+                    "value": ratio,
+                    "met": ratio <= 0.7,
+                }
+            )
         if "seqbal_cont" in r and "seqbal_adaptive" in r:
-            a, b = r["seqbal_adaptive"]["answers_per_informative"], r["seqbal_cont"]["answers_per_informative"]
-            checks.append({"mix": mix, "target": f"[{mix}] adaptive waves cut answers per informative group",
-                           "measured": f"{b:.2f} -> {a:.2f}", "value": a / b, "met": a < b})
+            a, b = (
+                r["seqbal_adaptive"]["answers_per_informative"],
+                r["seqbal_cont"]["answers_per_informative"],
+            )
+            checks.append(
+                {
+                    "mix": mix,
+                    "target": f"[{mix}] adaptive waves cut answers per informative group",
+                    "measured": f"{b:.2f} -> {a:.2f}",
+                    "value": a / b,
+                    "met": a < b,
+                }
+            )
     return checks
 
 
-def _plot(results: dict[str, list[dict[str, Any]]], sweep: list[dict[str, Any]],
-          timelines: dict[str, list[tuple[float, int, int]]], frame_times: dict[str, list[float]],
-          spec: EngineSpec) -> Path:
+def _plot(
+    results: dict[str, list[dict[str, Any]]],
+    sweep: list[dict[str, Any]],
+    timelines: dict[str, list[tuple[float, int, int]]],
+    frame_times: dict[str, list[float]],
+    spec: EngineSpec,
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -504,8 +716,10 @@ def _plot(results: dict[str, list[dict[str, Any]]], sweep: list[dict[str, Any]],
         api = [r["answers_per_informative"] for r in results[mix]]
         axes[0, 0].barh(y + i * h, rel, h, label=mix)
         axes[0, 1].barh(y + i * h, api, h, label=mix)
-    for ax, title in ((axes[0, 0], "wall time per batch of 512 groups, relative to GRPO n=4 (sync)"),
-                      (axes[0, 1], "answers generated per informative group")):
+    for ax, title in (
+        (axes[0, 0], "wall time per batch of 512 groups, relative to GRPO n=4 (sync)"),
+        (axes[0, 1], "answers generated per informative group"),
+    ):
         ax.set_yticks(y + h * (len(mixes) - 1) / 2, labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10)
@@ -517,27 +731,42 @@ def _plot(results: dict[str, list[dict[str, Any]]], sweep: list[dict[str, Any]],
         if key not in timelines:
             continue
         tl = np.array(timelines[key], dtype=float)
-        ax.step(tl[:, 0], tl[:, 1], where="post", color=color, lw=lw,
-                label=f"{key}: running sequences")
+        ax.step(
+            tl[:, 0], tl[:, 1], where="post", color=color, lw=lw, label=f"{key}: running sequences"
+        )
         for t in frame_times.get(key, []):
             ax.axvline(t, color=color, ls=":", lw=1)
     ax.set_xlabel("simulated seconds (dotted: a batch of 512 groups is complete)")
     ax.set_ylabel("sequences decoding")
-    ax.set_title("engine occupancy, hard mix: synchronous rounds idle the engine at every round's tail", fontsize=10)
+    ax.set_title(
+        "engine occupancy, hard mix: synchronous rounds idle the engine at every round's tail",
+        fontsize=10,
+    )
     ax.legend(fontsize=8)
     ax = axes[1, 1]
     for sigma in sorted({s["length_sigma"] for s in sweep}):
         rows = [s for s in sweep if s["length_sigma"] == sigma]
         seqs = [s["max_num_seqs"] for s in rows]
-        ax.plot(seqs, [s["cont_vs_rounds"] for s in rows], "o-", label=f"continuous / rounds, length log-sd {sigma}")
+        ax.plot(
+            seqs,
+            [s["cont_vs_rounds"] for s in rows],
+            "o-",
+            label=f"continuous / rounds, length log-sd {sigma}",
+        )
         if all("adaptive_vs_rounds" in s for s in rows):
-            ax.plot(seqs, [s["adaptive_vs_rounds"] for s in rows], "s--",
-                    label=f"continuous adaptive / rounds, length log-sd {sigma}")
+            ax.plot(
+                seqs,
+                [s["adaptive_vs_rounds"] for s in rows],
+                "s--",
+                label=f"continuous adaptive / rounds, length log-sd {sigma}",
+            )
     ax.axhline(0.7, color="k", ls="--", lw=0.8, label="target 0.7")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("engine concurrency (max_num_seqs)")
     ax.set_ylabel("wall time per batch, relative to Seq-Balance rounds")
-    ax.set_title("Seq-Balance (hard mix): what the round barrier costs vs engine concurrency", fontsize=10)
+    ax.set_title(
+        "Seq-Balance (hard mix): what the round barrier costs vs engine concurrency", fontsize=10
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -20,7 +20,11 @@ def environment() -> dict[str, Any]:
     """Where a result was measured (ratios only compare within one run)."""
     try:
         rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout.strip()
     except OSError:
         rev = ""
@@ -38,7 +42,9 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"environment": environment(), **data}, indent=1, default=_default) + "\n")
+    tmp.write_text(
+        json.dumps({"environment": environment(), **data}, indent=1, default=_default) + "\n"
+    )
     tmp.replace(path)
     return path
 
@@ -65,12 +71,16 @@ def fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
-def table(rows: Sequence[dict[str, Any]], columns: Iterable[tuple[str, str]], digits: int = 3) -> str:
+def table(
+    rows: Sequence[dict[str, Any]], columns: Iterable[tuple[str, str]], digits: int = 3
+) -> str:
     """A Markdown table (also readable on a terminal) of `rows` for (key, header) columns."""
     columns = list(columns)
     cells = [[fmt(r.get(k), digits) for k, _ in columns] for r in rows]
     headers = [h for _, h in columns]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)
+    ]
     lines = [
         "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
         "|" + "|".join("-" * (w + 2) for w in widths) + "|",

@@ -36,21 +36,53 @@ import numpy as np
 from bench.common import RESULTS, table, write_json
 
 COMMON: dict[str, Any] = {
-    "temperature": 1.0, "max_tokens": 6, "max_active_prompts": 48, "max_buffered_groups": 64, "max_staleness": 0,
+    "temperature": 1.0,
+    "max_tokens": 6,
+    "max_active_prompts": 48,
+    "max_buffered_groups": 64,
+    "max_staleness": 0,
     "mixing": {"name": "static", "params": {}},
 }
 METHODS: dict[str, dict[str, Any]] = {
-    "grpo4": {"label": "GRPO n=4", "config": {
-        "rule": "fixed", "group_size": 4, "wave_size": 4, "n_max": 4, "advantage": "grpo",
-        "downsample": "none"}},
-    "seqbal": {"label": "Seq-Balance (K=2/2, n_max 16, n=4)", "config": {
-        "rule": "balanced", "k_pos": 2, "k_neg": 2, "n_max": 16, "wave": "adaptive", "wave_size": 8,
-        "group_size": 4, "downsample": "balanced", "advantage": "global"}},
+    "grpo4": {
+        "label": "GRPO n=4",
+        "config": {
+            "rule": "fixed",
+            "group_size": 4,
+            "wave_size": 4,
+            "n_max": 4,
+            "advantage": "grpo",
+            "downsample": "none",
+        },
+    },
+    "seqbal": {
+        "label": "Seq-Balance (K=2/2, n_max 16, n=4)",
+        "config": {
+            "rule": "balanced",
+            "k_pos": 2,
+            "k_neg": 2,
+            "n_max": 16,
+            "wave": "adaptive",
+            "wave_size": 8,
+            "group_size": 4,
+            "downsample": "balanced",
+            "advantage": "global",
+        },
+    },
 }
 
 
-def run_one(method: str, seed: int, budget: int, checkpoints: int, work: Path, *, batch_groups: int, lr: float,
-            eval_n: int) -> dict[str, Any]:
+def run_one(
+    method: str,
+    seed: int,
+    budget: int,
+    checkpoints: int,
+    work: Path,
+    *,
+    batch_groups: int,
+    lr: float,
+    eval_n: int,
+) -> dict[str, Any]:
     """Train one (method, seed) to `budget` answers; evaluate at `checkpoints` points."""
     import torch
 
@@ -65,23 +97,48 @@ def run_one(method: str, seed: int, budget: int, checkpoints: int, work: Path, *
     shutil.rmtree(state, ignore_errors=True)
     config = {**COMMON, **METHODS[method]["config"], "batch_groups": batch_groups}
     started = time.monotonic()
-    sampler = SamplerProcess(toy.model_dir, toy.data_files, state, config, work / f"sampler-{method}-{seed}.log",
-                             seed=seed, extra=["--torch-threads", "1"])
+    sampler = SamplerProcess(
+        toy.model_dir,
+        toy.data_files,
+        state,
+        config,
+        work / f"sampler-{method}-{seed}.log",
+        seed=seed,
+        extra=["--torch-threads", "1"],
+    )
     with sampler:
-        cfg = TrainConfig(url=sampler.url, model=toy.model_dir, out_dir=work / f"train-{method}-{seed}", steps=0,
-                          batch_groups=batch_groups, lr=lr, advantage="server", sync_every=1,
-                          consumer=f"learning-{method}", seed=seed, progress=False, watchdog_s=120.0)
+        cfg = TrainConfig(
+            url=sampler.url,
+            model=toy.model_dir,
+            out_dir=work / f"train-{method}-{seed}",
+            steps=0,
+            batch_groups=batch_groups,
+            lr=lr,
+            advantage="server",
+            sync_every=1,
+            consumer=f"learning-{method}",
+            seed=seed,
+            progress=False,
+            watchdog_s=120.0,
+        )
         trainer = GRPOTrainer(cfg)
         with trainer.client:
-            points = [{"answers": 0, "step": 0, **greedy_accuracy_of(trainer.model, trainer.tokenizer, eval_rows)}]
+            points = [
+                {
+                    "answers": 0,
+                    "step": 0,
+                    **greedy_accuracy_of(trainer.model, trainer.tokenizer, eval_rows),
+                }
+            ]
             answers, per_step = 0, 4.0 * batch_groups
             for k in range(1, checkpoints + 1):
                 target = budget * k / checkpoints
                 while answers < target:
                     # Steps to reach the next checkpoint at the answers/step seen so far.
                     # The first call is a single step: it measures answers/step.
-                    cfg.steps = trainer.step + (1 if trainer.step == 0 else
-                                                max(1, math.ceil((target - answers) / per_step)))
+                    cfg.steps = trainer.step + (
+                        1 if trainer.step == 0 else max(1, math.ceil((target - answers) / per_step))
+                    )
                     trainer.train()
                     answers = sum(sum(r["domain_generated"].values()) for r in trainer.history)
                     per_step = answers / max(trainer.step, 1)
@@ -91,9 +148,14 @@ def run_one(method: str, seed: int, budget: int, checkpoints: int, work: Path, *
     del trainer
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     return {
-        "method": method, "seed": seed, "points": points, "steps": points[-1]["step"],
-        "answers": points[-1]["answers"], "answers_per_step": points[-1]["answers"] / max(points[-1]["step"], 1),
-        "sampler_samples": stats.get("samples"), "real_s": time.monotonic() - started,
+        "method": method,
+        "seed": seed,
+        "points": points,
+        "steps": points[-1]["step"],
+        "answers": points[-1]["answers"],
+        "answers_per_step": points[-1]["answers"] / max(points[-1]["step"], 1),
+        "sampler_samples": stats.get("samples"),
+        "real_s": time.monotonic() - started,
     }
 
 
@@ -109,17 +171,25 @@ def aggregate(runs: list[dict[str, Any]], domains: list[str], grid: np.ndarray) 
             ys = []
             for r in mine:
                 xs = [p["answers"] for p in r["points"]]
-                vals = [p[d] if d != "mean" else float(np.mean([p[x] for x in domains])) for p in r["points"]]
+                vals = [
+                    p[d] if d != "mean" else float(np.mean([p[x] for x in domains]))
+                    for p in r["points"]
+                ]
                 ys.append(np.interp(grid, xs, vals))
             ys_arr = np.array(ys)
-            curves[d] = {"mean": ys_arr.mean(0).tolist(), "min": ys_arr.min(0).tolist(), "max": ys_arr.max(0).tolist(),
-                         "std": ys_arr.std(0, ddof=1).tolist() if len(ys) > 1 else [0.0] * len(grid)}
+            curves[d] = {
+                "mean": ys_arr.mean(0).tolist(),
+                "min": ys_arr.min(0).tolist(),
+                "max": ys_arr.max(0).tolist(),
+                "std": ys_arr.std(0, ddof=1).tolist() if len(ys) > 1 else [0.0] * len(grid),
+            }
         out[method] = curves
     return out
 
 
 def _paired(runs: list[dict[str, Any]], domains: list[str], budget: int) -> dict[str, Any] | None:
     """Per seed, Seq-Balance minus GRPO n=4 in mean accuracy at the budget (interpolated)."""
+
     def final(r: dict[str, Any]) -> float:
         xs = [p["answers"] for p in r["points"]]
         ys = [float(np.mean([p[d] for d in domains])) for p in r["points"]]
@@ -130,16 +200,24 @@ def _paired(runs: list[dict[str, Any]], domains: list[str], budget: int) -> dict
     if not seeds:
         return None
     diffs = [by[("seqbal", s)] - by[("grpo4", s)] for s in seeds]
-    return {"diffs": diffs, "mean": float(np.mean(diffs)),
-            "sd": float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0, "wins": sum(d > 0 for d in diffs)}
+    return {
+        "diffs": diffs,
+        "mean": float(np.mean(diffs)),
+        "sd": float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0,
+        "wins": sum(d > 0 for d in diffs),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="3 seeds, 6,000 answers per run (~5 minutes)")
+    p.add_argument(
+        "--quick", action="store_true", help="3 seeds, 6,000 answers per run (~5 minutes)"
+    )
     p.add_argument("--seeds", type=int, help="seeds per method (>= 3)")
     p.add_argument("--budget", type=int, help="answers generated per run")
-    p.add_argument("--checkpoints", type=int, default=6, help="evaluations along the way (plus one at 0)")
+    p.add_argument(
+        "--checkpoints", type=int, default=6, help="evaluations along the way (plus one at 0)"
+    )
     p.add_argument("--batch-groups", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--eval-n", type=int, default=64, help="held-out prompts per domain")
@@ -156,14 +234,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
         for seed in range(seeds):
-            for method in (methods if seed % 2 == 0 else methods[::-1]):
-                r = run_one(method, seed, budget, args.checkpoints, Path(tmp), batch_groups=args.batch_groups,
-                            lr=args.lr, eval_n=args.eval_n)
+            for method in methods if seed % 2 == 0 else methods[::-1]:
+                r = run_one(
+                    method,
+                    seed,
+                    budget,
+                    args.checkpoints,
+                    Path(tmp),
+                    batch_groups=args.batch_groups,
+                    lr=args.lr,
+                    eval_n=args.eval_n,
+                )
                 runs.append(r)
                 last = r["points"][-1]
-                print(f"  {METHODS[method]['label']}, seed {seed}: {r['steps']} steps, {r['answers']} answers, "
-                      + " ".join(f"{d}={last[d]:.3f}" for d in last if d not in ("answers", "step"))
-                      + f" ({r['real_s']:.0f}s)", flush=True)
+                print(
+                    f"  {METHODS[method]['label']}, seed {seed}: {r['steps']} steps, {r['answers']} answers, "
+                    + " ".join(f"{d}={last[d]:.3f}" for d in last if d not in ("answers", "step"))
+                    + f" ({r['real_s']:.0f}s)",
+                    flush=True,
+                )
     domains = [d for d in runs[0]["points"][0] if d not in ("answers", "step")]
     grid = np.linspace(0, budget, args.checkpoints + 1)
     curves = aggregate(runs, domains, grid)
@@ -178,7 +267,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row[d] = c[d]["mean"][-1]
             row[f"{d}_spread"] = f"{c[d]['min'][-1]:.3f}..{c[d]['max'][-1]:.3f}"
         rows.append(row)
-    print(f"\n== held-out greedy accuracy after {budget:,} answers generated (mean over {seeds} seeds; min..max) ==")
+    print(
+        f"\n== held-out greedy accuracy after {budget:,} answers generated (mean over {seeds} seeds; min..max) =="
+    )
     cols = [("method", "method"), ("steps", "steps"), ("answers_per_step", "answers/step")]
     for d in [*domains, "mean"]:
         cols += [(f"{d}_start", f"{d} @0"), (d, f"{d} @budget"), (f"{d}_spread", f"{d} spread")]
@@ -190,22 +281,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for method, c in curves.items():
             gr[method] = c["mean"]["mean"][i]
         grid_rows.append(gr)
-    print(table(grid_rows, [("answers", "answers"), *[(m, f"{METHODS[m]['label']} mean acc") for m in curves]]))
+    print(
+        table(
+            grid_rows,
+            [("answers", "answers"), *[(m, f"{METHODS[m]['label']} mean acc") for m in curves]],
+        )
+    )
     paired = _paired(runs, domains, budget)
     if paired:
-        print(f"\npaired by seed, mean accuracy at {budget:,} answers, Seq-Balance - GRPO n=4: "
-              + ", ".join(f"{d:+.3f}" for d in paired["diffs"])
-              + f" (mean {paired['mean']:+.3f}, sd {paired['sd']:.3f}, {paired['wins']} of {len(paired['diffs'])} seeds > 0)")
-    out = {"paired_by_seed": paired, "settings": {**vars(args), "seeds": seeds, "budget": budget, "methods": {m: METHODS[m] for m in methods},
-                        "common": COMMON},
-           "runs": runs, "grid": grid.tolist(), "curves": curves, "summary": rows, "real_s": time.monotonic() - started}
+        print(
+            f"\npaired by seed, mean accuracy at {budget:,} answers, Seq-Balance - GRPO n=4: "
+            + ", ".join(f"{d:+.3f}" for d in paired["diffs"])
+            + f" (mean {paired['mean']:+.3f}, sd {paired['sd']:.3f}, {paired['wins']} of {len(paired['diffs'])} seeds > 0)"
+        )
+    out = {
+        "paired_by_seed": paired,
+        "settings": {
+            **vars(args),
+            "seeds": seeds,
+            "budget": budget,
+            "methods": {m: METHODS[m] for m in methods},
+            "common": COMMON,
+        },
+        "runs": runs,
+        "grid": grid.tolist(),
+        "curves": curves,
+        "summary": rows,
+        "real_s": time.monotonic() - started,
+    }
     path = write_json("learning", out)
     png = _plot(curves, domains, grid, seeds, budget)
     print(f"wrote {path} and {png}; real time {time.monotonic() - started:.0f}s")
     return out
 
 
-def _plot(curves: dict[str, Any], domains: list[str], grid: np.ndarray, seeds: int, budget: int) -> Path:
+def _plot(
+    curves: dict[str, Any], domains: list[str], grid: np.ndarray, seeds: int, budget: int
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,13 +327,15 @@ def _plot(curves: dict[str, Any], domains: list[str], grid: np.ndarray, seeds: i
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.8), sharey=False)
     for ax, d in zip(axes, names, strict=True):
         for method, c in curves.items():
-            line, = ax.plot(grid, c[d]["mean"], "o-", label=METHODS[method]["label"])
+            (line,) = ax.plot(grid, c[d]["mean"], "o-", label=METHODS[method]["label"])
             ax.fill_between(grid, c[d]["min"], c[d]["max"], color=line.get_color(), alpha=0.2)
         ax.set_title(f"{d}: held-out greedy accuracy", fontsize=10)
         ax.set_xlabel("answers generated")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"toy task, reference GRPO trainer: mean over {seeds} seeds, band = min..max", fontsize=10)
+    fig.suptitle(
+        f"toy task, reference GRPO trainer: mean over {seeds} seeds, band = min..max", fontsize=10
+    )
     fig.tight_layout()
     path = RESULTS / "learning.png"
     fig.savefig(path, dpi=110)

@@ -41,9 +41,16 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-            "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 # -- raw: the engine alone ------------------------------------------------------------------
@@ -77,7 +84,9 @@ async def _raw(spec: dict[str, Any]) -> dict[str, Any]:
     events: list[tuple[float, int, int]] = []  # (time, tokens, answers) per finished prompt
     await backend.start()
     started = time.monotonic()
-    cpu_marks: list[tuple[int, float, float]] = []  # (events so far, process CPU s, main thread CPU s)
+    cpu_marks: list[
+        tuple[int, float, float]
+    ] = []  # (events so far, process CPU s, main thread CPU s)
 
     async def worker() -> None:
         nonlocal issued
@@ -97,11 +106,14 @@ async def _raw(spec: dict[str, Any]) -> dict[str, Any]:
     result = _rate(events, spec["warmup"], spec["prompts"])
     cpu = cpu_marks[-1][1] - cpu_marks[0][1]
     main_cpu = cpu_marks[-1][2] - cpu_marks[0][2]
-    return result | {"first_s": events[0][0] - started, "cpu_s": cpu, "server_cpu_s": cpu, "client_cpu_s": 0.0,
-                     "main_thread_cpu_s": main_cpu,
-                     "cpu_ms_per_1k_tokens": 1e6 * cpu / result["tokens"]}
-
-
+    return result | {
+        "first_s": events[0][0] - started,
+        "cpu_s": cpu,
+        "server_cpu_s": cpu,
+        "client_cpu_s": 0.0,
+        "main_thread_cpu_s": main_cpu,
+        "cpu_ms_per_1k_tokens": 1e6 * cpu / result["tokens"],
+    }
 
 
 def _rate(events: list[tuple[float, int, int]], warmup: int, count: int) -> dict[str, Any]:
@@ -112,9 +124,15 @@ def _rate(events: list[tuple[float, int, int]], warmup: int, count: int) -> dict
     seconds = window[-1][0] - t0
     tokens = sum(e[1] for e in window)
     answers = sum(e[2] for e in window)
-    return {"seconds": seconds, "tokens": tokens, "answers": answers, "prompts": len(window),
-            "tokens_per_s": tokens / seconds, "answers_per_s": answers / seconds,
-            "tokens_per_answer": tokens / answers}
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "answers": answers,
+        "prompts": len(window),
+        "tokens_per_s": tokens / seconds,
+        "answers_per_s": answers / seconds,
+        "tokens_per_answer": tokens / answers,
+    }
 
 
 def _without_eos(model_dir: Path, out: Path) -> Path:
@@ -134,12 +152,20 @@ def _without_eos(model_dir: Path, out: Path) -> Path:
 
 def run_raw(spec: dict[str, Any]) -> dict[str, Any]:
     python = str(VLLM_PYTHON) if spec["backend"] == "vllm" else sys.executable
-    done = subprocess.run([python, "-m", "bench.overhead", "--raw-worker", json.dumps(spec)],
-                          capture_output=True, text=True, env=_env(), cwd=ROOT, check=False)
+    done = subprocess.run(
+        [python, "-m", "bench.overhead", "--raw-worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        check=False,
+    )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"raw worker failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+        raise RuntimeError(
+            f"raw worker failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 # -- through the service ------------------------------------------------------------------------
@@ -148,27 +174,50 @@ def run_service(spec: dict[str, Any], work: Path, hf_engine: str = "process") ->
     from trainer_client.launch import SamplerProcess
 
     n = spec["n"]
-    config = {"rule": "fixed", "group_size": n, "wave_size": n, "n_max": n, "advantage": "grpo",
-              "downsample": "none", "max_tokens": spec["max_tokens"], "temperature": 1.0,
-              "max_active_prompts": spec["concurrency"], "max_buffered_groups": 4 * spec["concurrency"],
-              "batch_groups": 1}
+    config = {
+        "rule": "fixed",
+        "group_size": n,
+        "wave_size": n,
+        "n_max": n,
+        "advantage": "grpo",
+        "downsample": "none",
+        "max_tokens": spec["max_tokens"],
+        "temperature": 1.0,
+        "max_active_prompts": spec["concurrency"],
+        "max_buffered_groups": 4 * spec["concurrency"],
+        "batch_groups": 1,
+    }
     state = work / f"state-{spec['backend']}-{time.monotonic_ns()}"
-    proc = SamplerProcess(Path(spec["model"]), [Path(f) for f in spec["data"]], state, config,
-                          work / "sampler.log",
-                          extra=["--backend", spec["backend"], "--torch-threads", "1", "--hf-engine", hf_engine],
-                          env=_env())
+    proc = SamplerProcess(
+        Path(spec["model"]),
+        [Path(f) for f in spec["data"]],
+        state,
+        config,
+        work / "sampler.log",
+        extra=["--backend", spec["backend"], "--torch-threads", "1", "--hf-engine", hf_engine],
+        env=_env(),
+    )
     if spec["backend"] == "vllm":
         proc.cmd[0] = str(VLLM_PYTHON)
     total = spec["warmup"] + spec["prompts"]
     events: list[tuple[float, int, int]] = []
     cpu: dict[str, float] = {}
     started = time.monotonic()
-    with proc, SamplerClient(proc.url, consumer="bench", max_unacked=2 * spec["concurrency"],
-                       watchdog_s=600.0) as client:
+    with (
+        proc,
+        SamplerClient(
+            proc.url, consumer="bench", max_unacked=2 * spec["concurrency"], watchdog_s=600.0
+        ) as client,
+    ):
         pending = []
         for group in client.groups():
-            events.append((time.monotonic(), sum(len(s.response_token_ids) for s in group.samples),
-                           len(group.samples)))
+            events.append(
+                (
+                    time.monotonic(),
+                    sum(len(s.response_token_ids) for s in group.samples),
+                    len(group.samples),
+                )
+            )
             pending.append(group)
             if len(pending) >= 8:
                 client.ack(pending)
@@ -200,8 +249,13 @@ def _per_group(runs: list[dict[str, Any]], key: str) -> float:
     return 1000 * sum(r[key] for r in runs) / sum(r["prompts"] for r in runs)
 
 
-def _summarize(backend: str, args: argparse.Namespace, spec: dict[str, Any],
-               raw_runs: list[dict[str, Any]], svc_runs: list[dict[str, Any]]) -> dict[str, Any]:
+def _summarize(
+    backend: str,
+    args: argparse.Namespace,
+    spec: dict[str, Any],
+    raw_runs: list[dict[str, Any]],
+    svc_runs: list[dict[str, Any]],
+) -> dict[str, Any]:
     def tps(runs: list[dict[str, Any]]) -> float:
         return sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
 
@@ -210,37 +264,59 @@ def _summarize(backend: str, args: argparse.Namespace, spec: dict[str, Any],
 
     pairs = [s["tokens_per_s"] / r["tokens_per_s"] for r, s in zip(raw_runs, svc_runs, strict=True)]
     return {
-        "backend": backend, "answers": spec["answers"], "n": args.n, "max_tokens": spec["max_tokens"],
-        "concurrency": args.concurrency, "prompts": spec["prompts"] * len(raw_runs),
-        "raw_tokens_per_s": tps(raw_runs), "service_tokens_per_s": tps(svc_runs),
+        "backend": backend,
+        "answers": spec["answers"],
+        "n": args.n,
+        "max_tokens": spec["max_tokens"],
+        "concurrency": args.concurrency,
+        "prompts": spec["prompts"] * len(raw_runs),
+        "raw_tokens_per_s": tps(raw_runs),
+        "service_tokens_per_s": tps(svc_runs),
         "ratio": tps(svc_runs) / tps(raw_runs),
-        "pair_ratios": pairs, "pair_ratio_median": float(statistics.median(pairs)),
-        "raw_cpu_ms_per_1k": cpu(raw_runs), "service_cpu_ms_per_1k": cpu(svc_runs),
+        "pair_ratios": pairs,
+        "pair_ratio_median": float(statistics.median(pairs)),
+        "raw_cpu_ms_per_1k": cpu(raw_runs),
+        "service_cpu_ms_per_1k": cpu(svc_runs),
         "server_cpu_ms_per_1k": cpu(svc_runs, "server_cpu_s"),
         "client_cpu_ms_per_1k": cpu(svc_runs, "client_cpu_s"),
         # Per group (n answers): the event-loop thread vs everything else (engine, store).
         "raw_main_ms_per_group": _per_group(raw_runs, "main_thread_cpu_s"),
-        "raw_other_ms_per_group": _per_group(raw_runs, "cpu_s") - _per_group(raw_runs, "main_thread_cpu_s"),
+        "raw_other_ms_per_group": _per_group(raw_runs, "cpu_s")
+        - _per_group(raw_runs, "main_thread_cpu_s"),
         "service_main_ms_per_group": _per_group(svc_runs, "main_thread_cpu_s"),
-        "service_other_ms_per_group": _per_group(svc_runs, "server_cpu_s") - _per_group(svc_runs, "main_thread_cpu_s"),
+        "service_other_ms_per_group": _per_group(svc_runs, "server_cpu_s")
+        - _per_group(svc_runs, "main_thread_cpu_s"),
         "client_ms_per_group": _per_group(svc_runs, "client_cpu_s"),
-        "tokens_per_answer": sum(r["tokens"] for r in svc_runs) / sum(r["answers"] for r in svc_runs),
+        "tokens_per_answer": sum(r["tokens"] for r in svc_runs)
+        / sum(r["answers"] for r in svc_runs),
     }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--raw-worker", help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="3 raw/service pairs of 400 prompts (~3 minutes)")
-    p.add_argument("--backend", action="append", choices=["hf", "vllm"],
-                   help="engines to measure (default: hf, and vllm if .venv-vllm exists and not --quick)")
+    p.add_argument(
+        "--quick", action="store_true", help="3 raw/service pairs of 400 prompts (~3 minutes)"
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        choices=["hf", "vllm"],
+        help="engines to measure (default: hf, and vllm if .venv-vllm exists and not --quick)",
+    )
     p.add_argument("--prompts", type=int, help="prompts measured per run (after the warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="prompts before the window opens")
-    p.add_argument("--concurrency", type=int, default=64, help="prompts in flight (max_active_prompts)")
+    p.add_argument(
+        "--concurrency", type=int, default=64, help="prompts in flight (max_active_prompts)"
+    )
     p.add_argument("--n", type=int, default=4, help="answers per prompt")
-    p.add_argument("--answers", choices=["toy", "long"], default="long",
-                   help="toy: the toy model's own answers (~3 tokens, then EOS: a per-answer overhead "
-                   "test); long: the same model with EOS disabled, so every answer runs to --max-tokens")
+    p.add_argument(
+        "--answers",
+        choices=["toy", "long"],
+        default="long",
+        help="toy: the toy model's own answers (~3 tokens, then EOS: a per-answer overhead "
+        "test); long: the same model with EOS disabled, so every answer runs to --max-tokens",
+    )
     p.add_argument("--max-tokens", type=int, default=None, help="default: 16 (toy) or 48 (long)")
     p.add_argument("--repeats", type=int, help="alternating raw/service pairs per backend")
     args = p.parse_args(argv)
@@ -254,7 +330,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.max_tokens is None:
         args.max_tokens = 48 if args.answers == "long" else 16
 
-    backends = args.backend or (["hf"] + (["vllm"] if VLLM_PYTHON.exists() and not args.quick else []))
+    backends = args.backend or (
+        ["hf"] + (["vllm"] if VLLM_PYTHON.exists() and not args.quick else [])
+    )
     started = time.monotonic()
     rows, runs = [], []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
@@ -268,13 +346,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # vLLM refuses an out-of-vocabulary EOS id, so it always runs the toy answers.
             long_answers = args.answers == "long" and backend != "vllm"
             spec = {
-                "backend": backend, "model": str(model_dir if long_answers else toy.model_dir),
-                "data": [str(f) for f in toy.data_files], "n": args.n,
-                "max_tokens": args.max_tokens if long_answers else 16, "concurrency": args.concurrency,
+                "backend": backend,
+                "model": str(model_dir if long_answers else toy.model_dir),
+                "data": [str(f) for f in toy.data_files],
+                "n": args.n,
+                "max_tokens": args.max_tokens if long_answers else 16,
+                "concurrency": args.concurrency,
                 "answers": "long" if long_answers else "toy",
                 "warmup": args.warmup if args.warmup is not None else 2 * args.concurrency,
-                "prompts": args.prompts or (64 if cpu_engine and args.quick else 256 if cpu_engine
-                                            else 400 if args.quick else 600),
+                "prompts": args.prompts
+                or (
+                    64
+                    if cpu_engine and args.quick
+                    else 256
+                    if cpu_engine
+                    else 400
+                    if args.quick
+                    else 600
+                ),
             }
             repeats = args.repeats or (1 if cpu_engine else 3 if args.quick else 6)
             # hf: the service with its engine in a child process (the default) and on a
@@ -283,42 +372,86 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             by_kind: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
             for i in range(repeats):
                 # Rotate the order, so a load change on a shared box hits every kind.
-                for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+                for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
                     t = time.monotonic()
                     load = os.getloadavg()[0]
                     if kind == "raw":
                         r = run_raw(spec)
                     else:
-                        r = run_service(spec, work, "thread" if kind.endswith("engine thread") else "process")
+                        r = run_service(
+                            spec, work, "thread" if kind.endswith("engine thread") else "process"
+                        )
                     r["loadavg_before"] = load
                     by_kind[kind].append(r)
                     runs.append({"backend": backend, "kind": kind, "repeat": i, **r})
-                    print(f"  [{backend}] {kind} #{i + 1}: {r['tokens_per_s']:,.0f} tokens/s, "
-                          f"{r['cpu_ms_per_1k_tokens']:.0f} CPU ms/1k tokens ({r['tokens_per_answer']:.2f} "
-                          f"tokens/answer, load {load:.1f}, {time.monotonic() - t:.0f}s)", flush=True)
+                    print(
+                        f"  [{backend}] {kind} #{i + 1}: {r['tokens_per_s']:,.0f} tokens/s, "
+                        f"{r['cpu_ms_per_1k_tokens']:.0f} CPU ms/1k tokens ({r['tokens_per_answer']:.2f} "
+                        f"tokens/answer, load {load:.1f}, {time.monotonic() - t:.0f}s)",
+                        flush=True,
+                    )
             for kind in kinds[1:]:
                 label = backend if kind == "service" else f"{backend} ({kind.split(', ')[1]})"
                 rows.append(_summarize(label, args, spec, by_kind["raw"], by_kind[kind]))
-    print("\n== service overhead: generated tokens/s, raw engine vs through the service to a client ==")
-    print(table(rows, [("backend", "backend"), ("answers", "answers"), ("n", "n"), ("max_tokens", "max_tokens"),
-                       ("concurrency", "prompts in flight"), ("prompts", "prompts measured"),
-                       ("raw_tokens_per_s", "raw tokens/s"), ("service_tokens_per_s", "service tokens/s"),
-                       ("ratio", "service/raw"), ("pair_ratio_median", "median pair ratio"),
-                       ("raw_cpu_ms_per_1k", "raw CPU ms/1k tok"), ("service_cpu_ms_per_1k", "service CPU ms/1k tok"),
-                       ("server_cpu_ms_per_1k", "of which server")]))
+    print(
+        "\n== service overhead: generated tokens/s, raw engine vs through the service to a client =="
+    )
+    print(
+        table(
+            rows,
+            [
+                ("backend", "backend"),
+                ("answers", "answers"),
+                ("n", "n"),
+                ("max_tokens", "max_tokens"),
+                ("concurrency", "prompts in flight"),
+                ("prompts", "prompts measured"),
+                ("raw_tokens_per_s", "raw tokens/s"),
+                ("service_tokens_per_s", "service tokens/s"),
+                ("ratio", "service/raw"),
+                ("pair_ratio_median", "median pair ratio"),
+                ("raw_cpu_ms_per_1k", "raw CPU ms/1k tok"),
+                ("service_cpu_ms_per_1k", "service CPU ms/1k tok"),
+                ("server_cpu_ms_per_1k", "of which server"),
+            ],
+        )
+    )
     print("\nCPU per group (ms): where the service's extra work goes")
-    print(table(rows, [("backend", "backend"), ("raw_main_ms_per_group", "raw: event loop"),
-                       ("raw_other_ms_per_group", "raw: engine threads/processes"),
-                       ("service_main_ms_per_group", "service: event loop"),
-                       ("service_other_ms_per_group", "service: engine + store threads/processes"),
-                       ("client_ms_per_group", "client")]))
-    checks = [{"target": f"[{r['backend']}] service/raw tokens/s >= 0.95", "measured": f"{r['ratio']:.3f} "
-               f"(median of {len(r['pair_ratios'])} alternating pairs {r['pair_ratio_median']:.3f})",
-               "value": r["ratio"], "met": r["ratio"] >= 0.95} for r in rows]
+    print(
+        table(
+            rows,
+            [
+                ("backend", "backend"),
+                ("raw_main_ms_per_group", "raw: event loop"),
+                ("raw_other_ms_per_group", "raw: engine threads/processes"),
+                ("service_main_ms_per_group", "service: event loop"),
+                ("service_other_ms_per_group", "service: engine + store threads/processes"),
+                ("client_ms_per_group", "client"),
+            ],
+        )
+    )
+    checks = [
+        {
+            "target": f"[{r['backend']}] service/raw tokens/s >= 0.95",
+            "measured": f"{r['ratio']:.3f} "
+            f"(median of {len(r['pair_ratios'])} alternating pairs {r['pair_ratio_median']:.3f})",
+            "value": r["ratio"],
+            "met": r["ratio"] >= 0.95,
+        }
+        for r in rows
+    ]
     for c in checks:
         print(f"[{'met' if c['met'] else 'MISSED'}] {c['target']}: {c['measured']}")
-    path = write_json("overhead", {"settings": vars(args), "results": rows, "runs": runs, "checks": checks,
-                                   "real_s": time.monotonic() - started})
+    path = write_json(
+        "overhead",
+        {
+            "settings": vars(args),
+            "results": rows,
+            "runs": runs,
+            "checks": checks,
+            "real_s": time.monotonic() - started,
+        },
+    )
     print(f"wrote {path}; real time {time.monotonic() - started:.0f}s")
     return {"results": rows, "checks": checks}
 

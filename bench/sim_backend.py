@@ -178,7 +178,13 @@ class SimBackend(Backend):
             length = int(lengths[i])
             truncated = length > sampling.max_tokens
             self._queue.append(
-                _Seq(request, i, min(length, sampling.max_tokens), "length" if truncated else "stop", bool(correct[i]))
+                _Seq(
+                    request,
+                    i,
+                    min(length, sampling.max_tokens),
+                    "length" if truncated else "stop",
+                    bool(correct[i]),
+                )
             )
         self._arrival.set()
         return await future

@@ -62,23 +62,49 @@ from trainer_client.protocol import MSGPACK_MEDIA_TYPE
 # -- the server side (a separate process) -------------------------------------------------------
 
 
-def _synthetic_group(rng: np.random.Generator, answers: int, tokens: int, pool: list[tuple[list[int], list[float]]]) -> Any:
+def _synthetic_group(
+    rng: np.random.Generator, answers: int, tokens: int, pool: list[tuple[list[int], list[float]]]
+) -> Any:
     from trainer_client.protocol import Group, GroupStats, Sample
 
     samples = []
     for i in range(answers):
         ids, lps = pool[int(rng.integers(len(pool)))]
-        samples.append(Sample(
-            sample_id=uuid.uuid4().hex, response_token_ids=ids, response_text="x" * 64, logprobs=lps,
-            reward=float(i % 2), finish_reason="stop", policy_version=0, advantage=(i % 2) - 0.5,
-        ))
+        samples.append(
+            Sample(
+                sample_id=uuid.uuid4().hex,
+                response_token_ids=ids,
+                response_text="x" * 64,
+                logprobs=lps,
+                reward=float(i % 2),
+                finish_reason="stop",
+                policy_version=0,
+                advantage=(i % 2) - 0.5,
+            )
+        )
     return Group(
-        group_id=uuid.uuid4().hex, prompt_id=f"bench-{rng.integers(1 << 30)}", domain="bench",
-        prompt_token_ids=rng.integers(0, 151_000, 128).tolist(), prompt_text="p" * 256, answer="42",
-        metadata={"t_finish": 0.0}, config_version=0, policy_version_min=0, policy_version_max=0,
-        stop_reason="fixed", stats=GroupStats(n_generated=answers, n_pos=answers // 2, n_neg=answers - answers // 2,
-                                              reward_mean=0.5, reward_std=0.5),
-        samples=samples, batch_id="", batch_index=0, batch_size=0,
+        group_id=uuid.uuid4().hex,
+        prompt_id=f"bench-{rng.integers(1 << 30)}",
+        domain="bench",
+        prompt_token_ids=rng.integers(0, 151_000, 128).tolist(),
+        prompt_text="p" * 256,
+        answer="42",
+        metadata={"t_finish": 0.0},
+        config_version=0,
+        policy_version_min=0,
+        policy_version_max=0,
+        stop_reason="fixed",
+        stats=GroupStats(
+            n_generated=answers,
+            n_pos=answers // 2,
+            n_neg=answers - answers // 2,
+            reward_mean=0.5,
+            reward_std=0.5,
+        ),
+        samples=samples,
+        batch_id="",
+        batch_index=0,
+        batch_size=0,
     )
 
 
@@ -102,7 +128,9 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
 
         async def close(self) -> None: ...
 
-        async def generate(self, prompt_token_ids: list[int], n: int, sampling: SamplingParams) -> list[Completion]:
+        async def generate(
+            self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        ) -> list[Completion]:
             await asyncio.Event().wait()
             raise AssertionError
 
@@ -111,8 +139,14 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
 
         async def load_weights(self, tensors: Any, version: int) -> None: ...
 
-    settings = ServeSettings(model=model, data=data, state_dir=state_dir, port=0, heartbeat_s=1.0,
-                             store_checkpoint_s=checkpoint_s)
+    settings = ServeSettings(
+        model=model,
+        data=data,
+        state_dir=state_dir,
+        port=0,
+        heartbeat_s=1.0,
+        store_checkpoint_s=checkpoint_s,
+    )
     config = SamplerConfig(max_active_prompts=1, max_buffered_groups=100_000, batch_groups=1)
     service = SamplerService(settings, initial_config=config, backend=IdleBackend())
     app = create_app(service)
@@ -123,7 +157,12 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
 
     async def inject_one(answers: int, tokens: int) -> None:
         while len(pool) < 32:
-            pool.append((rng.integers(0, 151_000, tokens).tolist(), (-rng.exponential(0.7, tokens)).tolist()))
+            pool.append(
+                (
+                    rng.integers(0, 151_000, tokens).tolist(),
+                    (-rng.exponential(0.7, tokens)).tolist(),
+                )
+            )
         group = _synthetic_group(rng, answers, tokens, pool)
         finish = time.time()
         group.metadata = {"t_finish": finish}
@@ -160,9 +199,14 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
 
     @app.get("/bench/state")
     async def get_state() -> Response:
-        return Response(orjson.dumps({**state, "ready": service.outbox.ready_groups}), media_type="application/json")
+        return Response(
+            orjson.dumps({**state, "ready": service.outbox.ready_groups}),
+            media_type="application/json",
+        )
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    )
     original_startup = server.startup
 
     async def startup(sockets: Any = None) -> None:
@@ -183,12 +227,31 @@ class Server:
 
         toy = build_toy(work / "toy", seed=0)
         self.log = (work / f"server-{checkpoint_s}.log").open("w")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.stream", "--serve-checkpoint-s", str(checkpoint_s), "--serve",
-             str(toy.model_dir), str(work / f"state-{checkpoint_s}"), *[str(f) for f in toy.data_files]],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT)
+            [
+                sys.executable,
+                "-m",
+                "bench.stream",
+                "--serve-checkpoint-s",
+                str(checkpoint_s),
+                "--serve",
+                str(toy.model_dir),
+                str(work / f"state-{checkpoint_s}"),
+                *[str(f) for f in toy.data_files],
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith("listening on "):
@@ -197,20 +260,27 @@ class Server:
         self.http = httpx.Client(base_url=self.url, timeout=120)
         # Trainers make their client once: its set-up (an SSL context, ~40 ms) stays
         # out of the measured runs.
-        self.clients = {enc: SamplerClient(self.url, watchdog_s=120, encoding=enc) for enc in ("json", "msgpack")}
+        self.clients = {
+            enc: SamplerClient(self.url, watchdog_s=120, encoding=enc)
+            for enc in ("json", "msgpack")
+        }
         while self.http.get("/ready").status_code != 200:
             time.sleep(0.1)
 
     def inject(self, count: int, interval_s: float = 0.0, wait: bool = False) -> dict[str, Any]:
-        return self.http.post("/bench/inject", content=orjson.dumps(
-            {"count": count, "interval_s": interval_s, "wait": wait})).json()
+        return self.http.post(
+            "/bench/inject",
+            content=orjson.dumps({"count": count, "interval_s": interval_s, "wait": wait}),
+        ).json()
 
     def ready(self) -> int:
         return int(self.http.get("/bench/state").json()["ready"])
 
     def ack(self, ids: list[str]) -> None:
         if ids:
-            self.http.post("/v1/groups/ack", content=orjson.dumps({"delivery_ids": ids})).raise_for_status()
+            self.http.post(
+                "/v1/groups/ack", content=orjson.dumps({"delivery_ids": ids})
+            ).raise_for_status()
 
     def clear(self) -> None:
         """Ack whatever a finished run left READY or LEASED (a closed stream releases its
@@ -220,8 +290,10 @@ class Server:
             queue = self.http.get("/v1/stats").json()["queue"]
             if queue["ready"] == 0 and queue["leased"] == 0:
                 return
-            body = self.http.post("/v1/groups/lease", content=orjson.dumps(
-                {"max_groups": 100_000, "consumer": "cleanup"})).json()
+            body = self.http.post(
+                "/v1/groups/lease",
+                content=orjson.dumps({"max_groups": 100_000, "consumer": "cleanup"}),
+            ).json()
             self.ack([g["delivery_id"] for g in body["groups"]])
             time.sleep(0.2)
         raise RuntimeError("could not empty the queue between runs")
@@ -238,13 +310,15 @@ class Server:
         self.log.close()
 
 
-def _raw_groups(server: Server, consumer: str, max_unacked: int, stop: threading.Event,
-               accept: str | None) -> Iterator[tuple[dict, int]]:
+def _raw_groups(
+    server: Server, consumer: str, max_unacked: int, stop: threading.Event, accept: str | None
+) -> Iterator[tuple[dict, int]]:
     """(group dict, its bytes on the wire) from the stream, decoded here without pydantic."""
     params = {"consumer": consumer, "max_unacked": max_unacked}
     headers = {"Accept": accept} if accept else {}
-    with server.http.stream("GET", "/v1/groups/stream", params=params, headers=headers,
-                            timeout=httpx.Timeout(120)) as response:
+    with server.http.stream(
+        "GET", "/v1/groups/stream", params=params, headers=headers, timeout=httpx.Timeout(120)
+    ) as response:
         if accept == MSGPACK_MEDIA_TYPE:
             decoder, offset = wire.stream_decoder(), 0
             for chunk in response.iter_raw():
@@ -271,8 +345,9 @@ def _raw_groups(server: Server, consumer: str, max_unacked: int, stop: threading
                     return
 
 
-def _client_groups(server: Server, consumer: str, max_unacked: int, stop: threading.Event,
-                   encoding: str) -> Iterator[tuple[Any, int]]:
+def _client_groups(
+    server: Server, consumer: str, max_unacked: int, stop: threading.Event, encoding: str
+) -> Iterator[tuple[Any, int]]:
     for group in server.clients[encoding].groups(max_unacked=max_unacked, consumer=consumer):
         yield group, 0
         if stop.is_set():
@@ -319,7 +394,9 @@ class Acker:
                 ids, self._pending = self._pending, []
                 closed = self._closed
             if ids:
-                self._http.post("/v1/groups/ack", content=orjson.dumps({"delivery_ids": ids})).raise_for_status()
+                self._http.post(
+                    "/v1/groups/ack", content=orjson.dumps({"delivery_ids": ids})
+                ).raise_for_status()
             if closed:
                 return
 
@@ -331,7 +408,9 @@ class Acker:
         self._http.close()
 
 
-def drain(server: Server, encoding: str, count: int, max_unacked: int = 512, ack_every: int = 64) -> dict[str, Any]:
+def drain(
+    server: Server, encoding: str, count: int, max_unacked: int = 512, ack_every: int = 64
+) -> dict[str, Any]:
     server.inject(count, wait=True)
     deadline = time.monotonic() + 60
     while server.ready() < count:
@@ -355,9 +434,15 @@ def drain(server: Server, encoding: str, count: int, max_unacked: int = 512, ack
     cpu, server_cpu = time.process_time() - cpu0, tree_cpu_s(server.proc.pid) - server_cpu0
     acker.close()
     server.clear()
-    return {"groups": got, "seconds": seconds, "groups_per_s": got / seconds, "wire_bytes_per_group": wire_bytes / got,
-            "mb_per_s": wire_bytes / seconds / 1e6, "client_cpu_per_group_ms": 1000 * cpu / got,
-            "server_cpu_per_group_ms": 1000 * server_cpu / got}
+    return {
+        "groups": got,
+        "seconds": seconds,
+        "groups_per_s": got / seconds,
+        "wire_bytes_per_group": wire_bytes / got,
+        "mb_per_s": wire_bytes / seconds / 1e6,
+        "client_cpu_per_group_ms": 1000 * cpu / got,
+        "server_cpu_per_group_ms": 1000 * server_cpu / got,
+    }
 
 
 def latency(server: Server, encoding: str, count: int, interval_s: float) -> dict[str, Any]:
@@ -381,11 +466,22 @@ def latency(server: Server, encoding: str, count: int, interval_s: float) -> dic
     store = [1000 * (times[g][1] - times[g][0]) for g in received]
     frame = [1000 * (times[g][2] - times[g][1]) for g in received]
     deliver = [1000 * (t - times[g][2]) for g, t in received.items()]
-    return {"groups": len(ms), "rate_per_s": 1 / interval_s, "p50_ms": percentile(ms, 50), "p90_ms": percentile(ms, 90),
-            "p99_ms": percentile(ms, 99), "max_ms": max(ms),
-            "breakdown_ms": {name: {"p50": percentile(v, 50), "p99": percentile(v, 99), "max": max(v)}
-                             for name, v in (("store_pending", store), ("frame_and_offer", frame),
-                                             ("stream_to_client", deliver))}}
+    return {
+        "groups": len(ms),
+        "rate_per_s": 1 / interval_s,
+        "p50_ms": percentile(ms, 50),
+        "p90_ms": percentile(ms, 90),
+        "p99_ms": percentile(ms, 99),
+        "max_ms": max(ms),
+        "breakdown_ms": {
+            name: {"p50": percentile(v, 50), "p99": percentile(v, 99), "max": max(v)}
+            for name, v in (
+                ("store_pending", store),
+                ("frame_and_offer", frame),
+                ("stream_to_client", deliver),
+            )
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -416,13 +512,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs: dict[str, list[dict[str, Any]]] = {e: [] for e in encodings}
             lats: dict[str, dict[str, Any]] = {}
             for i in range(repeats):
-                for enc in (encodings if i % 2 == 0 else encodings[::-1]):
+                for enc in encodings if i % 2 == 0 else encodings[::-1]:
                     r = drain(server, enc, count)
                     runs[enc].append(r)
-                    print(f"  drain {enc} #{i + 1}: {r['groups_per_s']:,.0f} groups/s, {r['mb_per_s']:.0f} MB/s", flush=True)
+                    print(
+                        f"  drain {enc} #{i + 1}: {r['groups_per_s']:,.0f} groups/s, {r['mb_per_s']:.0f} MB/s",
+                        flush=True,
+                    )
             for enc in encodings:
                 lats[enc] = latency(server, enc, lat_count, 1 / args.rate)
-                print(f"  latency {enc}: p50 {lats[enc]['p50_ms']:.1f} ms, p99 {lats[enc]['p99_ms']:.1f} ms", flush=True)
+                print(
+                    f"  latency {enc}: p50 {lats[enc]['p50_ms']:.1f} ms, p99 {lats[enc]['p99_ms']:.1f} ms",
+                    flush=True,
+                )
             inject_state = server.http.get("/bench/state").json()
         finally:
             server.close()
@@ -432,8 +534,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             server.inject(50, wait=True)
             drain(server, "json", 50)
             in_commits = latency(server, DEFAULT_PATH, lat_count, 1 / args.rate)
-            print(f"  latency {DEFAULT_PATH}, checkpoints inside commits: p50 {in_commits['p50_ms']:.1f} ms, "
-                  f"p99 {in_commits['p99_ms']:.1f} ms", flush=True)
+            print(
+                f"  latency {DEFAULT_PATH}, checkpoints inside commits: p50 {in_commits['p50_ms']:.1f} ms, "
+                f"p99 {in_commits['p99_ms']:.1f} ms",
+                flush=True,
+            )
         finally:
             server.close()
     rows = []
@@ -441,47 +546,135 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rs = runs[enc]
         groups, seconds = sum(r["groups"] for r in rs), sum(r["seconds"] for r in rs)
         per_group = np.mean([r["wire_bytes_per_group"] for r in rs])
-        rows.append({"encoding": enc, "groups": groups, "groups_per_s": groups / seconds,
-                     "runs_groups_per_s": [r["groups_per_s"] for r in rs],
-                     "kb_per_group": per_group / 1e3 if per_group else None,
-                     "mb_per_s": per_group * groups / seconds / 1e6 if per_group else None,
-                     "client_cpu_ms_per_group": float(np.mean([r["client_cpu_per_group_ms"] for r in rs])),
-                     "server_cpu_ms_per_group": float(np.mean([r["server_cpu_per_group_ms"] for r in rs])),
-                     "latency_breakdown_ms": lats[enc]["breakdown_ms"],
-                     **{k: lats[enc][k] for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")}})
-    print(f"\n== stream: groups of 4 answers x 1024 tokens with logprobs, loopback; latency at {args.rate:g} groups/s ==")
-    print(table(rows, [("encoding", "encoding"), ("groups_per_s", "groups/s"), ("mb_per_s", "MB/s"),
-                       ("kb_per_group", "KB/group"), ("server_cpu_ms_per_group", "server CPU ms/group"),
-                       ("client_cpu_ms_per_group", "client CPU ms/group"),
-                       ("p50_ms", "latency p50 ms"), ("p99_ms", "latency p99 ms")]))
-    print("\nlatency breakdown (ms): finish -> stored pending | -> framed and offered | -> decoded by the client")
-    print(table([{"encoding": r["encoding"], **{f"{k}_{q}": v[q] for k, v in r["latency_breakdown_ms"].items()
-                                                 for q in ("p50", "p99")}} for r in rows],
-                [("encoding", "encoding"), ("store_pending_p50", "store p50"), ("store_pending_p99", "store p99"),
-                 ("frame_and_offer_p50", "frame p50"), ("frame_and_offer_p99", "frame p99"),
-                 ("stream_to_client_p50", "stream p50"), ("stream_to_client_p99", "stream p99")]))
+        rows.append(
+            {
+                "encoding": enc,
+                "groups": groups,
+                "groups_per_s": groups / seconds,
+                "runs_groups_per_s": [r["groups_per_s"] for r in rs],
+                "kb_per_group": per_group / 1e3 if per_group else None,
+                "mb_per_s": per_group * groups / seconds / 1e6 if per_group else None,
+                "client_cpu_ms_per_group": float(
+                    np.mean([r["client_cpu_per_group_ms"] for r in rs])
+                ),
+                "server_cpu_ms_per_group": float(
+                    np.mean([r["server_cpu_per_group_ms"] for r in rs])
+                ),
+                "latency_breakdown_ms": lats[enc]["breakdown_ms"],
+                **{k: lats[enc][k] for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")},
+            }
+        )
+    print(
+        f"\n== stream: groups of 4 answers x 1024 tokens with logprobs, loopback; latency at {args.rate:g} groups/s =="
+    )
+    print(
+        table(
+            rows,
+            [
+                ("encoding", "encoding"),
+                ("groups_per_s", "groups/s"),
+                ("mb_per_s", "MB/s"),
+                ("kb_per_group", "KB/group"),
+                ("server_cpu_ms_per_group", "server CPU ms/group"),
+                ("client_cpu_ms_per_group", "client CPU ms/group"),
+                ("p50_ms", "latency p50 ms"),
+                ("p99_ms", "latency p99 ms"),
+            ],
+        )
+    )
+    print(
+        "\nlatency breakdown (ms): finish -> stored pending | -> framed and offered | -> decoded by the client"
+    )
+    print(
+        table(
+            [
+                {
+                    "encoding": r["encoding"],
+                    **{
+                        f"{k}_{q}": v[q]
+                        for k, v in r["latency_breakdown_ms"].items()
+                        for q in ("p50", "p99")
+                    },
+                }
+                for r in rows
+            ],
+            [
+                ("encoding", "encoding"),
+                ("store_pending_p50", "store p50"),
+                ("store_pending_p99", "store p99"),
+                ("frame_and_offer_p50", "frame p50"),
+                ("frame_and_offer_p99", "frame p99"),
+                ("stream_to_client_p50", "stream p50"),
+                ("stream_to_client_p99", "stream p99"),
+            ],
+        )
+    )
     ours = {r["encoding"]: r for r in rows}.get(DEFAULT_PATH)
     if ours:
-        print(f"\n{DEFAULT_PATH}, WAL checkpoints on their own thread (default) vs inside commits (SQLite's default):")
-        print(table([{"checkpoints": "own thread", **{k: ours[k] for k in ("p50_ms", "p99_ms", "max_ms")}},
-                     {"checkpoints": "inside commits", **{k: in_commits[k] for k in ("p50_ms", "p99_ms", "max_ms")}}],
-                    [("checkpoints", "checkpoints"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"), ("max_ms", "max ms")]))
+        print(
+            f"\n{DEFAULT_PATH}, WAL checkpoints on their own thread (default) vs inside commits (SQLite's default):"
+        )
+        print(
+            table(
+                [
+                    {
+                        "checkpoints": "own thread",
+                        **{k: ours[k] for k in ("p50_ms", "p99_ms", "max_ms")},
+                    },
+                    {
+                        "checkpoints": "inside commits",
+                        **{k: in_commits[k] for k in ("p50_ms", "p99_ms", "max_ms")},
+                    },
+                ],
+                [
+                    ("checkpoints", "checkpoints"),
+                    ("p50_ms", "p50 ms"),
+                    ("p99_ms", "p99 ms"),
+                    ("max_ms", "max ms"),
+                ],
+            )
+        )
     best = {r["encoding"]: r for r in rows}
     checks = []
     for enc, r in best.items():
-        checks.append({"target": f"[{enc}] >= 1,000 groups/s", "measured": f"{r['groups_per_s']:,.0f}",
-                       "value": r["groups_per_s"], "met": r["groups_per_s"] >= 1000})
-        checks.append({"target": f"[{enc}] latency p99 < 20 ms", "measured": f"{r['p99_ms']:.1f} ms",
-                       "value": r["p99_ms"], "met": r["p99_ms"] < 20})
+        checks.append(
+            {
+                "target": f"[{enc}] >= 1,000 groups/s",
+                "measured": f"{r['groups_per_s']:,.0f}",
+                "value": r["groups_per_s"],
+                "met": r["groups_per_s"] >= 1000,
+            }
+        )
+        checks.append(
+            {
+                "target": f"[{enc}] latency p99 < 20 ms",
+                "measured": f"{r['p99_ms']:.1f} ms",
+                "value": r["p99_ms"],
+                "met": r["p99_ms"] < 20,
+            }
+        )
     for c in checks:
         print(f"[{'met' if c['met'] else 'MISSED'}] {c['target']}: {c['measured']}")
     store_ms = 1000 * inject_state["inject_s"] / max(inject_state["injected"], 1)
     print(f"server side, per injected group: {store_ms:.2f} ms to store + frame + offer")
-    path = write_json("stream", {"settings": {"groups": count, "latency_groups": lat_count, "rate": args.rate,
-                                              "repeats": repeats, "answers": 4, "tokens": 1024},
-                                 "results": rows, "checks": checks, "store_ms_per_group": store_ms,
-                                 "latency_checkpoints_inside_commits": {"path": DEFAULT_PATH, **in_commits},
-                                 "real_s": time.monotonic() - started})
+    path = write_json(
+        "stream",
+        {
+            "settings": {
+                "groups": count,
+                "latency_groups": lat_count,
+                "rate": args.rate,
+                "repeats": repeats,
+                "answers": 4,
+                "tokens": 1024,
+            },
+            "results": rows,
+            "checks": checks,
+            "store_ms_per_group": store_ms,
+            "latency_checkpoints_inside_commits": {"path": DEFAULT_PATH, **in_commits},
+            "real_s": time.monotonic() - started,
+        },
+    )
     print(f"wrote {path}; real time {time.monotonic() - started:.0f}s")
     return {"results": rows, "checks": checks}
 

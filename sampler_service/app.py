@@ -33,7 +33,9 @@ def _json(content: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(content), status_code=status, media_type="application/json")
 
 
-def _error(status: int, code: str, message: str, field: str | None = None, headers: dict | None = None) -> Response:
+def _error(
+    status: int, code: str, message: str, field: str | None = None, headers: dict | None = None
+) -> Response:
     body: dict[str, Any] = {"code": code, "message": message}
     if field is not None:
         body["field"] = field
@@ -62,7 +64,9 @@ def _parse(model: type[M], body: bytes) -> M:
     except ValidationError as exc:
         first = exc.errors()[0]
         if first["type"] == "json_invalid":
-            raise ServiceError(400, "invalid_json", f"body is not valid JSON: {first['msg']}") from exc
+            raise ServiceError(
+                400, "invalid_json", f"body is not valid JSON: {first['msg']}"
+            ) from exc
         field = ".".join(str(p) for p in first["loc"]) or None
         raise ServiceError(422, "invalid_request", f"{field}: {first['msg']}", field) from exc
 
@@ -86,7 +90,9 @@ def create_app(service: SamplerService) -> FastAPI:
             return
         presented = (authorization or "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(presented.encode(), settings.api_key.encode()):
-            raise ServiceError(401, "unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
+            raise ServiceError(
+                401, "unauthorized", "missing or wrong API key (Authorization: Bearer <key>)"
+            )
 
     def require_ready() -> None:
         if not service.ready:
@@ -100,7 +106,9 @@ def create_app(service: SamplerService) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"] if p not in ("query", "header", "body", "path"))
+        field = ".".join(
+            str(p) for p in first["loc"] if p not in ("query", "header", "body", "path")
+        )
         return _error(422, "invalid_request", f"{field}: {first['msg']}", field or None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -151,7 +159,9 @@ def create_app(service: SamplerService) -> FastAPI:
         accept: Annotated[str | None, Header()] = None,
     ) -> StreamingResponse:
         encoding = negotiate(accept)
-        messages = service.stream(consumer, max_unacked, heartbeat_s or settings.heartbeat_s, encoding)
+        messages = service.stream(
+            consumer, max_unacked, heartbeat_s or settings.heartbeat_s, encoding
+        )
         return StreamingResponse(messages, media_type=encoding.stream_media_type)
 
     @v1.post("/groups/ack")
@@ -174,7 +184,9 @@ def create_app(service: SamplerService) -> FastAPI:
     ) -> Response:
         version = version if version is not None else x_policy_version
         if version is None:
-            raise ServiceError(422, "missing_version", "give the new policy version as ?version=N", "version")
+            raise ServiceError(
+                422, "missing_version", "give the new policy version as ?version=N", "version"
+            )
         service.check_version(version)
         limit = service.weights_size_limit()
         incoming = settings.state_dir / "weights" / f"incoming-{uuid.uuid4().hex}.safetensors"
@@ -203,13 +215,17 @@ async def _stream_to_file(request: Request, path: Path, limit: int) -> None:
     """Spool an upload to disk without holding it in memory; 413 past `limit`."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise ServiceError(413, "body_too_large", f"weight file over the {limit}-byte limit (2x the model)")
+        raise ServiceError(
+            413, "body_too_large", f"weight file over the {limit}-byte limit (2x the model)"
+        )
     size = 0
     with path.open("wb") as fh:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ServiceError(413, "body_too_large", f"weight file over the {limit}-byte limit (2x the model)")
+                raise ServiceError(
+                    413, "body_too_large", f"weight file over the {limit}-byte limit (2x the model)"
+                )
             fh.write(chunk)
     if size == 0:
         raise ServiceError(422, "weights_rejected", "empty weight file")

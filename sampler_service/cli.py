@@ -22,18 +22,29 @@ def _load_config_file(path: Path) -> dict[str, Any]:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, required=True, help="Hugging Face model directory (weights + tokenizer)")
     p.add_argument(
-        "--data", type=Path, action="append", required=True,
+        "--model",
+        type=Path,
+        required=True,
+        help="Hugging Face model directory (weights + tokenizer)",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        action="append",
+        required=True,
         help="prompt file (.jsonl or .parquet); repeat for several domains (domain = file stem unless a row says)",
     )
     p.add_argument(
-        "--verifier", default="exact",
+        "--verifier",
+        default="exact",
         help="default verifier for rows without one: exact | math | python:module:function",
     )
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="inference engine")
     p.add_argument(
-        "--hf-engine", choices=["process", "thread"], default="process",
+        "--hf-engine",
+        choices=["process", "thread"],
+        default="process",
         help="run the hf backend in its own process (the service's work then never waits on the "
         "engine's GIL) or on a thread of the server process",
     )
@@ -42,33 +53,46 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0 picks a free one)")
     p.add_argument(
-        "--state-dir", type=Path, default=Path("sampler_state"),
+        "--state-dir",
+        type=Path,
+        default=Path("sampler_state"),
         help="directory for the SQLite store (groups, config, mixer state) and accepted weights",
     )
     p.add_argument(
-        "--api-key", default=os.environ.get("ADAPTIVE_ROLLOUT_API_KEY"),
+        "--api-key",
+        default=os.environ.get("ADAPTIVE_ROLLOUT_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: env ADAPTIVE_ROLLOUT_API_KEY)",
     )
     p.add_argument(
-        "--config", type=Path,
+        "--config",
+        type=Path,
         help="initial sampler config (.json or .toml, the keys of GET /v1/config); a config saved "
         "in the state dir by an earlier run wins",
     )
     p.add_argument("--heartbeat-s", type=float, default=5.0, help="stream heartbeat interval")
-    p.add_argument("--verifier-timeout-s", type=float, default=10.0, help="time limit per verification")
+    p.add_argument(
+        "--verifier-timeout-s", type=float, default=10.0, help="time limit per verification"
+    )
     p.add_argument("--verifier-workers", type=int, default=2, help="verifier processes")
     p.add_argument(
-        "--store-checkpoint-s", type=float, default=0.5,
+        "--store-checkpoint-s",
+        type=float,
+        default=0.5,
         help="seconds between SQLite WAL checkpoints, run off the write path; 0 = SQLite's default (inside commits)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for data order and sampling")
     p.add_argument(
-        "--torch-threads", type=int, default=1,
+        "--torch-threads",
+        type=int,
+        default=1,
         help="CPU threads for torch in the server (1 suits small models: more threads spin "
         "against the verifier and HTTP work on few cores; 0 leaves torch's default)",
     )
     p.add_argument(
-        "--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="engine argument passed to vLLM, e.g. tensor_parallel_size=2 (value parsed as JSON if it can be)",
     )
     p.add_argument("--log-level", default="INFO", help="logging level")
@@ -94,17 +118,31 @@ def serve(args: argparse.Namespace) -> None:
     from sampler_service.config import ConfigError, ServeSettings, validate_config
     from sampler_service.service import SamplerService
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.torch_threads > 0:
         import torch
 
         torch.set_num_threads(args.torch_threads)
     settings = ServeSettings(
-        model=args.model, data=args.data, verifier=args.verifier, backend=args.backend, hf_engine=args.hf_engine,
+        model=args.model,
+        data=args.data,
+        verifier=args.verifier,
+        backend=args.backend,
+        hf_engine=args.hf_engine,
         torch_threads=args.torch_threads,
-        device=args.device, dtype=args.dtype, host=args.host, port=args.port, state_dir=args.state_dir,
-        api_key=args.api_key, heartbeat_s=args.heartbeat_s, verifier_timeout_s=args.verifier_timeout_s,
-        verifier_workers=args.verifier_workers, store_checkpoint_s=args.store_checkpoint_s, seed=args.seed,
+        device=args.device,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        state_dir=args.state_dir,
+        api_key=args.api_key,
+        heartbeat_s=args.heartbeat_s,
+        verifier_timeout_s=args.verifier_timeout_s,
+        verifier_workers=args.verifier_workers,
+        store_checkpoint_s=args.store_checkpoint_s,
+        seed=args.seed,
         vllm=_parse_engine_args(args.vllm_arg),
     )
     try:
@@ -113,7 +151,9 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"--config {args.config}: {exc}") from exc
     service = SamplerService(settings, initial_config=initial)
     app = create_app(service)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level="warning", lifespan="on"
+    )
     server = uvicorn.Server(config)
 
     original_startup = server.startup
@@ -144,7 +184,19 @@ def toy(args: argparse.Namespace) -> None:
         print(f"eval:  {f}")
 
 
+# Nothing this program starts phones home: no hub downloads, no usage statistics from
+# vLLM or Ray. A user who wants either sets the variable explicitly.
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "DO_NOT_TRACK": "1",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
     parser = argparse.ArgumentParser(prog="adaptive-rollout", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 

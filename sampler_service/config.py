@@ -111,8 +111,13 @@ class SamplerConfig(_Strict):
         est = self.est
         n_max = self.n_max if self.rule == "est" else max(self.n_max, math.ceil(est.mean_budget))
         return Estimator(
-            lam=est.decay, alpha=est.alpha, beta=est.beta, eps=est.eps,
-            n_min=est.n_min, n_max=n_max, mean_budget=est.mean_budget,
+            lam=est.decay,
+            alpha=est.alpha,
+            beta=est.beta,
+            eps=est.eps,
+            n_min=est.n_min,
+            n_max=n_max,
+            mean_budget=est.mean_budget,
         )
 
     def group_policy_objects(self) -> list[Any]:
@@ -212,9 +217,12 @@ class ServeSettings(_Strict):
     verifier: str = "exact"
     backend: Literal["hf", "vllm"] = "hf"
     hf_engine: Literal["process", "thread"] = Field(
-        "process", description="hf backend in a child process (default) or on a thread of the server's"
+        "process",
+        description="hf backend in a child process (default) or on a thread of the server's",
     )
-    torch_threads: int = Field(1, ge=0, description="torch CPU threads of the engine; 0 = torch's default")
+    torch_threads: int = Field(
+        1, ge=0, description="torch CPU threads of the engine; 0 = torch's default"
+    )
     device: str = "cpu"
     dtype: str = "float32"
     host: str = "127.0.0.1"
@@ -226,7 +234,9 @@ class ServeSettings(_Strict):
     verifier_workers: int = Field(2, ge=1)
     max_request_bytes: int = Field(1 << 20, ge=1024)
     store_checkpoint_s: float = Field(
-        0.5, ge=0.0, description="seconds between WAL checkpoints on their own thread; 0 = inside commits"
+        0.5,
+        ge=0.0,
+        description="seconds between WAL checkpoints on their own thread; 0 = inside commits",
     )
     seed: int = 0
     vllm: dict[str, Any] = Field(default_factory=dict, description="engine args passed through")

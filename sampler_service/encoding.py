@@ -35,13 +35,20 @@ class JSONEncoding:
         return b'{"type":"group","group":' + self._group(delivered) + b"}\n"
 
     def lease(self, head: dict[str, Any], delivered: list[Delivered]) -> bytes:
-        return orjson.dumps(head)[:-1] + b',"groups":[' + b",".join(map(self._group, delivered)) + b"]}"
+        return (
+            orjson.dumps(head)[:-1]
+            + b',"groups":['
+            + b",".join(map(self._group, delivered))
+            + b"]}"
+        )
 
 
 class MsgpackEncoding:
     stream_media_type = MSGPACK_MEDIA_TYPE
     lease_media_type = MSGPACK_MEDIA_TYPE
-    _GROUP_HEAD = wire.map_header(2) + msgpack.packb("type") + msgpack.packb("group") + msgpack.packb("group")
+    _GROUP_HEAD = (
+        wire.map_header(2) + msgpack.packb("type") + msgpack.packb("group") + msgpack.packb("group")
+    )
 
     @staticmethod
     def _group(delivered: Delivered) -> bytes:

@@ -43,7 +43,9 @@ class Metrics:
             buckets=tuple(i / 10 for i in range(11)),
             registry=r,
         )
-        self.queue_depth = Gauge(PREFIX + "queue_depth", "Stored groups by state", ["state"], registry=r)
+        self.queue_depth = Gauge(
+            PREFIX + "queue_depth", "Stored groups by state", ["state"], registry=r
+        )
         self.active_prompts = Gauge(PREFIX + "active_prompts", "Prompts being sampled", registry=r)
         self.policy_version = Gauge(PREFIX + "policy_version", "Served weights version", registry=r)
         self.config_version = Gauge(PREFIX + "config_version", "Sampler config version", registry=r)
@@ -64,7 +66,9 @@ class Metrics:
         self.mixing_share = Gauge(
             PREFIX + "mixing_share", "Domain shares", ["domain", "kind"], registry=r
         )
-        self.weight_updates = Counter(PREFIX + "weight_updates", "Weight updates applied", registry=r)
+        self.weight_updates = Counter(
+            PREFIX + "weight_updates", "Weight updates applied", registry=r
+        )
         self.weight_update_seconds = Histogram(
             PREFIX + "weight_update_seconds", "Pause-to-resume time of weight updates", registry=r
         )

@@ -150,7 +150,9 @@ class Outbox:
             frame = self._frames.get(batch_id)
             if frame is not None and any(m.group_id == group_id for m in frame.members):
                 acked.setdefault(batch_id, set()).add(group_id)
-        await self._store.call(self._store.sync.delete, [g for gids in acked.values() for g in gids])
+        await self._store.call(
+            self._store.sync.delete, [g for gids in acked.values() for g in gids]
+        )
         removed = 0  # counted after the await: a concurrent ack may have taken some
         for batch_id, gids in acked.items():
             frame = self._frames.get(batch_id)

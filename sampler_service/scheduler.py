@@ -153,7 +153,9 @@ class Scheduler:
         self.config_version = config_version
         self.estimator = config.build_estimator()
         self.estimator.set_prompts(dataset.prompt_ids())
-        self.mixer = mixing.build(config.mixing.name, domains=dataset.domains, **config.mixing.params)
+        self.mixer = mixing.build(
+            config.mixing.name, domains=dataset.domains, **config.mixing.params
+        )
         self.admitter = mixing.DeficitAdmitter(dataset.domains, window=200)
         self.stats = SchedulerStats(dataset.domains, clock)
         self._rng = np.random.default_rng(seed)
@@ -223,7 +225,9 @@ class Scheduler:
         old = self.config
         self.config, self.config_version = cfg, version
         if cfg.mixing != old.mixing:
-            self.mixer = mixing.build(cfg.mixing.name, domains=self.dataset.domains, **cfg.mixing.params)
+            self.mixer = mixing.build(
+                cfg.mixing.name, domains=self.dataset.domains, **cfg.mixing.params
+            )
         if cfg.est != old.est or cfg.n_max != old.n_max or cfg.rule != old.rule:
             state = self.estimator.state_dict()
             self.estimator = cfg.build_estimator()
@@ -268,7 +272,9 @@ class Scheduler:
             return 0
         cap = cfg.max_active_prompts - len(self._active)
         if cfg.max_staleness is not None:
-            cap = min(cap, (cfg.max_staleness + 1) * cfg.batch_groups - (buffered + len(self._active)))
+            cap = min(
+                cap, (cfg.max_staleness + 1) * cfg.batch_groups - (buffered + len(self._active))
+            )
         return max(cap, 0)
 
     def _admit(self) -> PromptRun:
@@ -380,13 +386,21 @@ class Scheduler:
         while completions is None:
             try:
                 async with self._generating():
-                    completions = await self.backend.generate(run.row.token_ids, n, run.plan.sampling)
+                    completions = await self.backend.generate(
+                        run.row.token_ids, n, run.plan.sampling
+                    )
             except GenerationAborted:
                 continue  # a weight update aborted it: re-issue once the gate reopens
             except Exception as exc:  # noqa: BLE001 - any engine failure is retried, then reported
                 failures += 1
                 self.last_error = f"engine error: {exc!r}"
-                log.warning("wave for prompt %s failed (%d/%d): %r", run.row.id, failures, _ENGINE_RETRIES, exc)
+                log.warning(
+                    "wave for prompt %s failed (%d/%d): %r",
+                    run.row.id,
+                    failures,
+                    _ENGINE_RETRIES,
+                    exc,
+                )
                 if failures >= _ENGINE_RETRIES:
                     return False
                 await asyncio.sleep(0.5 * 2**failures)
@@ -438,15 +452,20 @@ class Scheduler:
         self.estimator.update(row.id, n_gen, run.n_pos)
 
         kept = np.array(
-            downsample.apply(cfg.downsample, rewards, cfg.group_size, cfg.positive_threshold), dtype=np.int64
+            downsample.apply(cfg.downsample, rewards, cfg.group_size, cfg.positive_threshold),
+            dtype=np.int64,
         )
         adv = advantage.compute(rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std)
-        self.mixer.observe(row.domain, float(rewards.mean()), float(np.abs(adv).mean()) if len(adv) else 0.0)
+        self.mixer.observe(
+            row.domain, float(rewards.mean()), float(np.abs(adv).mean()) if len(adv) else 0.0
+        )
 
         drop_reason = None
         for policy in cfg.group_policy_objects():
             view = views.GroupView(
-                rewards=rewards[kept], lengths=lengths[kept], all_rewards=rewards,
+                rewards=rewards[kept],
+                lengths=lengths[kept],
+                all_rewards=rewards,
                 threshold=cfg.positive_threshold,
             )
             chosen = policy.select(view)
@@ -455,7 +474,9 @@ class Scheduler:
                 break
             if len(chosen) != len(kept):
                 kept = kept[np.asarray(chosen, dtype=np.int64)]
-                adv = advantage.compute(rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std)
+                adv = advantage.compute(
+                    rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std
+                )
         if drop_reason is None and len(kept) < 2:
             drop_reason = "too_few_samples"
         if drop_reason is not None:

@@ -64,7 +64,9 @@ class StoreSink:
 
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
         items = {"scheduler_state": state} if state is not None else None
-        seq = await self._store.call(self._store.sync.add_pending, group.group_id, pack_group(group), items)
+        seq = await self._store.call(
+            self._store.sync.add_pending, group.group_id, pack_group(group), items
+        )
         self.remember(group.group_id, seq)
 
     async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
@@ -99,9 +101,13 @@ def build_backend(settings: ServeSettings, tokenizer: Any) -> Backend:
         from sampler_service.backends.engine_process import EngineProcess
 
         # The child loads the tokenizer itself (from the model directory) for response texts.
-        factory = functools.partial(HFBackend, settings.model, device=settings.device, dtype=settings.dtype)
+        factory = functools.partial(
+            HFBackend, settings.model, device=settings.device, dtype=settings.dtype
+        )
         return EngineProcess(factory, torch_threads=settings.torch_threads)
-    return HFBackend(settings.model, device=settings.device, dtype=settings.dtype, tokenizer=tokenizer)
+    return HFBackend(
+        settings.model, device=settings.device, dtype=settings.dtype, tokenizer=tokenizer
+    )
 
 
 class SamplerService:
@@ -139,7 +145,9 @@ class SamplerService:
         self.backend = self._backend or build_backend(s, self.tokenizer)
         await self.backend.start()
         await self._restore_weights()
-        self.verifiers = VerifierPool(max_workers=s.verifier_workers, timeout_s=s.verifier_timeout_s)
+        self.verifiers = VerifierPool(
+            max_workers=s.verifier_workers, timeout_s=s.verifier_timeout_s
+        )
         self.scheduler = Scheduler(
             backend=self.backend,
             dataset=self.dataset,
@@ -166,7 +174,11 @@ class SamplerService:
         self.ready = True
         log.info(
             "sampler ready: backend=%s model=%s domains=%s restored %d groups (%d unframed)",
-            self.backend.name, self.backend.model_name, self.dataset.domains, restored, len(pending),
+            self.backend.name,
+            self.backend.model_name,
+            self.dataset.domains,
+            restored,
+            len(pending),
         )
 
     async def stop(self) -> None:
@@ -176,7 +188,9 @@ class SamplerService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if hasattr(self, "scheduler"):
             await self.scheduler.stop()
-            await self.store.call(self.store.sync.put, {"scheduler_state": self.scheduler.state_dict()})
+            await self.store.call(
+                self.store.sync.put, {"scheduler_state": self.scheduler.state_dict()}
+            )
         if hasattr(self, "verifiers"):
             self.verifiers.close()
         if hasattr(self, "backend"):
@@ -227,7 +241,11 @@ class SamplerService:
         if not self.ready:
             return None
         health = self.backend.health()
-        return None if health.ok else str(health.detail.get("error", "the engine reports it is unhealthy"))
+        return (
+            None
+            if health.ok
+            else str(health.detail.get("error", "the engine reports it is unhealthy"))
+        )
 
     def health(self) -> Health:
         backend = getattr(self, "backend", None)
@@ -243,16 +261,22 @@ class SamplerService:
 
     # -- config -----------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
-        return {"config_version": self.scheduler.config_version, **self.scheduler.config.model_dump()}
+        return {
+            "config_version": self.scheduler.config_version,
+            **self.scheduler.config.model_dump(),
+        }
 
     async def patch_config(self, patch: Any) -> dict[str, Any]:
         if not isinstance(patch, dict):
-            raise ServiceError(422, "invalid_config", "the body must be a JSON object of config keys")
+            raise ServiceError(
+                422, "invalid_config", "the body must be a JSON object of config keys"
+            )
         async with self._config_lock:
             expected = patch.pop("config_version", None)
             if expected is not None and expected != self.scheduler.config_version:
                 raise ServiceError(
-                    409, "config_version_conflict",
+                    409,
+                    "config_version_conflict",
                     f"config_version is {self.scheduler.config_version}, not {expected}",
                     "config_version",
                 )
@@ -264,7 +288,8 @@ class SamplerService:
                 raise ServiceError(422, "invalid_config", str(exc), exc.field) from exc
             version = self.scheduler.config_version + 1
             await self.store.call(
-                self.store.sync.put, {"config": {"config": cfg.model_dump(mode="json"), "version": version}}
+                self.store.sync.put,
+                {"config": {"config": cfg.model_dump(mode="json"), "version": version}},
             )
             self.scheduler.apply_config(cfg, version)
             await self.scheduler.form_frames()
@@ -314,14 +339,18 @@ class SamplerService:
         self.scheduler.poke()
         return AckResponse(acked=acked, unknown=unknown)
 
-    async def lease(self, consumer: str, max_groups: int, wait_s: float, encoding: Encoding) -> bytes:
+    async def lease(
+        self, consumer: str, max_groups: int, wait_s: float, encoding: Encoding
+    ) -> bytes:
         """An encoded LeaseResponse, built from the stored group bytes."""
         deadline = time.monotonic() + wait_s
         while self.outbox.next_frame_size() is None and time.monotonic() < deadline:
             await wait_event(self.outbox.changed(), deadline - time.monotonic())
         ttl = self.scheduler.config.lease_ttl_s
         delivered = self.outbox.take(consumer, ttl, max_groups=max_groups)
-        return encoding.lease({"lease_id": uuid.uuid4().hex, "expires_at": time.time() + ttl}, delivered)
+        return encoding.lease(
+            {"lease_id": uuid.uuid4().hex, "expires_at": time.time() + ttl}, delivered
+        )
 
     # -- weights ----------------------------------------------------------------------
     def weights_size_limit(self) -> int:
@@ -334,7 +363,10 @@ class SamplerService:
         current = self.backend.policy_version
         if version <= current:
             raise ServiceError(
-                409, "stale_version", f"version {version} must be greater than the served {current}", "version"
+                409,
+                "stale_version",
+                f"version {version} must be greater than the served {current}",
+                "version",
             )
 
     async def _install(self, files: list[Path], version: int) -> WeightsResponse:
@@ -362,7 +394,9 @@ class SamplerService:
         keep = self.settings.state_dir / "weights" / "current.safetensors"
         keep.parent.mkdir(parents=True, exist_ok=True)
         os.replace(upload, keep)
-        await self.store.call(self.store.sync.put, {"weights": {"files": [str(keep)], "version": version}})
+        await self.store.call(
+            self.store.sync.put, {"weights": {"files": [str(keep)], "version": version}}
+        )
         return result
 
     async def load_weights(self, path: str, version: int) -> WeightsResponse:
@@ -388,10 +422,16 @@ class SamplerService:
             return
         files = [Path(f) for f in saved["files"]]
         if not all(f.exists() for f in files):
-            log.error("weights v%s to restore are gone (%s); serving the base model", saved["version"], files)
+            log.error(
+                "weights v%s to restore are gone (%s); serving the base model",
+                saved["version"],
+                files,
+            )
             return
         loop = asyncio.get_running_loop()
-        tensors = await loop.run_in_executor(None, vet_weight_files, files, self.backend.weight_specs())
+        tensors = await loop.run_in_executor(
+            None, vet_weight_files, files, self.backend.weight_specs()
+        )
         await self.backend.load_weights(tensors, int(saved["version"]))
         log.info("restored weights v%s", saved["version"])
 
@@ -405,7 +445,8 @@ class SamplerService:
             out[domain] = {
                 "pass_rate": sum(rates) / len(rates) if rates else None,
                 "target_share": targets[domain],
-                "admitted_share": st.recent_admitted.count(domain) / max(len(st.recent_admitted), 1),
+                "admitted_share": st.recent_admitted.count(domain)
+                / max(len(st.recent_admitted), 1),
                 "emitted_share": st.recent_emitted.count(domain) / max(len(st.recent_emitted), 1),
                 "admitted": ds.admitted,
                 "emitted": ds.emitted,
@@ -435,4 +476,3 @@ class SamplerService:
     def metrics_text(self) -> bytes:
         self._update_gauges()
         return self.metrics.render()
-

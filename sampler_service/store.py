@@ -128,7 +128,9 @@ class Store:
         return result
 
     # -- groups ---------------------------------------------------------------------
-    def add_pending(self, group_id: str, payload: bytes, state: dict[str, Any] | None = None) -> int:
+    def add_pending(
+        self, group_id: str, payload: bytes, state: dict[str, Any] | None = None
+    ) -> int:
         """Persist a finished group (not yet framed) and any state that moved with it."""
 
         def run(db: sqlite3.Connection) -> int:

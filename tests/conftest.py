@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Nothing phones home: no hub downloads, no usage statistics from vLLM or Ray.
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "DO_NOT_TRACK": "1",
+}.items():
+    os.environ.setdefault(_key, _value)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # Tiny models on 2 shared cores: one torch thread each is ~30x faster than two threads

@@ -56,10 +56,7 @@ class TrainBatch:
         return [g.domain for g in self.groups]
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        moved = {
-            name: getattr(self, name).to(device)
-            for name in TENSOR_FIELDS
-        }
+        moved = {name: getattr(self, name).to(device) for name in TENSOR_FIELDS}
         return TrainBatch(**moved, groups=self.groups)
 
     def summary(self) -> dict[str, float]:
@@ -78,8 +75,16 @@ class TrainBatch:
 
 
 TENSOR_FIELDS = (
-    "input_ids", "attention_mask", "response_mask", "behaviour_logprobs", "token_weights",
-    "advantages", "sample_weights", "rewards", "group_index", "policy_versions",
+    "input_ids",
+    "attention_mask",
+    "response_mask",
+    "behaviour_logprobs",
+    "token_weights",
+    "advantages",
+    "sample_weights",
+    "rewards",
+    "group_index",
+    "policy_versions",
 )
 
 
@@ -98,7 +103,9 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
     for i, (_, g, s) in enumerate(rows):
         p, r = len(g.prompt_token_ids), len(s.response_token_ids)
         if len(s.logprobs) != r:
-            raise ValueError(f"group {g.group_id} sample {s.sample_id}: {len(s.logprobs)} logprobs for {r} tokens")
+            raise ValueError(
+                f"group {g.group_id} sample {s.sample_id}: {len(s.logprobs)} logprobs for {r} tokens"
+            )
         input_ids[i, :p] = torch.tensor(g.prompt_token_ids, dtype=torch.long)
         input_ids[i, p : p + r] = torch.tensor(s.response_token_ids, dtype=torch.long)
         attention[i, : p + r] = 1
@@ -106,7 +113,9 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
         behaviour[i, p : p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
         tw = s.token_weights if s.token_weights is not None else [1.0] * r
         if len(tw) != r:
-            raise ValueError(f"group {g.group_id} sample {s.sample_id}: {len(tw)} token weights for {r} tokens")
+            raise ValueError(
+                f"group {g.group_id} sample {s.sample_id}: {len(tw)} token weights for {r} tokens"
+            )
         token_w[i, p : p + r] = torch.tensor(tw, dtype=torch.float32)
     return TrainBatch(
         input_ids=input_ids,

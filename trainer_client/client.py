@@ -89,7 +89,11 @@ class SamplerUnavailable(SamplerError):
         if attempts:
             msg += f" ({attempts} connection attempt{'s' if attempts != 1 else ''})"
         if last_error is not None:
-            detail = last_error if isinstance(last_error, str) else f"{type(last_error).__name__}: {last_error}"
+            detail = (
+                last_error
+                if isinstance(last_error, str)
+                else f"{type(last_error).__name__}: {last_error}"
+            )
             msg += f"; last error: {detail}"
         super().__init__(msg)
 
@@ -107,12 +111,22 @@ class EngineFailed(SamplerError):
 class SamplerHTTPError(SamplerError):
     """The server refused a request; carries the status and its JSON error body."""
 
-    def __init__(self, status: int, code: str, message: str, field: str | None = None, method: str = "", path: str = "") -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        method: str = "",
+        path: str = "",
+    ) -> None:
         self.status, self.code, self.message, self.field = status, code, message, field
         self.method, self.path = method, path
         self.attempts = 1  # requests made, retries included
         where = f"{method} {path}: " if method else ""
-        super().__init__(f"{where}{status} {code}: {message}" + (f" (field: {field})" if field else ""))
+        super().__init__(
+            f"{where}{status} {code}: {message}" + (f" (field: {field})" if field else "")
+        )
 
 
 class InvalidRequest(SamplerHTTPError):
@@ -140,8 +154,13 @@ class ServerError(SamplerHTTPError):
 
 
 _ERROR_TYPES: dict[int, type[SamplerHTTPError]] = {
-    400: InvalidRequest, 401: AuthError, 403: AuthError, 404: NotFound, 409: ConflictError,
-    413: PayloadTooLarge, 422: InvalidRequest,
+    400: InvalidRequest,
+    401: AuthError,
+    403: AuthError,
+    404: NotFound,
+    409: ConflictError,
+    413: PayloadTooLarge,
+    422: InvalidRequest,
 }
 #: Statuses that mean "try again shortly": the server is starting or a proxy hiccuped.
 _TRANSIENT = frozenset({502, 503, 504})
@@ -155,11 +174,24 @@ def _http_error(response: httpx.Response, attempts: int = 1) -> SamplerHTTPError
     try:
         body = orjson.loads(response.content)
         err = body["error"]
-        code, message, field = str(err.get("code", "error")), str(err.get("message", "")), err.get("field")
-    except Exception:  # not our JSON error body (a proxy's page, an empty reply)
+        code, message, field = (
+            str(err.get("code", "error")),
+            str(err.get("message", "")),
+            err.get("field"),
+        )
+    except Exception:  # not our JSON error body (a proxy's page, an empty reply)  # noqa: BLE001
         code, message, field = "http_error", response.text[:500] or response.reason_phrase, None
-    cls = _ERROR_TYPES.get(response.status_code, ServerError if response.status_code >= 500 else SamplerHTTPError)
-    error = cls(response.status_code, code, message, field, response.request.method, response.request.url.path)
+    cls = _ERROR_TYPES.get(
+        response.status_code, ServerError if response.status_code >= 500 else SamplerHTTPError
+    )
+    error = cls(
+        response.status_code,
+        code,
+        message,
+        field,
+        response.request.method,
+        response.request.url.path,
+    )
     error.attempts = attempts
     return error
 
@@ -337,14 +369,18 @@ class _Attempts:
 
     def failed(self, exc: httpx.TransportError) -> float:
         self.count += 1
-        if isinstance(exc, httpx.TimeoutException) or not isinstance(exc, _RETRYABLE) or not self.retry:
-            raise self.client._unavailable(self.what, self.started, self.count, exc) from exc
+        if (
+            isinstance(exc, httpx.TimeoutException)
+            or not isinstance(exc, _RETRYABLE)
+            or not self.retry
+        ):
+            raise self.client._unavailable(self.what, self.started, self.count, exc) from exc  # noqa: SLF001
         return self._delay(exc)
 
     def _delay(self, error: Any) -> float:
         delay = self.backoff.next()
         if time.monotonic() + delay - self.started > self.client.watchdog_s:
-            raise self.client._unavailable(self.what, self.started, self.count, error)
+            raise self.client._unavailable(self.what, self.started, self.count, error)  # noqa: SLF001
         return delay
 
 
@@ -423,8 +459,15 @@ class _Core:
         if kind == "heartbeat":
             self.last_heartbeat = Heartbeat.model_validate(msg)
             beat = self.last_heartbeat
-            if beat.engine_error and not beat.ready and not beat.active_prompts and beat.leased <= beat.unacked:
-                raise EngineFailed(f"sampler at {self.base_url}: engine failed: {beat.engine_error}")
+            if (
+                beat.engine_error
+                and not beat.ready
+                and not beat.active_prompts
+                and beat.leased <= beat.unacked
+            ):
+                raise EngineFailed(
+                    f"sampler at {self.base_url}: engine failed: {beat.engine_error}"
+                )
         return None
 
     def _arrivals(
@@ -437,8 +480,12 @@ class _Core:
                 fresh, ack_now = self.dedupe.admit(group)
                 yield (group if fresh else None), ack_now
 
-    def _unavailable(self, waited_for: str, since: float, attempts: int, error: Any) -> SamplerUnavailable:
-        return SamplerUnavailable(waited_for, time.monotonic() - since, self.base_url, attempts, error)
+    def _unavailable(
+        self, waited_for: str, since: float, attempts: int, error: Any
+    ) -> SamplerUnavailable:
+        return SamplerUnavailable(
+            waited_for, time.monotonic() - since, self.base_url, attempts, error
+        )
 
     @staticmethod
     def _config_patch(knobs: dict[str, Any], expected_version: int | None) -> dict[str, Any]:
@@ -460,10 +507,15 @@ class SamplerClient(_Core):
     ...         client.ack([group])
     """
 
-    def __init__(self, base_url: str, *, transport: httpx.BaseTransport | None = None, **kw: Any) -> None:
+    def __init__(
+        self, base_url: str, *, transport: httpx.BaseTransport | None = None, **kw: Any
+    ) -> None:
         super().__init__(base_url, **kw)
         self._http = httpx.Client(
-            base_url=self.base_url, headers=self.headers, timeout=self.timeout_s, transport=transport
+            base_url=self.base_url,
+            headers=self.headers,
+            timeout=self.timeout_s,
+            transport=transport,
         )
 
     def close(self) -> None:
@@ -521,7 +573,9 @@ class SamplerClient(_Core):
         With `expected_version`, the server refuses (409) if someone else changed it first.
         Invalid values raise `InvalidRequest` whose `field` names the knob.
         """
-        return self._request("PATCH", "/v1/config", json=self._config_patch(knobs, expected_version)).json()
+        return self._request(
+            "PATCH", "/v1/config", json=self._config_patch(knobs, expected_version)
+        ).json()
 
     def stats(self) -> dict[str, Any]:
         return self._request("GET", "/v1/stats").json()
@@ -541,11 +595,17 @@ class SamplerClient(_Core):
         with contextlib.suppress(httpx.HTTPError):
             self._http.post("/v1/groups/ack", json={"delivery_ids": [delivery_id]})
 
-    def lease(self, max_groups: int = 8, wait_s: float = 0.0, consumer: str | None = None) -> LeaseResponse:
+    def lease(
+        self, max_groups: int = 8, wait_s: float = 0.0, consumer: str | None = None
+    ) -> LeaseResponse:
         """Lease whole frames without a stream; duplicates are filtered as on the stream."""
         body = {"max_groups": max_groups, "wait_s": wait_s, "consumer": consumer or self.consumer}
         r = self._request(
-            "POST", "/v1/groups/lease", json=body, headers={"Accept": self.accept}, timeout=self.timeout_s + wait_s
+            "POST",
+            "/v1/groups/lease",
+            json=body,
+            headers={"Accept": self.accept},
+            timeout=self.timeout_s + wait_s,
         )
         lease = _lease_response(r)
         keep = []
@@ -558,7 +618,9 @@ class SamplerClient(_Core):
         lease.groups = keep
         return lease
 
-    def groups(self, max_unacked: int | None = None, consumer: str | None = None) -> Iterator[Group]:
+    def groups(
+        self, max_unacked: int | None = None, consumer: str | None = None
+    ) -> Iterator[Group]:
         """Finished groups from the stream, forever; see the module docstring.
 
         Time the caller spends between two groups does not count against the watchdog.
@@ -573,8 +635,11 @@ class SamplerClient(_Core):
             attempts += 1
             try:
                 with self._http.stream(
-                    "GET", "/v1/groups/stream", params=params,
-                    headers={"Accept": self.accept}, timeout=httpx.Timeout(remaining),
+                    "GET",
+                    "/v1/groups/stream",
+                    params=params,
+                    headers={"Accept": self.accept},
+                    timeout=httpx.Timeout(remaining),
                 ) as response:
                     if response.status_code >= 400:
                         response.read()
@@ -601,7 +666,9 @@ class SamplerClient(_Core):
             time.sleep(self._retry_delay(backoff, last_seen))
 
     # -- weights ------------------------------------------------------------------------
-    def push_weights(self, weights: Mapping[str, Any] | str | Path | bytes, version: int) -> WeightsResponse:
+    def push_weights(
+        self, weights: Mapping[str, Any] | str | Path | bytes, version: int
+    ) -> WeightsResponse:
         """Upload weights (a state_dict, safetensors bytes, or a .safetensors path) as `version`.
 
         Returns once the sampler serves them. A version that does not increase raises
@@ -614,8 +681,13 @@ class SamplerClient(_Core):
             content = _file_chunks(content)
         try:
             r = self._request(
-                "PUT", "/v1/weights", params={"version": version}, content=content, headers=headers,
-                timeout=self.weights_timeout_s, retry=not isinstance(content, Iterator),
+                "PUT",
+                "/v1/weights",
+                params={"version": version},
+                content=content,
+                headers=headers,
+                timeout=self.weights_timeout_s,
+                retry=not isinstance(content, Iterator),
             )
         except ConflictError as exc:
             # A retried upload whose first attempt landed (its reply was lost) is a success.
@@ -627,7 +699,9 @@ class SamplerClient(_Core):
     def load_weights(self, path: str | Path, version: int) -> WeightsResponse:
         """Have the sampler load a safetensors file or HF checkpoint dir from shared storage."""
         r = self._request(
-            "POST", "/v1/weights/load", json={"path": str(path), "version": version},
+            "POST",
+            "/v1/weights/load",
+            json={"path": str(path), "version": version},
             timeout=self.weights_timeout_s,
         )
         return WeightsResponse.model_validate_json(r.content)
@@ -636,10 +710,15 @@ class SamplerClient(_Core):
 class AsyncSamplerClient(_Core):
     """The asyncio twin of `SamplerClient` (same methods, awaitable; `groups()` is async)."""
 
-    def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, **kw: Any) -> None:
+    def __init__(
+        self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, **kw: Any
+    ) -> None:
         super().__init__(base_url, **kw)
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=self.headers, timeout=self.timeout_s, transport=transport
+            base_url=self.base_url,
+            headers=self.headers,
+            timeout=self.timeout_s,
+            transport=transport,
         )
 
     async def aclose(self) -> None:
@@ -651,7 +730,9 @@ class AsyncSamplerClient(_Core):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(self, method: str, path: str, *, retry: bool = True, **kw: Any) -> httpx.Response:
+    async def _request(
+        self, method: str, path: str, *, retry: bool = True, **kw: Any
+    ) -> httpx.Response:
         attempts = _Attempts(self, method, path, retry)
         while True:
             try:
@@ -686,7 +767,9 @@ class AsyncSamplerClient(_Core):
     async def get_config(self) -> dict[str, Any]:
         return (await self._request("GET", "/v1/config")).json()
 
-    async def update_config(self, expected_version: int | None = None, **knobs: Any) -> dict[str, Any]:
+    async def update_config(
+        self, expected_version: int | None = None, **knobs: Any
+    ) -> dict[str, Any]:
         patch = self._config_patch(knobs, expected_version)
         return (await self._request("PATCH", "/v1/config", json=patch)).json()
 
@@ -704,10 +787,16 @@ class AsyncSamplerClient(_Core):
         with contextlib.suppress(httpx.HTTPError):
             await self._http.post("/v1/groups/ack", json={"delivery_ids": [delivery_id]})
 
-    async def lease(self, max_groups: int = 8, wait_s: float = 0.0, consumer: str | None = None) -> LeaseResponse:
+    async def lease(
+        self, max_groups: int = 8, wait_s: float = 0.0, consumer: str | None = None
+    ) -> LeaseResponse:
         body = {"max_groups": max_groups, "wait_s": wait_s, "consumer": consumer or self.consumer}
         r = await self._request(
-            "POST", "/v1/groups/lease", json=body, headers={"Accept": self.accept}, timeout=self.timeout_s + wait_s
+            "POST",
+            "/v1/groups/lease",
+            json=body,
+            headers={"Accept": self.accept},
+            timeout=self.timeout_s + wait_s,
         )
         lease = _lease_response(r)
         keep = []
@@ -720,7 +809,9 @@ class AsyncSamplerClient(_Core):
         lease.groups = keep
         return lease
 
-    async def groups(self, max_unacked: int | None = None, consumer: str | None = None) -> AsyncIterator[Group]:
+    async def groups(
+        self, max_unacked: int | None = None, consumer: str | None = None
+    ) -> AsyncIterator[Group]:
         params = self._stream_params(max_unacked, consumer)
         last_seen = time.monotonic()
         backoff, attempts, error = _Backoff(*self.backoff_s), 0, None
@@ -731,8 +822,11 @@ class AsyncSamplerClient(_Core):
             attempts += 1
             try:
                 async with self._http.stream(
-                    "GET", "/v1/groups/stream", params=params,
-                    headers={"Accept": self.accept}, timeout=httpx.Timeout(remaining),
+                    "GET",
+                    "/v1/groups/stream",
+                    params=params,
+                    headers={"Accept": self.accept},
+                    timeout=httpx.Timeout(remaining),
                 ) as response:
                     if response.status_code >= 400:
                         await response.aread()
@@ -758,7 +852,9 @@ class AsyncSamplerClient(_Core):
                 error = exc
             await asyncio.sleep(self._retry_delay(backoff, last_seen))
 
-    async def push_weights(self, weights: Mapping[str, Any] | str | Path | bytes, version: int) -> WeightsResponse:
+    async def push_weights(
+        self, weights: Mapping[str, Any] | str | Path | bytes, version: int
+    ) -> WeightsResponse:
         loop = asyncio.get_running_loop()
         if isinstance(weights, Mapping):  # serializing a large model must not block the loop
             weights = await loop.run_in_executor(None, encode_weights, weights)
@@ -770,8 +866,13 @@ class AsyncSamplerClient(_Core):
             content = _afile_chunks(content)
         try:
             r = await self._request(
-                "PUT", "/v1/weights", params={"version": version}, content=content, headers=headers,
-                timeout=self.weights_timeout_s, retry=not streamed,
+                "PUT",
+                "/v1/weights",
+                params={"version": version},
+                content=content,
+                headers=headers,
+                timeout=self.weights_timeout_s,
+                retry=not streamed,
             )
         except ConflictError as exc:
             if exc.attempts > 1 and (await self.health()).policy_version == version:
@@ -781,8 +882,9 @@ class AsyncSamplerClient(_Core):
 
     async def load_weights(self, path: str | Path, version: int) -> WeightsResponse:
         r = await self._request(
-            "POST", "/v1/weights/load", json={"path": str(path), "version": version},
+            "POST",
+            "/v1/weights/load",
+            json={"path": str(path), "version": version},
             timeout=self.weights_timeout_s,
         )
         return WeightsResponse.model_validate_json(r.content)
-

@@ -42,14 +42,25 @@ class DemoSettings:
     sync_every: int = 1
     # Sampler: balanced adaptive sampling (Reinforce-Ada, DESIGN.md section 5) with the
     # global baseline, uniform domain mixing, and at most one policy version of lag.
-    sampler: dict[str, Any] = field(default_factory=lambda: {
-        "rule": "balanced", "k_pos": 2, "k_neg": 2, "n_max": 16,
-        "wave": "adaptive", "wave_size": 8, "group_size": 4,
-        "downsample": "balanced", "advantage": "global",
-        "temperature": 1.0, "max_tokens": 6,
-        "max_active_prompts": 24, "max_buffered_groups": 32, "max_staleness": 1,
-        "mixing": {"name": "static"},
-    })
+    sampler: dict[str, Any] = field(
+        default_factory=lambda: {
+            "rule": "balanced",
+            "k_pos": 2,
+            "k_neg": 2,
+            "n_max": 16,
+            "wave": "adaptive",
+            "wave_size": 8,
+            "group_size": 4,
+            "downsample": "balanced",
+            "advantage": "global",
+            "temperature": 1.0,
+            "max_tokens": 6,
+            "max_active_prompts": 24,
+            "max_buffered_groups": 32,
+            "max_staleness": 1,
+            "mixing": {"name": "static"},
+        }
+    )
 
 
 def run_demo(settings: DemoSettings) -> int:
@@ -72,24 +83,47 @@ def run_demo(settings: DemoSettings) -> int:
 
     print("== adaptive-rollout demo: toy arithmetic, sampler + GRPO trainer over loopback HTTP ==")
     model_dir, data, evals = build_toy(out / "toy", settings.seed)
-    print(f"toy model {model_dir}; domains: {', '.join(f.stem for f in data)} "
-          f"(held-out: {sum(1 for f in evals for _ in f.open())} prompts)")
+    print(
+        f"toy model {model_dir}; domains: {', '.join(f.stem for f in data)} "
+        f"(held-out: {sum(1 for f in evals for _ in f.open())} prompts)"
+    )
 
     config = {**settings.sampler, "batch_groups": settings.batch_groups}
-    sampler = SamplerProcess(model_dir, data, out / "sampler_state", config, out / "sampler.log", seed=settings.seed)
+    sampler = SamplerProcess(
+        model_dir, data, out / "sampler_state", config, out / "sampler.log", seed=settings.seed
+    )
     with sampler:
-        print(f"sampler listening on {sampler.url} (log {out / 'sampler.log'}); config: "
-              + ", ".join(f"{k}={v}" for k, v in config.items() if k in ("rule", "k_pos", "k_neg", "n_max", "wave", "group_size")))
+        print(
+            f"sampler listening on {sampler.url} (log {out / 'sampler.log'}); config: "
+            + ", ".join(
+                f"{k}={v}"
+                for k, v in config.items()
+                if k in ("rule", "k_pos", "k_neg", "n_max", "wave", "group_size")
+            )
+        )
         # Training gets what remains of 3.5 minutes after start-up, so the whole run (with
         # the final evaluation, report and shutdown) ends well inside 5 minutes even on a
         # slow or busy machine; on an idle 2-core machine the 200 steps need less.
-        budget = settings.time_limit_s if settings.time_limit_s is not None else max(
-            30.0, 210.0 - (time.monotonic() - started))
+        budget = (
+            settings.time_limit_s
+            if settings.time_limit_s is not None
+            else max(30.0, 210.0 - (time.monotonic() - started))
+        )
         cfg = TrainConfig(
-            url=sampler.url, model=model_dir, out_dir=out / "train", steps=settings.steps,
-            batch_groups=settings.batch_groups, lr=settings.lr, advantage="server",
-            sync_every=settings.sync_every, watchdog_s=60.0, consumer="demo-trainer", seed=settings.seed,
-            progress=settings.progress, eval_files=evals, time_limit_s=budget,
+            url=sampler.url,
+            model=model_dir,
+            out_dir=out / "train",
+            steps=settings.steps,
+            batch_groups=settings.batch_groups,
+            lr=settings.lr,
+            advantage="server",
+            sync_every=settings.sync_every,
+            watchdog_s=60.0,
+            consumer="demo-trainer",
+            seed=settings.seed,
+            progress=settings.progress,
+            eval_files=evals,
+            time_limit_s=budget,
         )
         trainer = GRPOTrainer(cfg)
         with trainer.client:
@@ -100,8 +134,14 @@ def run_demo(settings: DemoSettings) -> int:
     history = trainer.history
     before, after = trainer.evals[0]["greedy_accuracy"], trainer.evals[-1]["greedy_accuracy"]
     (out / "sampler_stats.json").write_text(json.dumps(stats, indent=1))
-    report = plot_report(out / "report.png", history, stats, before, after,
-                         title=f"adaptive-rollout demo: {len(history)} GRPO steps, balanced adaptive sampling")
+    report = plot_report(
+        out / "report.png",
+        history,
+        stats,
+        before,
+        after,
+        title=f"adaptive-rollout demo: {len(history)} GRPO steps, balanced adaptive sampling",
+    )
 
     mean_before = sum(before.values()) / len(before)
     mean_after = sum(after.values()) / len(after)
@@ -115,12 +155,23 @@ def run_demo(settings: DemoSettings) -> int:
     print()
     groups = sum(r["groups"] for r in history)
     acked = sum(r["acked"] for r in history)
-    print(f"{len(history)} steps, {groups} groups trained on and acked ({acked}); sampler serves policy "
-          f"v{health.policy_version}; {stats.get('samples', 0)} answers generated")
+    print(
+        f"{len(history)} steps, {groups} groups trained on and acked ({acked}); sampler serves policy "
+        f"v{health.policy_version}; {stats.get('samples', 0)} answers generated"
+    )
     print(f"report: {report}; train log: {out / 'train' / 'train_log.jsonl'}")
-    print(f"wall time {wall:.0f}s; held-out accuracy {mean_before:.3f} -> {mean_after:.3f}: "
-          + ("improved" if improved else "NOT improved"))
-    summary = {"before": before, "after": after, "mean_before": mean_before, "mean_after": mean_after,
-               "improved": improved, "steps": len(history), "wall_s": wall}
+    print(
+        f"wall time {wall:.0f}s; held-out accuracy {mean_before:.3f} -> {mean_after:.3f}: "
+        + ("improved" if improved else "NOT improved")
+    )
+    summary = {
+        "before": before,
+        "after": after,
+        "mean_before": mean_before,
+        "mean_after": mean_after,
+        "improved": improved,
+        "steps": len(history),
+        "wall_s": wall,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0 if improved else 1

@@ -58,7 +58,9 @@ def _correct_by_domain(
         ids = _prompt_ids(tokenizer, row["prompt"])
         by_length[len(ids)].extend([(ids, row)] * samples_per_prompt)
     if max_new_tokens is None:
-        max_new_tokens = max(len(tokenizer.encode(str(r["answer"]), add_special_tokens=False)) for r in rows) + 2
+        max_new_tokens = (
+            max(len(tokenizer.encode(str(r["answer"]), add_special_tokens=False)) for r in rows) + 2
+        )
     hits: dict[str, list[int]] = {r["domain"]: [0, 0] for r in rows}
     was_training = model.training
     model.eval()
@@ -76,7 +78,9 @@ def _correct_by_domain(
                     eos_token_id=tokenizer.eos_token_id,
                     **sampling,
                 )
-                texts = tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True)
+                texts = tokenizer.batch_decode(
+                    out[:, input_ids.shape[1] :], skip_special_tokens=True
+                )
                 for (_, row), text in zip(chunk, texts, strict=True):
                     counts = hits[row["domain"]]
                     counts[0] += text.strip() == str(row["answer"]).strip()

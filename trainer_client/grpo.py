@@ -64,12 +64,16 @@ class TrainConfig:
     configure_sampler: bool = True  # PATCH the sampler's batch_groups to ours
     seed: int = 0
     progress: bool = True
-    time_limit_s: float | None = None  # stop early (after a whole step) once this much time is spent
+    time_limit_s: float | None = (
+        None  # stop early (after a whole step) once this much time is spent
+    )
     eval_files: list[Path] = field(default_factory=list)
 
 
 # -- the algorithm ------------------------------------------------------------------------
-def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+def token_logprobs(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: torch.Tensor
+) -> torch.Tensor:
     """[B, L]: column t holds log p(token t | tokens < t) at temperature T (0 at t = 0)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
     logp = torch.log_softmax(logits / temperature.view(-1, 1, 1), dim=-1)
@@ -77,7 +81,9 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     return torch.nn.functional.pad(picked, (1, 0))
 
 
-def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
     """(r - group mean) / (group std + eps), std with ddof 1; 0 for a singleton group."""
     n = torch.zeros(int(group_index.max()) + 1).index_add_(0, group_index, torch.ones_like(rewards))
     mean = torch.zeros_like(n).index_add_(0, group_index, rewards) / n
@@ -121,11 +127,16 @@ class GRPOTrainer:
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         self.client = client or SamplerClient(
-            cfg.url, api_key=cfg.api_key, consumer=cfg.consumer, watchdog_s=cfg.watchdog_s,
+            cfg.url,
+            api_key=cfg.api_key,
+            consumer=cfg.consumer,
+            watchdog_s=cfg.watchdog_s,
             max_unacked=cfg.max_unacked or 2 * cfg.batch_groups,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(cfg.device)
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(
+            cfg.device
+        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -150,7 +161,9 @@ class GRPOTrainer:
         self.model.eval()  # no dropout: logprobs must be the policy's, as the sampler's are
         with torch.no_grad():
             old_lp = token_logprobs(self.model, b.input_ids, b.attention_mask, temps)
-        adv = b.advantages if cfg.advantage == "server" else grpo_advantages(b.rewards, b.group_index)
+        adv = (
+            b.advantages if cfg.advantage == "server" else grpo_advantages(b.rewards, b.group_index)
+        )
         weights = b.sample_weights[:, None] * b.token_weights
         if cfg.tis_cap:
             weights = weights * torch.exp(old_lp - b.behaviour_logprobs).clamp(max=cfg.tis_cap)
@@ -163,7 +176,11 @@ class GRPOTrainer:
                 )
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm).item())
+                grad_norms.append(
+                    torch.nn.utils.clip_grad_norm_(
+                        self.model.parameters(), cfg.max_grad_norm
+                    ).item()
+                )
                 self.optimizer.step()
                 losses.append(loss.item())
                 clip_fracs.append(st["clip_frac"])
@@ -186,8 +203,14 @@ class GRPOTrainer:
         if cfg.eval_files:
             self._log_eval("before")
         batches = self._batches()
-        bar = tqdm(total=cfg.steps, initial=min(self.step, cfg.steps), desc="train", unit="step",
-                   disable=not cfg.progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.steps,
+            initial=min(self.step, cfg.steps),
+            desc="train",
+            unit="step",
+            disable=not cfg.progress,
+            dynamic_ncols=True,
+        )
         deadline = time.monotonic() + cfg.time_limit_s if cfg.time_limit_s else math.inf
         with (cfg.out_dir / "train_log.jsonl").open("a") as log_file:
             while self.step < cfg.steps and time.monotonic() < deadline:
@@ -204,14 +227,25 @@ class GRPOTrainer:
                     self.client.push_weights(self.model.state_dict(), self.version)
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save(cfg.out_dir / f"checkpoint-{self.step}")
-                record = self._record(batch, metrics, acked.acked, wait_s=t1 - t0, train_s=t2 - t1,
-                                      sync_s=time.monotonic() - t2)
+                record = self._record(
+                    batch,
+                    metrics,
+                    acked.acked,
+                    wait_s=t1 - t0,
+                    train_s=t2 - t1,
+                    sync_s=time.monotonic() - t2,
+                )
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
                 self.history.append(record)
                 bar.update(1)
-                bar.set_postfix(reward=f"{record['reward_mean']:.2f}", pass_rate=f"{record['pass_rate']:.2f}",
-                                loss=f"{record['loss']:+.3f}", kl=f"{record['approx_kl']:.4f}", v=self.version)
+                bar.set_postfix(
+                    reward=f"{record['reward_mean']:.2f}",
+                    pass_rate=f"{record['pass_rate']:.2f}",
+                    loss=f"{record['loss']:+.3f}",
+                    kl=f"{record['approx_kl']:.4f}",
+                    v=self.version,
+                )
         bar.close()
         batches.close()  # ends the stream: prefetched, unused groups go back to the sampler
         if cfg.eval_files:
@@ -227,11 +261,18 @@ class GRPOTrainer:
 
     def _log_eval(self, when: str) -> dict[str, float]:
         acc = self.evaluate()
-        record = {"when": when, "step": self.step, "policy_version": self.version, "greedy_accuracy": acc}
+        record = {
+            "when": when,
+            "step": self.step,
+            "policy_version": self.version,
+            "greedy_accuracy": acc,
+        }
         with (self.cfg.out_dir / "eval.jsonl").open("a") as fh:
             fh.write(json.dumps(record) + "\n")
         self.evals.append(record)
-        tqdm.write(f"eval ({when}, step {self.step}): " + " ".join(f"{d}={a:.3f}" for d, a in acc.items()))
+        tqdm.write(
+            f"eval ({when}, step {self.step}): " + " ".join(f"{d}={a:.3f}" for d, a in acc.items())
+        )
         return acc
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -269,7 +310,9 @@ class GRPOTrainer:
         per_group = torch.tensor([temp(g.config_version) for g in batch.groups])
         return per_group[batch.group_index]
 
-    def _record(self, batch: TrainBatch, metrics: dict[str, float], acked: int, **timing: float) -> dict[str, Any]:
+    def _record(
+        self, batch: TrainBatch, metrics: dict[str, float], acked: int, **timing: float
+    ) -> dict[str, Any]:
         domains = Counter(batch.domains)
         return {
             "step": self.step,
@@ -279,7 +322,9 @@ class GRPOTrainer:
             **metrics,
             "acked": acked,
             "domains": dict(domains),
-            "domain_generated": dict(sum((Counter({g.domain: g.stats.n_generated}) for g in batch.groups), Counter())),
+            "domain_generated": dict(
+                sum((Counter({g.domain: g.stats.n_generated}) for g in batch.groups), Counter())
+            ),
             "domain_reward": _domain_means(batch),
             "stop_reasons": dict(Counter(g.stop_reason for g in batch.groups)),
             "group_ids": batch.group_ids,
@@ -295,7 +340,11 @@ class GRPOTrainer:
         if gen.is_file():
             (path / "generation_config.json").write_bytes(gen.read_bytes())
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
-        state = {"step": self.step, "policy_version": self.version, "config": _jsonable(asdict(self.cfg))}
+        state = {
+            "step": self.step,
+            "policy_version": self.version,
+            "config": _jsonable(asdict(self.cfg)),
+        }
         (path / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
         return path
 

@@ -27,8 +27,12 @@ def _python() -> list[str]:
 
 def build_toy(out: Path, seed: int) -> tuple[Path, list[Path], list[Path]]:
     """Run `adaptive-rollout toy` and parse what it wrote (model dir, data and eval files)."""
-    done = subprocess.run([*_python(), "toy", "--out", str(out), "--seed", str(seed)],
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [*_python(), "toy", "--out", str(out), "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"building the toy task failed:\n{done.stdout}\n{done.stderr}")
     model, data, evals = None, [], []
@@ -70,12 +74,36 @@ class SamplerProcess:
         self.config_file = state_dir.parent / f"{state_dir.name}-config.json"
         self.config_file.write_text(json.dumps(config, indent=1))
         self.cmd = [
-            *_python(), "serve", "--model", str(model), *[a for f in data for a in ("--data", str(f))],
-            "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state_dir),
-            "--config", str(self.config_file), "--heartbeat-s", str(heartbeat_s),
-            "--verifier-workers", "1", "--seed", str(seed), *(extra or []),
+            *_python(),
+            "serve",
+            "--model",
+            str(model),
+            *[a for f in data for a in ("--data", str(f))],
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--state-dir",
+            str(state_dir),
+            "--config",
+            str(self.config_file),
+            "--heartbeat-s",
+            str(heartbeat_s),
+            "--verifier-workers",
+            "1",
+            "--seed",
+            str(seed),
+            *(extra or []),
         ]
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+        }
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
@@ -88,7 +116,9 @@ class SamplerProcess:
 
     def start(self, timeout_s: float = 180.0) -> str:
         log = self.log_path.open("a")
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=self.env)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=self.env
+        )
         found = threading.Event()
         proc = self.proc
 

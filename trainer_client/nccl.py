@@ -63,7 +63,9 @@ class ServiceWeightSyncClient:
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         if self.version is None:
             raise NCCLTransferError("set the policy version before sending weights")
-        if isinstance(update_info, list):  # one entry per data-parallel worker; dense NCCL sends one
+        if isinstance(
+            update_info, list
+        ):  # one entry per data-parallel worker; dense NCCL sends one
             update_info = update_info[0]
         self._call("POST", "/update", {"update_info": update_info, "version": self.version})
 
@@ -84,7 +86,9 @@ class ServiceWeightSyncClient:
                 message = f"{error['code']}: {error['message']}"
             except (ValueError, KeyError, TypeError):
                 message = response.text[:500]
-            raise NCCLTransferError(f"{method} /v1/weights/nccl{path} -> {response.status_code} {message}")
+            raise NCCLTransferError(
+                f"{method} /v1/weights/nccl{path} -> {response.status_code} {message}"
+            )
         return response.json() if response.content else {}
 
 
@@ -98,12 +102,18 @@ def check_metadata(meta: list[tuple[str, str, tuple[int, ...]]], info: dict[str,
     names = [m[0] for m in meta]
     missing = sorted(set(info.get("required", tensors)) - set(names))
     if missing:
-        raise NCCLTransferError(f"the sampler's model needs every tensor; {len(missing)} missing, e.g. {missing[:3]}")
+        raise NCCLTransferError(
+            f"the sampler's model needs every tensor; {len(missing)} missing, e.g. {missing[:3]}"
+        )
     for name, dtype, shape in meta:
         if name not in tensors:
-            raise NCCLTransferError(f"tensor {name!r}: the sampler's model has no tensor of this name")
+            raise NCCLTransferError(
+                f"tensor {name!r}: the sampler's model has no tensor of this name"
+            )
         if list(shape) != list(tensors[name][0]):
-            raise NCCLTransferError(f"tensor {name!r}: shape {list(shape)} != sampler's {tensors[name][0]}")
+            raise NCCLTransferError(
+                f"tensor {name!r}: shape {list(shape)} != sampler's {tensors[name][0]}"
+            )
         if dtype not in _FLOAT_NAMES:
             raise NCCLTransferError(f"tensor {name!r}: dtype {dtype} is not floating")
 
@@ -145,7 +155,9 @@ class NCCLWeightSender:
         self._source = source if isinstance(source, WeightSource) else ModuleSource(source)
         self._info = self.client.info()
         if not self._info.get("enabled"):
-            raise NCCLTransferError("the sampler's vLLM engine has no NCCL weight transfer configured")
+            raise NCCLTransferError(
+                "the sampler's vLLM engine has no NCCL weight transfer configured"
+            )
         self._check()
         ranks = int(self._info["inference_ranks"])
         init = NCCLTrainerInitInfo(
@@ -155,7 +167,9 @@ class NCCLWeightSender:
             packed=self.packed,
             rank=0,
         )
-        self._engine = NCCLTrainerWeightTransferEngine.trainer_init(init, client=self.client, source=self._source)
+        self._engine = NCCLTrainerWeightTransferEngine.trainer_init(
+            init, client=self.client, source=self._source
+        )
         log.info("NCCL weight transfer connected: trainer + %d sampler ranks", ranks)
 
     def send(self, version: int) -> None:
@@ -179,5 +193,8 @@ class NCCLWeightSender:
         self.client.close()
 
     def _check(self) -> None:
-        meta = [(m.name, str(m.dtype).removeprefix("torch."), tuple(m.shape)) for m in self._source.metadata()]
+        meta = [
+            (m.name, str(m.dtype).removeprefix("torch."), tuple(m.shape))
+            for m in self._source.metadata()
+        ]
         check_metadata(meta, self._info)

@@ -81,7 +81,9 @@ class Heartbeat(_Wire):
     leased: int
     active_prompts: int = Field(description="prompts generating or finishing: groups still to come")
     unacked: int
-    engine_error: str | None = Field(None, description="set once the engine has failed: no new groups will come")
+    engine_error: str | None = Field(
+        None, description="set once the engine has failed: no new groups will come"
+    )
 
 
 class AckRequest(_Wire):

@@ -64,13 +64,20 @@ def sampling_tables(history: Sequence[dict[str, Any]], stats: dict[str, Any]) ->
     if hist:
         total = sum(hist.values())
         mean = sum(int(k) * v for k, v in hist.items()) / max(total, 1)
-        out.append(f"  all groups the sampler emitted: {total}, mean {mean:.2f} answers/group; histogram "
-                   + " ".join(f"{k}:{v}" for k, v in sorted(hist.items(), key=lambda kv: int(kv[0]))))
+        out.append(
+            f"  all groups the sampler emitted: {total}, mean {mean:.2f} answers/group; histogram "
+            + " ".join(f"{k}:{v}" for k, v in sorted(hist.items(), key=lambda kv: int(kv[0])))
+        )
     reasons = stats.get("stop_reasons", {})
     if reasons:
         total = sum(reasons.values())
-        out.append("stop reasons (sampler): " + ", ".join(
-            f"{k} {v} ({v / total:.0%})" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])))
+        out.append(
+            "stop reasons (sampler): "
+            + ", ".join(
+                f"{k} {v} ({v / total:.0%})"
+                for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])
+            )
+        )
     dropped = stats.get("dropped", {})
     if dropped:
         out.append("dropped groups: " + ", ".join(f"{k} {v}" for k, v in dropped.items()))
@@ -80,8 +87,10 @@ def sampling_tables(history: Sequence[dict[str, Any]], stats: dict[str, Any]) ->
         out.append(f"  {'domain':<10}{'target':>8}{'admitted':>10}{'emitted':>9}{'pass rate':>11}")
         for d, s in domains.items():
             pr = s.get("pass_rate")
-            out.append(f"  {d:<10}{s.get('target_share', 0):>8.2f}{s.get('admitted_share', 0):>10.2f}"
-                       f"{s.get('emitted_share', 0):>9.2f}{(f'{pr:.2f}' if pr is not None else '-'):>11}")
+            out.append(
+                f"  {d:<10}{s.get('target_share', 0):>8.2f}{s.get('admitted_share', 0):>10.2f}"
+                f"{s.get('emitted_share', 0):>9.2f}{(f'{pr:.2f}' if pr is not None else '-'):>11}"
+            )
     return "\n".join(out)
 
 
@@ -104,23 +113,37 @@ def plot_report(
     stats = stats or {}
     steps = [r["step"] for r in history]
     window = max(1, len(history) // 15)
-    domains = sorted({d for r in history for d in r.get("domains", {})} | set(stats.get("domains", {})))
+    domains = sorted(
+        {d for r in history for d in r.get("domains", {})} | set(stats.get("domains", {}))
+    )
     color = {d: f"C{i + 3}" for i, d in enumerate(domains)}
     fig, axes = plt.subplots(2, 4, figsize=(21, 8.5))
     fig.suptitle(title)
 
     ax = axes[0, 0]
     if history:
-        for key, c, label in (("reward_mean", "C0", "reward of trained samples"),
-                              ("pass_rate", "C1", "pass rate of all answers generated")):
+        for key, c, label in (
+            ("reward_mean", "C0", "reward of trained samples"),
+            ("pass_rate", "C1", "pass rate of all answers generated"),
+        ):
             ys = [r[key] for r in history]
             ax.plot(steps, ys, alpha=0.2, color=c)
             ax.plot(steps, _rolling(ys, window), color=c, label=label)
         for d in domains:
-            pts = [(r["step"], r["domain_reward"][d]) for r in history if d in r.get("domain_reward", {})]
+            pts = [
+                (r["step"], r["domain_reward"][d])
+                for r in history
+                if d in r.get("domain_reward", {})
+            ]
             if pts:
-                ax.plot([x for x, _ in pts], _rolling([y for _, y in pts], window * 2), ls="--", lw=1,
-                        color=color[d], label=f"pass rate {d}")
+                ax.plot(
+                    [x for x, _ in pts],
+                    _rolling([y for _, y in pts], window * 2),
+                    ls="--",
+                    lw=1,
+                    color=color[d],
+                    label=f"pass rate {d}",
+                )
     ax.set(title="reward / pass rate per step", xlabel="step", ylim=(-0.02, 1.02))
     ax.legend(fontsize=7)
 
@@ -129,16 +152,24 @@ def plot_report(
         ys = [r["samples_per_group"] for r in history]
         ax.plot(steps, ys, alpha=0.3, color="C2")
         ax.plot(steps, _rolling(ys, window), color="C2", label="answers generated / group")
-        ax.plot(steps, [r["samples"] / max(r["groups"], 1) for r in history], color="C9",
-                label="answers kept / group")
+        ax.plot(
+            steps,
+            [r["samples"] / max(r["groups"], 1) for r in history],
+            color="C9",
+            label="answers kept / group",
+        )
         ax.set_ylim(0, max(ys) * 1.1)
     ax.set(title="samples per group", xlabel="step")
     ax.legend(fontsize=7, loc="lower right")
 
     ax = axes[0, 2]
     if history and domains:
-        shares = [_rolling([r.get("domains", {}).get(d, 0) / max(r["groups"], 1) for r in history], window * 2)
-                  for d in domains]
+        shares = [
+            _rolling(
+                [r.get("domains", {}).get(d, 0) / max(r["groups"], 1) for r in history], window * 2
+            )
+            for d in domains
+        ]
         ax.stackplot(steps, shares, labels=domains, colors=[color[d] for d in domains], alpha=0.8)
         ax.set_ylim(0, 1)
         ax.legend(fontsize=7, loc="lower left")
@@ -148,10 +179,16 @@ def plot_report(
     if before and after:
         names = list(before)
         x = list(range(len(names)))
-        ax.bar([i - 0.2 for i in x], [before[n] for n in names], width=0.4, label="before", color="C7")
-        ax.bar([i + 0.2 for i in x], [after[n] for n in names], width=0.4, label="after", color="C0")
+        ax.bar(
+            [i - 0.2 for i in x], [before[n] for n in names], width=0.4, label="before", color="C7"
+        )
+        ax.bar(
+            [i + 0.2 for i in x], [after[n] for n in names], width=0.4, label="after", color="C0"
+        )
         for i, n in enumerate(names):
-            ax.text(i + 0.2, after[n] + 0.01, f"{after[n] - before[n]:+.2f}", ha="center", fontsize=8)
+            ax.text(
+                i + 0.2, after[n] + 0.01, f"{after[n] - before[n]:+.2f}", ha="center", fontsize=8
+            )
         ax.set_xticks(x, names)
         ax.legend(fontsize=8)
     ax.set(title="greedy accuracy, held-out split", ylim=(0, 1.05))
@@ -182,8 +219,13 @@ def plot_report(
         names = list(dom_stats)
         x = list(range(len(names)))
         for j, kind in enumerate(("target_share", "admitted_share", "emitted_share")):
-            ax.bar([i + (j - 1) * 0.27 for i in x], [dom_stats[n].get(kind, 0) for n in names],
-                   width=0.27, label=kind.split("_")[0], color=f"C{j}")
+            ax.bar(
+                [i + (j - 1) * 0.27 for i in x],
+                [dom_stats[n].get(kind, 0) for n in names],
+                width=0.27,
+                label=kind.split("_")[0],
+                color=f"C{j}",
+            )
         ax.set_xticks(x, names)
         ax.legend(fontsize=8)
     ax.set(title="mixing shares (sampler, recent window)", ylim=(0, 1))

@@ -25,7 +25,7 @@ fi
 STEPS=${STEPS:-3}
 SAMPLER_DEVICE=${SAMPLER_DEVICE:-cpu}
 WORK=${WORK:-$(mktemp -d /tmp/verl_gpu_check.XXXXXX)}
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export VERL_USE_EXTERNAL_MODULES=trainer_client.verl.v1
 command -v nvidia-smi >/dev/null && nvidia-smi -L || echo "nvidia-smi not found"
 "$PYTHON" - <<'PY'

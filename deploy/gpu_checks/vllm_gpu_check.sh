@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../.."
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv-vllm/bin/python ]]; then PYTHON=.venv-vllm/bin/python; else PYTHON=python3; fi
 fi
-export HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 DO_NOT_TRACK=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 command -v nvidia-smi >/dev/null && nvidia-smi -L || echo "nvidia-smi not found"
 "$PYTHON" - <<'PY'

@@ -47,7 +47,7 @@ def _picklable(exc: BaseException) -> BaseException:
     """`exc` if it survives a round trip through pickle, else a RuntimeError naming it."""
     try:
         pickle.loads(pickle.dumps(exc))
-    except Exception:
+    except Exception:  # noqa: BLE001
         return RuntimeError(f"{type(exc).__name__}: {exc}")
     return exc
 
@@ -71,7 +71,7 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
     async def run(call_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:
             result = await getattr(backend, method)(*args)
-        except BaseException as exc:  # every failure goes back to the caller
+        except BaseException as exc:  # every failure goes back to the caller  # noqa: BLE001
             reply(call_id, False, exc)
         else:
             reply(call_id, True, result)
@@ -85,18 +85,28 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
             except (EOFError, OSError):  # the parent is gone
                 loop.call_soon_threadsafe(closed.set)
                 return
-            loop.call_soon_threadsafe(lambda c=call_id, m=method, a=args: loop.create_task(run(c, m, a)))
+            loop.call_soon_threadsafe(
+                lambda c=call_id, m=method, a=args: loop.create_task(run(c, m, a))
+            )
             if method == "close":
                 return
 
     try:
         backend = factory()
         await backend.start()
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001
         reply(0, False, exc)
         return
-    reply(0, True, {"specs": backend.weight_specs(), "model_name": backend.model_name,
-                    "policy_version": backend.policy_version, "name": backend.name})
+    reply(
+        0,
+        True,
+        {
+            "specs": backend.weight_specs(),
+            "model_name": backend.model_name,
+            "policy_version": backend.policy_version,
+            "name": backend.name,
+        },
+    )
     threading.Thread(target=receive, name="engine-recv", daemon=True).start()
     await closed.wait()
 
@@ -112,9 +122,16 @@ class EngineProcess(Backend):
         self._torch_threads = torch_threads
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future[Any]] = {}
-        self._outbox: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
         self._failure: BaseException | None = None
-        self._info: dict[str, Any] = {"name": "hf", "model_name": "", "policy_version": 0, "specs": {}}
+        self._info: dict[str, Any] = {
+            "name": "hf",
+            "model_name": "",
+            "policy_version": 0,
+            "specs": {},
+        }
         self._process: multiprocessing.process.BaseProcess | None = None
 
     @property
@@ -138,21 +155,27 @@ class EngineProcess(Backend):
         ctx = multiprocessing.get_context("spawn")
         conn, child_conn = ctx.Pipe()
         self._process = ctx.Process(
-            target=_child_main, args=(child_conn, self._factory, self._torch_threads),
-            name="engine", daemon=True,
+            target=_child_main,
+            args=(child_conn, self._factory, self._torch_threads),
+            name="engine",
+            daemon=True,
         )
         self._process.start()
         child_conn.close()
         self._conn = conn
         started: asyncio.Future[Any] = loop.create_future()
         self._calls[0] = started
-        threading.Thread(target=self._receive, args=(loop,), name="engine-replies", daemon=True).start()
+        threading.Thread(
+            target=self._receive, args=(loop,), name="engine-replies", daemon=True
+        ).start()
         threading.Thread(target=self._send, name="engine-calls", daemon=True).start()
         try:
             self._info = await asyncio.wait_for(started, _START_TIMEOUT_S)
         except TimeoutError:
             await self.close()
-            raise EngineProcessDied(f"the engine process did not start within {_START_TIMEOUT_S:.0f}s") from None
+            raise EngineProcessDied(
+                f"the engine process did not start within {_START_TIMEOUT_S:.0f}s"
+            ) from None
         log.info("engine process %d serving %s", self._process.pid, self.model_name)
 
     def _send(self) -> None:
@@ -187,7 +210,9 @@ class EngineProcess(Backend):
         if self._process is not None and code is None:
             self._process.join(timeout=1.0)
             code = self._process.exitcode
-        self._failure = self._failure or EngineProcessDied(f"the engine process exited (exit code {code})")
+        self._failure = self._failure or EngineProcessDied(
+            f"the engine process exited (exit code {code})"
+        )
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(self._failure)
@@ -202,14 +227,20 @@ class EngineProcess(Backend):
         self._outbox.put((call_id, method, args))
         return await future
 
-    async def generate(self, prompt_token_ids: list[int], n: int, sampling: SamplingParams) -> list[Completion]:
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
         return await self._call("generate", list(prompt_token_ids), n, sampling)
 
     async def abort_all(self) -> int:
         return await self._call("abort_all")
 
-    async def score(self, prompt_token_ids: list[int], response_token_ids: list[int], temperature: float = 1.0) -> list[float]:
-        return await self._call("score", list(prompt_token_ids), list(response_token_ids), temperature)
+    async def score(
+        self, prompt_token_ids: list[int], response_token_ids: list[int], temperature: float = 1.0
+    ) -> list[float]:
+        return await self._call(
+            "score", list(prompt_token_ids), list(response_token_ids), temperature
+        )
 
     def weight_specs(self) -> Mapping[str, TensorSpec]:
         return self._info["specs"]
@@ -231,7 +262,7 @@ class EngineProcess(Backend):
         if self._failure is None and self._process.is_alive():
             try:
                 await asyncio.wait_for(self._call("close"), 30.0)
-            except Exception as exc:  # closing anyway
+            except Exception as exc:  # closing anyway  # noqa: BLE001
                 log.warning("engine process did not close cleanly: %s", exc)
         self._failure = self._failure or EngineProcessDied("the engine process was closed")
         self._outbox.put(None)

@@ -75,9 +75,18 @@ _CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True}
 _CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _SAFETENSORS_TO_TORCH = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
 
 
@@ -109,7 +118,9 @@ def read_checkpoint(model_dir: Path) -> _Checkpoint:
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors checkpoint files (vLLM backend needs one)")
+        raise FileNotFoundError(
+            f"{model_dir}: no *.safetensors checkpoint files (vLLM backend needs one)"
+        )
     order: list[str] = []
     specs: dict[str, TensorSpec] = {}
     where: dict[str, str] = {}
@@ -222,7 +233,9 @@ class VLLMBackend(Backend):
             raise ValueError(f"unknown vLLM engine argument(s) {unknown} (see vllm serve --help)")
         args: dict[str, Any] = {"model": str(self._model_dir), "seed": self._seed, **_DEFAULTS}
         if self._user_args.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
-            raise ValueError(f"worker_extension_cls is set by the vLLM backend ({WORKER_EXTENSION})")
+            raise ValueError(
+                f"worker_extension_cls is set by the vLLM backend ({WORKER_EXTENSION})"
+            )
         args["worker_extension_cls"] = WORKER_EXTENSION
         if current_platform.is_cpu():
             args.update(_CPU_DEFAULTS)
@@ -274,7 +287,10 @@ class VLLMBackend(Backend):
         self.start_seconds = time.monotonic() - started
         log.info(
             "vllm backend ready in %.1fs: %s (%d checkpoint tensors, eos %s, max_model_len %d)",
-            self.start_seconds, self._model_dir, len(self._checkpoint.order), self._eos,
+            self.start_seconds,
+            self._model_dir,
+            len(self._checkpoint.order),
+            self._eos,
             self._max_model_len,
         )
 
@@ -303,7 +319,9 @@ class VLLMBackend(Backend):
             detail["error"] = self._failure
         if errored:
             detail["error"] = f"engine dead: {engine.dead_error!r}"
-        return BackendHealth(ok=engine is not None and not errored and self._failure is None, detail=detail)
+        return BackendHealth(
+            ok=engine is not None and not errored and self._failure is None, detail=detail
+        )
 
     # ------------------------------------------------------------------ generation
 
@@ -339,7 +357,9 @@ class VLLMBackend(Backend):
         self._inflight.add(request_id)
         self.requests += 1
         try:
-            async for output in engine.generate(tokens_input(list(prompt_token_ids)), params, request_id):
+            async for output in engine.generate(
+                tokens_input(list(prompt_token_ids)), params, request_id
+            ):
                 final = output
         finally:
             self._inflight.discard(request_id)
@@ -353,7 +373,9 @@ class VLLMBackend(Backend):
                 raise RuntimeError(f"vLLM request {request_id} finished with {out.finish_reason!r}")
             tokens = list(out.token_ids)
             logprobs = _sampled_logprobs(tokens, out.logprobs)
-            text = self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
+            text = (
+                self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
+            )
             completions.append(
                 Completion(tokens, logprobs, text, out.finish_reason, _version_of(out, version))
             )
@@ -383,7 +405,11 @@ class VLLMBackend(Backend):
         from vllm.sampling_params import RequestOutputKind
 
         params = VLLMSamplingParams(
-            n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+            n=1,
+            temperature=0.0,
+            max_tokens=1,
+            prompt_logprobs=0,
+            detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         request_id = uuid.uuid4().hex
@@ -460,7 +486,9 @@ class VLLMBackend(Backend):
             if target is None:  # tied lm_head: vLLM reuses the embedding
                 continue
             if target in canonical:
-                raise WeightsRejected(f"tensor {target!r} given twice (as {name!r} and another alias)")
+                raise WeightsRejected(
+                    f"tensor {target!r} given twice (as {name!r} and another alias)"
+                )
             canonical[target] = value
         if not canonical:
             raise WeightsRejected("the update names no tensor the engine loads")
@@ -480,7 +508,9 @@ class VLLMBackend(Backend):
                 await engine.collective_rpc(_LOAD_RPC, args=(plan,))
             except Exception as exc:
                 await self._rollback(engine, checkpoint, path, exc)
-                raise RuntimeError(f"vLLM weight load failed (previous weights restored): {exc}") from exc
+                raise RuntimeError(
+                    f"vLLM weight load failed (previous weights restored): {exc}"
+                ) from exc
             await engine.reset_prefix_cache()
             old = set(self._sources.values())
             self._sources = sources
@@ -490,13 +520,20 @@ class VLLMBackend(Backend):
             self._drop_unused(old)
         log.info(
             "vllm backend serving policy version %d (%d of %d tensors updated, %.3fs)",
-            version, len(canonical), len(checkpoint.order), time.monotonic() - started,
+            version,
+            len(canonical),
+            len(checkpoint.order),
+            time.monotonic() - started,
         )
 
-    async def _rollback(self, engine: Any, checkpoint: _Checkpoint, path: Path, exc: Exception) -> None:
+    async def _rollback(
+        self, engine: Any, checkpoint: _Checkpoint, path: Path, exc: Exception
+    ) -> None:
         log.error("weight load failed (%r); reloading the previous weights", exc)
         try:
-            await engine.collective_rpc(_LOAD_RPC, args=([(n, self._sources[n]) for n in checkpoint.order],))
+            await engine.collective_rpc(
+                _LOAD_RPC, args=([(n, self._sources[n]) for n in checkpoint.order],)
+            )
             await engine.reset_prefix_cache()
         except Exception as again:  # noqa: BLE001 - the engine's weights are now unknown
             self._failure = f"weights unknown after a failed load and a failed rollback: {again!r}"

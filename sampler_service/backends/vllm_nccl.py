@@ -101,7 +101,9 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
     async def body(request: Request, model: type[BaseModel]) -> Any:
         raw = await request.body()
         if len(raw) > _MAX_BODY:
-            raise ServiceError(413, "body_too_large", f"request body over the {_MAX_BODY}-byte limit")
+            raise ServiceError(
+                413, "body_too_large", f"request body over the {_MAX_BODY}-byte limit"
+            )
         try:
             return model.model_validate_json(raw or b"{}")
         except ValidationError as exc:
@@ -118,13 +120,15 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
     async def info() -> Response:
         engine = backend()
         specs, required = engine.nccl_specs()
-        return json({
-            "enabled": bool(engine.health().detail.get("nccl_weight_transfer")),
-            "inference_ranks": engine.nccl_workers(),
-            "policy_version": engine.policy_version,
-            "tensors": {name: [list(s.shape), s.dtype] for name, s in specs.items()},
-            "required": sorted(required),
-        })
+        return json(
+            {
+                "enabled": bool(engine.health().detail.get("nccl_weight_transfer")),
+                "inference_ranks": engine.nccl_workers(),
+                "policy_version": engine.policy_version,
+                "tensors": {name: [list(s.shape), s.dtype] for name, s in specs.items()},
+                "required": sorted(required),
+            }
+        )
 
     @router.post("/init")
     async def init(request: Request) -> Response:
@@ -154,7 +158,13 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
         elapsed = time.monotonic() - started
         service.metrics.weight_updates.inc()
         service.metrics.weight_update_seconds.observe(elapsed)
-        return json({"policy_version": req.version, "tensors": len(req.update_info.names), "load_s": elapsed})
+        return json(
+            {
+                "policy_version": req.version,
+                "tensors": len(req.update_info.names),
+                "load_s": elapsed,
+            }
+        )
 
     @router.post("/shutdown")
     async def shutdown() -> Response:

@@ -71,7 +71,7 @@ def run_verifier(
     """Call the verifier `spec` names; any failure is reward 0 with an error message."""
     try:
         value = resolve(spec)(response, answer, metadata)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001
         return 0.0, f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
     # `not 0 <= value <= 1` also rejects NaN, for which every comparison is false.
     if not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:

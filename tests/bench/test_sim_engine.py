@@ -16,12 +16,22 @@ from bench.sim_backend import REWARD_TEXT, EngineSpec, SimBackend, verify_reward
 from sampler_service.backends.base import SamplingParams
 
 # Every answer exactly `length_median` tokens long, no prefill: times are easy to predict.
-FLAT = EngineSpec(max_num_seqs=2, step_base_s=0.01, step_per_seq_s=0.001, prefill_per_token_s=0.0,
-                  length_median=100, length_sigma=0.0)
+FLAT = EngineSpec(
+    max_num_seqs=2,
+    step_base_s=0.01,
+    step_per_seq_s=0.001,
+    prefill_per_token_s=0.0,
+    length_median=100,
+    length_sigma=0.0,
+)
 
 
-def _generate(spec: EngineSpec, requests: list[tuple[int, int]], pass_rates: list[float],
-              max_tokens: int = 1000) -> tuple[list[list], list[float], SimBackend]:
+def _generate(
+    spec: EngineSpec,
+    requests: list[tuple[int, int]],
+    pass_rates: list[float],
+    max_tokens: int = 1000,
+) -> tuple[list[list], list[float], SimBackend]:
     """Submit (prompt index, n) requests at t=0; return completions and finish times."""
 
     async def main() -> tuple[list[list], list[float], SimBackend]:
@@ -66,8 +76,14 @@ def test_a_lone_sequence_decodes_faster_per_step() -> None:
 
 
 def test_prefill_is_paid_once_per_request() -> None:
-    spec = EngineSpec(max_num_seqs=8, step_base_s=0.01, step_per_seq_s=0.0, prefill_per_token_s=0.5,
-                      length_median=10, length_sigma=0.0)
+    spec = EngineSpec(
+        max_num_seqs=8,
+        step_base_s=0.01,
+        step_per_seq_s=0.0,
+        prefill_per_token_s=0.5,
+        length_median=10,
+        length_sigma=0.0,
+    )
     (_,), (t,), engine = _generate(spec, [(0, 4)], [0.5])
     assert engine.stats.prefill_s == pytest.approx(1.5)  # 3 prompt tokens, once for the 4 samples
     assert t == pytest.approx(1.5 + 10 * 0.01)
@@ -106,10 +122,20 @@ def _simulate(key: str, batch: int = 16, batches: int = 2, **overrides: object) 
     spec = EngineSpec(max_num_seqs=32)
     with tempfile.TemporaryDirectory() as tmp:
         data = adaptive_sim.write_dataset(Path(tmp), 256)
-        return virtual_clock.run(adaptive_sim.simulate(
-            method, rates, data, batch=batch, batches=batches, warmup=1, spec=spec, seed=0,
-            history_epochs=1, record_timeline=True,
-        ))
+        return virtual_clock.run(
+            adaptive_sim.simulate(
+                method,
+                rates,
+                data,
+                batch=batch,
+                batches=batches,
+                warmup=1,
+                spec=spec,
+                seed=0,
+                history_epochs=1,
+                record_timeline=True,
+            )
+        )
 
 
 def test_real_scheduler_runs_grpo_in_simulated_time() -> None:

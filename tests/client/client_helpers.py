@@ -17,7 +17,9 @@ from trainer_client import wire
 from trainer_client.protocol import MSGPACK_MEDIA_TYPE, NDJSON_MEDIA_TYPE, Group
 
 
-def sample(tokens: list[int], logprobs: list[float] | None = None, reward: float = 1.0, **kw: Any) -> dict[str, Any]:
+def sample(
+    tokens: list[int], logprobs: list[float] | None = None, reward: float = 1.0, **kw: Any
+) -> dict[str, Any]:
     return {
         "sample_id": uuid.uuid4().hex,
         "response_token_ids": tokens,
@@ -42,7 +44,9 @@ def group(
     delivery_id: str | None = None,
     config_version: int = 0,
 ) -> dict[str, Any]:
-    samples = samples if samples is not None else [sample([5, 6], reward=1.0), sample([7], reward=0.0)]
+    samples = (
+        samples if samples is not None else [sample([5, 6], reward=1.0), sample([7], reward=0.0)]
+    )
     rewards = [s["reward"] for s in samples]
     return {
         "group_id": gid,
@@ -74,10 +78,21 @@ def group_line(g: dict[str, Any]) -> bytes:
 
 
 def heartbeat_line(policy_version: int = 0) -> bytes:
-    return orjson.dumps({
-        "type": "heartbeat", "time": 0.0, "policy_version": policy_version, "config_version": 0,
-        "ready": 0, "leased": 0, "active_prompts": 0, "unacked": 0,
-    }) + b"\n"
+    return (
+        orjson.dumps(
+            {
+                "type": "heartbeat",
+                "time": 0.0,
+                "policy_version": policy_version,
+                "config_version": 0,
+                "ready": 0,
+                "leased": 0,
+                "active_prompts": 0,
+                "unacked": 0,
+            }
+        )
+        + b"\n"
+    )
 
 
 def as_msgpack(line: bytes) -> bytes:
@@ -86,7 +101,9 @@ def as_msgpack(line: bytes) -> bytes:
     if msg.get("type") != "group":
         return wire.pack(msg)
     g = Group.model_validate(msg["group"])
-    return MSGPACK.group_message(Delivered(g.delivery_id, StoredGroup(0, g.group_id, wire.pack_group(g))))
+    return MSGPACK.group_message(
+        Delivered(g.delivery_id, StoredGroup(0, g.group_id, wire.pack_group(g)))
+    )
 
 
 class FakeSampler:
@@ -121,7 +138,9 @@ class FakeSampler:
             media_type = NDJSON_MEDIA_TYPE
             if MSGPACK_MEDIA_TYPE in request.headers.get("accept", ""):
                 media_type = MSGPACK_MEDIA_TYPE
-                script = [item if isinstance(item, BaseException) else as_msgpack(item) for item in script]
+                script = [
+                    item if isinstance(item, BaseException) else as_msgpack(item) for item in script
+                ]
             content = _aplay(script) if self.asynchronous else _play(script)
             return httpx.Response(200, content=content, headers={"content-type": media_type})
         if path == "/v1/groups/ack":

@@ -18,9 +18,15 @@ from trainer_client.launch import SamplerProcess
 BASE_CONFIG = {"max_tokens": 6, "max_active_prompts": 16, "max_buffered_groups": 16}
 
 
-def start_sampler(toy: ToyPaths, where: Path, config: dict[str, Any], name: str = "state") -> SamplerProcess:
+def start_sampler(
+    toy: ToyPaths, where: Path, config: dict[str, Any], name: str = "state"
+) -> SamplerProcess:
     proc = SamplerProcess(
-        toy.model_dir, toy.data_files, where / name, {**BASE_CONFIG, **config}, where / f"{name}.log",
+        toy.model_dir,
+        toy.data_files,
+        where / name,
+        {**BASE_CONFIG, **config},
+        where / f"{name}.log",
         heartbeat_s=0.5,
     )
     proc.start()
@@ -31,7 +37,8 @@ def start_sampler(toy: ToyPaths, where: Path, config: dict[str, Any], name: str 
 def sampler(toy: ToyPaths, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SamplerProcess]:
     """Fast fixed-rule groups in frames of 2."""
     proc = start_sampler(
-        toy, tmp_path_factory.mktemp("sampler"),
+        toy,
+        tmp_path_factory.mktemp("sampler"),
         {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2, "batch_groups": 2},
     )
     yield proc

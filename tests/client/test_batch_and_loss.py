@@ -28,12 +28,30 @@ def G(gid: str, **kw) -> Group:
 
 
 def test_collate_lays_out_rows_right_padded_and_aligned() -> None:
-    g1 = G("a", prompt=[1, 2, 3], samples=[
-        sample([4, 5], logprobs=[-0.1, -0.2], reward=1.0, advantage=0.5, weight=2.0, token_weights=[1.5, 0.5]),
-        sample([6], logprobs=[-0.3], reward=0.0, advantage=-0.5, weight=0.5),
-    ])
-    g2 = G("b", prompt=[7], samples=[sample([8, 9, 10], logprobs=[-1.0, -2.0, -3.0], reward=1.0, advantage=0.0,
-                                            policy_version=3)])
+    g1 = G(
+        "a",
+        prompt=[1, 2, 3],
+        samples=[
+            sample(
+                [4, 5],
+                logprobs=[-0.1, -0.2],
+                reward=1.0,
+                advantage=0.5,
+                weight=2.0,
+                token_weights=[1.5, 0.5],
+            ),
+            sample([6], logprobs=[-0.3], reward=0.0, advantage=-0.5, weight=0.5),
+        ],
+    )
+    g2 = G(
+        "b",
+        prompt=[7],
+        samples=[
+            sample(
+                [8, 9, 10], logprobs=[-1.0, -2.0, -3.0], reward=1.0, advantage=0.0, policy_version=3
+            )
+        ],
+    )
     b = collate([g1, g2], pad_id=0)
     assert b.input_ids.tolist() == [[1, 2, 3, 4, 5], [1, 2, 3, 6, 0], [7, 8, 9, 10, 0]]
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
@@ -62,7 +80,10 @@ def test_assembler_takes_whole_frames_only() -> None:
     assert batch is not None and batch.group_ids == ["x0", "x1", "y0", "y1"]
     assert asm.pending_groups == 0
     single = BatchAssembler(batch_groups=1, pad_id=0)
-    assert [b.group_ids for b in single.batches([G("p", batch_id="1"), G("q", batch_id="2")])] == [["p"], ["q"]]
+    assert [b.group_ids for b in single.batches([G("p", batch_id="1"), G("q", batch_id="2")])] == [
+        ["p"],
+        ["q"],
+    ]
 
 
 def test_ppo_clip_loss_matches_hand_computation() -> None:
@@ -87,7 +108,9 @@ def test_grpo_advantages_per_group() -> None:
     index = torch.tensor([0, 0, 0, 1, 1, 2])
     adv = grpo_advantages(rewards, index)
     std0 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)
-    assert adv[:3].tolist() == pytest.approx([(2 / 3) / (std0 + 1e-6), -(1 / 3) / (std0 + 1e-6), -(1 / 3) / (std0 + 1e-6)])
+    assert adv[:3].tolist() == pytest.approx(
+        [(2 / 3) / (std0 + 1e-6), -(1 / 3) / (std0 + 1e-6), -(1 / 3) / (std0 + 1e-6)]
+    )
     assert adv[3:].tolist() == [0.0, 0.0, 0.0]  # equal rewards, and a singleton group
 
 
@@ -142,16 +165,31 @@ def test_train_step_loss_matches_hand_computed_value(tiny_model_dir: Path) -> No
     weights and truncated importance weights w_t the PPO-clip token-mean loss is
     -sum_t A_i w_t / #response tokens; each w_t is checked here from the formula.
     """
-    cfg = TrainConfig(url="http://unused", model=tiny_model_dir, tis_cap=1.5, advantage="server", lr=0.0)
+    cfg = TrainConfig(
+        url="http://unused", model=tiny_model_dir, tis_cap=1.5, advantage="server", lr=0.0
+    )
     trainer = GRPOTrainer(cfg, client=_NoClient())  # type: ignore[arg-type]
     trainer._temperatures[0] = 0.8
-    g = G("a", prompt=[3, 4], samples=[
-        sample([5, 6], logprobs=[-2.0, -2.5], reward=1.0, advantage=0.75, weight=1.2, token_weights=[0.5, 1.5]),
-        sample([7], logprobs=[-0.01], reward=0.0, advantage=-0.75, weight=0.8),
-    ])
+    g = G(
+        "a",
+        prompt=[3, 4],
+        samples=[
+            sample(
+                [5, 6],
+                logprobs=[-2.0, -2.5],
+                reward=1.0,
+                advantage=0.75,
+                weight=1.2,
+                token_weights=[0.5, 1.5],
+            ),
+            sample([7], logprobs=[-0.01], reward=0.0, advantage=-0.75, weight=0.8),
+        ],
+    )
     batch = collate([g], pad_id=0)
     with torch.no_grad():
-        lp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, torch.full((2,), 0.8))
+        lp = token_logprobs(
+            trainer.model, batch.input_ids, batch.attention_mask, torch.full((2,), 0.8)
+        )
     terms = []
     for i, adv, sw, tw, cols in ((0, 0.75, 1.2, [0.5, 1.5], [2, 3]), (1, -0.75, 0.8, [1.0], [2])):
         for col, w_tok in zip(cols, tw, strict=True):

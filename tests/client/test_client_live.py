@@ -23,7 +23,7 @@ def consume_in_thread(client: SamplerClient, **kw) -> tuple[queue.Queue, threadi
         try:
             for g in client.groups(**kw):
                 out.put(g)
-        except Exception as exc:  # handed to the test
+        except Exception as exc:  # handed to the test  # noqa: BLE001
             out.put(exc)
 
     t = threading.Thread(target=run, daemon=True)
@@ -52,13 +52,17 @@ def test_credits_hold_the_stream_until_acked(sampler) -> None:
 
 
 def test_reconnect_after_the_connection_drops_redelivers_without_duplicates(sampler, proxy) -> None:
-    with SamplerClient(proxy.url, consumer="dropper", watchdog_s=20, heartbeat_s=0.5, backoff_s=(0.05, 0.5)) as client:
+    with SamplerClient(
+        proxy.url, consumer="dropper", watchdog_s=20, heartbeat_s=0.5, backoff_s=(0.05, 0.5)
+    ) as client:
         got, _ = consume_in_thread(client, max_unacked=2)
         held = [got.get(timeout=60)]
         assert proxy.cut() >= 1  # the stream dies with its frame unacked
         deadline = time.monotonic() + 30
         while client.duplicates_dropped == 0:  # reconnected, and the unacked frame came again
-            assert time.monotonic() < deadline, f"no redelivery seen ({client.connections} connections)"
+            assert time.monotonic() < deadline, (
+                f"no redelivery seen ({client.connections} connections)"
+            )
             time.sleep(0.05)
         assert client.connections >= 2
         while len(held) < held[0].batch_size:  # the rest of the frame, from either connection

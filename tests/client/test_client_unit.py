@@ -50,7 +50,9 @@ def test_trainer_side_imports_no_server_dependencies() -> None:
 
 def test_stream_sends_credits_consumer_and_heartbeat_interval() -> None:
     fake = FakeSampler([[heartbeat_line(3), group_line(group("a"))]])
-    with SamplerClient(URL, transport=fake.transport(), consumer="t1", max_unacked=6, watchdog_s=8) as c:
+    with SamplerClient(
+        URL, transport=fake.transport(), consumer="t1", max_unacked=6, watchdog_s=8
+    ) as c:
         it = c.groups(max_unacked=5)
         assert next(it).group_id == "a"
         assert c.last_heartbeat is not None and c.last_heartbeat.policy_version == 3
@@ -60,14 +62,21 @@ def test_stream_sends_credits_consumer_and_heartbeat_interval() -> None:
 
 
 def test_reconnect_after_drop_suppresses_duplicates_and_acks_newest_delivery() -> None:
-    a1, b1 = group("A", batch_id="f", batch_index=0, batch_size=2), group("B", batch_id="f", batch_index=1, batch_size=2)
+    a1, b1 = (
+        group("A", batch_id="f", batch_index=0, batch_size=2),
+        group("B", batch_id="f", batch_index=1, batch_size=2),
+    )
     a2, b2 = dict(a1, delivery_id="a-2"), dict(b1, delivery_id="b-2")
     c = group("C", batch_id="g")
-    fake = FakeSampler([
-        [heartbeat_line(), group_line(a1), group_line(b1), httpx.ReadError("connection reset")],
-        [heartbeat_line(), group_line(a2), group_line(b2), group_line(c)],
-    ])
-    with SamplerClient(URL, transport=fake.transport(), watchdog_s=10, backoff_s=(0.01, 0.05)) as client:
+    fake = FakeSampler(
+        [
+            [heartbeat_line(), group_line(a1), group_line(b1), httpx.ReadError("connection reset")],
+            [heartbeat_line(), group_line(a2), group_line(b2), group_line(c)],
+        ]
+    )
+    with SamplerClient(
+        URL, transport=fake.transport(), watchdog_s=10, backoff_s=(0.01, 0.05)
+    ) as client:
         got = take(client.groups(), 3)
         assert [g.group_id for g in got] == ["A", "B", "C"]
         assert client.connections == 2 and client.duplicates_dropped == 2
@@ -82,7 +91,9 @@ def test_redelivered_group_that_was_already_acked_is_acked_again_and_skipped() -
     a2 = dict(a1, delivery_id="a-again")
     b = group("B", batch_id="b1")
     fake = FakeSampler([[group_line(a1)], [heartbeat_line(), group_line(a2), group_line(b)]])
-    with SamplerClient(URL, transport=fake.transport(), watchdog_s=10, backoff_s=(0.01, 0.05)) as client:
+    with SamplerClient(
+        URL, transport=fake.transport(), watchdog_s=10, backoff_s=(0.01, 0.05)
+    ) as client:
         it = client.groups()
         first = next(it)
         client.ack([first])
@@ -93,10 +104,15 @@ def test_redelivered_group_that_was_already_acked_is_acked_again_and_skipped() -
 
 def test_stream_refused_with_4xx_raises_typed_error() -> None:
     def unauthorized(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(401, json={"error": {"code": "unauthorized", "message": "missing or wrong API key"}})
+        return httpx.Response(
+            401, json={"error": {"code": "unauthorized", "message": "missing or wrong API key"}}
+        )
 
     transport = httpx.MockTransport(unauthorized)
-    with SamplerClient(URL, transport=transport, watchdog_s=5) as client, pytest.raises(AuthError) as err:
+    with (
+        SamplerClient(URL, transport=transport, watchdog_s=5) as client,
+        pytest.raises(AuthError) as err,
+    ):
         next(client.groups())
     assert err.value.status == 401 and "API key" in str(err.value)
 
@@ -107,12 +123,30 @@ def test_http_errors_are_typed_with_message_and_field() -> None:
     def config(request: httpx.Request) -> httpx.Response:
         body = orjson.loads(request.content)
         if "k_neg" in body:
-            return httpx.Response(422, json={"error": {"code": "invalid_config", "message": "k_pos + k_neg > n_max", "field": "k_neg"}})
+            return httpx.Response(
+                422,
+                json={
+                    "error": {
+                        "code": "invalid_config",
+                        "message": "k_pos + k_neg > n_max",
+                        "field": "k_neg",
+                    }
+                },
+            )
         return httpx.Response(200, json={"config_version": 2, **body})
 
     def weights(request: httpx.Request) -> httpx.Response:
         if request.url.params["version"] == "1":
-            return httpx.Response(409, json={"error": {"code": "stale_version", "message": "version 1 must be greater than the served 3", "field": "version"}})
+            return httpx.Response(
+                409,
+                json={
+                    "error": {
+                        "code": "stale_version",
+                        "message": "version 1 must be greater than the served 3",
+                        "field": "version",
+                    }
+                },
+            )
         return httpx.Response(413, json={"error": {"code": "body_too_large", "message": "too big"}})
 
     def stats(request: httpx.Request) -> httpx.Response:
@@ -124,11 +158,20 @@ def test_http_errors_are_typed_with_message_and_field() -> None:
     def boom(request: httpx.Request) -> httpx.Response:
         return httpx.Response(500, text="<html>proxy error</html>")
 
-    fake = FakeSampler([], routes={"/v1/config": config, "/v1/weights": weights, "/v1/stats": stats, "/health": boom})
-    with SamplerClient(URL, transport=fake.transport(), watchdog_s=10, backoff_s=(0.01, 0.02)) as client:
+    fake = FakeSampler(
+        [],
+        routes={"/v1/config": config, "/v1/weights": weights, "/v1/stats": stats, "/health": boom},
+    )
+    with SamplerClient(
+        URL, transport=fake.transport(), watchdog_s=10, backoff_s=(0.01, 0.02)
+    ) as client:
         with pytest.raises(InvalidRequest) as err:
             client.update_config(k_pos=9, k_neg=9)
-        assert err.value.field == "k_neg" and err.value.code == "invalid_config" and err.value.status == 422
+        assert (
+            err.value.field == "k_neg"
+            and err.value.code == "invalid_config"
+            and err.value.status == 422
+        )
         assert "k_pos + k_neg" in str(err.value)
         assert client.update_config(n_max=8)["n_max"] == 8
         with pytest.raises(ConflictError) as conflict:
@@ -183,10 +226,21 @@ def test_push_weights_sends_safetensors_of_state_dict(tmp_path) -> None:
 
     def weights(request: httpx.Request) -> httpx.Response:
         got[request.url.params["version"]] = load(request.read())
-        return httpx.Response(200, json={"policy_version": int(request.url.params["version"]), "tensors": 2, "load_s": 0.0})
+        return httpx.Response(
+            200,
+            json={
+                "policy_version": int(request.url.params["version"]),
+                "tensors": 2,
+                "load_s": 0.0,
+            },
+        )
 
     emb = torch.randn(4, 3)
-    state = {"embed.weight": emb, "head.weight": emb, "bias": torch.arange(3.0)}  # tied: written once
+    state = {
+        "embed.weight": emb,
+        "head.weight": emb,
+        "bias": torch.arange(3.0),
+    }  # tied: written once
     fake = FakeSampler([], routes={"/v1/weights": weights})
     with SamplerClient(URL, transport=fake.transport()) as client:
         assert client.push_weights(state, version=1).policy_version == 1
@@ -206,14 +260,23 @@ def test_lease_filters_duplicates() -> None:
     def lease(request: httpx.Request) -> httpx.Response:
         body = orjson.loads(request.content)
         assert body["consumer"] == "leaser" and body["wait_s"] == 1.5
-        return httpx.Response(200, json={"lease_id": "l", "expires_at": 0.0, "groups": [dict(a, delivery_id=f"d{len(fake.requests)}")]})
+        return httpx.Response(
+            200,
+            json={
+                "lease_id": "l",
+                "expires_at": 0.0,
+                "groups": [dict(a, delivery_id=f"d{len(fake.requests)}")],
+            },
+        )
 
     fake = FakeSampler([], routes={"/v1/groups/lease": lease})
     with SamplerClient(URL, transport=fake.transport(), consumer="leaser") as client:
         first = client.lease(4, wait_s=1.5)
         assert [g.group_id for g in first.groups] == ["A"]
         client.ack(first.groups)
-        assert client.lease(4, wait_s=1.5).groups == []  # redelivered after its ack: acked again, dropped
+        assert (
+            client.lease(4, wait_s=1.5).groups == []
+        )  # redelivered after its ack: acked again, dropped
     assert len(fake.acks) == 2
 
 
@@ -221,11 +284,15 @@ async def test_async_client_reconnects_and_dedupes() -> None:
     a1 = group("A")
     b = group("B", batch_id="b2")
     fake = FakeSampler(
-        [[heartbeat_line(), group_line(a1), httpx.RemoteProtocolError("peer closed")],
-         [heartbeat_line(4), group_line(dict(a1, delivery_id="a-2")), group_line(b)]],
+        [
+            [heartbeat_line(), group_line(a1), httpx.RemoteProtocolError("peer closed")],
+            [heartbeat_line(4), group_line(dict(a1, delivery_id="a-2")), group_line(b)],
+        ],
         asynchronous=True,
     )
-    async with AsyncSamplerClient(URL, transport=fake.transport(), watchdog_s=10, backoff_s=(0.01, 0.05)) as client:
+    async with AsyncSamplerClient(
+        URL, transport=fake.transport(), watchdog_s=10, backoff_s=(0.01, 0.05)
+    ) as client:
         got = []
         async for g in client.groups():
             got.append(g)
@@ -251,13 +318,23 @@ def test_push_whose_reply_was_lost_is_not_an_error_on_retry() -> None:
     def weights(request: httpx.Request) -> httpx.Response:
         version = int(request.url.params["version"])
         if version <= served["version"]:
-            return httpx.Response(409, json={"error": {"code": "stale_version", "message": "old", "field": "version"}})
+            return httpx.Response(
+                409, json={"error": {"code": "stale_version", "message": "old", "field": "version"}}
+            )
         served["version"] = version
         raise httpx.ReadError("connection reset before the reply")
 
     def health(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"status": "ok", "backend": "hf", "model": "m",
-                                         "policy_version": served["version"], "uptime_s": 1.0})
+        return httpx.Response(
+            200,
+            json={
+                "status": "ok",
+                "backend": "hf",
+                "model": "m",
+                "policy_version": served["version"],
+                "uptime_s": 1.0,
+            },
+        )
 
     fake = FakeSampler([], routes={"/v1/weights": weights, "/health": health})
     with SamplerClient(URL, transport=fake.transport(), backoff_s=(0.01, 0.02)) as client:

@@ -16,7 +16,9 @@ def _group(**sample_kw) -> Group:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 151_000, 1024).tolist()
     logprobs = np.log(rng.random(1024)).astype(np.float32).astype(float).tolist()
-    return Group.model_validate(group("g", [sample(tokens, logprobs, **sample_kw) for _ in range(4)]))
+    return Group.model_validate(
+        group("g", [sample(tokens, logprobs, **sample_kw) for _ in range(4)])
+    )
 
 
 def test_round_trip_is_exact_and_compact() -> None:
@@ -26,7 +28,9 @@ def test_round_trip_is_exact_and_compact() -> None:
         as_json = g.model_dump_json(exclude={"delivery_id"}).encode()
         assert wire.unpack(packed) == orjson.loads(as_json)  # the same values, key for key
     g = _group()
-    assert len(wire.pack_group(g)) < len(g.model_dump_json()) / 2  # ids and float32 logprobs as raw arrays
+    assert (
+        len(wire.pack_group(g)) < len(g.model_dump_json()) / 2
+    )  # ids and float32 logprobs as raw arrays
 
 
 def test_arrays_widen_only_when_needed() -> None:
@@ -36,7 +40,12 @@ def test_arrays_widen_only_when_needed() -> None:
     assert dtype_code([1, 2, 2**31 - 1], "int") == dtype_code([0], "int")
     assert dtype_code([2**40], "int") != dtype_code([0], "int")  # int64, not truncated
     assert dtype_code([-0.5, 0.25], "float") != dtype_code([0.1], "float")  # float32 vs float64
-    for values, kind in [([2**40, -3], "int"), ([0.1, 1 / 3], "float"), ([-0.5, 0.25], "float"), ([], "int")]:
+    for values, kind in [
+        ([2**40, -3], "int"),
+        ([0.1, 1 / 3], "float"),
+        ([-0.5, 0.25], "float"),
+        ([], "int"),
+    ]:
         assert wire.unpack(msgpack.packb(wire._array(values, kind))) == values
 
 
@@ -54,11 +63,15 @@ def test_splice_map_refuses_what_is_not_a_map() -> None:
 
 def test_stream_decoder_reassembles_messages_cut_anywhere() -> None:
     g = _group()
-    messages = [wire.pack({"type": "heartbeat", "ready": 1}), wire.pack_group(g), wire.pack({"type": "x"})]
+    messages = [
+        wire.pack({"type": "heartbeat", "ready": 1}),
+        wire.pack_group(g),
+        wire.pack({"type": "x"}),
+    ]
     stream = b"".join(messages)
     decoder, out = wire.stream_decoder(), []
     for start in range(0, len(stream), 997):  # chunks that split messages mid-array
-        decoder.feed(stream[start:start + 997])
+        decoder.feed(stream[start : start + 997])
         out.extend(decoder)
     assert out[0] == {"type": "heartbeat", "ready": 1} and out[2] == {"type": "x"}
     assert Group.model_validate(out[1]) == g.model_copy(update={"delivery_id": None})

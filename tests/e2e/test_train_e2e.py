@@ -26,7 +26,9 @@ def max_logprob_gap(model, groups) -> float:
     """Max |trainer logprob - sampler logprob| over the response tokens of `groups`."""
     batch = collate(groups, pad_id=0)
     with torch.no_grad():
-        lp = token_logprobs(model, batch.input_ids, batch.attention_mask, torch.full((batch.size,), TEMPERATURE))
+        lp = token_logprobs(
+            model, batch.input_ids, batch.attention_mask, torch.full((batch.size,), TEMPERATURE)
+        )
     mask = batch.response_mask.bool()
     return (lp[mask] - batch.behaviour_logprobs[mask]).abs().max().item()
 
@@ -36,7 +38,9 @@ def lease_until(client: SamplerClient, want, n: int, timeout_s: float = 120.0):
     found, seen = [], set()
     deadline = time.monotonic() + timeout_s
     while len(found) < n:
-        assert time.monotonic() < deadline, f"only {len(found)} of {n} wanted groups in {timeout_s}s"
+        assert time.monotonic() < deadline, (
+            f"only {len(found)} of {n} wanted groups in {timeout_s}s"
+        )
         lease = client.lease(max_groups=8, wait_s=10.0)
         client.ack(lease.groups)
         seen.update(g.group_id for g in lease.groups)
@@ -44,13 +48,28 @@ def lease_until(client: SamplerClient, want, n: int, timeout_s: float = 120.0):
     return found, seen
 
 
-def test_trainer_process_pushes_weights_the_sampler_serves_and_acks_what_it_used(toy, tmp_path) -> None:
+def test_trainer_process_pushes_weights_the_sampler_serves_and_acks_what_it_used(
+    toy, tmp_path
+) -> None:
     config = {
-        "rule": "fixed", "group_size": 4, "n_max": 4, "wave_size": 4, "advantage": "grpo",
-        "temperature": TEMPERATURE, "max_tokens": 6, "max_active_prompts": 8, "max_buffered_groups": 8,
+        "rule": "fixed",
+        "group_size": 4,
+        "n_max": 4,
+        "wave_size": 4,
+        "advantage": "grpo",
+        "temperature": TEMPERATURE,
+        "max_tokens": 6,
+        "max_active_prompts": 8,
+        "max_buffered_groups": 8,
     }
-    sampler = SamplerProcess(toy.model_dir, toy.data_files, tmp_path / "state", config, tmp_path / "sampler.log",
-                             heartbeat_s=0.5)
+    sampler = SamplerProcess(
+        toy.model_dir,
+        toy.data_files,
+        tmp_path / "state",
+        config,
+        tmp_path / "sampler.log",
+        heartbeat_s=0.5,
+    )
     base = AutoModelForCausalLM.from_pretrained(toy.model_dir, dtype=torch.float32).eval()
     with sampler, SamplerClient(sampler.url, consumer="probe", watchdog_s=60) as client:
         # Before: the sampler's logprobs are the base model's (so the comparison below means something).
@@ -59,10 +78,31 @@ def test_trainer_process_pushes_weights_the_sampler_serves_and_acks_what_it_used
         assert gap < 1e-4, gap
 
         run = tmp_path / "run"
-        cmd = [sys.executable, "-m", "sampler_service", "train", "--url", sampler.url,
-               "--model", str(toy.model_dir), "--out", str(run), "--steps", str(STEPS), "--batch-groups", "4",
-               "--lr", "3e-3", "--sync-every", "1", "--consumer", "e2e-trainer", "--watchdog-s", "60",
-               "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sampler_service",
+            "train",
+            "--url",
+            sampler.url,
+            "--model",
+            str(toy.model_dir),
+            "--out",
+            str(run),
+            "--steps",
+            str(STEPS),
+            "--batch-groups",
+            "4",
+            "--lr",
+            "3e-3",
+            "--sync-every",
+            "1",
+            "--consumer",
+            "e2e-trainer",
+            "--watchdog-s",
+            "60",
+            "--no-progress",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout + done.stderr
 
@@ -71,7 +111,9 @@ def test_trainer_process_pushes_weights_the_sampler_serves_and_acks_what_it_used
         log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
         assert [r["policy_version"] for r in log] == list(range(1, STEPS + 1))
         used = {gid for r in log for gid in r["group_ids"]}
-        assert len(used) == sum(r["groups"] for r in log) == sum(r["acked"] for r in log) >= 4 * STEPS
+        assert (
+            len(used) == sum(r["groups"] for r in log) == sum(r["acked"] for r in log) >= 4 * STEPS
+        )
         assert all(r["version_lag_max"] <= 2 for r in log)
 
         # After: samples made with the last version are scored by the trainer's final weights,

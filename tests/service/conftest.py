@@ -35,8 +35,14 @@ def make_server(toy: Any, tmp_path: Path) -> Iterator[Any]:
         data: list[Path] | None = None,
     ) -> Server:
         server = Server(
-            toy.model_dir, data or toy.data_files, tmp_path / name, {**BASE_CONFIG, **(config or {})},
-            tmp_path / f"{name}.log", heartbeat_s=0.5, extra=extra, env=env,
+            toy.model_dir,
+            data or toy.data_files,
+            tmp_path / name,
+            {**BASE_CONFIG, **(config or {})},
+            tmp_path / f"{name}.log",
+            heartbeat_s=0.5,
+            extra=extra,
+            env=env,
         )
         server.start()
         servers.append(server)

@@ -42,7 +42,9 @@ async def test_same_answers_scores_and_weight_loads_as_in_process(toy: Any) -> N
     await local.start()
     await remote.start()
     try:
-        assert remote.weight_specs() == local.weight_specs() and remote.model_name == local.model_name
+        assert (
+            remote.weight_specs() == local.weight_specs() and remote.model_name == local.model_name
+        )
         prompt = list(AutoTokenizer.from_pretrained(toy.model_dir)("12+34=")["input_ids"])
         a = await local.generate(prompt, 3, SEEDED)
         b = await remote.generate(prompt, 3, SEEDED)
@@ -82,10 +84,14 @@ async def test_same_answers_scores_and_weight_loads_as_in_process(toy: Any) -> N
 async def test_a_killed_engine_fails_waiting_and_later_calls(toy: Any, tmp_path: Path) -> None:
     import asyncio
 
-    remote = EngineProcess(functools.partial(HFBackend, _endless(toy.model_dir, tmp_path / "endless")))
+    remote = EngineProcess(
+        functools.partial(HFBackend, _endless(toy.model_dir, tmp_path / "endless"))
+    )
     await remote.start()
     try:
-        running = asyncio.create_task(remote.generate([3, 4, 5], 8, SamplingParams(max_tokens=100_000)))
+        running = asyncio.create_task(
+            remote.generate([3, 4, 5], 8, SamplingParams(max_tokens=100_000))
+        )
         await asyncio.sleep(1.0)
         assert not running.done()
         os.kill(remote.pid, signal.SIGKILL)

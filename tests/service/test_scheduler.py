@@ -52,11 +52,15 @@ def make_scheduler(toy, backend: HFBackend, **cfg: Any) -> tuple[Scheduler, Memo
     config = SamplerConfig(**{"max_tokens": 8, "max_active_prompts": 16, **cfg})
     check_consistency(config, dataset.domains)
     sink = MemorySink()
-    scheduler = Scheduler(backend=backend, dataset=dataset, verify=_verify, sink=sink, config=config)
+    scheduler = Scheduler(
+        backend=backend, dataset=dataset, verify=_verify, sink=sink, config=config
+    )
     return scheduler, sink
 
 
-async def run_until(scheduler: Scheduler, sink: MemorySink, n_groups: int, timeout: float = 120) -> list:
+async def run_until(
+    scheduler: Scheduler, sink: MemorySink, n_groups: int, timeout: float = 120
+) -> list:
     scheduler.start()
     try:
         async with asyncio.timeout(timeout):
@@ -64,8 +68,12 @@ async def run_until(scheduler: Scheduler, sink: MemorySink, n_groups: int, timeo
                 await asyncio.sleep(0.05)
     except TimeoutError:
         # Say what we waited for: progress so far and where every task is parked.
-        print(f"waited for {n_groups} groups, got {len(sink.groups())}:", scheduler.stats.to_dict(),
-              scheduler.last_error, file=sys.stderr)
+        print(
+            f"waited for {n_groups} groups, got {len(sink.groups())}:",
+            scheduler.stats.to_dict(),
+            scheduler.last_error,
+            file=sys.stderr,
+        )
         for task in asyncio.all_tasks():
             task.print_stack(limit=6, file=sys.stderr)
         raise
@@ -76,7 +84,14 @@ async def run_until(scheduler: Scheduler, sink: MemorySink, n_groups: int, timeo
 
 async def test_positive_rule_stops_at_first_correct_answer(toy, backend) -> None:
     scheduler, sink = make_scheduler(
-        toy, backend, rule="positive", k_pos=1, n_max=16, wave_size=1, group_size=0, downsample="none"
+        toy,
+        backend,
+        rule="positive",
+        k_pos=1,
+        n_max=16,
+        wave_size=1,
+        group_size=0,
+        downsample="none",
     )
     for g in await run_until(scheduler, sink, 10):
         rewards = [s.reward for s in g.samples]
@@ -100,7 +115,9 @@ async def test_rounds_mode_uses_whole_waves(toy, backend) -> None:
 
 
 async def test_adaptive_waves_respect_budget_and_rule(toy, backend) -> None:
-    scheduler, sink = make_scheduler(toy, backend, rule="balanced", wave="adaptive", n_max=12, wave_size=8)
+    scheduler, sink = make_scheduler(
+        toy, backend, rule="balanced", wave="adaptive", n_max=12, wave_size=8
+    )
     groups = await run_until(scheduler, sink, 20)
     sizes = {g.stats.n_generated for g in groups}
     assert max(sizes) <= 12
@@ -112,7 +129,14 @@ async def test_adaptive_waves_respect_budget_and_rule(toy, backend) -> None:
 
 async def test_est_rule_spends_budgets_and_learns(toy, backend) -> None:
     scheduler, sink = make_scheduler(
-        toy, backend, rule="est", advantage="est", group_size=0, downsample="none", n_max=16, wave_size=8,
+        toy,
+        backend,
+        rule="est",
+        advantage="est",
+        group_size=0,
+        downsample="none",
+        n_max=16,
+        wave_size=8,
         est={"mean_budget": 6, "n_min": 2},
     )
     groups = await run_until(scheduler, sink, 12)
@@ -127,8 +151,15 @@ async def test_est_rule_spends_budgets_and_learns(toy, backend) -> None:
 
 async def test_maxvar_keeps_half_and_recomputes_grpo_advantages(toy, backend) -> None:
     scheduler, sink = make_scheduler(
-        toy, backend, rule="fixed", group_size=8, n_max=8, wave_size=8, downsample="none",
-        advantage="grpo", group_policies=[{"name": "maxvar", "params": {"keep_fraction": 0.5}}],
+        toy,
+        backend,
+        rule="fixed",
+        group_size=8,
+        n_max=8,
+        wave_size=8,
+        downsample="none",
+        advantage="grpo",
+        group_policies=[{"name": "maxvar", "params": {"keep_fraction": 0.5}}],
     )
     for g in await run_until(scheduler, sink, 8):
         assert len(g.samples) == 4
@@ -140,8 +171,16 @@ async def test_maxvar_keeps_half_and_recomputes_grpo_advantages(toy, backend) ->
 
 async def test_batch_frames_topk_and_weights(toy, backend) -> None:
     scheduler, sink = make_scheduler(
-        toy, backend, rule="balanced", n_max=16, batch_groups=4,
-        batch_policies=[{"name": "topk", "params": {"fraction": 0.75}}, {"name": "per", "params": {}}, {"name": "ar"}],
+        toy,
+        backend,
+        rule="balanced",
+        n_max=16,
+        batch_groups=4,
+        batch_policies=[
+            {"name": "topk", "params": {"fraction": 0.75}},
+            {"name": "per", "params": {}},
+            {"name": "ar"},
+        ],
     )
     await run_until(scheduler, sink, 12)
     for frame in sink.frames:
@@ -158,7 +197,9 @@ async def test_batch_frames_topk_and_weights(toy, backend) -> None:
 
 
 async def test_staleness_zero_admits_one_prompt_at_a_time(toy, backend) -> None:
-    scheduler, sink = make_scheduler(toy, backend, rule="fixed", group_size=2, n_max=2, wave_size=2, max_staleness=0)
+    scheduler, sink = make_scheduler(
+        toy, backend, rule="fixed", group_size=2, n_max=2, wave_size=2, max_staleness=0
+    )
     scheduler.start()
     try:
         peak = 0
@@ -207,8 +248,16 @@ class SlowSink(MemorySink):
 
 
 async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(toy, backend) -> None:
-    scheduler, _ = make_scheduler(toy, backend, rule="fixed", group_size=2, n_max=2, wave_size=2,
-                                  max_active_prompts=4, max_buffered_groups=1000)
+    scheduler, _ = make_scheduler(
+        toy,
+        backend,
+        rule="fixed",
+        group_size=2,
+        n_max=2,
+        wave_size=2,
+        max_active_prompts=4,
+        max_buffered_groups=1000,
+    )
     sink = scheduler.sink = SlowSink()
     scheduler.start()
     try:

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def lease(client: httpx.Client, n: int, wait_s: float = 30.0, consumer: str = "t") -> list[dict]:
-    r = client.post("/v1/groups/lease", json={"max_groups": n, "wait_s": wait_s, "consumer": consumer})
+    r = client.post(
+        "/v1/groups/lease", json={"max_groups": n, "wait_s": wait_s, "consumer": consumer}
+    )
     assert r.status_code == 200, r.text
     return r.json()["groups"]
 
@@ -94,7 +96,9 @@ def test_patch_config_applies_validates_and_persists(make_server) -> None:
     server = make_server({"rule": "balanced", "n_max": 16})
     with server.client() as c:
         before = c.get("/v1/config").json()
-        r = c.patch("/v1/config", json={"rule": "fixed", "group_size": 3, "n_max": 8, "wave_size": 8})
+        r = c.patch(
+            "/v1/config", json={"rule": "fixed", "group_size": 3, "n_max": 8, "wave_size": 8}
+        )
         assert r.status_code == 200, r.text
         version = r.json()["config_version"]
         assert version == before["config_version"] + 1
@@ -107,7 +111,10 @@ def test_patch_config_applies_validates_and_persists(make_server) -> None:
             ({"group_size": 9}, ("group_size",)),
             ({"no_such_knob": 1}, ("no_such_knob",)),
             ({"temperature": "hot"}, ("temperature",)),
-            ({"group_policies": [{"name": "maxvar", "params": {"keep_fracton": 0.5}}]}, ("keep_fracton",)),
+            (
+                {"group_policies": [{"name": "maxvar", "params": {"keep_fracton": 0.5}}]},
+                ("keep_fracton",),
+            ),
             ({"mixing": {"name": "reward_gap", "params": {"floor": 0.5}}}, ("floor",)),
         ):
             r = c.patch("/v1/config", json=patch)
@@ -118,7 +125,9 @@ def test_patch_config_applies_validates_and_persists(make_server) -> None:
     server.start()
     with server.client() as c:
         cfg = c.get("/v1/config").json()
-        assert cfg["config_version"] == version and cfg["rule"] == "fixed" and cfg["group_size"] == 3
+        assert (
+            cfg["config_version"] == version and cfg["rule"] == "fixed" and cfg["group_size"] == 3
+        )
 
 
 def test_redelivery_after_disconnect_and_kill9(make_server) -> None:
@@ -131,7 +140,12 @@ def test_redelivery_after_disconnect_and_kill9(make_server) -> None:
         r = c.post("/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in again]})
         assert r.json() == {"acked": 3, "unknown": 0}
         # Idempotent: acking again changes nothing.
-        assert c.post("/v1/groups/ack", json={"delivery_ids": [again[0]["delivery_id"]]}).json()["acked"] == 0
+        assert (
+            c.post("/v1/groups/ack", json={"delivery_ids": [again[0]["delivery_id"]]}).json()[
+                "acked"
+            ]
+            == 0
+        )
         acked = {g["group_id"] for g in again}
         unacked = stream_groups(c, 4, consumer="c", max_unacked=4)
         assert acked.isdisjoint(g["group_id"] for g in unacked)
@@ -145,7 +159,9 @@ def test_redelivery_after_disconnect_and_kill9(make_server) -> None:
 
 def test_msgpack_and_json_deliver_the_same_groups(make_server) -> None:
     """Stream and lease in both encodings: the same values, only the delivery ids differ."""
-    server = make_server({"rule": "fixed", "group_size": 3, "n_max": 3, "wave_size": 3, "max_tokens": 16})
+    server = make_server(
+        {"rule": "fixed", "group_size": 3, "n_max": 3, "wave_size": 3, "max_tokens": 16}
+    )
     with server.client() as c:
         packed = stream_groups(c, 4, consumer="m", max_unacked=4, accept=MSGPACK_MEDIA_TYPE)
         as_json = stream_groups(c, 4, consumer="j", max_unacked=4)  # the same frames, redelivered
@@ -153,9 +169,15 @@ def test_msgpack_and_json_deliver_the_same_groups(make_server) -> None:
         for a, b in zip(packed, as_json, strict=True):
             assert a["delivery_id"] != b["delivery_id"]
             assert {**a, "delivery_id": None} == {**b, "delivery_id": None}
-            assert all(s["logprobs"] and all(math.isfinite(x) for x in s["logprobs"]) for s in a["samples"])
+            assert all(
+                s["logprobs"] and all(math.isfinite(x) for x in s["logprobs"]) for s in a["samples"]
+            )
             Group.model_validate(a)
-        r = c.post("/v1/groups/lease", json={"max_groups": 4, "consumer": "l"}, headers={"Accept": MSGPACK_MEDIA_TYPE})
+        r = c.post(
+            "/v1/groups/lease",
+            json={"max_groups": 4, "consumer": "l"},
+            headers={"Accept": MSGPACK_MEDIA_TYPE},
+        )
         assert r.status_code == 200 and r.headers["content-type"] == MSGPACK_MEDIA_TYPE
         leased = LeaseResponse.model_validate(wire.unpack(r.content))
         assert [g.group_id for g in leased.groups] == [g["group_id"] for g in packed]
@@ -165,7 +187,9 @@ def test_msgpack_and_json_deliver_the_same_groups(make_server) -> None:
 def _perturbed_state(model_dir, scale: float) -> bytes:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     gen = torch.Generator().manual_seed(0)
-    state = {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    state = {
+        k: v + scale * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()
+    }
     return save({k: v.contiguous() for k, v in state.items()})
 
 
@@ -173,7 +197,9 @@ def test_weight_upload_versions_and_garbage(make_server, toy) -> None:
     server = make_server({"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2})
     with server.client() as c:
         assert c.get("/health").json()["policy_version"] == 0
-        r = c.put("/v1/weights", params={"version": 1}, content=_perturbed_state(toy.model_dir, 0.05))
+        r = c.put(
+            "/v1/weights", params={"version": 1}, content=_perturbed_state(toy.model_dir, 0.05)
+        )
         assert r.status_code == 200, r.text
         assert r.json()["policy_version"] == 1
         assert c.get("/health").json()["policy_version"] == 1
@@ -194,7 +220,10 @@ def test_weight_upload_versions_and_garbage(make_server, toy) -> None:
 
 
 def test_auth_and_bad_requests(make_server) -> None:
-    server = make_server({"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2}, extra=["--api-key", "s3cret"])
+    server = make_server(
+        {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2},
+        extra=["--api-key", "s3cret"],
+    )
     with server.client() as c:
         assert c.get("/health").status_code == 200
         for path in ("/v1/config", "/v1/stats"):
@@ -212,11 +241,15 @@ def test_auth_and_bad_requests(make_server) -> None:
 
 
 @pytest.mark.parametrize("verifier", ["raises", "hangs"])
-def test_misbehaving_verifier_does_not_stop_the_stream(make_server, toy, tmp_path, verifier) -> None:
+def test_misbehaving_verifier_does_not_stop_the_stream(
+    make_server, toy, tmp_path, verifier
+) -> None:
     # Rows without a verifier of their own get the server's default (--verifier).
     data = tmp_path / "add1.jsonl"
     rows = [orjson.loads(line) for line in toy.data_files[0].read_text().splitlines()]
-    data.write_bytes(b"\n".join(orjson.dumps({k: v for k, v in r.items() if k != "verifier"}) for r in rows))
+    data.write_bytes(
+        b"\n".join(orjson.dumps({k: v for k, v in r.items() if k != "verifier"}) for r in rows)
+    )
     server = make_server(
         {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2},
         extra=["--verifier", f"python:flaky_verifiers:{verifier}", "--verifier-timeout-s", "1"],
@@ -225,7 +258,9 @@ def test_misbehaving_verifier_does_not_stop_the_stream(make_server, toy, tmp_pat
     with server.client() as c:
         groups = collect(c, 6)
         errors = [s["verifier_error"] for g in groups for s in g["samples"] if s["verifier_error"]]
-        assert errors, "the toy model answers some prompts correctly, which should trip the verifier"
+        assert errors, (
+            "the toy model answers some prompts correctly, which should trip the verifier"
+        )
         assert all(s["reward"] == 0.0 for g in groups for s in g["samples"])
         metrics = c.get("/metrics").text
         assert "adaptive_rollout_verifier_errors_total" in metrics
@@ -234,7 +269,10 @@ def test_misbehaving_verifier_does_not_stop_the_stream(make_server, toy, tmp_pat
 def test_reward_gap_mixing_favours_hardest_domain(make_server) -> None:
     server = make_server(
         {
-            "rule": "fixed", "group_size": 4, "n_max": 4, "wave_size": 4,
+            "rule": "fixed",
+            "group_size": 4,
+            "n_max": 4,
+            "wave_size": 4,
             "mixing": {"name": "reward_gap", "params": {"warmup": 24, "update_every": 4}},
             "max_buffered_groups": 400,
         }

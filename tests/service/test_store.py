@@ -36,7 +36,9 @@ def test_checkpoints_move_the_wal_into_the_database_from_another_thread(tmp_path
     assert _wait_for(lambda: (tmp_path / "s.sqlite").stat().st_size > 40 * len(PAYLOAD))
     assert _wait_for(lambda: store.checkpoints > 0)
     store.close()
-    assert not (tmp_path / "s.sqlite-wal").exists() or (tmp_path / "s.sqlite-wal").stat().st_size == 0
+    assert (
+        not (tmp_path / "s.sqlite-wal").exists() or (tmp_path / "s.sqlite-wal").stat().st_size == 0
+    )
 
 
 def test_without_the_thread_sqlite_checkpoints_inside_commits(tmp_path: Path) -> None:
@@ -59,5 +61,8 @@ def test_groups_and_frames_survive_reopening(tmp_path: Path) -> None:
     assert [m.group_id for m in frame.members] == ["g1", "g2", "g3", "g4"]
     assert all(m.payload == PAYLOAD for m in frame.members)
     assert reopened.get("scheduler_state") == {"cursor": 7}
-    assert sqlite3.connect(tmp_path / "s.sqlite").execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert (
+        sqlite3.connect(tmp_path / "s.sqlite").execute("PRAGMA integrity_check").fetchone()[0]
+        == "ok"
+    )
     reopened.close()

@@ -56,8 +56,15 @@ def sampler(toy: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Samp
 def reinforce_ada_sampler(toy: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sampler]:
     """Reinforce-Ada balanced sampling with the global estimator and a reweighting policy."""
     config = {
-        **GRPO_CONFIG, "rule": "balanced", "k_pos": 1, "k_neg": 1, "wave_size": 4, "n_max": 12,
-        "advantage": "global", "batch_groups": 2, "batch_policies": [{"name": "per", "params": {"alpha": 0.5}}],
+        **GRPO_CONFIG,
+        "rule": "balanced",
+        "k_pos": 1,
+        "k_neg": 1,
+        "wave_size": 4,
+        "n_max": 12,
+        "advantage": "global",
+        "batch_groups": 2,
+        "batch_policies": [{"name": "per", "params": {"alpha": 0.5}}],
     }
     server = Sampler(toy, tmp_path_factory.mktemp("ada"), config).start()
     yield server
@@ -73,8 +80,16 @@ def ray_tq() -> Iterator[None]:
 
     started = time.monotonic()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="verl_suite")
-    tq.init(OmegaConf.create({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {
-        "num_data_storage_units": 1, "total_storage_size": 10000}}}))
+    tq.init(
+        OmegaConf.create(
+            {
+                "backend": {
+                    "storage_backend": "SimpleStorage",
+                    "SimpleStorage": {"num_data_storage_units": 1, "total_storage_size": 10000},
+                }
+            }
+        )
+    )
     TIMINGS["ray + TransferQueue start (s)"] = time.monotonic() - started
     yield
     tq.close()
@@ -84,4 +99,6 @@ def ray_tq() -> Iterator[None]:
 def pytest_configure(config: Any) -> None:
     # verl announces every optional training engine it cannot import (megatron, veomni, ...).
     config.addinivalue_line("filterwarnings", "ignore:.*engine is not available:UserWarning")
-    config.addinivalue_line("filterwarnings", "ignore:Disabled critic as algorithm.adv_estimator:UserWarning")
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Disabled critic as algorithm.adv_estimator:UserWarning"
+    )

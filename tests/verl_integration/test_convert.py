@@ -27,19 +27,48 @@ from trainer_client.verl.convert import (
 pytestmark = pytest.mark.verl
 
 
-def _sample(i: int, ids: list[int], reward: float, *, weight: float = 1.0, token_weights=None, adv: float = 0.0) -> Sample:
+def _sample(
+    i: int,
+    ids: list[int],
+    reward: float,
+    *,
+    weight: float = 1.0,
+    token_weights=None,
+    adv: float = 0.0,
+) -> Sample:
     return Sample(
-        sample_id=f"s{i}", response_token_ids=ids, response_text="", logprobs=[-0.1 * (k + 1) for k in range(len(ids))],
-        reward=reward, finish_reason="stop", policy_version=3, advantage=adv, weight=weight, token_weights=token_weights,
+        sample_id=f"s{i}",
+        response_token_ids=ids,
+        response_text="",
+        logprobs=[-0.1 * (k + 1) for k in range(len(ids))],
+        reward=reward,
+        finish_reason="stop",
+        policy_version=3,
+        advantage=adv,
+        weight=weight,
+        token_weights=token_weights,
     )
 
 
 def _group(gid: str, prompt: list[int], samples: list[Sample]) -> Group:
     return Group(
-        group_id=gid, prompt_id="p-" + gid, domain="add1", prompt_token_ids=prompt, prompt_text="", answer="3",
-        config_version=1, policy_version_min=3, policy_version_max=3, stop_reason="fixed",
-        stats=GroupStats(n_generated=len(samples), n_pos=1, n_neg=1, reward_mean=0.5, reward_std=0.5),
-        samples=samples, batch_id="frame", batch_index=0, batch_size=1,
+        group_id=gid,
+        prompt_id="p-" + gid,
+        domain="add1",
+        prompt_token_ids=prompt,
+        prompt_text="",
+        answer="3",
+        config_version=1,
+        policy_version_min=3,
+        policy_version_max=3,
+        stop_reason="fixed",
+        stats=GroupStats(
+            n_generated=len(samples), n_pos=1, n_neg=1, reward_mean=0.5, reward_std=0.5
+        ),
+        samples=samples,
+        batch_id="frame",
+        batch_index=0,
+        batch_size=1,
     )
 
 
@@ -54,17 +83,25 @@ def test_verl_grpo_equals_service_grpo(real_groups: list[Group]) -> None:
 
     batch = groups_to_dataproto(real_groups, pad_token_id=0, n=4)
     batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-    out = compute_advantage(batch, adv_estimator=core_algos.AdvantageEstimator.GRPO, num_repeat=4, norm_adv_by_std_in_grpo=True)
+    out = compute_advantage(
+        batch,
+        adv_estimator=core_algos.AdvantageEstimator.GRPO,
+        num_repeat=4,
+        norm_adv_by_std_in_grpo=True,
+    )
     service = torch.tensor([s.advantage for g in real_groups for s in g.samples])
     mask = out.batch["response_mask"].bool()
     adv = out.batch["advantages"]
     first = mask.float().argmax(dim=1)
-    torch.testing.assert_close(adv[torch.arange(len(service)), first], service, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        adv[torch.arange(len(service)), first], service, atol=1e-5, rtol=1e-5
+    )
     # the same value on every response token, zero on padding
     torch.testing.assert_close(adv, service[:, None] * mask, atol=1e-5, rtol=1e-5)
     # and verl's estimator called directly on the batch's rewards and uids
     direct, _ = core_algos.compute_grpo_outcome_advantage(
-        token_level_rewards=batch.batch["token_level_scores"], response_mask=batch.batch["response_mask"],
+        token_level_rewards=batch.batch["token_level_scores"],
+        response_mask=batch.batch["response_mask"],
         index=batch.non_tensor_batch["uid"],
     )
     torch.testing.assert_close(direct, adv)
@@ -79,20 +116,35 @@ def test_layout_is_verls(real_groups: list[Group]) -> None:
     t, nt = batch.batch, batch.non_tensor_batch
     rows = [(g, s) for g in real_groups for s in g.samples]
     B, P, R = len(rows), t["prompts"].shape[1], t["responses"].shape[1]
-    assert t["input_ids"].shape == t["attention_mask"].shape == t["position_ids"].shape == (B, P + R)
-    for key in ("responses", "response_mask", "rollout_log_probs", "rm_scores", "token_level_scores", "rollout_is_weights"):
+    assert (
+        t["input_ids"].shape == t["attention_mask"].shape == t["position_ids"].shape == (B, P + R)
+    )
+    for key in (
+        "responses",
+        "response_mask",
+        "rollout_log_probs",
+        "rm_scores",
+        "token_level_scores",
+        "rollout_is_weights",
+    ):
         assert t[key].shape == (B, R), key
     for i, (g, s) in enumerate(rows):
         p, r = len(g.prompt_token_ids), len(s.response_token_ids)
         assert t["prompts"][i, P - p :].tolist() == g.prompt_token_ids  # left-padded
-        assert t["attention_mask"][i, : P - p].sum() == 0 and t["attention_mask"][i, P - p : P].all()
+        assert (
+            t["attention_mask"][i, : P - p].sum() == 0 and t["attention_mask"][i, P - p : P].all()
+        )
         assert t["responses"][i, :r].tolist() == s.response_token_ids  # right-padded
         assert t["response_mask"][i].tolist() == [1] * r + [0] * (R - r)
         torch.testing.assert_close(t["rollout_log_probs"][i, :r], torch.tensor(s.logprobs))
-        assert t["rm_scores"][i, r - 1] == pytest.approx(s.reward) and t["rm_scores"][i].sum() == pytest.approx(s.reward)
+        assert t["rm_scores"][i, r - 1] == pytest.approx(s.reward) and t["rm_scores"][
+            i
+        ].sum() == pytest.approx(s.reward)
         assert nt["uid"][i] == group_uid(g) and "_" not in nt["uid"][i]
     torch.testing.assert_close(t["input_ids"], torch.cat([t["prompts"], t["responses"]], dim=1))
-    torch.testing.assert_close(t["position_ids"], compute_position_id_with_mask(t["attention_mask"]))
+    torch.testing.assert_close(
+        t["position_ids"], compute_position_id_with_mask(t["attention_mask"])
+    )
     torch.testing.assert_close(compute_response_mask(batch), t["response_mask"])
     assert list(nt["multi_modal_inputs"]) == [{}] * B
     assert len(set(nt["uid"])) == len(real_groups)
@@ -106,9 +158,17 @@ def test_service_weights_reach_verls_loss() -> None:
     from verl.workers.utils.padding import left_right_2_no_padding
 
     groups = [
-        _group("a1", [5, 6, 7], [_sample(0, [1, 2, 3], 1.0, weight=2.0, token_weights=[1.0, 0.5, 1.5], adv=1.0),
-                                _sample(1, [4], 0.0, weight=0.5, adv=-1.0)]),
-        _group("b2", [8], [_sample(2, [9, 9], 1.0, adv=0.5), _sample(3, [], 0.0, weight=3.0, adv=-0.5)]),
+        _group(
+            "a1",
+            [5, 6, 7],
+            [
+                _sample(0, [1, 2, 3], 1.0, weight=2.0, token_weights=[1.0, 0.5, 1.5], adv=1.0),
+                _sample(1, [4], 0.0, weight=0.5, adv=-1.0),
+            ],
+        ),
+        _group(
+            "b2", [8], [_sample(2, [9, 9], 1.0, adv=0.5), _sample(3, [], 0.0, weight=3.0, adv=-0.5)]
+        ),
     ]
     batch = groups_to_dataproto(groups, pad_token_id=0, n=2)
     w = batch.batch["rollout_is_weights"]
@@ -117,7 +177,11 @@ def test_service_weights_reach_verls_loss() -> None:
     # an empty response is one masked padding token: it carries no loss and no weight
     assert batch.batch["response_mask"][3].tolist() == [0, 0, 0] and w[3].sum() == 0
 
-    actor = omega_conf_to_dataclass(verl_config("http://unused:1", n=2, overrides=["actor_rollout_ref.model.path=/m"]).actor_rollout_ref.actor)
+    actor = omega_conf_to_dataclass(
+        verl_config(
+            "http://unused:1", n=2, overrides=["actor_rollout_ref.model.path=/m"]
+        ).actor_rollout_ref.actor
+    )
 
     def loss_with(weights: torch.Tensor) -> float:
         td = batch.to_tensordict()
@@ -164,16 +228,27 @@ def test_v0_advantage_block_with_service_outputs(reinforce_ada_sampler) -> None:
 
     groups = lease_groups(reinforce_ada_sampler.url, 4)[:4]
     assert all(len(g.samples) == 4 for g in groups)
-    cfg = verl_config(reinforce_ada_sampler.url, n=4, overrides=[
-        "actor_rollout_ref.model.path=/m",
-        "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0",
-    ])
+    cfg = verl_config(
+        reinforce_ada_sampler.url,
+        n=4,
+        overrides=[
+            "actor_rollout_ref.model.path=/m",
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is_threshold=2.0",
+        ],
+    )
     trainer = object.__new__(SamplerRayPPOTrainer)  # the advantage block needs only the config
-    trainer.config, trainer.settings, trainer.use_sampler_advantages = cfg, SamplerSettings.from_verl_config(cfg), True
+    trainer.config, trainer.settings, trainer.use_sampler_advantages = (
+        cfg,
+        SamplerSettings.from_verl_config(cfg),
+        True,
+    )
     batch = groups_to_dataproto(groups, 0, n=4)
     # the actor's recomputed log-probs: a little off the sampler's, so verl's IS weights are not 1
     gen = torch.Generator().manual_seed(0)
-    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"] + 0.05 * torch.randn(batch.batch["rollout_log_probs"].shape, generator=gen)
+    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"] + 0.05 * torch.randn(
+        batch.batch["rollout_log_probs"].shape, generator=gen
+    )
     metrics: dict = {}
     out = trainer.compute_advantages(batch, metrics)
     mask = out.batch["response_mask"].float()
@@ -182,8 +257,12 @@ def test_v0_advantage_block_with_service_outputs(reinforce_ada_sampler) -> None:
     # verl's token-level IS weight, truncated at 2, times the service weight (from the per policy)
     ratio = torch.exp(out.batch["old_log_probs"] - out.batch["rollout_log_probs"]).clamp(max=2.0)
     service_w = torch.tensor([s.weight for g in groups for s in g.samples])
-    torch.testing.assert_close(out.batch["rollout_is_weights"], ratio * service_w[:, None] * mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out.batch["rollout_is_weights"], ratio * service_w[:, None] * mask, atol=1e-5, rtol=1e-5
+    )
     assert service_w.std() > 0, "the per policy should give unequal weights"
     assert any(k.startswith("rollout_corr/") for k in metrics)
     data_metrics = compute_data_metrics(batch=out, use_critic=False)
-    assert data_metrics["critic/score/mean"] == pytest.approx(float(np.mean([s.reward for g in groups for s in g.samples])))
+    assert data_metrics["critic/score/mean"] == pytest.approx(
+        float(np.mean([s.reward for g in groups for s in g.samples]))
+    )

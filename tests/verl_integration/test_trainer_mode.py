@@ -36,10 +36,19 @@ def test_deploy_config_passes_verls_validation(monkeypatch) -> None:
     import trainer_client.verl.v1  # noqa: F401  (what VERL_USE_EXTERNAL_MODULES imports)
 
     monkeypatch.setenv("ADAPTIVE_ROLLOUT_URL", "http://sampler.example:8000")
-    cfg = verl_config("${oc.env:ADAPTIVE_ROLLOUT_URL}", n=4, batch=8, overrides=["actor_rollout_ref.model.path=/models/x"])
-    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    cfg = verl_config(
+        "${oc.env:ADAPTIVE_ROLLOUT_URL}",
+        n=4,
+        batch=8,
+        overrides=["actor_rollout_ref.model.path=/models/x"],
+    )
+    validate_config(
+        config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg)
+    )
     assert get_trainer_cls(cfg.trainer.v1.trainer_mode).__name__ == "SamplerPPOTrainer"
-    manager = load_class_from_fqn(cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "AgentLoopManager")
+    manager = load_class_from_fqn(
+        cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "AgentLoopManager"
+    )
     assert manager.__name__ == "SamplerAgentLoopManager"
     settings = SamplerSettings.from_verl_config(cfg)
     assert settings.url == "http://sampler.example:8000" and settings.weight_sync == "upload"
@@ -56,18 +65,39 @@ def test_launch_script_composes_verls_config(tmp_path) -> None:
     import os
     import sys
 
-    env = {**os.environ, "MODEL": "/models/x", "SAMPLER_URL": "http://inference-0:8000", "GROUP_SIZE": "8",
-           "TRAIN_BATCH": "32", "PACING_DATA": str(tmp_path / "pacing.parquet"), "PYTHON": sys.executable}
-    out = subprocess.run([str(REPO / "deploy/verl/launch.sh"), "trainer", "--cfg", "job"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "MODEL": "/models/x",
+        "SAMPLER_URL": "http://inference-0:8000",
+        "GROUP_SIZE": "8",
+        "TRAIN_BATCH": "32",
+        "PACING_DATA": str(tmp_path / "pacing.parquet"),
+        "PYTHON": sys.executable,
+    }
+    out = subprocess.run(
+        [str(REPO / "deploy/verl/launch.sh"), "trainer", "--cfg", "job"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create(out.stdout)
-    assert cfg.trainer.v1.trainer_mode == MODE and cfg.trainer.v1.adaptive_rollout.url == "http://inference-0:8000"
+    assert (
+        cfg.trainer.v1.trainer_mode == MODE
+        and cfg.trainer.v1.adaptive_rollout.url == "http://inference-0:8000"
+    )
     assert cfg.actor_rollout_ref.rollout.n == 8 and cfg.data.train_batch_size == 32
-    assert cfg.actor_rollout_ref.model.path == "/models/x" and cfg.data.train_files == env["PACING_DATA"]
-    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "trainer_client.verl.v1"
+    assert (
+        cfg.actor_rollout_ref.model.path == "/models/x"
+        and cfg.data.train_files == env["PACING_DATA"]
+    )
+    assert (
+        cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES
+        == "trainer_client.verl.v1"
+    )
     assert (tmp_path / "pacing.parquet").is_file()
 
 
@@ -80,7 +110,9 @@ def test_trainer_mode_builds_without_rollout_engine(sampler) -> None:
     trainer = SamplerPPOTrainer(cfg)
     assert trainer.trainer_mode == MODE and trainer._enable_hybrid_replicas is False
     trainer._init_resource_pool_mgr()
-    assert set(trainer.role_worker_mapping) == {Role.Actor}  # no ActorRollout: no vLLM on these GPUs
+    assert set(trainer.role_worker_mapping) == {
+        Role.Actor
+    }  # no ActorRollout: no vLLM on these GPUs
     engine = cfg.actor_rollout_ref.rollout.checkpoint_engine
     assert engine.backend == MODE and engine.custom_backend_module == "trainer_client.verl.weights"
     assert engine.engine_kwargs[MODE]["url"] == sampler.url
@@ -89,8 +121,14 @@ def test_trainer_mode_builds_without_rollout_engine(sampler) -> None:
 def test_dapo_filtering_and_reward_models_are_refused(sampler) -> None:
     from trainer_client.verl.v1 import SamplerPPOTrainer
 
-    cfg = verl_config(sampler.url, overrides=["actor_rollout_ref.model.path=/m", "algorithm.filter_groups.enable=True",
-                                              "algorithm.filter_groups.metric=acc"])
+    cfg = verl_config(
+        sampler.url,
+        overrides=[
+            "actor_rollout_ref.model.path=/m",
+            "algorithm.filter_groups.enable=True",
+            "algorithm.filter_groups.metric=acc",
+        ],
+    )
     assert check_verl_config(cfg)
     with pytest.raises(IncompatibleSamplerConfig, match="nonzero_std"):
         SamplerPPOTrainer(cfg)
@@ -110,21 +148,38 @@ def test_start_up_checks_against_the_live_sampler(sampler, reinforce_ada_sampler
     from trainer_client.verl.v1 import SamplerPPOTrainer
 
     with pytest.raises(IncompatibleSamplerConfig) as err:
-        _start(SamplerPPOTrainer, verl_config(sampler.url, n=3, overrides=[
-            "actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.temperature=0.7"]))
+        _start(
+            SamplerPPOTrainer,
+            verl_config(
+                sampler.url,
+                n=3,
+                overrides=[
+                    "actor_rollout_ref.model.path=/m",
+                    "actor_rollout_ref.rollout.temperature=0.7",
+                ],
+            ),
+        )
     message = str(err.value)
     assert "rollout.n = 3" in message and "group_size 4" in message and "temperature" in message
     assert len(err.value.problems) == 2
 
     client = SamplerClient(sampler.url)
     try:
-        trainer = _start(SamplerPPOTrainer, verl_config(sampler.url, n=4, batch=3, overrides=["actor_rollout_ref.model.path=/m"]))
+        trainer = _start(
+            SamplerPPOTrainer,
+            verl_config(sampler.url, n=4, batch=3, overrides=["actor_rollout_ref.model.path=/m"]),
+        )
         assert client.get_config()["batch_groups"] == 3  # set to the step's group count
-        assert trainer.use_sampler_advantages is False  # grpo: verl's estimator gives the same numbers
+        assert (
+            trainer.use_sampler_advantages is False
+        )  # grpo: verl's estimator gives the same numbers
         assert trainer.versions.version(1) == max(1, client.health().policy_version + 1)
     finally:
         client.update_config(batch_groups=1)
-    ada = _start(SamplerPPOTrainer, verl_config(reinforce_ada_sampler.url, n=4, overrides=["actor_rollout_ref.model.path=/m"]))
+    ada = _start(
+        SamplerPPOTrainer,
+        verl_config(reinforce_ada_sampler.url, n=4, overrides=["actor_rollout_ref.model.path=/m"]),
+    )
     assert ada.use_sampler_advantages is True  # global baseline: only the service can compute it
 
 
@@ -137,7 +192,10 @@ def test_start_up_checks_against_the_live_sampler(sampler, reinforce_ada_sampler
         ({"batch_policies": [{"name": "topk", "params": {}}]}, "'topk'"),
         ({"rule": "est", "group_size": 4}, "est.n_min"),
         ({"rule": "positive", "k_pos": 1, "wave_size": 2}, "fewer than group_size"),
-        ({"rule": "balanced", "k_pos": 1, "k_neg": 1, "wave": "adaptive", "wave_size": 8}, "fewer than group_size"),
+        (
+            {"rule": "balanced", "k_pos": 1, "k_neg": 1, "wave": "adaptive", "wave_size": 8},
+            "fewer than group_size",
+        ),
     ],
 )
 def test_incompatible_configs(patch, needle) -> None:
@@ -149,7 +207,12 @@ def test_incompatible_configs(patch, needle) -> None:
     "patch",
     [
         {},
-        {"group_policies": [{"name": "nonzero_std", "params": {}}, {"name": "difffilter", "params": {}}]},
+        {
+            "group_policies": [
+                {"name": "nonzero_std", "params": {}},
+                {"name": "difffilter", "params": {}},
+            ]
+        },
         {"batch_policies": [{"name": "per", "params": {}}, {"name": "ar", "params": {}}]},
         {"rule": "balanced", "k_pos": 2, "k_neg": 2, "wave": "adaptive"},
         {"rule": "positive", "k_pos": 1, "wave_size": 8, "advantage": "global"},
@@ -166,7 +229,9 @@ def test_v0_trainer_start_and_batches_from_the_sampler(sampler) -> None:
     from trainer_client.verl.source import GroupSource
     from trainer_client.verl.v0 import SamplerRayPPOTrainer
 
-    cfg = verl_config(sampler.url, n=4, batch=3, overrides=["actor_rollout_ref.model.path=/m"], consumer="v0")
+    cfg = verl_config(
+        sampler.url, n=4, batch=3, overrides=["actor_rollout_ref.model.path=/m"], consumer="v0"
+    )
     trainer = object.__new__(SamplerRayPPOTrainer)  # workers are not needed for these steps
     trainer.config, trainer.settings = cfg, SamplerSettings.from_verl_config(cfg)
     trainer.source = GroupSource(trainer.settings)

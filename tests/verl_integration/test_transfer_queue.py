@@ -56,8 +56,13 @@ def _replay_buffer() -> Any:
         raise AssertionError(f"the replay buffer asked for {count} more prompts")
 
     return ReplayBufferAsync(
-        trainer_mode=MODE, trainer_config={}, max_off_policy_threshold=8, max_off_policy_strategy="drop",
-        sampler_kwargs={}, refill_fn=refill, poll_interval=0.2,
+        trainer_mode=MODE,
+        trainer_config={},
+        max_off_policy_threshold=8,
+        max_off_policy_strategy="drop",
+        sampler_kwargs={},
+        refill_fn=refill,
+        poll_interval=0.2,
     )
 
 
@@ -78,16 +83,26 @@ def _bare_trainer(cfg: Any, manager: Any, *, sampler_advantages: bool) -> Any:
 
 
 @pytest.mark.parametrize("which", ["grpo", "global"])
-def test_manager_groups_through_replay_buffer_and_advantages(which, request, ray_tq, toy, tmp_path) -> None:
+def test_manager_groups_through_replay_buffer_and_advantages(
+    which, request, ray_tq, toy, tmp_path
+) -> None:
     import transfer_queue as tq
 
     from trainer_client.verl.v1 import SamplerAgentLoopManager, uids_of
 
     server = request.getfixturevalue("sampler" if which == "grpo" else "reinforce_ada_sampler")
     count, n, step = 2, 4, 1
-    cfg = verl_config(server.url, n=n, batch=count, overrides=["actor_rollout_ref.model.path=/m"],
-                      consumer=f"tq-{which}", weight_sync="none")
-    manager = SamplerAgentLoopManager.create(config=cfg, llm_client=None, teacher_client=None, reward_loop_worker_handles=None)
+    cfg = verl_config(
+        server.url,
+        n=n,
+        batch=count,
+        overrides=["actor_rollout_ref.model.path=/m"],
+        consumer=f"tq-{which}",
+        weight_sync="none",
+    )
+    manager = SamplerAgentLoopManager.create(
+        config=cfg, llm_client=None, teacher_client=None, reward_loop_worker_handles=None
+    )
     prompts = _prompts(cfg, toy, tmp_path, count, step)
     placeholders = list(prompts["uid"])
 
@@ -99,7 +114,10 @@ def test_manager_groups_through_replay_buffer_and_advantages(which, request, ray
     groups = {group_uid(g): g for g in manager._in_queue.values()}
     assert set(uids_of(meta.keys)) == set(groups) and len(groups) == count
     assert len(meta.keys) == count * n  # whole groups: n sessions each
-    assert all(tag["status"] == "success" and tag["seq_len"] == tag["prompt_len"] + tag["response_len"] for tag in meta.tags)
+    assert all(
+        tag["status"] == "success" and tag["seq_len"] == tag["prompt_len"] + tag["response_len"]
+        for tag in meta.tags
+    )
 
     data = tq.kv_batch_get(keys=meta.keys, partition_id="train")
     for i, key in enumerate(meta.keys):
@@ -121,23 +139,35 @@ def test_manager_groups_through_replay_buffer_and_advantages(which, request, ray
     trainer = _bare_trainer(cfg, manager, sampler_advantages=(which == "global"))
     metrics: dict = {}
     trainer._compute_advantage(meta, metrics)
-    out = tq.kv_batch_get(keys=meta.keys, partition_id="train", select_fields=["advantages", "rollout_is_weights", "response_mask"])
+    out = tq.kv_batch_get(
+        keys=meta.keys,
+        partition_id="train",
+        select_fields=["advantages", "rollout_is_weights", "response_mask"],
+    )
     for i, key in enumerate(meta.keys):
         uid, session, _ = key.rsplit("_", 2)
         sample = groups[uid].samples[int(session)]
         mask = out["response_mask"][i].float()
-        torch.testing.assert_close(out["advantages"][i], sample.advantage * mask, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out["advantages"][i], sample.advantage * mask, atol=1e-5, rtol=1e-5
+        )
         weights = torch.tensor(per_token_weights(sample))
-        torch.testing.assert_close(out["rollout_is_weights"][i], weights * mask, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            out["rollout_is_weights"][i], weights * mask, atol=1e-6, rtol=1e-6
+        )
     if which == "global":
-        assert any(abs(s.weight - 1.0) > 1e-3 for g in groups.values() for s in g.samples), "per should reweight"
+        assert any(abs(s.weight - 1.0) > 1e-3 for g in groups.values() for s in g.samples), (
+            "per should reweight"
+        )
 
     # step end: acked (weights are not pushed here: weight_sync=none; test_weights pushes them)
     trainer._step_keys = list(meta.keys)
     trainer.on_step_end()
     assert manager.groups_acked == count and manager.unacked == 0
     assert trainer._pending_sync_metrics[f"{MODE}/groups_acked"] == count
-    assert SamplerClient(server.url).ack([g.delivery_id for g in groups.values()]).acked == 0  # already gone
+    assert (
+        SamplerClient(server.url).ack([g.delivery_id for g in groups.values()]).acked == 0
+    )  # already gone
     tq.kv_clear(keys=meta.keys, partition_id="train")
 
 

@@ -35,7 +35,9 @@ def _engine(cfg, *, is_master: bool):
     assert engine_cfg.backend == MODE
     import_external_libs(engine_cfg.custom_backend_module or None)
     return CheckpointEngineRegistry.new(
-        engine_cfg.backend, is_master=is_master, bucket_size=engine_cfg.update_weights_bucket_megabytes << 20,
+        engine_cfg.backend,
+        is_master=is_master,
+        bucket_size=engine_cfg.update_weights_bucket_megabytes << 20,
         **engine_cfg.engine_kwargs.get(engine_cfg.backend, {}),
     )
 
@@ -54,7 +56,9 @@ def _perturbed_model(toy, seed: int):
 def test_checkpoint_engine_pushes_a_real_model(sampler, toy) -> None:
     client = SamplerClient(sampler.url)
     before = client.health().policy_version
-    cfg = verl_config(sampler.url, overrides=["actor_rollout_ref.model.path=/m"], consumer="weights")
+    cfg = verl_config(
+        sampler.url, overrides=["actor_rollout_ref.model.path=/m"], consumer="weights"
+    )
     master, other = _engine(cfg, is_master=True), _engine(cfg, is_master=False)
     model = _perturbed_model(toy, seed=1)
     version = before + 1
@@ -71,7 +75,9 @@ def test_checkpoint_engine_pushes_a_real_model(sampler, toy) -> None:
     assert client.health().policy_version == before  # only rank 0 pushes
 
     started = time.monotonic()
-    metrics = asyncio.run(master.send_weights(iter(model.state_dict().items()), global_steps=version))
+    metrics = asyncio.run(
+        master.send_weights(iter(model.state_dict().items()), global_steps=version)
+    )
     assert client.health().policy_version == version
     assert metrics[f"{MODE}/policy_version"] == version and metrics[f"{MODE}/weight_push_s"] > 0
     print(f"push of {len(model.state_dict())} tensors: {time.monotonic() - started:.2f}s")
@@ -79,7 +85,12 @@ def test_checkpoint_engine_pushes_a_real_model(sampler, toy) -> None:
     # samples generated after the push come from the new weights
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        fresh = [s for g in lease_groups(sampler.url, 2) for s in g.samples if s.policy_version == version]
+        fresh = [
+            s
+            for g in lease_groups(sampler.url, 2)
+            for s in g.samples
+            if s.policy_version == version
+        ]
         if fresh:
             break
     else:
@@ -94,7 +105,9 @@ def test_shared_path_mode(sampler, toy, tmp_path) -> None:
     from trainer_client.verl.weights import WeightPusher
 
     client = SamplerClient(sampler.url)
-    settings = SamplerSettings.from_mapping({"url": sampler.url, "weight_sync": "path", "weights_dir": str(tmp_path / "w")})
+    settings = SamplerSettings.from_mapping(
+        {"url": sampler.url, "weight_sync": "path", "weights_dir": str(tmp_path / "w")}
+    )
     pusher = WeightPusher(settings)
     model = _perturbed_model(toy, seed=2)
     for _ in range(2):

@@ -19,8 +19,13 @@ class Sampler(SamplerProcess):
 
     def __init__(self, toy: Any, workdir: Path, config: dict[str, Any]) -> None:
         super().__init__(
-            toy.model_dir, toy.data_files, workdir / "state", config, workdir / "sampler.log",
-            heartbeat_s=0.5, extra=["--dtype", "float32"],
+            toy.model_dir,
+            toy.data_files,
+            workdir / "state",
+            config,
+            workdir / "sampler.log",
+            heartbeat_s=0.5,
+            extra=["--dtype", "float32"],
         )
 
     def start(self, timeout_s: float = 180.0) -> Sampler:  # type: ignore[override]
@@ -32,12 +37,21 @@ class Sampler(SamplerProcess):
 
 #: A sampler config verl can train on: plain GRPO groups of 4, grpo advantages.
 GRPO_CONFIG = {
-    "rule": "fixed", "group_size": 4, "wave_size": 4, "n_max": 8, "advantage": "grpo",
-    "max_tokens": 8, "max_active_prompts": 16, "max_buffered_groups": 64, "temperature": 1.0,
+    "rule": "fixed",
+    "group_size": 4,
+    "wave_size": 4,
+    "n_max": 8,
+    "advantage": "grpo",
+    "max_tokens": 8,
+    "max_active_prompts": 16,
+    "max_buffered_groups": 64,
+    "temperature": 1.0,
 }
 
 
-def verl_config(url: str, *, n: int = 4, batch: int = 2, overrides: list[str] | None = None, **section: Any) -> Any:
+def verl_config(
+    url: str, *, n: int = 4, batch: int = 2, overrides: list[str] | None = None, **section: Any
+) -> Any:
     """verl's own ppo_trainer config (Hydra compose), with our deploy overrides and `section`."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -51,7 +65,10 @@ def verl_config(url: str, *, n: int = 4, batch: int = 2, overrides: list[str] | 
                 f"actor_rollout_ref.rollout.n={n}",
                 f"data.train_batch_size={batch}",
                 f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
-                *[f"++trainer.v1.adaptive_rollout.{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in section.items()],
+                *[
+                    f"++trainer.v1.adaptive_rollout.{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                    for k, v in section.items()
+                ],
                 *(overrides or []),
             ],
         )
@@ -59,7 +76,9 @@ def verl_config(url: str, *, n: int = 4, batch: int = 2, overrides: list[str] | 
     return cfg
 
 
-def lease_groups(url: str, count: int, *, consumer: str = "tests", timeout: float = 120.0) -> list[Any]:
+def lease_groups(
+    url: str, count: int, *, consumer: str = "tests", timeout: float = 120.0
+) -> list[Any]:
     """`count` finished groups from a live sampler (leased; the caller acks or lets them expire)."""
     from trainer_client.client import SamplerClient
 
@@ -67,7 +86,11 @@ def lease_groups(url: str, count: int, *, consumer: str = "tests", timeout: floa
     deadline = time.monotonic() + timeout
     with SamplerClient(url, consumer=consumer) as client:
         while len(groups) < count:
-            assert time.monotonic() < deadline, f"only {len(groups)} of {count} groups in {timeout}s"
-            groups.extend(client.lease(max_groups=count - len(groups), wait_s=5.0, consumer=consumer).groups)
+            assert time.monotonic() < deadline, (
+                f"only {len(groups)} of {count} groups in {timeout}s"
+            )
+            groups.extend(
+                client.lease(max_groups=count - len(groups), wait_s=5.0, consumer=consumer).groups
+            )
         client.ack(groups)
     return groups

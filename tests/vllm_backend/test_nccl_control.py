@@ -80,7 +80,9 @@ def _app(service: StubService) -> FastAPI:
 
     @app.exception_handler(ServiceError)
     async def _err(_: Any, exc: ServiceError) -> JSONResponse:
-        return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=exc.status)
+        return JSONResponse(
+            {"error": {"code": exc.code, "message": exc.message}}, status_code=exc.status
+        )
 
     return app
 
@@ -91,9 +93,15 @@ def _client(app: FastAPI) -> ServiceWeightSyncClient:
 
     def handle(request: httpx.Request) -> httpx.Response:
         async def call() -> httpx.Response:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sampler") as c:
-                r = await c.request(request.method, request.url.path, content=request.content,
-                                    headers=dict(request.headers))
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://sampler"
+            ) as c:
+                r = await c.request(
+                    request.method,
+                    request.url.path,
+                    content=request.content,
+                    headers=dict(request.headers),
+                )
                 return httpx.Response(r.status_code, content=r.content, headers=r.headers)
 
         return asyncio.run(call())
@@ -103,15 +111,29 @@ def _client(app: FastAPI) -> ServiceWeightSyncClient:
 
 
 def test_vet_update_info() -> None:
-    ok = NCCLUpdateInfo(names=["a.weight", "b.weight"], dtype_names=["float32", "bfloat16"], shapes=[[4, 2], [3]])
+    ok = NCCLUpdateInfo(
+        names=["a.weight", "b.weight"], dtype_names=["float32", "bfloat16"], shapes=[[4, 2], [3]]
+    )
     assert vet_update_info(ok, SPECS, set(SPECS)) is None
     cases = {
         "missing": NCCLUpdateInfo(names=["a.weight"], dtype_names=["float32"], shapes=[[4, 2]]),
-        "no tensor": NCCLUpdateInfo(names=["a.weight", "b.weight", "c"], dtype_names=["float32"] * 3, shapes=[[4, 2], [3], [1]]),
-        "shape": NCCLUpdateInfo(names=["a.weight", "b.weight"], dtype_names=["float32"] * 2, shapes=[[2, 4], [3]]),
-        "floating": NCCLUpdateInfo(names=["a.weight", "b.weight"], dtype_names=["int32", "float32"], shapes=[[4, 2], [3]]),
-        "same length": NCCLUpdateInfo(names=["a.weight", "b.weight"], dtype_names=["float32"], shapes=[[4, 2], [3]]),
-        "twice": NCCLUpdateInfo(names=["a.weight", "a.weight"], dtype_names=["float32"] * 2, shapes=[[4, 2]] * 2),
+        "no tensor": NCCLUpdateInfo(
+            names=["a.weight", "b.weight", "c"],
+            dtype_names=["float32"] * 3,
+            shapes=[[4, 2], [3], [1]],
+        ),
+        "shape": NCCLUpdateInfo(
+            names=["a.weight", "b.weight"], dtype_names=["float32"] * 2, shapes=[[2, 4], [3]]
+        ),
+        "floating": NCCLUpdateInfo(
+            names=["a.weight", "b.weight"], dtype_names=["int32", "float32"], shapes=[[4, 2], [3]]
+        ),
+        "same length": NCCLUpdateInfo(
+            names=["a.weight", "b.weight"], dtype_names=["float32"], shapes=[[4, 2], [3]]
+        ),
+        "twice": NCCLUpdateInfo(
+            names=["a.weight", "a.weight"], dtype_names=["float32"] * 2, shapes=[[4, 2]] * 2
+        ),
     }
     for word, info in cases.items():
         problem = vet_update_info(info, SPECS, set(SPECS))
@@ -119,7 +141,10 @@ def test_vet_update_info() -> None:
 
 
 def test_trainer_side_check_metadata() -> None:
-    info = {"tensors": {n: [list(s.shape), s.dtype] for n, s in SPECS.items()}, "required": sorted(SPECS)}
+    info = {
+        "tensors": {n: [list(s.shape), s.dtype] for n, s in SPECS.items()},
+        "required": sorted(SPECS),
+    }
     check_metadata([("a.weight", "float32", (4, 2)), ("b.weight", "float32", (3,))], info)
     for bad in (
         [("a.weight", "float32", (4, 2))],
@@ -136,11 +161,20 @@ def test_http_round_versions_and_refusals() -> None:
     client = _client(_app(service))
     info = client.info()
     assert info["enabled"] and info["inference_ranks"] == 2 and info["policy_version"] == 0
-    assert info["tensors"]["a.weight"] == [[4, 2], "F32"] and info["required"] == ["a.weight", "b.weight"]
-    client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 3})
+    assert info["tensors"]["a.weight"] == [[4, 2], "F32"] and info["required"] == [
+        "a.weight",
+        "b.weight",
+    ]
+    client.init_weight_transfer_engine(
+        {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 3}
+    )
     assert service.backend.calls[0][0] == "init"
 
-    update = {"names": ["a.weight", "b.weight"], "dtype_names": ["float32", "float32"], "shapes": [[4, 2], [3]]}
+    update = {
+        "names": ["a.weight", "b.weight"],
+        "dtype_names": ["float32", "float32"],
+        "shapes": [[4, 2], [3]],
+    }
     with pytest.raises(NCCLTransferError, match="version"):
         client.update_weights(update)  # no version set
     client.version = 3

@@ -47,14 +47,23 @@ def test_vllm_backend_on_cuda_matches_hf_and_reloads(toy) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
     runner = LoopThread()
-    vllm = VLLMBackend(toy.model_dir, tokenizer=tokenizer, dtype="float32", gpu_memory_utilization=0.2,
-                       enforce_eager=True)
+    vllm = VLLMBackend(
+        toy.model_dir,
+        tokenizer=tokenizer,
+        dtype="float32",
+        gpu_memory_utilization=0.2,
+        enforce_eager=True,
+    )
     hf = HFBackend(toy.model_dir, device="cuda", tokenizer=tokenizer)
     try:
         runner.run(vllm.start(), timeout=600)
         runner.run(hf.start())
         assert vllm.health().detail["nccl_weight_transfer"]
-        prompts = [tokenizer(r["prompt"])["input_ids"] for d in ("add1", "add2", "mul") for r in eval_rows(d, 3, seed=0)]
+        prompts = [
+            tokenizer(r["prompt"])["input_ids"]
+            for d in ("add1", "add2", "mul")
+            for r in eval_rows(d, 3, seed=0)
+        ]
         greedy = SamplingParams(temperature=0.0, max_tokens=10)
         worst = 0.0
         for prompt in prompts:
@@ -68,7 +77,11 @@ def test_vllm_backend_on_cuda_matches_hf_and_reloads(toy) -> None:
         before = runner.run(vllm.score(prompt, answer))
         state = load_file(str(toy.model_dir / "model.safetensors"))
         gen = torch.Generator().manual_seed(0)
-        runner.run(vllm.load_weights({k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}, 1))
+        runner.run(
+            vllm.load_weights(
+                {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}, 1
+            )
+        )
         after = runner.run(vllm.score(prompt, answer))
         assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-2
         assert vllm.policy_version == 1
@@ -78,7 +91,9 @@ def test_vllm_backend_on_cuda_matches_hf_and_reloads(toy) -> None:
         runner.close()
 
 
-@pytest.mark.skipif(_cuda_devices() < 2, reason="NCCL transfer needs two GPUs (trainer and sampler)")
+@pytest.mark.skipif(
+    _cuda_devices() < 2, reason="NCCL transfer needs two GPUs (trainer and sampler)"
+)
 def test_nccl_weight_transfer_into_the_service(toy, tmp_path) -> None:
     """Trainer on cuda:0 broadcasts weights into `serve --backend vllm` on GPU 1."""
     pytest.importorskip("vllm.v1.engine.async_llm")
@@ -87,10 +102,21 @@ def test_nccl_weight_transfer_into_the_service(toy, tmp_path) -> None:
 
     from trainer_client.nccl import NCCLTransferError, NCCLWeightSender
 
-    config = {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2, "max_tokens": 6,
-              "max_active_prompts": 4, "max_buffered_groups": 4}
-    server = ServeProcess(toy, tmp_path / "state", config,
-                          extra=["--vllm-arg", "gpu_memory_utilization=0.3", "--vllm-arg", "dtype=float32"])
+    config = {
+        "rule": "fixed",
+        "group_size": 2,
+        "n_max": 4,
+        "wave_size": 2,
+        "max_tokens": 6,
+        "max_active_prompts": 4,
+        "max_buffered_groups": 4,
+    }
+    server = ServeProcess(
+        toy,
+        tmp_path / "state",
+        config,
+        extra=["--vllm-arg", "gpu_memory_utilization=0.3", "--vllm-arg", "dtype=float32"],
+    )
     env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # the server subprocess inherits this
     try:
@@ -102,7 +128,9 @@ def test_nccl_weight_transfer_into_the_service(toy, tmp_path) -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = env_before
     sender = None
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(toy.model_dir), dtype=torch.float32).to("cuda:0")
+        model = AutoModelForCausalLM.from_pretrained(str(toy.model_dir), dtype=torch.float32).to(
+            "cuda:0"
+        )
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()  # a zero model has uniform logits: every logprob is -ln(vocab)
@@ -116,13 +144,17 @@ def test_nccl_weight_transfer_into_the_service(toy, tmp_path) -> None:
             uniform = -math.log(model.config.vocab_size)
             seen = 0
             for _ in range(40):
-                r = c.post("/v1/groups/lease", json={"max_groups": 4, "wait_s": 20, "consumer": "t"})
+                r = c.post(
+                    "/v1/groups/lease", json={"max_groups": 4, "wait_s": 20, "consumer": "t"}
+                )
                 groups = r.json()["groups"]
                 c.post("/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in groups]})
                 for g in groups:
                     if g["policy_version_min"] >= 1:
                         for s in g["samples"]:
-                            assert all(abs(lp - uniform) < 1e-3 for lp in s["logprobs"]), s["logprobs"]
+                            assert all(abs(lp - uniform) < 1e-3 for lp in s["logprobs"]), s[
+                                "logprobs"
+                            ]
                         seen += 1
                 if seen >= 2:
                     break

@@ -84,7 +84,9 @@ def test_engine_args_and_specs(engines: Engines, toy) -> None:
     specs = engines.vllm.weight_specs()
     checkpoint = load_file(str(toy.model_dir / "model.safetensors"))
     for name, tensor in checkpoint.items():
-        assert specs[name].shape == tuple(tensor.shape)  # the checkpoint's, not vLLM's padded shapes
+        assert specs[name].shape == tuple(
+            tensor.shape
+        )  # the checkpoint's, not vLLM's padded shapes
         assert specs[name].dtype == "F32"
     assert "layers.0.mlp.down_proj.weight" in specs  # bare base-model names are accepted too
     health = engines.vllm.health()
@@ -192,11 +194,15 @@ def test_abort_all_raises_generation_aborted(engines: Engines) -> None:
     assert aborted == 1
     assert isinstance(error, GenerationAborted)
     # the engine serves on
-    [c] = engines.run(engines.vllm.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=8)))
+    [c] = engines.run(
+        engines.vllm.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=8))
+    )
     assert c.token_ids
 
 
-def _perturbed(model_dir: Any, scale: float, seed: int, only: str | None = None) -> dict[str, torch.Tensor]:
+def _perturbed(
+    model_dir: Any, scale: float, seed: int, only: str | None = None
+) -> dict[str, torch.Tensor]:
     state = load_file(str(model_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
     return {
@@ -211,7 +217,9 @@ def test_weight_upload_changes_logprobs_and_version(engines: Engines, toy) -> No
     from sampler_service.backends.weights import vet_weight_file
 
     prompt = _prompts(engines.tokenizer, per_domain=1)[1]
-    [answer] = engines.run(engines.hf.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=10)))
+    [answer] = engines.run(
+        engines.hf.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=10))
+    )
     before = engines.run(engines.vllm.score(prompt, answer.token_ids))
 
     upload = save(_perturbed(toy.model_dir, 0.05, seed=1))
@@ -236,7 +244,9 @@ def test_weight_upload_changes_logprobs_and_version(engines: Engines, toy) -> No
     assert all(math.isfinite(x) for x in scored)
     assert _max_diff(scored, after) > 1e-4
     assert _max_diff(scored, engines.run(engines.hf.score(prompt, answer.token_ids))) <= LOGPROB_TOL
-    completions = engines.run(engines.vllm.generate(prompt, 2, SamplingParams(max_tokens=8, seed=3)))
+    completions = engines.run(
+        engines.vllm.generate(prompt, 2, SamplingParams(max_tokens=8, seed=3))
+    )
     assert {c.policy_version for c in completions} == {2}
     assert engines.vllm.health().detail["policy_version"] == 2
 
@@ -253,7 +263,14 @@ def test_malformed_upload_keeps_old_weights(engines: Engines, toy) -> None:
     wrong_shape = {"model.norm.weight": torch.zeros(7)}
     unknown = {"model.layers.9.mlp.up_proj.weight": torch.zeros(384, 128)}
     wrong_dtype = {"model.norm.weight": torch.zeros(128, dtype=torch.int32)}
-    for bad in (b"not a safetensors file", save(wrong_shape), save(unknown), save(wrong_dtype), save({}), save(good)[:-100]):
+    for bad in (
+        b"not a safetensors file",
+        save(wrong_shape),
+        save(unknown),
+        save(wrong_dtype),
+        save({}),
+        save(good)[:-100],
+    ):
         with pytest.raises(WeightsRejected):
             vet_weight_file(bad, specs)
     for bad_tensors in (wrong_shape, unknown, wrong_dtype, {}):

@@ -15,8 +15,15 @@ from vllm_suite import REPORT, ServeProcess
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 CONFIG = {
-    "rule": "balanced", "k_pos": 2, "k_neg": 2, "n_max": 12, "wave_size": 4, "group_size": 4,
-    "max_tokens": 8, "max_active_prompts": 8, "max_buffered_groups": 8,
+    "rule": "balanced",
+    "k_pos": 2,
+    "k_neg": 2,
+    "n_max": 12,
+    "wave_size": 4,
+    "group_size": 4,
+    "max_tokens": 8,
+    "max_active_prompts": 8,
+    "max_buffered_groups": 8,
 }
 
 
@@ -36,11 +43,15 @@ def _collect(client: httpx.Client, n: int, timeout: float = 240.0) -> list[dict]
     deadline = time.monotonic() + timeout
     while len(groups) < n:
         assert time.monotonic() < deadline, f"only {len(groups)} of {n} groups in {timeout}s"
-        r = client.post("/v1/groups/lease", json={"max_groups": n - len(groups), "wait_s": 20, "consumer": "t"})
+        r = client.post(
+            "/v1/groups/lease", json={"max_groups": n - len(groups), "wait_s": 20, "consumer": "t"}
+        )
         assert r.status_code == 200, r.text
         got = r.json()["groups"]
         if got:
-            ack = client.post("/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in got]})
+            ack = client.post(
+                "/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in got]}
+            )
             assert ack.status_code == 200, ack.text
         groups.extend(got)
     return groups
@@ -75,12 +86,21 @@ def test_groups_obey_the_stopping_rule(server: ServeProcess) -> None:
 def _perturbed_upload(model_dir: Path, scale: float) -> bytes:
     state = load_file(str(model_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(0)
-    return save({k: (v + scale * torch.randn(v.shape, generator=gen)).contiguous() for k, v in state.items()})
+    return save(
+        {
+            k: (v + scale * torch.randn(v.shape, generator=gen)).contiguous()
+            for k, v in state.items()
+        }
+    )
 
 
-def test_weight_upload_raises_version_and_bad_uploads_change_nothing(server: ServeProcess, toy) -> None:
+def test_weight_upload_raises_version_and_bad_uploads_change_nothing(
+    server: ServeProcess, toy
+) -> None:
     with httpx.Client(base_url=server.url, timeout=120) as c:
-        r = c.put("/v1/weights", params={"version": 1}, content=_perturbed_upload(toy.model_dir, 0.02))
+        r = c.put(
+            "/v1/weights", params={"version": 1}, content=_perturbed_upload(toy.model_dir, 0.02)
+        )
         assert r.status_code == 200, r.text
         assert r.json()["policy_version"] == 1
         assert c.get("/health").json()["policy_version"] == 1
@@ -109,7 +129,11 @@ def test_weight_update_in_abort_mode(server: ServeProcess, toy) -> None:
         assert r.status_code == 200, r.text
         version = c.get("/health").json()["policy_version"] + 1
         _collect(c, 2)  # sampling is busy when the update lands
-        r = c.put("/v1/weights", params={"version": version}, content=_perturbed_upload(toy.model_dir, 0.01))
+        r = c.put(
+            "/v1/weights",
+            params={"version": version},
+            content=_perturbed_upload(toy.model_dir, 0.01),
+        )
         assert r.status_code == 200, r.text
         assert c.get("/health").json()["policy_version"] == version
         for _ in range(40):

@@ -25,7 +25,9 @@ class LoopThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-test-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="vllm-test-loop", daemon=True
+        )
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
@@ -41,10 +43,17 @@ class LoopThread:
 class ServeProcess(SamplerProcess):
     """`adaptive-rollout serve --backend vllm` on a loopback port, timed to /ready."""
 
-    def __init__(self, toy: ToyPaths, state_dir: Path, config: dict[str, Any], extra: list[str]) -> None:
+    def __init__(
+        self, toy: ToyPaths, state_dir: Path, config: dict[str, Any], extra: list[str]
+    ) -> None:
         super().__init__(
-            toy.model_dir, toy.data_files, state_dir, config, state_dir.parent / f"{state_dir.name}.log",
-            heartbeat_s=0.5, extra=["--backend", "vllm", *extra],
+            toy.model_dir,
+            toy.data_files,
+            state_dir,
+            config,
+            state_dir.parent / f"{state_dir.name}.log",
+            heartbeat_s=0.5,
+            extra=["--backend", "vllm", *extra],
         )
         self.ready_s = 0.0
 

@@ -27,4 +27,10 @@ from trainer_client.verl.settings import (
     require_compatible,
 )
 
-__all__ = ["MODE", "IncompatibleSamplerConfig", "SamplerSettings", "check_sampler_config", "require_compatible"]
+__all__ = [
+    "MODE",
+    "IncompatibleSamplerConfig",
+    "SamplerSettings",
+    "check_sampler_config",
+    "require_compatible",
+]

@@ -72,10 +72,14 @@ def _response(sample: Sample, pad_id: int) -> tuple[list[int], list[float], list
     """(token ids, logprobs, token weights, mask) of one response, at least one token long."""
     ids = list(sample.response_token_ids)
     if len(sample.logprobs) != len(ids):
-        raise ValueError(f"sample {sample.sample_id}: {len(sample.logprobs)} logprobs for {len(ids)} tokens")
+        raise ValueError(
+            f"sample {sample.sample_id}: {len(sample.logprobs)} logprobs for {len(ids)} tokens"
+        )
     tw = sample.token_weights if sample.token_weights is not None else [1.0] * len(ids)
     if len(tw) != len(ids):
-        raise ValueError(f"sample {sample.sample_id}: {len(tw)} token weights for {len(ids)} tokens")
+        raise ValueError(
+            f"sample {sample.sample_id}: {len(tw)} token weights for {len(ids)} tokens"
+        )
     if not ids:
         return [pad_id], [0.0], [0.0], [0]
     return ids, list(sample.logprobs), [float(w) for w in tw], [1] * len(ids)
@@ -83,7 +87,11 @@ def _response(sample: Sample, pad_id: int) -> tuple[list[int], list[float], list
 
 def per_token_weights(sample: Sample) -> list[float]:
     """The service's weight of each response token: sample weight x token weight."""
-    tw = sample.token_weights if sample.token_weights is not None else [1.0] * len(sample.response_token_ids)
+    tw = (
+        sample.token_weights
+        if sample.token_weights is not None
+        else [1.0] * len(sample.response_token_ids)
+    )
     return [float(sample.weight) * float(w) for w in tw]
 
 
@@ -120,7 +128,9 @@ def tq_records(
         uid = group_uid(group)
         prompt = torch.tensor(group.prompt_token_ids, dtype=torch.int64)
         if prompt.numel() == 0:
-            raise ValueError(f"group {group.group_id}: empty prompt (verl needs at least one prompt token)")
+            raise ValueError(
+                f"group {group.group_id}: empty prompt (verl needs at least one prompt token)"
+            )
         min_step = max(0, group.policy_version_min - version_offset)
         max_step = max(0, group.policy_version_max - version_offset)
         for session, sample in enumerate(group.samples):
@@ -130,7 +140,10 @@ def tq_records(
             input_ids = torch.cat([prompt, responses])
             rm_scores = torch.zeros(len(ids), dtype=torch.float32)
             rm_scores[-1] = float(sample.reward)
-            weights = torch.tensor(per_token_weights(sample) or [0.0], dtype=torch.float32) * response_mask
+            weights = (
+                torch.tensor(per_token_weights(sample) or [0.0], dtype=torch.float32)
+                * response_mask
+            )
             row: dict[str, Any] = {
                 "prompts": prompt,
                 "responses": responses,
@@ -140,7 +153,10 @@ def tq_records(
                 "position_ids": torch.arange(input_ids.numel(), dtype=torch.int64),
                 "rollout_log_probs": torch.tensor(logprobs, dtype=torch.float32),
                 "rm_scores": rm_scores,
-                "sampler_advantages": torch.full((len(ids),), float(sample.advantage), dtype=torch.float32) * response_mask,
+                "sampler_advantages": torch.full(
+                    (len(ids),), float(sample.advantage), dtype=torch.float32
+                )
+                * response_mask,
                 "sampler_weights": weights,
                 "multi_modal_inputs": {},
                 "num_turns": 2,
@@ -174,7 +190,9 @@ def tq_records(
                 }
             )
         out.prompt_keys.append(uid)
-        out.prompt_tags.append({"is_prompt": True, "status": "finished", "global_steps": global_steps})
+        out.prompt_tags.append(
+            {"is_prompt": True, "status": "finished", "global_steps": global_steps}
+        )
     return out
 
 
@@ -237,7 +255,9 @@ def groups_to_tensors(
         "uid": np.array([group_uid(g) for g, _, _ in rows], dtype=object),
         "multi_modal_inputs": np.array([{} for _ in rows], dtype=object),
         "data_source": np.array([g.domain for g, _, _ in rows], dtype=object),
-        "reward_model": np.array([{"ground_truth": g.answer or "", "style": "rule"} for g, _, _ in rows], dtype=object),
+        "reward_model": np.array(
+            [{"ground_truth": g.answer or "", "style": "rule"} for g, _, _ in rows], dtype=object
+        ),
         "sampler_group_id": np.array([g.group_id for g, _, _ in rows], dtype=object),
     }
     return tensors, non_tensors
@@ -254,5 +274,9 @@ def groups_to_dataproto(
     """A verl `DataProto` of these groups, as verl's agent loop would have produced it."""
     from verl import DataProto
 
-    tensors, non_tensors = groups_to_tensors(groups, pad_token_id, n=n, sample_weights=sample_weights)
-    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info or {}))
+    tensors, non_tensors = groups_to_tensors(
+        groups, pad_token_id, n=n, sample_weights=sample_weights
+    )
+    return DataProto.from_dict(
+        tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info or {})
+    )

@@ -43,7 +43,9 @@ def write_pacing_dataset(path: str | Path, rows: int = 1024) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="parquet file to write")
-    parser.add_argument("--rows", type=int, default=1024, help="rows (a multiple of train_batch_size)")
+    parser.add_argument(
+        "--rows", type=int, default=1024, help="rows (a multiple of train_batch_size)"
+    )
     args = parser.parse_args(argv)
     print(write_pacing_dataset(args.out, args.rows))
 

@@ -105,11 +105,17 @@ class SamplerSettings:
                 "or the ADAPTIVE_ROLLOUT_URL environment variable"
             )
         if settings.weight_sync not in ("upload", "path", "none"):
-            raise ValueError(f"trainer.v1.{MODE}.weight_sync must be upload, path or none, not {settings.weight_sync!r}")
+            raise ValueError(
+                f"trainer.v1.{MODE}.weight_sync must be upload, path or none, not {settings.weight_sync!r}"
+            )
         if settings.weight_sync == "path" and not settings.weights_dir:
-            raise ValueError(f"trainer.v1.{MODE}.weight_sync=path needs weights_dir (shared storage)")
+            raise ValueError(
+                f"trainer.v1.{MODE}.weight_sync=path needs weights_dir (shared storage)"
+            )
         if settings.advantages not in ("auto", "sampler", "verl"):
-            raise ValueError(f"trainer.v1.{MODE}.advantages must be auto, sampler or verl, not {settings.advantages!r}")
+            raise ValueError(
+                f"trainer.v1.{MODE}.advantages must be auto, sampler or verl, not {settings.advantages!r}"
+            )
         return settings
 
     @classmethod
@@ -157,8 +163,14 @@ def check_sampler_config(
     warnings: list[str] = []
     group_size = int(sampler.get("group_size", 0))
     if group_size != rollout_n:
-        what = "keeps every sample (group_size 0, variable group sizes)" if group_size == 0 else f"has group_size {group_size}"
-        fix = f"set the sampler's group_size to {rollout_n}" + (f" (or rollout.n to {group_size})" if group_size else "")
+        what = (
+            "keeps every sample (group_size 0, variable group sizes)"
+            if group_size == 0
+            else f"has group_size {group_size}"
+        )
+        fix = f"set the sampler's group_size to {rollout_n}" + (
+            f" (or rollout.n to {group_size})" if group_size else ""
+        )
         problems.append(
             f"verl needs every group to have exactly actor_rollout_ref.rollout.n = {rollout_n} samples, "
             f"but the sampler {what}: {fix}"
@@ -189,7 +201,10 @@ def check_sampler_config(
                 )
         else:
             first_wave = int(sampler.get("wave_size", 8))
-            if sampler.get("wave", "fixed") == "adaptive" and sampler.get("mode", "continuous") != "rounds":
+            if (
+                sampler.get("wave", "fixed") == "adaptive"
+                and sampler.get("mode", "continuous") != "rounds"
+            ):
                 first_wave = 1  # an adaptive wave can be a single answer
             k_pos, k_neg = int(sampler.get("k_pos", 2)), int(sampler.get("k_neg", 2))
             least = k_pos if rule == "positive" else k_pos + k_neg
@@ -199,7 +214,10 @@ def check_sampler_config(
                     f"(first wave {first_wave}, rule satisfied after {least}); use wave 'fixed' with "
                     f"wave_size >= {group_size}, or rule 'fixed'"
                 )
-    if temperature is not None and abs(float(sampler.get("temperature", 1.0)) - float(temperature)) > 1e-9:
+    if (
+        temperature is not None
+        and abs(float(sampler.get("temperature", 1.0)) - float(temperature)) > 1e-9
+    ):
         problems.append(
             f"the sampler generates at temperature {sampler.get('temperature')} but verl computes "
             f"log-probs at actor_rollout_ref.rollout.temperature = {temperature}; they must be equal"
@@ -209,7 +227,9 @@ def check_sampler_config(
             f"sampler top_p {sampler.get('top_p')} differs from rollout.top_p {top_p} "
             "(verl does not use top_p in the loss; the logprobs come from the sampler)"
         )
-    if max_response_length is not None and int(sampler.get("max_tokens", 0)) > int(max_response_length):
+    if max_response_length is not None and int(sampler.get("max_tokens", 0)) > int(
+        max_response_length
+    ):
         warnings.append(
             f"sampler max_tokens {sampler.get('max_tokens')} > data.max_response_length "
             f"{max_response_length}: size verl's token budgets (ppo_max_token_len_per_gpu) for the longer answers"
@@ -253,7 +273,14 @@ def sampler_metrics(stats: Mapping[str, Any], prefix: str = "") -> dict[str, flo
         if isinstance(value, int | float):
             out[f"{head}/{key}"] = float(value)
 
-    for key in ("policy_version", "config_version", "samples_per_s", "tokens_per_s", "groups_per_s", "groups_emitted"):
+    for key in (
+        "policy_version",
+        "config_version",
+        "samples_per_s",
+        "tokens_per_s",
+        "groups_per_s",
+        "groups_emitted",
+    ):
         put(key, stats.get(key))
     for key, value in (stats.get("queue") or {}).items():
         put(f"queue/{key}", value)

@@ -39,7 +39,8 @@ class GroupSource:
         started = last_arrival = last_log = time.monotonic()
         while len(self._pending) < count:
             lease = self.client.lease(
-                max_groups=count - len(self._pending), wait_s=self.settings.lease_wait_s,
+                max_groups=count - len(self._pending),
+                wait_s=self.settings.lease_wait_s,
                 consumer=self.settings.consumer,
             )
             now = time.monotonic()
@@ -55,8 +56,13 @@ class GroupSource:
                     f"(have {len(self._pending)} of {count}); sampler reports {self.describe()}"
                 )
             if now - last_log > 60:
-                log.warning("waiting for groups: %d of %d after %.0fs; sampler: %s",
-                            len(self._pending), count, now - started, self.describe())
+                log.warning(
+                    "waiting for groups: %d of %d after %.0fs; sampler: %s",
+                    len(self._pending),
+                    count,
+                    now - started,
+                    self.describe(),
+                )
                 last_log = now
         return [self._pending.popleft() for _ in range(count)]
 
@@ -64,7 +70,12 @@ class GroupSource:
         stats = self.client.stats()
         queue = stats.get("queue", {})
         error = stats.get("engine_error")
-        if error and not queue.get("ready") and not queue.get("active_prompts") and not queue.get("finalizing"):
+        if (
+            error
+            and not queue.get("ready")
+            and not queue.get("active_prompts")
+            and not queue.get("finalizing")
+        ):
             raise EngineFailed(
                 f"sampler at {self.settings.url}: engine failed: {error} "
                 f"(have {len(self._pending)} of {count} groups for this step)"
@@ -79,7 +90,7 @@ class GroupSource:
         """One line on the sampler's queues and state, for waiting and timeout messages."""
         try:
             stats = self.client.stats()
-        except Exception as exc:  # diagnostic only
+        except Exception as exc:  # diagnostic only  # noqa: BLE001
             return f"stats unavailable ({exc})"
         queue = stats.get("queue", {})
         return (

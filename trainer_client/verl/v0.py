@@ -76,9 +76,14 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
             from omegaconf import open_dict
 
             with open_dict(config):
-                contents = list(config.actor_rollout_ref.actor.checkpoint.get("save_contents", []) or [])
+                contents = list(
+                    config.actor_rollout_ref.actor.checkpoint.get("save_contents", []) or []
+                )
                 if "hf_model" not in contents:
-                    config.actor_rollout_ref.actor.checkpoint.save_contents = [*contents, "hf_model"]
+                    config.actor_rollout_ref.actor.checkpoint.save_contents = [
+                        *contents,
+                        "hf_model",
+                    ]
         super().__init__(config, *args, **kwargs)
         self.source = GroupSource(self.settings)
         self.client = self.source.client
@@ -93,15 +98,20 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
         rollout = self.config.actor_rollout_ref.rollout
         if self.settings.check_config:
             for warning in require_compatible(
-                sampler_config, url=self.settings.url, rollout_n=int(rollout.n),
-                temperature=float(rollout.temperature), top_p=float(rollout.get("top_p", 1.0)),
+                sampler_config,
+                url=self.settings.url,
+                rollout_n=int(rollout.n),
+                temperature=float(rollout.temperature),
+                top_p=float(rollout.get("top_p", 1.0)),
                 max_response_length=self.config.data.get("max_response_length"),
             ):
                 log.warning("sampler config: %s", warning)
         self.use_sampler_advantages = self.settings.sampler_advantages(sampler_config)
         if self.use_sampler_advantages and self.use_critic:
             raise IncompatibleSamplerConfig(
-                [f"the service's advantages replace verl's estimator; set trainer.v1.{MODE}.advantages=verl to use a critic"],
+                [
+                    f"the service's advantages replace verl's estimator; set trainer.v1.{MODE}.advantages=verl to use a critic"
+                ],
                 self.settings.url,
             )
         groups = int(self.config.data.train_batch_size)
@@ -114,9 +124,14 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
         """`count` (default train_batch_size) groups from the sampler, as verl's DataProto."""
         groups = self.source.take(int(count or self.config.data.train_batch_size))
         batch = groups_to_dataproto(
-            groups, self._pad_token_id(), n=int(self.config.actor_rollout_ref.rollout.n),
+            groups,
+            self._pad_token_id(),
+            n=int(self.config.actor_rollout_ref.rollout.n),
             sample_weights=self.settings.use_sample_weights,
-            meta_info={"temperature": self.config.actor_rollout_ref.rollout.temperature, "global_steps": self.global_steps},
+            meta_info={
+                "temperature": self.config.actor_rollout_ref.rollout.temperature,
+                "global_steps": self.global_steps,
+            },
         )
         return groups, batch
 
@@ -131,7 +146,9 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
         """verl's reward/KL/rollout-correction/advantage block, then the service's outputs."""
         batch.batch["token_level_scores"] = batch.batch["rm_scores"]
         if self.config.algorithm.use_kl_in_reward:
-            batch, kl_metrics = apply_kl_penalty(batch, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty)
+            batch, kl_metrics = apply_kl_penalty(
+                batch, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty
+            )
             metrics.update(kl_metrics)
         else:
             batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
@@ -156,7 +173,10 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
             config=self.config.algorithm,
         )
         return apply_sampler_outputs(
-            batch, metrics, advantages=self.use_sampler_advantages, weights=self.settings.use_sample_weights
+            batch,
+            metrics,
+            advantages=self.use_sampler_advantages,
+            weights=self.settings.use_sample_weights,
         )
 
     def push_weights(self, metrics: dict) -> None:
@@ -172,9 +192,13 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
                 if isinstance(result, dict):
                     metrics.update(result)
             return
-        root = self.settings.weights_dir or os.path.join(self.config.trainer.default_local_dir, "sampler_weights")
+        root = self.settings.weights_dir or os.path.join(
+            self.config.trainer.default_local_dir, "sampler_weights"
+        )
         local = os.path.join(root, f"policy_v{version:08d}")
-        self.actor_rollout_wg.save_checkpoint(local, None, self.global_steps, max_ckpt_to_keep=self.settings.keep_weight_files)
+        self.actor_rollout_wg.save_checkpoint(
+            local, None, self.global_steps, max_ckpt_to_keep=self.settings.keep_weight_files
+        )
         hf_dir = os.path.join(local, "huggingface")
         if self.settings.weight_sync == "path":
             reply = self.client.load_weights(hf_dir, version)
@@ -207,7 +231,9 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
             self.version_offset += 1  # the initial push takes version step + offset
             self.push_weights({})
         if self.config.trainer.get("val_before_train", True):
-            tracker.log(data=sampler_metrics(self.client.stats(), prefix="val-aux"), step=self.global_steps)
+            tracker.log(
+                data=sampler_metrics(self.client.stats(), prefix="val-aux"), step=self.global_steps
+            )
         self.global_steps += 1
         while self.global_steps <= self.total_training_steps:
             metrics: dict[str, Any] = {}
@@ -217,19 +243,32 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
                 with marked_timer("gen", timing_raw, color="red"):
                     groups, batch = self.lease_batch()
                 batch = self.train_step(batch, metrics, timing_raw)
-                if self.config.trainer.save_freq > 0 and (is_last_step or self.global_steps % self.config.trainer.save_freq == 0):
+                if self.config.trainer.save_freq > 0 and (
+                    is_last_step or self.global_steps % self.config.trainer.save_freq == 0
+                ):
                     with marked_timer("save_checkpoint", timing_raw, color="green"):
                         self._save_checkpoint()
                 with marked_timer("update_weights", timing_raw, color="red"):
                     self.push_weights(metrics)
                 self.source.ack(groups)
-            metrics.update({"training/global_step": self.global_steps, f"{MODE}/groups_acked": float(len(groups))})
+            metrics.update(
+                {
+                    "training/global_step": self.global_steps,
+                    f"{MODE}/groups_acked": float(len(groups)),
+                }
+            )
             metrics.update(compute_data_metrics(batch=batch, use_critic=self.use_critic))
             metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing_raw))
-            metrics.update(compute_throughout_metrics(batch=batch, timing_raw=timing_raw, n_gpus=self.resource_pool_manager.get_n_gpus()))
+            metrics.update(
+                compute_throughout_metrics(
+                    batch=batch,
+                    timing_raw=timing_raw,
+                    n_gpus=self.resource_pool_manager.get_n_gpus(),
+                )
+            )
             try:
                 metrics.update(sampler_metrics(self.client.stats()))
-            except Exception as exc:  # metrics only
+            except Exception as exc:  # metrics only  # noqa: BLE001
                 log.warning("sampler stats unavailable: %s", exc)
             tracker.log(data=metrics, step=self.global_steps)
             self.global_steps += 1
@@ -237,15 +276,23 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
 
     def train_step(self, batch: DataProto, metrics: dict, timing_raw: dict) -> DataProto:
         """verl's step from "a generated batch" on: log-probs, advantages, critic and actor updates."""
-        batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
+        batch.meta_info["global_token_num"] = torch.sum(
+            batch.batch["attention_mask"], dim=-1
+        ).tolist()
         if self.config.trainer.get("balance_batch", True):
             self._balance_batch(batch, metrics=metrics)
-            batch.meta_info["global_token_num"] = torch.sum(batch.batch["attention_mask"], dim=-1).tolist()
+            batch.meta_info["global_token_num"] = torch.sum(
+                batch.batch["attention_mask"], dim=-1
+            ).tolist()
         rollout_corr = self.config.algorithm.get("rollout_correction", None)
         if rollout_corr and rollout_corr.get("bypass_mode", False):
             from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
 
-            apply_bypass_mode(batch=batch, rollout_corr_config=rollout_corr, policy_loss_config=self.config.actor_rollout_ref.actor.policy_loss)
+            apply_bypass_mode(
+                batch=batch,
+                rollout_corr_config=rollout_corr,
+                policy_loss_config=self.config.actor_rollout_ref.actor.policy_loss,
+            )
         else:
             with marked_timer("old_log_prob", timing_raw, color="blue"):
                 old_log_prob, _mfu = self._compute_old_log_prob(batch)
@@ -276,7 +323,9 @@ def _reduce(metrics: dict) -> dict:
     return reduce_metrics(metrics)
 
 
-def apply_sampler_outputs(batch: DataProto, metrics: dict, *, advantages: bool, weights: bool) -> DataProto:
+def apply_sampler_outputs(
+    batch: DataProto, metrics: dict, *, advantages: bool, weights: bool
+) -> DataProto:
     """Service advantages replace verl's (optional); service weights multiply ``rollout_is_weights``."""
     mask = batch.batch["response_mask"].to(torch.float32)
     if advantages:
@@ -310,7 +359,9 @@ def _task_runner_cls() -> Any:
         if hasattr(module, "TaskRunner") and hasattr(module, "RayPPOTrainer"):
             break
     else:
-        raise ImportError("no verl TaskRunner that builds a RayPPOTrainer (verl.trainer.main_ppo_v0 / main_ppo)")
+        raise ImportError(
+            "no verl TaskRunner that builds a RayPPOTrainer (verl.trainer.main_ppo_v0 / main_ppo)"
+        )
     base = getattr(module.TaskRunner, "__ray_actor_class__", module.TaskRunner)
     module_name = module.__name__
 
@@ -345,7 +396,11 @@ def main() -> None:
             auto_set_device(config)
         except ImportError:
             pass
-        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        validate_config(
+            config=config,
+            use_reference_policy=need_reference_policy(config),
+            use_critic=need_critic(config),
+        )
         run_ppo(config, task_runner_class=_task_runner_cls())
 
     _main()

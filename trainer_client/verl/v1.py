@@ -151,21 +151,30 @@ class SamplerAgentLoopManager:
         """`count` finished groups, oldest first; waits (and says why) until the sampler has them."""
         return self.source.take(count)
 
-    def write_groups(self, groups: list[Group], global_steps: int, partition_id: str = "train") -> list[str]:
+    def write_groups(
+        self, groups: list[Group], global_steps: int, partition_id: str = "train"
+    ) -> list[str]:
         """Write `groups` as finished GRPO groups; returns their uids."""
         if not groups:
             return []
         records = tq_records(
-            groups, n=self.n, global_steps=global_steps, version_offset=self.version_offset,
+            groups,
+            n=self.n,
+            global_steps=global_steps,
+            version_offset=self.version_offset,
             sample_weights=self.settings.use_sample_weights,
         )
         # Trajectories first, then the prompt tags: the ReplayBuffer must never see a
         # finished group whose records are not in yet.
         tq.kv_batch_put(
-            keys=records.keys, partition_id=partition_id,
-            fields=list_of_dict_to_tensordict(records.fields), tags=records.tags,
+            keys=records.keys,
+            partition_id=partition_id,
+            fields=list_of_dict_to_tensordict(records.fields),
+            tags=records.tags,
         )
-        tq.kv_batch_put(keys=records.prompt_keys, partition_id=partition_id, tags=records.prompt_tags)
+        tq.kv_batch_put(
+            keys=records.prompt_keys, partition_id=partition_id, tags=records.prompt_tags
+        )
         for uid, group in zip(records.prompt_keys, groups, strict=True):
             self._in_queue[uid] = group
         self.groups_written += len(groups)
@@ -217,8 +226,11 @@ class SamplerPPOTrainer(PPOTrainer):
         rollout = self.config.actor_rollout_ref.rollout
         if self.settings.check_config:
             warnings = require_compatible(
-                sampler_config, url=self.settings.url, rollout_n=int(rollout.n),
-                temperature=float(rollout.temperature), top_p=float(rollout.get("top_p", 1.0)),
+                sampler_config,
+                url=self.settings.url,
+                rollout_n=int(rollout.n),
+                temperature=float(rollout.temperature),
+                top_p=float(rollout.get("top_p", 1.0)),
                 max_response_length=self.config.data.get("max_response_length"),
             )
             for warning in warnings:
@@ -226,8 +238,10 @@ class SamplerPPOTrainer(PPOTrainer):
         self.use_sampler_advantages = self.settings.sampler_advantages(sampler_config)
         if self.use_sampler_advantages and self.use_critic:
             raise IncompatibleSamplerConfig(
-                ["the service's advantages replace verl's estimator, which makes a critic (GAE) pointless: "
-                 f"set trainer.v1.{MODE}.advantages=verl or use a critic-free estimator"],
+                [
+                    "the service's advantages replace verl's estimator, which makes a critic (GAE) pointless: "
+                    f"set trainer.v1.{MODE}.advantages=verl or use a critic-free estimator"
+                ],
                 self.settings.url,
             )
         step_groups = int(self.config.data.train_batch_size) // self.parameter_sync_step
@@ -241,7 +255,9 @@ class SamplerPPOTrainer(PPOTrainer):
             self.versions.note_pushed(version, self.global_steps)
         log.info(
             "sampler at %s: policy version %d, config version %s, %s advantages",
-            self.settings.url, health.policy_version, sampler_config.get("config_version"),
+            self.settings.url,
+            health.policy_version,
+            sampler_config.get("config_version"),
             "service" if self.use_sampler_advantages else "verl",
         )
 
@@ -264,15 +280,23 @@ class SamplerPPOTrainer(PPOTrainer):
         if use_weights:
             # verl (re)writes rollout_is_weights only when its rollout correction is on; start
             # from 1 so that what is there afterwards is verl's own factor (or 1).
-            mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
-            ones = [torch.ones(m.numel(), dtype=torch.float32) for m in mask["response_mask"].unbind()]
+            mask = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"]
+            )
+            ones = [
+                torch.ones(m.numel(), dtype=torch.float32) for m in mask["response_mask"].unbind()
+            ]
             tq.kv_batch_put(
-                keys=batch.keys, partition_id=batch.partition_id,
+                keys=batch.keys,
+                partition_id=batch.partition_id,
                 fields=list_of_dict_to_tensordict([{"rollout_is_weights": o} for o in ones]),
             )
         batch = super()._compute_advantage(batch, metrics)
         return apply_sampler_outputs(
-            batch, metrics, advantages=self.use_sampler_advantages, weights=use_weights,
+            batch,
+            metrics,
+            advantages=self.use_sampler_advantages,
+            weights=use_weights,
         )
 
     def on_sample_end(self) -> None:
@@ -289,14 +313,19 @@ class SamplerPPOTrainer(PPOTrainer):
             self._sync_manager_offset()
         manager = getattr(self, "agent_loop_manager", None)
         if isinstance(manager, SamplerAgentLoopManager):
-            acked = manager.ack(uid for uid in uids_of(self._step_keys) if not uid.startswith("pad"))
+            acked = manager.ack(
+                uid for uid in uids_of(self._step_keys) if not uid.startswith("pad")
+            )
             sync_metrics[f"{MODE}/groups_acked"] = float(acked)
             sync_metrics[f"{MODE}/groups_unacked"] = float(manager.unacked)
         try:
             sync_metrics.update(sampler_metrics(self.client.stats()))
-        except Exception as exc:  # metrics only
+        except Exception as exc:  # metrics only  # noqa: BLE001
             log.warning("sampler stats unavailable: %s", exc)
-        self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}), **sync_metrics}
+        self._pending_sync_metrics = {
+            **(getattr(self, "_pending_sync_metrics", None) or {}),
+            **sync_metrics,
+        }
 
     def _push_weights(self, version: int) -> dict[str, float]:
         """All actor ranks send their weights through the adaptive_rollout checkpoint engine."""
@@ -310,10 +339,14 @@ class SamplerPPOTrainer(PPOTrainer):
     def _validate(self) -> dict[str, float]:
         """No generation here: the sampler's statistics stand in for validation metrics."""
         metrics = sampler_metrics(self.client.stats(), prefix="val-aux")
-        return metrics or {f"val-aux/{MODE}/policy_version": float(self.client.health().policy_version)}
+        return metrics or {
+            f"val-aux/{MODE}/policy_version": float(self.client.health().policy_version)
+        }
 
 
-def apply_sampler_outputs(batch: KVBatchMeta, metrics: dict, *, advantages: bool, weights: bool) -> KVBatchMeta:
+def apply_sampler_outputs(
+    batch: KVBatchMeta, metrics: dict, *, advantages: bool, weights: bool
+) -> KVBatchMeta:
     """After verl's advantage step: service advantages (optional) and weights into TQ.
 
     - ``advantages``: ``advantages`` and ``returns`` become the service's advantage on
@@ -348,7 +381,12 @@ def apply_sampler_outputs(batch: KVBatchMeta, metrics: dict, *, advantages: bool
         update["advantages"] = nested(adv)
         update["returns"] = nested([a.clone() for a in adv])
     if weights:
-        w = [a * b for a, b in zip(fit(data["rollout_is_weights"]), fit(data["sampler_weights"]), strict=True)]
+        w = [
+            a * b
+            for a, b in zip(
+                fit(data["rollout_is_weights"]), fit(data["sampler_weights"]), strict=True
+            )
+        ]
         update["rollout_is_weights"] = nested(w)
         flat = torch.cat([x[m > 0] for x, m in zip(w, masks, strict=True)]) if w else torch.zeros(0)
         if flat.numel():
@@ -356,5 +394,9 @@ def apply_sampler_outputs(batch: KVBatchMeta, metrics: dict, *, advantages: bool
             metrics[f"{MODE}/is_weight_max"] = float(flat.max())
     from tensordict import TensorDict
 
-    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(update, batch_size=len(batch)))
+    tq.kv_batch_put(
+        keys=batch.keys,
+        partition_id=batch.partition_id,
+        fields=TensorDict(update, batch_size=len(batch)),
+    )
     return batch

@@ -54,7 +54,11 @@ class WeightPusher:
             self._client = SamplerClient(self.settings.url, **self.settings.client_kwargs())
         return self._client
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+    def push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        version: int,
+    ) -> dict[str, float]:
         """Make the sampler serve these weights as policy `version`; returns metrics for verl's logger.
 
         `version` must be above what the sampler serves (`ConflictError` otherwise); the
@@ -76,7 +80,9 @@ class WeightPusher:
             reply = self.client.push_weights(state, version)
         self.last_version = reply.policy_version
         done = time.monotonic()
-        log.info("pushed %d tensors as policy version %d in %.1fs", len(state), version, done - started)
+        log.info(
+            "pushed %d tensors as policy version %d in %.1fs", len(state), version, done - started
+        )
         return {
             f"{MODE}/policy_version": float(reply.policy_version),
             f"{MODE}/weight_push_s": done - started,
@@ -138,7 +144,9 @@ class SamplerCheckpointEngine(CheckpointEngine):
         return {}
 
     @classmethod
-    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ):
         return {}, {}
 
     def init_process_group(self, **kwargs: Any) -> None:
@@ -164,7 +172,9 @@ class SamplerCheckpointEngine(CheckpointEngine):
         return await asyncio.to_thread(self.pusher.push, collected, version)
 
     async def receive_weights(self, global_steps: int | None = None):
-        raise NotImplementedError("the sampler receives weights over HTTP, not through a checkpoint engine")
+        raise NotImplementedError(
+            "the sampler receives weights over HTTP, not through a checkpoint engine"
+        )
 
 
 def configure_for_sampler(config: Any, settings: SamplerSettings) -> None:
