@@ -17,7 +17,6 @@ import contextlib
 import logging
 import math
 import time
-import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,15 +24,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sampler_service import grouping
 from sampler_service.aio import wait_event
 from sampler_service.backends.base import Backend, Completion, GenerationAborted, SamplingParams
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.metrics import Metrics
 from sampler_service.verifiers.base import Verdict
-from strategies import advantage, downsample, mixing, reweighting, views
+from strategies import mixing
 from strategies.stopping import StoppingRule
-from trainer_client.protocol import Group, GroupStats, Sample
+from trainer_client.protocol import Group
 
 log = logging.getLogger(__name__)
 
@@ -436,12 +436,10 @@ class Scheduler:
         self.metrics.groups_dropped.labels(reason).inc()
 
     async def _finalize(self, run: PromptRun) -> None:
-        """Down-sample, compute advantages, apply group policies, store (section 12)."""
+        """Account for a finished prompt, build its group (`grouping`) and store it."""
         run.done = True
-        cfg, row = run.plan.cfg, run.row
-        rewards = np.array([v.reward for v in run.verdicts], dtype=np.float64)
-        lengths = np.array([len(c.token_ids) for c in run.completions], dtype=np.float64)
-        n_gen = len(rewards)
+        row = run.row
+        n_gen = run.n_generated
         stop_reason = run.rule.stop_reason(run.n_pos, run.n_neg, prompt_id=row.id)
         self.stats.samples_per_group[n_gen] += 1
         self.stats.stop_reasons[stop_reason] += 1
@@ -451,77 +449,21 @@ class Scheduler:
         self.stats.domains[row.domain].recent_pass_rates.append(run.n_pos / n_gen)
         self.estimator.update(row.id, n_gen, run.n_pos)
 
-        kept = np.array(
-            downsample.apply(cfg.downsample, rewards, cfg.group_size, cfg.positive_threshold),
-            dtype=np.int64,
-        )
-        adv = advantage.compute(rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std)
-        self.mixer.observe(
-            row.domain, float(rewards.mean()), float(np.abs(adv).mean()) if len(adv) else 0.0
-        )
-
-        drop_reason = None
-        for policy in cfg.group_policy_objects():
-            view = views.GroupView(
-                rewards=rewards[kept],
-                lengths=lengths[kept],
-                all_rewards=rewards,
-                threshold=cfg.positive_threshold,
-            )
-            chosen = policy.select(view)
-            if chosen is None or len(chosen) == 0:
-                drop_reason = policy.name
-                break
-            if len(chosen) != len(kept):
-                kept = kept[np.asarray(chosen, dtype=np.int64)]
-                adv = advantage.compute(
-                    rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std
-                )
-        if drop_reason is None and len(kept) < 2:
-            drop_reason = "too_few_samples"
-        if drop_reason is not None:
-            self._drop(run, drop_reason)
-            return
-
-        samples = [
-            Sample(
-                sample_id=uuid.uuid4().hex,
-                response_token_ids=run.completions[i].token_ids,
-                response_text=run.completions[i].text,
-                logprobs=run.completions[i].logprobs,
-                reward=float(rewards[i]),
-                finish_reason=run.completions[i].finish_reason,
-                policy_version=run.completions[i].policy_version,
-                verifier_error=run.verdicts[i].error,
-                advantage=float(a),
-            )
-            for i, a in zip(kept.tolist(), adv, strict=True)
-        ]
-        versions = [s.policy_version for s in samples]
-        group = Group(
-            group_id=uuid.uuid4().hex,
-            prompt_id=row.id,
-            domain=row.domain,
-            prompt_token_ids=row.token_ids,
-            prompt_text=row.text,
-            answer=row.answer,
-            metadata=row.metadata,
+        result = grouping.build_group(
+            row=row,
+            cfg=run.plan.cfg,
             config_version=run.plan.config_version,
-            policy_version_min=min(versions),
-            policy_version_max=max(versions),
+            completions=run.completions,
+            verdicts=run.verdicts,
+            n_pos=run.n_pos,
             stop_reason=stop_reason,
-            stats=GroupStats(
-                n_generated=n_gen,
-                n_pos=run.n_pos,
-                n_neg=run.n_neg,
-                reward_mean=float(rewards.mean()),
-                reward_std=float(rewards.std(ddof=1)) if n_gen > 1 else 0.0,
-            ),
-            samples=samples,
-            batch_id="",
-            batch_index=0,
-            batch_size=0,
         )
+        reward_mean = float(np.mean([v.reward for v in run.verdicts]))
+        self.mixer.observe(row.domain, reward_mean, result.mean_abs_advantage)
+        group = result.group
+        if group is None:
+            self._drop(run, str(result.drop_reason))
+            return
         self.metrics.staleness.set(self.backend.policy_version - group.policy_version_min)
         async with self._frame_lock:
             state = None
@@ -540,54 +482,19 @@ class Scheduler:
         while len(self._unframed) >= self.config.batch_groups:
             members = self._unframed[: self.config.batch_groups]
             del self._unframed[: self.config.batch_groups]
-            kept, dropped = self._apply_batch_policies(members)
-            for group in kept:
+            selections, weightings = self.config.batch_policy_objects()
+            frame = grouping.apply_batch_policies(
+                members, selections, weightings, batch_id=grouping.new_id()
+            )
+            for _, reason in frame.dropped:
+                self.stats.dropped[reason] += 1
+                self.metrics.groups_dropped.labels(reason).inc()
+            for group in frame.kept:
                 self.stats.groups_emitted += 1
                 self.stats.domains[group.domain].emitted += 1
                 self.stats.recent_emitted.append(group.domain)
                 self.metrics.groups_emitted.labels(group.domain).inc()
-            await self.sink.add_frame(kept, [g.group_id for g in dropped])
-
-    def _apply_batch_policies(self, groups: list[Group]) -> tuple[list[Group], list[Group]]:
-        """Batch-scope selection and reweighting, fixed into the frame's stored bytes."""
-        selections, weightings = self.config.batch_policy_objects()
-        dropped: list[Group] = []
-
-        def view(gs: list[Group]) -> views.BatchView:
-            return views.BatchView(
-                groups=[
-                    views.BatchGroup(
-                        advantages=np.array([s.advantage for s in g.samples]),
-                        pass_rate=g.stats.n_pos / g.stats.n_generated,
-                        token_logprobs=[np.array(s.logprobs) for s in g.samples],
-                    )
-                    for g in gs
-                ]
-            )
-
-        for policy in selections:
-            keep = policy.select(view(groups))
-            survivors = []
-            for group, idx in zip(groups, keep, strict=True):
-                if len(idx) < 2:
-                    dropped.append(group)
-                    self.stats.dropped[policy.name] += 1
-                    self.metrics.groups_dropped.labels(policy.name).inc()
-                    continue
-                group.samples = [group.samples[i] for i in np.asarray(idx).tolist()]
-                survivors.append(group)
-            groups = survivors
-        if groups:
-            sample_w, token_w = reweighting.combine(weightings, view(groups))
-            for gi, group in enumerate(groups):
-                for si, sample in enumerate(group.samples):
-                    sample.weight = float(sample_w[gi][si])
-                    if token_w is not None:
-                        sample.token_weights = [float(w) for w in token_w[gi][si]]
-        batch_id = uuid.uuid4().hex
-        for i, group in enumerate(groups):
-            group.batch_id, group.batch_index, group.batch_size = batch_id, i, len(groups)
-        return groups, dropped
+            await self.sink.add_frame(frame.kept, [g.group_id for g, _ in frame.dropped])
 
     # -- weight updates ---------------------------------------------------------------
     @contextlib.asynccontextmanager

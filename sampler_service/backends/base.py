@@ -8,6 +8,7 @@ simulated engine of the benchmarks.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -32,6 +33,38 @@ class SamplingParams:
     top_k: int | None = None
     max_tokens: int = 16
     seed: int | None = None
+
+
+def check_request(
+    token_ids: list[int],
+    n: int,
+    sampling: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int | None = None,
+) -> None:
+    """Reject a request that would crash an engine, with a message for the caller.
+
+    Every engine needs these checks before the request reaches it: an out-of-range token
+    id is a device-side assert on CUDA (which kills the process), not an exception.
+    """
+    if not token_ids:
+        raise ValueError("prompt_token_ids is empty")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if max_model_len is not None and len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt of {len(token_ids)} tokens leaves no room under max_model_len {max_model_len}"
+        )
+    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+        raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
 
 
 @dataclass

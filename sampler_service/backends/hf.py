@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -41,6 +40,7 @@ from sampler_service.backends.base import (
     GenerationAborted,
     SamplingParams,
     TensorSpec,
+    check_request,
 )
 from sampler_service.backends.weights import (
     WeightSpecs,
@@ -288,9 +288,7 @@ class HFBackend(Backend):
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Completion]:
         self._require_running()
-        self._validate(prompt_token_ids, sampling)
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+        check_request(prompt_token_ids, n, sampling, vocab_size=self._vocab_size)
         future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
         self._queue.append(_Request(list(prompt_token_ids), n, sampling, future))
         self._wakeup.set()
@@ -481,8 +479,11 @@ class HFBackend(Backend):
         logprob parity and to see that a weight load changed the policy.
         """
         self._require_running()
-        self._validate(
-            [*prompt_token_ids, *response_token_ids], SamplingParams(temperature=temperature)
+        check_request(
+            [*prompt_token_ids, *response_token_ids],
+            1,
+            SamplingParams(temperature=temperature),
+            vocab_size=self._vocab_size,
         )
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
@@ -501,20 +502,6 @@ class HFBackend(Backend):
         return logprobs.gather(1, ids[0, len(prompt) :, None]).squeeze(1).tolist()
 
     # ------------------------------------------------------------------ helpers
-
-    def _validate(self, token_ids: list[int], sampling: SamplingParams) -> None:
-        """Reject what would crash the engine (an out-of-range id is a device assert on CUDA)."""
-        if not token_ids:
-            raise ValueError("prompt_token_ids is empty")
-        bad = next((t for t in token_ids if not 0 <= t < self._vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
-        if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
-        if not 0 < sampling.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
-        if sampling.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
 
     def _require_running(self) -> None:
         if self._failure is not None:

@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -54,6 +53,7 @@ from sampler_service.backends.base import (
     SamplingParams,
     TensorSpec,
     WeightsRejected,
+    check_request,
 )
 
 log = logging.getLogger(__name__)
@@ -347,7 +347,7 @@ class VLLMBackend(Backend):
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Completion]:
         engine = self._require_running()
-        self._validate(prompt_token_ids, n, sampling)
+        self._check(prompt_token_ids, n, sampling)
         from vllm.inputs.engine import tokens_input
 
         params = self.sampling_params(n, sampling)
@@ -395,7 +395,7 @@ class VLLMBackend(Backend):
             raise ValueError("vLLM scores fixed responses at temperature 1 only")
         engine = self._require_running()
         tokens = [*prompt_token_ids, *response_token_ids]
-        self._validate(tokens, 1, SamplingParams(temperature=0.0, max_tokens=1))
+        self._check(tokens, 1, SamplingParams(temperature=0.0, max_tokens=1))
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
         if not response_token_ids:
@@ -606,24 +606,10 @@ class VLLMBackend(Backend):
 
     # ------------------------------------------------------------------ helpers
 
-    def _validate(self, token_ids: list[int], n: int, sampling: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt_token_ids is empty")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        bad = next((t for t in token_ids if not 0 <= t < self._vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
-        if len(token_ids) >= self._max_model_len:
-            raise ValueError(
-                f"prompt of {len(token_ids)} tokens leaves no room under max_model_len {self._max_model_len}"
-            )
-        if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
-        if not 0 < sampling.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
-        if sampling.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+    def _check(self, token_ids: list[int], n: int, sampling: SamplingParams) -> None:
+        check_request(
+            token_ids, n, sampling, vocab_size=self._vocab_size, max_model_len=self._max_model_len
+        )
 
     def _require_running(self) -> Any:
         if self._engine is None:

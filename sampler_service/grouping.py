@@ -1,0 +1,202 @@
+"""Group building and batch policies as pure functions: the sampling semantics without
+an engine, a store or an event loop.
+
+The scheduler gathers a prompt's answers and verdicts and hands them here; what comes
+back is the finished group (or the reason it is dropped) and, for a batch frame, the
+groups that stay with their batch-scope weights. Keeping this free of I/O lets it be
+tested with hand-computed numbers and reused by the simulated benchmarks unchanged.
+
+Pipeline per prompt (docs/architecture.md, "Sampling semantics"): down-sample to
+group_size -> advantages over the kept samples with the configured estimator -> group
+policies on the kept samples, recomputing advantages on what a policy keeps -> drop if
+fewer than 2 samples remain.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sampler_service.backends.base import Completion
+from sampler_service.config import SamplerConfig
+from sampler_service.dataset import PromptRow
+from sampler_service.verifiers.base import Verdict
+from strategies import advantage, downsample, reweighting, views
+from trainer_client.protocol import Group, GroupStats, Sample
+
+#: Reason a group is dropped when group policies leave it with a single sample: a
+#: singleton carries no comparison, so its advantage would be meaningless.
+TOO_FEW_SAMPLES = "too_few_samples"
+
+
+def new_id() -> str:
+    """Random hex id for groups, samples and batch frames (dedupe keys for clients)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """What finalizing one prompt produced.
+
+    ``group`` is None exactly when ``drop_reason`` is set. ``mean_abs_advantage`` is the
+    mean |A| over the down-sampled group before group policies: the signal the domain
+    mixers observe, so a policy that drops the group does not hide its domain's signal.
+    """
+
+    group: Group | None
+    drop_reason: str | None
+    mean_abs_advantage: float
+
+
+def build_group(
+    *,
+    row: PromptRow,
+    cfg: SamplerConfig,
+    config_version: int,
+    completions: Sequence[Completion],
+    verdicts: Sequence[Verdict],
+    n_pos: int,
+    stop_reason: str,
+    make_id: Callable[[], str] = new_id,
+) -> GroupResult:
+    """Turn a prompt's answers (generation order) into its training group.
+
+    ``n_pos`` counts answers whose reward is above ``cfg.positive_threshold``; the
+    caller has it already from the stopping rule's bookkeeping.
+    """
+    if len(completions) != len(verdicts) or not completions:
+        raise ValueError(f"{len(completions)} completions for {len(verdicts)} verdicts")
+    rewards = np.array([v.reward for v in verdicts], dtype=np.float64)
+    lengths = np.array([len(c.token_ids) for c in completions], dtype=np.float64)
+    n_gen = len(rewards)
+
+    def advantages(kept: np.ndarray) -> np.ndarray:
+        return advantage.compute(rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std)
+
+    kept = np.array(
+        downsample.apply(cfg.downsample, rewards, cfg.group_size, cfg.positive_threshold),
+        dtype=np.int64,
+    )
+    adv = advantages(kept)
+    mean_abs = float(np.abs(adv).mean()) if len(adv) else 0.0
+
+    for policy in cfg.group_policy_objects():
+        view = views.GroupView(
+            rewards=rewards[kept],
+            lengths=lengths[kept],
+            all_rewards=rewards,
+            threshold=cfg.positive_threshold,
+        )
+        chosen = policy.select(view)
+        if chosen is None or len(chosen) == 0:
+            return GroupResult(None, policy.name, mean_abs)
+        if len(chosen) != len(kept):
+            kept = kept[np.asarray(chosen, dtype=np.int64)]
+            adv = advantages(kept)
+    if len(kept) < 2:
+        return GroupResult(None, TOO_FEW_SAMPLES, mean_abs)
+
+    samples = [
+        Sample(
+            sample_id=make_id(),
+            response_token_ids=completions[i].token_ids,
+            response_text=completions[i].text,
+            logprobs=completions[i].logprobs,
+            reward=float(rewards[i]),
+            finish_reason=completions[i].finish_reason,
+            policy_version=completions[i].policy_version,
+            verifier_error=verdicts[i].error,
+            advantage=float(a),
+        )
+        for i, a in zip(kept.tolist(), adv, strict=True)
+    ]
+    versions = [s.policy_version for s in samples]
+    group = Group(
+        group_id=make_id(),
+        prompt_id=row.id,
+        domain=row.domain,
+        prompt_token_ids=row.token_ids,
+        prompt_text=row.text,
+        answer=row.answer,
+        metadata=row.metadata,
+        config_version=config_version,
+        policy_version_min=min(versions),
+        policy_version_max=max(versions),
+        stop_reason=stop_reason,
+        stats=GroupStats(
+            n_generated=n_gen,
+            n_pos=n_pos,
+            n_neg=n_gen - n_pos,
+            reward_mean=float(rewards.mean()),
+            reward_std=float(rewards.std(ddof=1)) if n_gen > 1 else 0.0,
+        ),
+        samples=samples,
+        batch_id="",
+        batch_index=0,
+        batch_size=0,
+    )
+    return GroupResult(group, None, mean_abs)
+
+
+def _batch_view(groups: Sequence[Group]) -> views.BatchView:
+    return views.BatchView(
+        groups=[
+            views.BatchGroup(
+                advantages=np.array([s.advantage for s in g.samples]),
+                pass_rate=g.stats.n_pos / g.stats.n_generated,
+                token_logprobs=[np.array(s.logprobs) for s in g.samples],
+            )
+            for g in groups
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class FrameResult:
+    """A formed batch frame: the groups that stay, in frame order, and the dropped
+    ones with the name of the policy that dropped each."""
+
+    kept: list[Group]
+    dropped: list[tuple[Group, str]]
+
+
+def apply_batch_policies(
+    groups: Sequence[Group],
+    selections: Sequence[Any],
+    weightings: Sequence[Any],
+    batch_id: str,
+) -> FrameResult:
+    """Batch-scope selection, then reweighting, written into the groups of one frame.
+
+    Selections run in order, each on what the previous left; a group left with fewer
+    than 2 samples is dropped (advantages are not recomputed: they were relative to the
+    prompt's own answers). Weights are normalised to mean 1 over the samples that stay.
+    The groups are modified in place (their samples, weights and frame position) because
+    the frame's stored bytes are fixed from them.
+    """
+    dropped: list[tuple[Group, str]] = []
+    frame = list(groups)
+    for policy in selections:
+        keep = policy.select(_batch_view(frame))
+        survivors = []
+        for group, idx in zip(frame, keep, strict=True):
+            if len(idx) < 2:
+                dropped.append((group, policy.name))
+                continue
+            group.samples = [group.samples[i] for i in np.asarray(idx).tolist()]
+            survivors.append(group)
+        frame = survivors
+    if frame:
+        sample_w, token_w = reweighting.combine(list(weightings), _batch_view(frame))
+        for gi, group in enumerate(frame):
+            for si, sample in enumerate(group.samples):
+                sample.weight = float(sample_w[gi][si])
+                if token_w is not None:
+                    sample.token_weights = [float(w) for w in token_w[gi][si]]
+    for i, group in enumerate(frame):
+        group.batch_id, group.batch_index, group.batch_size = batch_id, i, len(frame)
+    return FrameResult(frame, dropped)

@@ -1,0 +1,227 @@
+"""Group building and batch policies without a model: hand-computed expectations.
+
+Every expected number below is worked out in the comment next to it from the rule's
+definition, not from the functions under test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import pytest
+
+from sampler_service.backends.base import Completion
+from sampler_service.config import SamplerConfig
+from sampler_service.dataset import PromptRow
+from sampler_service.grouping import TOO_FEW_SAMPLES, apply_batch_policies, build_group
+from sampler_service.verifiers.base import Verdict
+from strategies import reweighting, selection
+from trainer_client.protocol import Group, GroupStats, Sample
+
+ROW = PromptRow(id="p1", prompt="1+1=", answer="2", domain="add1", token_ids=[5, 6], text="1+1=")
+
+
+def _answers(
+    rewards: list[float], versions: list[int] | None = None, lengths: list[int] | None = None
+) -> tuple[list[Completion], list[Verdict]]:
+    versions = versions or [0] * len(rewards)
+    lengths = lengths or [2] * len(rewards)
+    completions = [
+        Completion(list(range(n)), [-0.1] * n, f"a{i}", "stop", v)
+        for i, (n, v) in enumerate(zip(lengths, versions, strict=True))
+    ]
+    return completions, [Verdict(r, "boom" if r < 0 else None) for r in rewards]
+
+
+def _build(rewards: list[float], **cfg: Any) -> Any:
+    completions, verdicts = _answers(rewards, cfg.pop("versions", None), cfg.pop("lengths", None))
+    counter = itertools.count()
+    return build_group(
+        row=ROW,
+        cfg=SamplerConfig(**cfg),
+        config_version=7,
+        completions=completions,
+        verdicts=verdicts,
+        n_pos=sum(r > 0.5 for r in rewards),
+        stop_reason="rule",
+        make_id=lambda: f"id{next(counter)}",
+    )
+
+
+def test_balanced_downsample_with_global_baseline() -> None:
+    # Answers 0..5 with rewards 0 1 0 0 1 0. Positives {1, 4}, negatives {0, 2, 3, 5}:
+    # tp = min(4 // 2, 2) = 2, tn = min(4 - 2, 4) = 2 -> kept 0, 1, 2, 4.
+    # Global baseline over all six: 2/6 = 1/3, no std division -> -1/3, 2/3, -1/3, 2/3.
+    result = _build(
+        [0, 1, 0, 0, 1, 0], group_size=4, versions=[0, 0, 1, 1, 1, 1], advantage="global"
+    )
+    g = result.group
+    assert result.drop_reason is None
+    assert [s.response_text for s in g.samples] == ["a0", "a1", "a2", "a4"]
+    assert [s.advantage for s in g.samples] == pytest.approx([-1 / 3, 2 / 3, -1 / 3, 2 / 3])
+    # Mixers see mean |A| of the down-sampled group: (1/3 + 2/3 + 1/3 + 2/3) / 4 = 1/2.
+    assert result.mean_abs_advantage == pytest.approx(0.5)
+    # Stats cover all six answers: mean 1/3; ddof-1 variance (2(2/3)^2 + 4(1/3)^2) / 5 = 4/15.
+    assert (g.stats.n_generated, g.stats.n_pos, g.stats.n_neg) == (6, 2, 4)
+    assert g.stats.reward_mean == pytest.approx(1 / 3)
+    assert g.stats.reward_std == pytest.approx(math.sqrt(4 / 15))
+    # Kept answers came from versions 0, 0, 1, 1.
+    assert (g.policy_version_min, g.policy_version_max) == (0, 1)
+    assert (g.config_version, g.stop_reason, g.prompt_id, g.domain) == (7, "rule", "p1", "add1")
+    assert g.prompt_token_ids == [5, 6] and g.answer == "2"
+    # Ids come from the injected source: four samples, then the group.
+    assert [s.sample_id for s in g.samples] == ["id0", "id1", "id2", "id3"]
+    assert g.group_id == "id4"
+
+
+def test_maxvar_keeps_half_and_recomputes_grpo_advantages() -> None:
+    # Eight answers 1 0 1 1 0 1 1 1, all kept (group_size 0). maxvar keeps
+    # m = max(2, round(0.5 * 8)) = 4 of maximal variance: two 1s and both 0s, earliest
+    # first -> answers 0, 1, 2, 4 with rewards 1 0 1 0. GRPO on them: mean 1/2, ddof-1
+    # std sqrt(1/3), so A = +-(1/2) / sqrt(1/3) = +-sqrt(3)/2.
+    result = _build(
+        [1, 0, 1, 1, 0, 1, 1, 1],
+        rule="fixed",
+        group_size=0,
+        n_max=8,
+        wave_size=8,
+        downsample="none",
+        advantage="grpo",
+        group_policies=[{"name": "maxvar", "params": {"keep_fraction": 0.5}}],
+    )
+    g = result.group
+    assert [s.response_text for s in g.samples] == ["a0", "a1", "a2", "a4"]
+    half_root3 = math.sqrt(3) / 2
+    assert [s.advantage for s in g.samples] == pytest.approx(
+        [half_root3, -half_root3, half_root3, -half_root3], rel=1e-5
+    )
+    # Before maxvar the mixer saw GRPO over all eight: mean 3/4, ddof-1 std sqrt(3/14);
+    # |A| is 1/4 / std for the six 1s and 3/4 / std for the two 0s: mean 3/8 / std.
+    assert result.mean_abs_advantage == pytest.approx(0.375 / math.sqrt(3 / 14), rel=1e-5)
+
+
+def test_est_advantage_scales_by_the_root_of_the_mean_reward() -> None:
+    # Rewards 1 0 0 0: rbar = 1/4, A = (r - 1/4) / sqrt(1/4) = 3/2, -1/2, -1/2, -1/2.
+    result = _build(
+        [1, 0, 0, 0], rule="est", group_size=0, downsample="none", advantage="est", n_max=8
+    )
+    assert [s.advantage for s in result.group.samples] == pytest.approx(
+        [1.5, -0.5, -0.5, -0.5], rel=1e-5
+    )
+
+
+def test_group_policy_drop_is_named_and_mixer_signal_kept() -> None:
+    result = _build([1, 1, 1, 1], group_policies=[{"name": "nonzero_std"}])
+    assert result.group is None and result.drop_reason == "nonzero_std"
+    assert result.mean_abs_advantage == 0.0  # all equal: every A is 0
+
+
+def test_gfpo_keeping_one_sample_drops_the_group() -> None:
+    # gfpo k=1 leaves a single sample: a singleton carries no comparison.
+    result = _build(
+        [1, 0, 1, 0], group_size=4, group_policies=[{"name": "gfpo", "params": {"k": 1}}]
+    )
+    assert result.group is None and result.drop_reason == TOO_FEW_SAMPLES
+
+
+def test_gfpo_short_keeps_the_shortest_answers() -> None:
+    # Lengths 5 3 4 1 with gfpo short k=2 keep answer 3 (1 token) and answer 1
+    # (3 tokens), in generation order 1, 3, rewards 0 and 1. Global baseline over all
+    # four answers (1 0 1 1): 3/4 -> A = -3/4, 1/4.
+    result = _build(
+        [1, 0, 1, 1],
+        group_size=0,
+        downsample="none",
+        lengths=[5, 3, 4, 1],
+        group_policies=[{"name": "gfpo", "params": {"k": 2, "metric": "short"}}],
+    )
+    assert [s.response_text for s in result.group.samples] == ["a1", "a3"]
+    assert [s.advantage for s in result.group.samples] == pytest.approx([-0.75, 0.25])
+
+
+def test_mismatched_answers_and_verdicts_are_refused() -> None:
+    completions, verdicts = _answers([1, 0])
+    with pytest.raises(ValueError):
+        build_group(
+            row=ROW,
+            cfg=SamplerConfig(),
+            config_version=0,
+            completions=completions,
+            verdicts=verdicts[:1],
+            n_pos=1,
+            stop_reason="rule",
+        )
+
+
+def _group(gid: str, advantages: list[float], logprobs: list[list[float]] | None = None) -> Group:
+    n = len(advantages)
+    logprobs = logprobs or [[-0.5, -0.5]] * n
+    samples = [
+        Sample(
+            sample_id=f"{gid}{i}",
+            response_token_ids=list(range(len(lp))),
+            response_text="",
+            logprobs=lp,
+            reward=1.0 if a > 0 else 0.0,
+            finish_reason="stop",
+            policy_version=0,
+            advantage=a,
+        )
+        for i, (a, lp) in enumerate(zip(advantages, logprobs, strict=True))
+    ]
+    return Group(
+        group_id=gid,
+        prompt_id=gid,
+        domain="d",
+        prompt_token_ids=[1],
+        prompt_text="",
+        config_version=0,
+        policy_version_min=0,
+        policy_version_max=0,
+        stop_reason="rule",
+        stats=GroupStats(
+            n_generated=n, n_pos=n // 2, n_neg=n - n // 2, reward_mean=0.5, reward_std=0.5
+        ),
+        samples=samples,
+        batch_id="",
+        batch_index=0,
+        batch_size=0,
+    )
+
+
+def test_topk_drops_a_group_and_per_weights_have_mean_one() -> None:
+    # Frame of 8 samples; topk 0.5 keeps floor(0.5 * 8 + 0.5) = 4 by |A|: all of A
+    # (2, 2, 1, 1 > 0.5) and none of B, which is dropped and named.
+    a = _group("A", [2.0, -2.0, 1.0, -1.0])
+    b = _group("B", [0.5, -0.5, 0.1, -0.1])
+    frame = apply_batch_policies(
+        [a, b],
+        [selection.build("topk", fraction=0.5)],
+        [reweighting.build("per", alpha=0.5)],
+        batch_id="f1",
+    )
+    assert frame.kept == [a] and frame.dropped == [(b, "topk")]
+    # per: w = |A|^0.5 = sqrt2, sqrt2, 1, 1, mean (sqrt2 + 1) / 2; normalised:
+    # 2 sqrt2 / (sqrt2 + 1) = 4 - 2 sqrt2 and 2 / (sqrt2 + 1) = 2 sqrt2 - 2.
+    hi, lo = 4 - 2 * math.sqrt(2), 2 * math.sqrt(2) - 2
+    assert [s.weight for s in a.samples] == pytest.approx([hi, hi, lo, lo])
+    assert (a.batch_id, a.batch_index, a.batch_size) == ("f1", 0, 1)
+
+
+def test_token_weights_from_logprobs_and_frame_positions() -> None:
+    # ar alpha 0.5: w_t = 0.5 exp(lp) + 0.5. Token logprobs ln 0.5 and 0 give 0.75 and
+    # 1; mean over the frame's tokens 0.875 -> 6/7 and 8/7.
+    lps = [[math.log(0.5), 0.0], [math.log(0.5), 0.0]]
+    groups = [_group("A", [1.0, -1.0], lps), _group("B", [1.0, -1.0], lps)]
+    frame = apply_batch_policies(groups, [], [reweighting.build("ar", alpha=0.5)], batch_id="f2")
+    assert frame.dropped == []
+    assert [(g.batch_index, g.batch_size, g.batch_id) for g in frame.kept] == [
+        (0, 2, "f2"),
+        (1, 2, "f2"),
+    ]
+    for g in frame.kept:
+        for s in g.samples:
+            assert s.token_weights == pytest.approx([6 / 7, 8 / 7])
+            assert s.weight == pytest.approx(1.0)
