@@ -269,7 +269,7 @@ async def simulate(
         # Folded in through the estimator's own state format: n_tot and n_pos decayed
         # by lambda per epoch, as update() would leave them.
         hist = np.random.default_rng(seed + 3)
-        lam = scheduler.estimator.params.lam
+        lam = scheduler.estimator.params.decay
         n_tot = np.zeros(len(pass_rates))
         n_pos = np.zeros(len(pass_rates))
         for _ in range(history_epochs):

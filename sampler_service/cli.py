@@ -22,134 +22,64 @@ def _load_config_file(path: Path) -> dict[str, Any]:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        type=Path,
-        required=True,
-        help="Hugging Face model directory (weights + tokenizer)",
-    )
-    p.add_argument(
-        "--data",
-        type=Path,
-        action="append",
-        required=True,
-        help="prompt file (.jsonl or .parquet); repeat for several domains (domain = file stem unless a row says)",
-    )
-    p.add_argument(
-        "--verifier",
-        default="exact",
-        help="default verifier for rows without one: exact | math | python:module:function",
-    )
-    p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="inference engine")
-    p.add_argument(
-        "--hf-engine",
-        choices=["process", "thread"],
-        default="process",
-        help="run the hf backend in its own process (the service's work then never waits on the "
-        "engine's GIL) or on a thread of the server process",
-    )
-    p.add_argument("--device", default="cpu", help="torch device for the hf backend")
-    p.add_argument("--dtype", default="float32", help="engine dtype (float32, bfloat16, float16)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (0 picks a free one)")
-    p.add_argument(
-        "--state-dir",
-        type=Path,
-        default=Path("sampler_state"),
-        help="directory for the SQLite store (groups, config, mixer state) and accepted weights",
-    )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("ADAPTIVE_ROLLOUT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: env ADAPTIVE_ROLLOUT_API_KEY)",
-    )
+    """`serve`'s flags: one per ServeSettings field, plus the initial sampler config."""
+    from sampler_service.config import ServeSettings
+    from trainer_client.config_cli import add_model_arguments
+
+    add_model_arguments(p, ServeSettings)
     p.add_argument(
         "--config",
         type=Path,
-        help="initial sampler config (.json or .toml, the keys of GET /v1/config); a config saved "
-        "in the state dir by an earlier run wins",
-    )
-    p.add_argument("--heartbeat-s", type=float, default=5.0, help="stream heartbeat interval")
-    p.add_argument(
-        "--verifier-timeout-s", type=float, default=10.0, help="time limit per verification"
-    )
-    p.add_argument("--verifier-workers", type=int, default=2, help="verifier processes")
-    p.add_argument(
-        "--store-checkpoint-s",
-        type=float,
-        default=0.5,
-        help="seconds between SQLite WAL checkpoints, run off the write path; 0 = SQLite's default (inside commits)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed for data order and sampling")
-    p.add_argument(
-        "--torch-threads",
-        type=int,
-        default=1,
-        help="CPU threads for torch in the server (1 suits small models: more threads spin "
-        "against the verifier and HTTP work on few cores; 0 leaves torch's default)",
+        help="initial sampler config (.json or .toml, the keys of GET /v1/config)",
     )
     p.add_argument(
-        "--vllm-arg",
+        "--set",
+        dest="config_set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="engine argument passed to vLLM, e.g. tensor_parallel_size=2 (value parsed as JSON if it can be)",
+        help="initial sampler config key, over --config (value parsed as JSON if it can be; "
+        "dotted keys nest, e.g. est.n_min=4); repeatable. A config saved in --state-dir by an "
+        "earlier run wins over both, with a warning naming each key it overrides",
     )
-    p.add_argument("--log-level", default="INFO", help="logging level")
+    p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
 
 
-def _parse_engine_args(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--vllm-arg expects KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+def initial_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The initial sampler config: --set over --config over the defaults, validated
+    (the saved state, when there is one, wins over all three in the service)."""
+    from sampler_service.config import ConfigError, merge_patch, validate_config
+    from trainer_client.config_cli import parse_key_values
+
+    try:
+        given = _load_config_file(args.config) if args.config else {}
+        given = merge_patch(given, parse_key_values(args.config_set, "--set"))
+    except (OSError, ValueError, argparse.ArgumentTypeError) as exc:
+        parser.error(f"--config/--set: {exc}")
+    try:
+        return validate_config(given), given
+    except ConfigError as exc:
+        parser.error(f"--config/--set: {exc}")
 
 
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from sampler_service.app import create_app
-    from sampler_service.config import ConfigError, ServeSettings, validate_config
+    from sampler_service.config import ServeSettings
     from sampler_service.service import SamplerService
+    from trainer_client.config_cli import model_from_args
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.torch_threads > 0:
+    settings = model_from_args(args.parser, ServeSettings, args)
+    initial, given = initial_config(args.parser, args)
+    if settings.torch_threads > 0:
         import torch
 
-        torch.set_num_threads(args.torch_threads)
-    settings = ServeSettings(
-        model=args.model,
-        data=args.data,
-        verifier=args.verifier,
-        backend=args.backend,
-        hf_engine=args.hf_engine,
-        torch_threads=args.torch_threads,
-        device=args.device,
-        dtype=args.dtype,
-        host=args.host,
-        port=args.port,
-        state_dir=args.state_dir,
-        api_key=args.api_key,
-        heartbeat_s=args.heartbeat_s,
-        verifier_timeout_s=args.verifier_timeout_s,
-        verifier_workers=args.verifier_workers,
-        store_checkpoint_s=args.store_checkpoint_s,
-        seed=args.seed,
-        vllm=_parse_engine_args(args.vllm_arg),
-    )
-    try:
-        initial = validate_config(_load_config_file(args.config) if args.config else {})
-    except ConfigError as exc:
-        raise SystemExit(f"--config {args.config}: {exc}") from exc
-    service = SamplerService(settings, initial_config=initial)
+        torch.set_num_threads(settings.torch_threads)
+    service = SamplerService(settings, initial_config=initial, given=frozenset(given))
     app = create_app(service)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level="warning", lifespan="on"
@@ -202,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p_serve = sub.add_parser("serve", help="run the sampler service")
     add_serve_arguments(p_serve)
-    p_serve.set_defaults(func=serve)
+    p_serve.set_defaults(func=serve, parser=p_serve)
 
     p_toy = sub.add_parser("toy", help="write the toy model and arithmetic data")
     p_toy.add_argument("--out", type=Path, default=Path("toy"), help="output directory")

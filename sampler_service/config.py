@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from strategies import mixing, reweighting, selection, stopping
-from strategies.estimator import Estimator
+from strategies.estimator import Estimator, EstKnobs
 from strategies.registry import PolicyError
 
 
@@ -36,17 +37,6 @@ class PolicySpec(_Strict):
 
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
-
-
-class EstConfig(_Strict):
-    """Reinforce-Ada-Est estimator; the paper gives no values, these are ours."""
-
-    decay: float = Field(0.8, gt=0.0, le=1.0)
-    alpha: float = Field(1.0, gt=0.0)
-    beta: float = Field(1.0, gt=0.0)
-    eps: float = Field(0.01, gt=0.0)
-    n_min: int = Field(2, ge=1)
-    mean_budget: float = Field(8.0, gt=0.0)
 
 
 class MixingSpec(_Strict):
@@ -71,7 +61,7 @@ class SamplerConfig(_Strict):
     downsample: Literal["balanced", "max_variance", "none"] = "balanced"
     advantage: Literal["grpo", "global", "est"] = "global"
     norm_by_std: bool | None = None
-    est: EstConfig = Field(default_factory=EstConfig)
+    est: EstKnobs = Field(default_factory=EstKnobs)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1)
@@ -110,15 +100,7 @@ class SamplerConfig(_Strict):
         """
         est = self.est
         n_max = self.n_max if self.rule == "est" else max(self.n_max, math.ceil(est.mean_budget))
-        return Estimator(
-            lam=est.decay,
-            alpha=est.alpha,
-            beta=est.beta,
-            eps=est.eps,
-            n_min=est.n_min,
-            n_max=n_max,
-            mean_budget=est.mean_budget,
-        )
+        return Estimator(**est.model_dump(), n_max=n_max)
 
     def group_policy_objects(self) -> list[Any]:
         return [selection.build(p.name, **p.params) for p in self.group_policies]
@@ -210,33 +192,80 @@ def merge_patch(current: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any
 
 
 class ServeSettings(_Strict):
-    """Start-up settings of `adaptive-rollout serve` (not changeable at runtime)."""
+    """Start-up settings of `adaptive-rollout serve` (not changeable at runtime).
 
-    model: Path
-    data: list[Path]
-    verifier: str = "exact"
-    backend: Literal["hf", "vllm"] = "hf"
+    The command line is generated from these fields (one flag each, this description as
+    its help, the default shown), so a new start-up option is one new field here.
+    """
+
+    model: Path = Field(description="Hugging Face model directory (weights + tokenizer)")
+    data: list[Path] = Field(
+        description="prompt file (.jsonl or .parquet); repeat for several domains "
+        "(domain = file stem unless a row says)"
+    )
+    verifier: str = Field(
+        "exact",
+        description="default verifier for rows without one: exact | math | python:module:function",
+    )
+    backend: Literal["hf", "vllm"] = Field("hf", description="inference engine")
     hf_engine: Literal["process", "thread"] = Field(
         "process",
-        description="hf backend in a child process (default) or on a thread of the server's",
+        description="run the hf backend in its own process (the service's work then never "
+        "waits on the engine's GIL) or on a thread of the server process",
     )
     torch_threads: int = Field(
-        1, ge=0, description="torch CPU threads of the engine; 0 = torch's default"
+        1,
+        ge=0,
+        description="CPU threads for torch in the engine (1 suits small models: more threads "
+        "spin against the verifier and HTTP work on few cores; 0 leaves torch's default)",
     )
-    device: str = "cpu"
-    dtype: str = "float32"
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    state_dir: Path = Path("sampler_state")
-    api_key: str | None = None
-    heartbeat_s: float = Field(5.0, gt=0.0)
-    verifier_timeout_s: float = Field(10.0, gt=0.0)
-    verifier_workers: int = Field(2, ge=1)
-    max_request_bytes: int = Field(1 << 20, ge=1024)
+    device: str = Field("cpu", description="torch device for the hf backend")
+    dtype: str = Field("float32", description="engine dtype (float32, bfloat16, float16)")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0 picks a free one)")
+    state_dir: Path = Field(
+        Path("sampler_state"),
+        description="directory for the SQLite store (groups, config, mixer state) and "
+        "accepted weights",
+    )
+    api_key: str | None = Field(
+        default_factory=lambda: os.environ.get("ADAPTIVE_ROLLOUT_API_KEY") or None,
+        description="require 'Authorization: Bearer KEY' on /v1/* (default: env "
+        "ADAPTIVE_ROLLOUT_API_KEY)",
+        repr=False,
+    )
+    heartbeat_s: float = Field(5.0, gt=0.0, description="stream heartbeat interval")
+    verifier_timeout_s: float = Field(10.0, gt=0.0, description="time limit per verification")
+    verifier_workers: int = Field(2, ge=1, description="verifier processes")
+    max_request_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        description="size limit of a JSON request body (acks: 8x; weight uploads: twice the "
+        "model's weight bytes)",
+    )
     store_checkpoint_s: float = Field(
         0.5,
         ge=0.0,
-        description="seconds between WAL checkpoints on their own thread; 0 = inside commits",
+        description="seconds between SQLite WAL checkpoints, run off the write path; 0 = "
+        "SQLite's default (inside commits)",
     )
-    seed: int = 0
-    vllm: dict[str, Any] = Field(default_factory=dict, description="engine args passed through")
+    seed: int = Field(0, description="seed for data order and sampling")
+    vllm: dict[str, Any] = Field(
+        default_factory=dict,
+        description="engine argument passed to vLLM, e.g. tensor_parallel_size=2 (value "
+        "parsed as JSON if it can be); repeatable",
+        json_schema_extra={"cli_flag": "vllm-arg"},
+    )
+
+
+def overridden_by_saved(
+    given: dict[str, Any], initial: SamplerConfig, saved: SamplerConfig
+) -> list[str]:
+    """The knobs set on the command line (`given`: top-level keys) whose value the
+    config saved by an earlier run replaces; the saved config wins so that a restart
+    continues the run as it was tuned through the API."""
+    return [
+        f"{key}={getattr(initial, key)!r} (saved: {getattr(saved, key)!r})"
+        for key in given
+        if getattr(initial, key) != getattr(saved, key)
+    ]

@@ -25,6 +25,7 @@ from sampler_service.config import (
     ServeSettings,
     check_consistency,
     merge_patch,
+    overridden_by_saved,
     validate_config,
 )
 from sampler_service.dataset import Dataset, PromptRow
@@ -116,11 +117,15 @@ class SamplerService:
         settings: ServeSettings,
         initial_config: SamplerConfig | None = None,
         backend: Backend | None = None,
+        given: frozenset[str] = frozenset(),
     ) -> None:
+        """`given`: the top-level config keys the command line set (--config, --set),
+        named in a warning when the config saved by an earlier run overrides them."""
         self.settings = settings
         self.started_at = time.time()
         self.metrics = Metrics()
         self._initial_config = initial_config or SamplerConfig()
+        self._given = given
         self._backend = backend
         self.ready = False
         self._config_lock = asyncio.Lock()
@@ -139,6 +144,14 @@ class SamplerService:
         saved = await self.store.call(self.store.sync.get, "config")
         if saved is not None:
             cfg, version = validate_config(saved["config"]), int(saved["version"])
+            for knob in overridden_by_saved(self._given, self._initial_config, cfg):
+                log.warning(
+                    "the config saved in %s (v%d) overrides the command line's %s; "
+                    "PATCH /v1/config to change it",
+                    s.state_dir,
+                    version,
+                    knob,
+                )
         else:
             cfg, version = self._initial_config, 0
         check_consistency(cfg, self.dataset.domains)

@@ -22,18 +22,27 @@ from strategies.registry import Params, PolicyError, parse_params
 _BISECTION_STEPS = 200
 
 
-class EstimatorParams(Params):
-    """Est knobs (the paper gives no values; these are DESIGN.md's defaults)."""
+class EstKnobs(Params):
+    """The Est knobs a user sets (the sampler config's `est`). The paper gives no values;
+    these defaults are ours. The only definition of them: the service's config, the
+    estimator and the trainer-side checks all use this model."""
 
     model_config = ConfigDict(populate_by_name=True)
 
-    lam: float = Field(0.8, alias="lambda", ge=0.0, le=1.0)
-    alpha: float = Field(1.0, gt=0.0)
-    beta: float = Field(1.0, gt=0.0)
-    eps: float = Field(0.01, ge=0.0)
-    n_min: int = Field(2, ge=1)
+    decay: float = Field(
+        0.8, alias="lambda", gt=0.0, le=1.0, description="EMA decay of a prompt's counts"
+    )
+    alpha: float = Field(1.0, gt=0.0, description="Beta prior: pseudo-count of right answers")
+    beta: float = Field(1.0, gt=0.0, description="Beta prior: pseudo-count of wrong answers")
+    eps: float = Field(0.01, gt=0.0, description="budget = c / sqrt(p + eps)")
+    n_min: int = Field(2, ge=1, description="smallest per-prompt budget")
+    mean_budget: float = Field(8.0, gt=0.0, description="dataset-wide mean of the budgets")
+
+
+class EstimatorParams(EstKnobs):
+    """What the estimator needs beyond the user's knobs."""
+
     n_max: int = Field(32, ge=1)
-    mean_budget: float = 8.0
     recalibrate_every: int = Field(64, ge=1)
 
 
@@ -77,7 +86,7 @@ class Estimator:
         """
         if not 0 <= k <= n:
             raise ValueError(f"need 0 <= k <= n, got n={n}, k={k}")
-        lam = self.params.lam
+        lam = self.params.decay
         n_tot, n_pos = self._stats.get(prompt_id, (0.0, 0.0))
         self._stats[prompt_id] = (lam * n_tot + n, lam * n_pos + k)
         self._finalized += 1

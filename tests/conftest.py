@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from support import Server, start_server
 
 # Nothing phones home: no hub downloads, no usage statistics from vLLM or Ray.
 for _key, _value in {
@@ -29,3 +32,34 @@ def toy(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from sampler_service.toy import build_toy  # imports torch: only for tests that need it
 
     return build_toy(tmp_path_factory.mktemp("toy"), seed=0)
+
+
+def _server_factory(toy: Any, where: Path) -> tuple[Callable[..., Server], list[Server]]:
+    servers: list[Server] = []
+
+    def make(config: dict[str, Any] | None = None, **kw: Any) -> Server:
+        server = start_server(toy, where, config, **kw)
+        servers.append(server)
+        return server
+
+    return make, servers
+
+
+@pytest.fixture
+def make_server(toy: Any, tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    """Start samplers for one test (it may kill or restart them); stopped after it."""
+    make, servers = _server_factory(toy, tmp_path)
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def make_module_server(
+    toy: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., Server]]:
+    """Start samplers shared by the tests of one module; stopped after the module."""
+    make, servers = _server_factory(toy, tmp_path_factory.mktemp("server"))
+    yield make
+    for server in servers:
+        server.stop()

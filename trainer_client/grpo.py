@@ -24,50 +24,17 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Generator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from trainer_client.batch import BatchAssembler, TrainBatch
 from trainer_client.client import SamplerClient
+from trainer_client.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainConfig:
-    url: str
-    model: Path
-    out_dir: Path = Path("runs/train")
-    steps: int = 100
-    batch_groups: int = 8
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0
-    advantage: Literal["server", "grpo"] = "server"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float | None = None  # truncated importance correction vs the sampler's logprobs
-    ppo_epochs: int = 1
-    minibatches: int = 1  # optimizer steps per epoch (the batch is split this many ways)
-    sync_every: int = 1
-    save_every: int = 0  # 0: only the final checkpoint
-    device: str = "cpu"
-    consumer: str = "trainer"
-    api_key: str | None = None
-    watchdog_s: float = 120.0
-    max_unacked: int | None = None  # default: 2 x batch_groups (one batch in flight)
-    configure_sampler: bool = True  # PATCH the sampler's batch_groups to ours
-    seed: int = 0
-    progress: bool = True
-    time_limit_s: float | None = (
-        None  # stop early (after a whole step) once this much time is spent
-    )
-    eval_files: list[Path] = field(default_factory=list)
 
 
 # -- the algorithm ------------------------------------------------------------------------
@@ -343,7 +310,7 @@ class GRPOTrainer:
         state = {
             "step": self.step,
             "policy_version": self.version,
-            "config": _jsonable(asdict(self.cfg)),
+            "config": self.cfg.model_dump(mode="json", exclude={"api_key"}),
         }
         (path / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
         return path
@@ -357,14 +324,6 @@ def _domain_means(batch: TrainBatch) -> dict[str, float]:
         t[0] += g.stats.reward_mean * g.stats.n_generated
         t[1] += g.stats.n_generated
     return {d: s / n for d, (s, n) in total.items() if n and not math.isnan(s)}
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items() if k != "api_key"}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return str(value) if isinstance(value, Path) else value
 
 
 def train(cfg: TrainConfig, on_trainer: Callable[[GRPOTrainer], None] | None = None) -> GRPOTrainer:

@@ -7,39 +7,25 @@ import contextlib
 import socket
 import threading
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
+from support import Server, start_server
 
 from sampler_service.toy import ToyPaths
-from trainer_client.launch import SamplerProcess
 
+#: Shorter answers and a smaller buffer than the service tests: credit tests see
+#: backpressure sooner.
 BASE_CONFIG = {"max_tokens": 6, "max_active_prompts": 16, "max_buffered_groups": 16}
 
 
-def start_sampler(
-    toy: ToyPaths, where: Path, config: dict[str, Any], name: str = "state"
-) -> SamplerProcess:
-    proc = SamplerProcess(
-        toy.model_dir,
-        toy.data_files,
-        where / name,
-        {**BASE_CONFIG, **config},
-        where / f"{name}.log",
-        heartbeat_s=0.5,
-    )
-    proc.start()
-    return proc
-
-
 @pytest.fixture(scope="module")
-def sampler(toy: ToyPaths, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SamplerProcess]:
+def sampler(toy: ToyPaths, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Fast fixed-rule groups in frames of 2."""
-    proc = start_sampler(
+    proc = start_server(
         toy,
         tmp_path_factory.mktemp("sampler"),
         {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2, "batch_groups": 2},
+        base=BASE_CONFIG,
     )
     yield proc
     proc.stop()
@@ -100,7 +86,7 @@ class CuttableProxy:
 
 
 @pytest.fixture
-def proxy(sampler: SamplerProcess) -> Iterator[CuttableProxy]:
+def proxy(sampler: Server) -> Iterator[CuttableProxy]:
     host, port = sampler.url.removeprefix("http://").rsplit(":", 1)
     p = CuttableProxy(host, int(port))
     yield p

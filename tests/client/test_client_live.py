@@ -112,3 +112,37 @@ def test_watchdog_fires_when_the_sampler_stops_sending(sampler) -> None:
             os.kill(sampler.pid, signal.SIGCONT)
     with SamplerClient(sampler.url, watchdog_s=30) as client:
         assert client.health().status == "ok"  # it resumes
+
+
+def test_the_json_encoding_delivers_what_msgpack_does(sampler) -> None:
+    """`encoding="json"` (NDJSON stream, JSON lease) against the real server: the same
+    groups, values and acks as the default msgpack path."""
+    with (
+        SamplerClient(sampler.url, consumer="as-json", encoding="json", heartbeat_s=0.5) as plain,
+        SamplerClient(sampler.url, consumer="as-msgpack", heartbeat_s=0.5) as packed,
+    ):
+        assert plain.accept == "application/x-ndjson"
+        plain.update_config(lease_ttl_s=1.0)  # applies to leases taken from now on
+        try:
+            first = plain.lease(max_groups=2, wait_s=60.0)
+            assert first.groups and all(g.delivery_id for g in first.groups)
+            # Never acked: once the lease expires the msgpack client gets the same frame.
+            again: list = []
+            deadline = time.monotonic() + 3 * 1.0 + 30
+            while not again:
+                assert time.monotonic() < deadline, "the JSON lease never expired"
+                again = packed.lease(max_groups=len(first.groups), wait_s=1.0).groups
+        finally:
+            plain.update_config(lease_ttl_s=300.0)
+        assert [g.group_id for g in again] == [g.group_id for g in first.groups]
+        for a, b in zip(first.groups, again, strict=True):
+            assert a.model_dump(exclude={"delivery_id"}) == b.model_dump(exclude={"delivery_id"})
+        assert packed.ack(again).acked == len(again)
+        # The stream in NDJSON: a group arrives, decoded into the same model.
+        stream = plain.groups(max_unacked=2)
+        group = next(stream)
+        stream.close()
+        assert group.samples and len(group.samples[0].logprobs) == len(
+            group.samples[0].response_token_ids
+        )
+        assert plain.ack([group]).acked == 1

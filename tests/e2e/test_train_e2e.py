@@ -78,33 +78,38 @@ def test_trainer_process_pushes_weights_the_sampler_serves_and_acks_what_it_used
         assert gap < 1e-4, gap
 
         run = tmp_path / "run"
-        cmd = [
-            sys.executable,
-            "-m",
-            "sampler_service",
-            "train",
-            "--url",
-            sampler.url,
-            "--model",
-            str(toy.model_dir),
-            "--out",
-            str(run),
-            "--steps",
-            str(STEPS),
-            "--batch-groups",
-            "4",
-            "--lr",
-            "3e-3",
-            "--sync-every",
-            "1",
-            "--consumer",
-            "e2e-trainer",
-            "--watchdog-s",
-            "60",
-            "--no-progress",
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stdout + done.stderr
+
+        def train(model, out, steps: int) -> None:
+            """`adaptive-rollout train` as its own process, against the sampler."""
+            cmd = [
+                sys.executable,
+                "-m",
+                "sampler_service",
+                "train",
+                "--url",
+                sampler.url,
+                "--model",
+                str(model),
+                "--out",
+                str(out),
+                "--steps",
+                str(steps),
+                "--batch-groups",
+                "4",
+                "--lr",
+                "3e-3",
+                "--sync-every",
+                "1",
+                "--consumer",
+                "e2e-trainer",
+                "--watchdog-s",
+                "60",
+                "--no-progress",
+            ]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+            assert done.returncode == 0, done.stdout + done.stderr
+
+        train(toy.model_dir, run, STEPS)
 
         # The policy version rose with every push.
         assert client.health().policy_version == STEPS
@@ -134,3 +139,16 @@ def test_trainer_process_pushes_weights_the_sampler_serves_and_acks_what_it_used
         # Every group the trainer used was acked: none comes back (redeliveries come first).
         assert not used & leased
         assert not used & {g.group_id for g in client.lease(max_groups=64, wait_s=2.0).groups}
+
+        # Resuming from the final checkpoint goes on from its step and policy version
+        # (a restarted trainer must not push a version the sampler already has: 409).
+        resumed = tmp_path / "resumed"
+        train(run / "final", resumed, STEPS + 2)
+        log = [json.loads(line) for line in (resumed / "train_log.jsonl").read_text().splitlines()]
+        assert [(r["step"], r["policy_version"]) for r in log] == [
+            (STEPS + 1, STEPS + 1),
+            (STEPS + 2, STEPS + 2),
+        ]
+        assert client.health().policy_version == STEPS + 2
+        state = json.loads((resumed / "final" / "trainer_state.json").read_text())
+        assert (state["step"], state["policy_version"]) == (STEPS + 2, STEPS + 2)

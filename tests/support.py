@@ -1,0 +1,163 @@
+"""What the suites share: the real sampler as a subprocess, lease loops, weight files.
+
+Imported by test modules (`from support import ...`; pytest puts `tests/` on the path
+because `tests/conftest.py` sits in a directory without `__init__.py`) and used by the
+fixtures in `tests/conftest.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from trainer_client import wire
+from trainer_client.launch import SamplerProcess
+from trainer_client.protocol import MSGPACK_MEDIA_TYPE, NDJSON_MEDIA_TYPE
+
+HERE = Path(__file__).parent
+#: Small answers and a small buffer: groups come fast and backpressure is reachable.
+BASE_CONFIG: dict[str, Any] = {"max_tokens": 8, "max_active_prompts": 16, "max_buffered_groups": 64}
+
+
+class Server(SamplerProcess):
+    """`adaptive-rollout serve` on a loopback port, with an HTTP client factory."""
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60.0, **kw)
+
+
+def start_server(
+    toy: Any,
+    where: Path,
+    config: dict[str, Any] | None = None,
+    *,
+    name: str = "state",
+    extra: list[str] | None = None,
+    data: list[Path] | None = None,
+    model: Path | None = None,
+    base: dict[str, Any] | None = None,
+) -> Server:
+    """Start a sampler on the toy model with `config` over `base` (BASE_CONFIG)."""
+    # The misbehaving verifiers of tests/service/flaky_verifiers.py are imported by the server.
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE / "service"), os.environ.get("PYTHONPATH", "")])}
+    server = Server(
+        model or toy.model_dir,
+        data or toy.data_files,
+        where / name,
+        {**(BASE_CONFIG if base is None else base), **(config or {})},
+        where / f"{name}.log",
+        heartbeat_s=0.5,
+        extra=extra,
+        env=env,
+    )
+    server.start()
+    return server
+
+
+def rows_with(path: Path, **changes: Any) -> list[dict[str, Any]]:
+    """The rows of a JSONL prompt file with some keys replaced (None removes a key)."""
+    rows = [orjson.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for row in rows:
+        row = {**row, **changes}
+        out.append({k: v for k, v in row.items() if v is not None})
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    return path
+
+
+def unanswerable(toy: Any, where: Path) -> Path:
+    """A domain no answer can be right for (the expected answer is not a number), so
+    every prompt of it runs to n_max: the `n_max` branches of a test always run."""
+    return write_jsonl(
+        where / "never.jsonl", rows_with(toy.data_files[0], answer="never", domain="never")
+    )
+
+
+def lease(client: httpx.Client, n: int, wait_s: float = 30.0, consumer: str = "t") -> list[dict]:
+    r = client.post(
+        "/v1/groups/lease", json={"max_groups": n, "wait_s": wait_s, "consumer": consumer}
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["groups"]
+
+
+def collect(client: httpx.Client, n: int, ack: bool = True, **kw: Any) -> list[dict]:
+    """Lease (and ack) until n groups came back."""
+    groups: list[dict] = []
+    while len(groups) < n:
+        got = lease(client, n - len(groups), **kw)
+        if ack and got:
+            r = client.post(
+                "/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in got]}
+            )
+            assert r.status_code == 200, r.text
+        groups.extend(got)
+    return groups
+
+
+def drain(client: httpx.Client, consumer: str = "t") -> int:
+    """Ack everything READY now, so a shared server's next test starts from new groups."""
+    n = 0
+    while got := lease(client, 256, wait_s=0.0, consumer=consumer):
+        client.post("/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in got]})
+        n += len(got)
+    return n
+
+
+def _msgpack_messages(response: httpx.Response) -> Iterator[dict]:
+    decoder = wire.stream_decoder()
+    for chunk in response.iter_bytes():
+        decoder.feed(chunk)
+        yield from decoder
+
+
+def stream_groups(
+    client: httpx.Client, n: int, consumer: str, max_unacked: int = 8, accept: str | None = None
+) -> list[dict]:
+    """Read n groups from the stream without acking, then drop the connection."""
+    out: list[dict] = []
+    params = {"consumer": consumer, "max_unacked": max_unacked}
+    headers = {"Accept": accept} if accept else {}
+    with client.stream("GET", "/v1/groups/stream", params=params, headers=headers) as r:
+        assert r.status_code == 200
+        if accept == MSGPACK_MEDIA_TYPE:
+            assert r.headers["content-type"] == MSGPACK_MEDIA_TYPE
+            messages = _msgpack_messages(r)
+        else:
+            assert r.headers["content-type"].startswith(NDJSON_MEDIA_TYPE)
+            messages = (orjson.loads(line) for line in r.iter_lines())
+        for msg in messages:
+            if msg["type"] == "group":
+                out.append(msg["group"])
+                if len(out) >= n:
+                    break
+    return out
+
+
+def perturbed_state(model_dir: Path, scale: float, seed: int = 0) -> dict[str, Any]:
+    """The toy model's weights plus seeded Gaussian noise: a new policy to push."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        k: (v + scale * torch.randn(v.shape, generator=gen)).contiguous()
+        for k, v in model.state_dict().items()
+    }
+
+
+def perturbed_file(model_dir: Path, scale: float, seed: int = 0) -> bytes:
+    """`perturbed_state` as safetensors bytes, the body of PUT /v1/weights."""
+    from safetensors.torch import save
+
+    return save(perturbed_state(model_dir, scale, seed))

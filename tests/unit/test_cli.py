@@ -1,0 +1,101 @@
+"""The command lines generated from the settings models: flags, defaults, validation and
+the initial config's precedence."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from sampler_service.cli import add_serve_arguments, initial_config, main
+from sampler_service.config import SamplerConfig, ServeSettings, overridden_by_saved
+from trainer_client.config_cli import parse_key_values
+from trainer_client.train_config import TrainConfig
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="serve")
+    add_serve_arguments(parser)
+    return parser
+
+
+def test_sync_every_zero_is_a_usage_error_naming_the_flag(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--url", "http://x", "--model", "m", "--sync-every", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--sync-every: Input should be greater than or equal to 1" in err
+
+
+def test_serve_has_one_flag_per_setting_and_shows_defaults() -> None:
+    help_text = " ".join(_serve_parser().format_help().split())
+    for name, info in ServeSettings.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        flag = "--" + str(extra.get("cli_flag") or name.replace("_", "-"))
+        assert flag in help_text, flag
+    assert "--port PORT port to listen on (0 picks a free one) (default: 8000)" in help_text
+    assert "--state-dir STATE_DIR" in help_text and "(default: sampler_state)" in help_text
+
+
+def test_serve_flags_build_the_settings(tmp_path: Path) -> None:
+    parser = _serve_parser()
+    args = parser.parse_args(
+        ["--model", "m", "--data", "a.jsonl", "--data", "b.jsonl", "--port", "0"]
+        + ["--vllm-arg", "tensor_parallel_size=2", "--vllm-arg", "enforce_eager=true"]
+        + ["--hf-engine", "thread"]
+    )
+    from trainer_client.config_cli import model_from_args
+
+    settings = model_from_args(parser, ServeSettings, args)
+    assert settings.data == [Path("a.jsonl"), Path("b.jsonl")]
+    assert settings.port == 0 and settings.hf_engine == "thread"
+    assert settings.vllm == {"tensor_parallel_size": 2, "enforce_eager": True}
+    # Flags not given keep the model's defaults.
+    assert settings.heartbeat_s == ServeSettings.model_fields["heartbeat_s"].default == 5.0
+
+
+def test_set_wins_over_config_file_and_is_validated(tmp_path: Path) -> None:
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"rule": "positive", "k_pos": 3, "est": {"n_min": 3}}))
+    parser = _serve_parser()
+    args = parser.parse_args(
+        ["--model", "m", "--data", "d", "--config", str(config)]
+        + ["--set", "k_pos=4", "--set", "est.mean_budget=6", "--set", "mixing.name=reward_gap"]
+    )
+    cfg, given = initial_config(parser, args)
+    assert (cfg.rule, cfg.k_pos) == ("positive", 4)
+    assert (cfg.est.n_min, cfg.est.mean_budget) == (3, 6.0)  # nested keys merge
+    assert cfg.mixing.name == "reward_gap"
+    assert set(given) == {"rule", "k_pos", "est", "mixing"}
+    bad = parser.parse_args(["--model", "m", "--data", "d", "--set", "n_max=0"])
+    with pytest.raises(SystemExit):
+        initial_config(parser, bad)
+
+
+def test_saved_config_overrides_are_named() -> None:
+    initial = SamplerConfig(rule="positive", k_pos=4, n_max=16)
+    saved = SamplerConfig(rule="positive", k_pos=2, n_max=16)
+    assert overridden_by_saved({"rule": 0, "k_pos": 0, "n_max": 0}, initial, saved) == [
+        "k_pos=4 (saved: 2)"
+    ]
+
+
+def test_key_values_parse_json_else_strings_and_nest() -> None:
+    assert parse_key_values(["a=1", "b=x y", "c.d=[1, 2]", "c.e=null"], "--set") == {
+        "a": 1,
+        "b": "x y",
+        "c": {"d": [1, 2], "e": None},
+    }
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_key_values(["novalue"], "--set")
+
+
+def test_train_config_refuses_what_would_crash_later() -> None:
+    with pytest.raises(ValueError, match="sync_every"):
+        TrainConfig(url="u", model=Path("m"), sync_every=0)
+    with pytest.raises(ValueError, match="lr"):
+        TrainConfig(url="u", model=Path("m"), lr=float("inf"))
+    with pytest.raises(ValueError, match="not_a_knob"):
+        TrainConfig(url="u", model=Path("m"), not_a_knob=1)

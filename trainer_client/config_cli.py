@@ -1,0 +1,145 @@
+"""Command lines generated from pydantic settings models: one definition of each knob.
+
+Every field of a settings model becomes a flag `--field-name` whose help is the field's
+description with its default shown, so adding a knob to a process is adding one field.
+Booleans get `--x/--no-x`; list fields repeat the flag; dict fields take KEY=VALUE pairs.
+The parsed flags build and validate the model, so a bad value is a usage error that
+names the flag, never a traceback from deep inside a run.
+
+Only flags the user gave reach the model; everything else keeps the model's own default,
+which is therefore stated once, in the model.
+
+Lives on the trainer side (which depends on pydantic alone) so that both `serve` and
+`train` can use it without the trainer importing the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: JSON when it parses as JSON, else the string itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_key_values(pairs: Iterable[str], flag: str) -> dict[str, Any]:
+    """`KEY=VALUE` pairs into a dict; values as `parse_value`, dotted keys nest."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"{flag} expects KEY=VALUE, got {pair!r}")
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise argparse.ArgumentTypeError(f"{flag}: {key!r} nests under a value")
+        node[leaf] = parse_value(value)
+    return out
+
+
+def flag_name(name: str, info: FieldInfo) -> str:
+    """`--field-name`, or the field's own `cli_flag` (json_schema_extra) if it names one."""
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    return "--" + str(extra.get("cli_flag") or name.replace("_", "-"))
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _shown_default(info: FieldInfo) -> str:
+    if info.default is PydanticUndefined:
+        return "required" if info.default_factory is None else ""
+    if info.default is None:
+        return "default: none"
+    if isinstance(info.default, bool):
+        return f"default: {'on' if info.default else 'off'}"
+    return f"default: {info.default}"
+
+
+def add_model_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    model: type[BaseModel],
+    *,
+    skip: Iterable[str] = (),
+) -> None:
+    """One flag per field of `model` (fields in `skip` are left to the caller)."""
+    skipped = set(skip)
+    for name, info in model.model_fields.items():
+        if name in skipped:
+            continue
+        flag = flag_name(name, info)
+        shown = _shown_default(info)
+        help_text = " ".join(filter(None, [info.description, f"({shown})" if shown else ""]))
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        annotation = _unwrap_optional(info.annotation)
+        origin = typing.get_origin(annotation)
+        args = typing.get_args(annotation)
+        metavar = flag[2:].upper().replace("-", "_")
+        if annotation is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif origin is Literal:
+            kw.update(choices=list(args), type=type(args[0]))
+        elif origin is list:
+            item = args[0] if args and args[0] in (int, float, str, Path) else parse_value
+            kw.update(action="append", type=item, metavar=metavar)
+        elif origin is dict:
+            kw.update(action="append", metavar="KEY=VALUE")
+        elif origin is tuple:
+            kw.update(nargs=len(args), type=args[0], metavar=metavar)
+        elif annotation in (int, float, str, Path):
+            kw.update(type=annotation, metavar=metavar)
+        else:
+            kw.update(type=parse_value, metavar=metavar)
+        parser.add_argument(flag, **kw)
+
+
+def model_from_args(
+    parser: argparse.ArgumentParser, model: type[M], args: argparse.Namespace, **values: Any
+) -> M:
+    """Build `model` from the flags the user gave (plus `values`); a validation error
+    exits through `parser.error`, naming the flag."""
+    data: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        if name not in vars(args):
+            continue
+        value = getattr(args, name)
+        if typing.get_origin(_unwrap_optional(info.annotation)) is dict:
+            try:
+                value = parse_key_values(value, flag_name(name, info))
+            except argparse.ArgumentTypeError as exc:
+                parser.error(str(exc))
+        data[name] = value
+    data.update(values)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = [str(part) for part in err["loc"]]
+            info = model.model_fields.get(loc[0]) if loc else None
+            where = flag_name(loc[0], info) if info is not None else ".".join(loc)
+            problems.append(f"{where}{'.' + '.'.join(loc[1:]) if loc[1:] else ''}: {err['msg']}")
+        parser.error("; ".join(problems))

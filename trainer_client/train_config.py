@@ -1,0 +1,89 @@
+"""Settings of the reference trainer (`adaptive-rollout train`).
+
+A module of its own, with pydantic alone, so the command line can be built from it
+without importing torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainConfig(BaseModel):
+    """Settings of the reference trainer: `adaptive-rollout train` builds its flags from
+    these fields (trainer_client.config_cli), so each default is stated here only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="sampler service URL, e.g. http://127.0.0.1:8000")
+    model: Path = Field(
+        description="Hugging Face model directory the sampler started from (or one of our "
+        "checkpoints, to resume from its step and policy version)"
+    )
+    out_dir: Path = Field(
+        Path("runs/train"),
+        description="log and checkpoint directory",
+        json_schema_extra={"cli_flag": "out"},
+    )
+    steps: int = Field(100, ge=1, description="optimizer steps (batches) to train")
+    batch_groups: int = Field(
+        8, ge=1, description="groups per batch; the sampler's batch_groups is set to match"
+    )
+    lr: float = Field(1e-5, gt=0.0, allow_inf_nan=False, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="AdamW decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    max_grad_norm: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="clip norm")
+    advantage: Literal["server", "grpo"] = Field(
+        "server",
+        description="use the service's advantages, or recompute GRPO's per group",
+    )
+    clip_low: float = Field(0.2, ge=0.0, allow_inf_nan=False, description="PPO clip below 1")
+    clip_high: float = Field(0.28, ge=0.0, allow_inf_nan=False, description="PPO clip above 1")
+    tis_cap: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="truncated importance correction min(pi_old / pi_sampler, CAP); unset: off",
+    )
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
+    minibatches: int = Field(
+        1, ge=1, description="optimizer steps per epoch (the batch is split this many ways)"
+    )
+    sync_every: int = Field(1, ge=1, description="push weights to the sampler every N steps")
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: final only)")
+    device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1, ...)")
+    consumer: str = Field("trainer", description="stream consumer name (one per trainer)")
+    api_key: str | None = Field(
+        default_factory=lambda: os.environ.get("ADAPTIVE_ROLLOUT_API_KEY"),
+        description="bearer key for the sampler (default: env ADAPTIVE_ROLLOUT_API_KEY)",
+        repr=False,
+    )
+    watchdog_s: float = Field(
+        120.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="fail if the sampler sends no heartbeat or group for this long",
+    )
+    max_unacked: int | None = Field(
+        None, ge=1, description="stream credits (default: 2 x batch groups, one batch in flight)"
+    )
+    configure_sampler: bool = Field(
+        True, description="PATCH the sampler's batch_groups to --batch-groups"
+    )
+    seed: int = Field(0, description="seed for the trainer's shuffling")
+    progress: bool = Field(True, description="show a progress bar")
+    time_limit_s: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="stop early (after a whole step) once this much time is spent",
+    )
+    eval_files: list[Path] = Field(
+        default_factory=list,
+        description="held-out prompt file for greedy accuracy before and after (repeatable)",
+        json_schema_extra={"cli_flag": "eval"},
+    )
