@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # On a machine without a CUDA GPU, install the CPU torch build first so resolving the
-# project's torch range does not pull a multi-GB CUDA build (DESIGN.md section 11).
+# project's torch range does not pull a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 # Nothing phones home: no hub downloads, no usage statistics from vLLM or Ray.
@@ -54,6 +54,7 @@ test-core: venv
 lint: venv
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy
 
 format: venv
 	$(BIN)/ruff format $(LINT_PATHS)

@@ -1,1 +1,1 @@
-"""Benchmarks (DESIGN.md section 12, "Benchmarks"); see BENCHMARKS.md for how to run them."""
+"""Benchmarks; see BENCHMARKS.md for how to run them and what they show."""

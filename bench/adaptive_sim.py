@@ -60,7 +60,7 @@ class Method:
 
 
 def methods(batch: int) -> list[Method]:
-    """The compared rules, as sampler configs (DESIGN.md sections 5, 6)."""
+    """The compared rules, as sampler configs."""
     rounds = {"mode": "rounds", "cohort_size": batch}
     grpo = {"rule": "fixed", "advantage": "grpo", "downsample": "none"}
     ada = {

@@ -1,5 +1,4 @@
-# The verl test environment (.venv-verl), DESIGN.md sections 10 and 11. Included by the
-# Makefile.
+# The verl test environment (.venv-verl). Included by the Makefile.
 #
 # On CPU-only machines the CPU torch build is installed first so resolving verl's torch
 # requirement keeps it (pip finds the local torch==2.13.0+cpu wheel); GPU hosts let verl

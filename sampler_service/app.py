@@ -1,4 +1,5 @@
-"""HTTP routes (DESIGN.md section 4). Thin by rule: parse, call the service, map errors."""
+"""HTTP routes (the API table of the README). Thin by rule: parse, call the service, map
+errors."""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ def _build_policy(spec: PolicySpec, scope: str, where: str) -> Any:
 
 
 def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = None) -> None:
-    """Whole-config checks that single fields cannot express (DESIGN.md section 12)."""
+    """Whole-config checks that single fields cannot express (a 422 names the knob)."""
     if cfg.rule == "est" and not cfg.est.n_min <= cfg.est.mean_budget <= cfg.n_max:
         raise ConfigError(
             f"est needs n_min <= mean_budget <= n_max (got {cfg.est.n_min}, "

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md section 9), one registry per service instance.
+"""Prometheus metrics, one registry per service instance.
 
 A private registry (not the process-global default) keeps several services in one
 process, as tests and benchmarks run them, from colliding.

@@ -263,7 +263,7 @@ class Scheduler:
         return self.sink.buffered() + len(self._unframed) + self._finalizing
 
     def capacity(self) -> int:
-        """How many prompts may be admitted now (DESIGN.md section 5, backpressure)."""
+        """How many prompts may be admitted now (docs/architecture.md, admission)."""
         cfg = self.config
         if self.paused or not self.backend.health().ok:  # a dead engine would only burn prompts
             return 0
@@ -424,7 +424,7 @@ class Scheduler:
         return True
 
     async def _score(self, row: PromptRow, completion: Completion) -> Verdict:
-        """A truncated answer scores 0 without being verified (DESIGN.md section 12)."""
+        """A truncated answer scores 0 without being verified: its final answer is missing."""
         if completion.finish_reason == "length":
             return Verdict(0.0, None)
         return await self._verify(row, completion)

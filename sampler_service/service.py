@@ -367,7 +367,8 @@ class SamplerService:
 
     # -- weights ----------------------------------------------------------------------
     def weights_size_limit(self) -> int:
-        """Twice the model's weight bytes (DESIGN.md section 12)."""
+        """Twice the model's weight bytes: room for a full checkpoint in a wider dtype, which
+        is cast down, while an upload many times the model's size is refused unread."""
         from sampler_service.backends.weights import spec_bytes
 
         return 2 * spec_bytes(self.backend.weight_specs())

@@ -32,7 +32,7 @@ def _std(values: np.ndarray) -> float:
 
 
 def _centered(kept: np.ndarray, ref: np.ndarray, norm_by_std: bool, eps: float) -> np.ndarray:
-    adv = kept - ref.mean()
+    adv: np.ndarray = kept - ref.mean()
     return adv / (_std(ref) + eps) if norm_by_std else adv
 
 
@@ -48,7 +48,8 @@ def _global(kept: np.ndarray, all_: np.ndarray, norm_by_std: bool | None, eps: f
 
 def _est(kept: np.ndarray, all_: np.ndarray, norm_by_std: bool | None, eps: float) -> np.ndarray:
     rbar = float(all_.mean())
-    return (kept - rbar) / np.sqrt(max(rbar, 0.0) + eps)
+    adv: np.ndarray = (kept - rbar) / np.sqrt(max(rbar, 0.0) + eps)
+    return adv
 
 
 ESTIMATORS.add("grpo", NoParams, lambda _params: _grpo, scope="group")

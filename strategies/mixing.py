@@ -49,7 +49,8 @@ def apply_floor(shares: np.ndarray, floor: float) -> np.ndarray:
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
     z = np.exp(logits - logits.max())
-    return z / z.sum()
+    shares: np.ndarray = z / z.sum()
+    return shares
 
 
 class MixerParams(Params):
@@ -211,7 +212,8 @@ class RewardGap(LearnedMixer):
 
     def _logits(self, scored: list[str]) -> np.ndarray:
         means = np.array([np.mean(self._rewards[d]) for d in scored])
-        return (means.max() - means) / self.params.temperature
+        logits: np.ndarray = (means.max() - means) / self.params.temperature
+        return logits
 
 
 class DumpUcbParams(MixerParams):

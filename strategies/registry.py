@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -84,7 +84,8 @@ class Registry(Generic[T]):
 
     def policy(self, cls: P) -> P:
         """Class decorator: register a :class:`Policy` subclass under its ``name``."""
-        self.add(cls.name, cls.Params, cls, cls.scope)
+        # A policy class is its own factory: calling it with the validated params builds it.
+        self.add(cls.name, cls.Params, cast(Callable[[Any], T], cls), cls.scope)
         return cls
 
     def names(self, scope: Scope | None = None) -> list[str]:

@@ -1,6 +1,6 @@
 """HTTP clients for the sampler service: sync `SamplerClient` and `AsyncSamplerClient`.
 
-Both speak the API of DESIGN.md section 4 over httpx and share everything that is not
+Both speak the sampler's HTTP API (README, "HTTP API") over httpx and share everything that is not
 I/O (`_Core`): URL and header handling, error mapping, duplicate suppression, the
 reconnect/watchdog clock and weight encoding. Nothing here imports the server.
 
@@ -201,7 +201,7 @@ def encode_weights(state_dict: Mapping[str, Any]) -> bytes:
     """A safetensors file of a model's `state_dict()` (tensor names as the model has them).
 
     Tensors that share storage (tied embeddings) are written once, under their first
-    name; the server loads a subset of tensors as a partial update (DESIGN.md section 7).
+    name; the server loads a subset of tensors as a partial update.
     """
     import torch
     from safetensors.torch import save

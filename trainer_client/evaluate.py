@@ -1,7 +1,7 @@
 """Greedy exact-match accuracy of a causal LM on prompt rows, per domain.
 
 The trainer's held-out check (and the demo's before/after table): rows are the prompt
-rows of DESIGN.md section 3 (`prompt`, `answer`, `domain`). An answer is right when its
+rows of the prompt files (`prompt`, `answer`, `domain`). An answer is right when its
 decoded text, stripped, equals the row's answer. Prompts of equal token length are
 generated together, so no padding (and no padding-dependent numerics) is involved; the
 model's generation_config is overridden (plain greedy decoding).

@@ -21,7 +21,12 @@ import numpy as np
 
 from trainer_client.protocol import Group
 
-_DTYPES = {1: np.dtype("<i4"), 2: np.dtype("<i8"), 3: np.dtype("<f4"), 4: np.dtype("<f8")}
+_DTYPES: dict[int, np.dtype[Any]] = {
+    1: np.dtype("<i4"),
+    2: np.dtype("<i8"),
+    3: np.dtype("<f4"),
+    4: np.dtype("<f8"),
+}
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 _INT_FIELDS = ("prompt_token_ids",)
 _SAMPLE_INT_FIELDS = ("response_token_ids",)
@@ -57,12 +62,14 @@ def pack_group(group: Group) -> bytes:
         for name in _SAMPLE_FLOAT_FIELDS:
             if sample.get(name) is not None:
                 sample[name] = _array(sample[name], "float")
-    return msgpack.packb(doc)
+    packed: bytes = msgpack.packb(doc)
+    return packed
 
 
 def pack(message: Any) -> bytes:
     """Any other message (heartbeats, envelopes) as plain msgpack."""
-    return msgpack.packb(message)
+    packed: bytes = msgpack.packb(message)
+    return packed
 
 
 def unpack(data: bytes) -> Any:
@@ -93,12 +100,15 @@ def splice_map(packed_map: bytes, key: str, value: Any) -> bytes:
         count, start = int.from_bytes(packed_map[1:5], "big"), 5
     else:
         raise ValueError(f"not a msgpack map (first byte 0x{head:02x})")
-    return map_header(count + 1) + packed_map[start:] + msgpack.packb(key) + msgpack.packb(value)
+    entry: bytes = msgpack.packb(key) + msgpack.packb(value)
+    return map_header(count + 1) + packed_map[start:] + entry
 
 
 def map_header(size: int) -> bytes:
-    return msgpack.Packer().pack_map_header(size)
+    header: bytes = msgpack.Packer().pack_map_header(size)
+    return header
 
 
 def array_header(size: int) -> bytes:
-    return msgpack.Packer().pack_array_header(size)
+    header: bytes = msgpack.Packer().pack_array_header(size)
+    return header

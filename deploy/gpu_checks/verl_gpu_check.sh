@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the verl integration (issue 6): a full short verl 0.9 GRPO run, V1 trainer
+# GPU check of the verl integration: a full short verl 0.9 GRPO run, V1 trainer
 # in the `adaptive_rollout` mode, against a running sampler.
 #
 # Needs one CUDA GPU and an environment with verl 0.9.1 (GPU build) and this project

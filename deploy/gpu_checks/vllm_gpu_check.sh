@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM backend and the NCCL weight transfer (issue 5).
+# GPU check of the vLLM backend and the NCCL weight transfer.
 #
 # Run from anywhere on a machine with CUDA GPUs and a Python environment that has the
 # GPU build of vLLM (0.32, `pip install -e '.[vllm,dev]'` or `make venv-vllm` on a GPU

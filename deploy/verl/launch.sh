@@ -37,7 +37,7 @@ ROOT=$PWD
 role=${1:-}
 shift || true
 # The two sides live in different environments: verl 0.9.1 pins transformers < 5.11,
-# vLLM 0.32 needs >= 5.16 (DESIGN.md section 11).
+# vLLM 0.32 needs >= 5.16.
 if [[ -z "${PYTHON:-}" ]]; then
   venv=.venv-verl
   [[ "$role" == sampler ]] && venv=.venv-vllm

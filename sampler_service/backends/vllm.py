@@ -4,11 +4,11 @@ Runs vLLM's `AsyncLLM` (V1 engine) in the sampler process. Every `generate` call
 engine request with `SamplingParams(n=..., logprobs=0)`, so the engine's continuous
 batching sees every wave of every prompt at once. Per-token logprobs are vLLM's
 `processed_logprobs`, i.e. log_softmax(logits / T) of the sampled token after the
-request's own top-k/top-p (DESIGN.md section 12); the model's generation_config.json
+request's own top-k/top-p (as the hf backend does); the model's generation_config.json
 sampling defaults are ignored (`generation_config="vllm"`) and its end-of-sequence ids
 are passed explicitly instead, so a request samples exactly what the sampler asked for.
 
-Weights (DESIGN.md section 7). `weight_specs()` describes the Hugging Face checkpoint in
+Weights (docs/architecture.md, "Weights"). `weight_specs()` describes the Hugging Face checkpoint in
 `model_dir` (names, shapes, dtypes from the safetensors headers: the live engine holds
 repacked, padded or fused tensors that no upload would match). `load_weights` writes the
 vetted tensors to a safetensors file in the backend's work directory and has every

@@ -10,7 +10,7 @@ Loading goes through `model_runner.reload_weights`, not `model.load_weights`: th
 build repacks linear weights after the first load (their parameters become
 `torch.Size([0])`), and quantized or otherwise post-processed layers need the same
 post-processing again; `reload_weights` restores each layer to checkpoint layout, loads,
-and redoes that processing layer by layer (DESIGN.md section 11).
+and redoes that processing layer by layer.
 
 This module is imported by vLLM in the worker processes; keep it free of sampler imports.
 """

@@ -6,7 +6,7 @@ same section), with the URL and API key falling back to the environment variable
 ``ADAPTIVE_ROLLOUT_URL`` / ``ADAPTIVE_ROLLOUT_API_KEY``.
 
 `check_sampler_config` compares the sampler's live config (GET /v1/config) with what verl
-assumes about a GRPO group (DESIGN.md section 12, "verl"):
+assumes about a GRPO group:
 
 - every group has exactly ``actor_rollout_ref.rollout.n`` samples: verl lays a batch out as
   ``train_batch_size x n`` rows and sizes its mini-batches as ``ppo_mini_batch_size x n``.

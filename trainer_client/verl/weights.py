@@ -98,7 +98,7 @@ class WeightPusher:
         path = directory / f"policy_v{version:08d}.safetensors"
         tmp = path.with_suffix(".tmp")
         # Tied weights share storage and safetensors refuses aliases: keep the first name
-        # (the sampler loads a subset of tensors as a partial update, DESIGN.md section 7).
+        # (the sampler loads a subset of tensors as a partial update).
         seen: set[tuple[int, int, tuple[int, ...]]] = set()
         unique = {}
         for name, t in state.items():
