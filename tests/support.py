@@ -143,16 +143,22 @@ def stream_groups(
     return out
 
 
-def perturbed_state(model_dir: Path, scale: float, seed: int = 0) -> dict[str, Any]:
-    """The toy model's weights plus seeded Gaussian noise: a new policy to push."""
+def perturbed_state(
+    model: Path | Any, scale: float, seed: int = 0, names: list[str] | None = None
+) -> dict[str, Any]:
+    """A model's weights (a model directory or a loaded model) plus seeded Gaussian noise:
+    a new policy to push. `names` limits it to some tensors (a partial update)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if isinstance(model, Path):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model)
+    state = model.state_dict()
     gen = torch.Generator().manual_seed(seed)
     return {
-        k: (v + scale * torch.randn(v.shape, generator=gen)).contiguous()
-        for k, v in model.state_dict().items()
+        n: (state[n] + scale * torch.randn(state[n].shape, generator=gen)).contiguous()
+        for n in (names or list(state))
     }
 
 

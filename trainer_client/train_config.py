@@ -33,7 +33,7 @@ class TrainConfig(BaseModel):
     batch_groups: int = Field(
         8, ge=1, description="groups per batch; the sampler's batch_groups is set to match"
     )
-    lr: float = Field(1e-5, gt=0.0, allow_inf_nan=False, description="AdamW learning rate")
+    lr: float = Field(1e-5, ge=0.0, allow_inf_nan=False, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="AdamW decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     max_grad_norm: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="clip norm")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -16,9 +15,8 @@ def test_sleep_jumps_the_clock_without_waiting() -> None:
         await asyncio.sleep(3600.0)
         return asyncio.get_running_loop().time()
 
-    started = time.monotonic()
+    # An hour of simulated time: in real time it would run past the test's timeout.
     assert run(main()) == pytest.approx(3600.0)
-    assert time.monotonic() - started < 30  # an hour of simulated time, not of real time
 
 
 def test_timers_fire_in_order_at_their_simulated_times() -> None:

@@ -106,7 +106,7 @@ def test_watchdog_fires_when_the_sampler_stops_sending(sampler) -> None:
             with pytest.raises(SamplerUnavailable) as err:
                 while True:
                     next(it)  # buffered lines first, then silence
-            assert time.monotonic() - started < 10
+            assert time.monotonic() - started < 3 * 2.0 + 30
             assert err.value.waited_s >= 2.0 and "heartbeat or group" in str(err.value)
         finally:
             os.kill(sampler.pid, signal.SIGCONT)

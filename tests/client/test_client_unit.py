@@ -212,7 +212,7 @@ def test_watchdog_raises_when_nothing_answers() -> None:
         with pytest.raises(SamplerUnavailable) as err:
             next(client.groups())
         elapsed = time.monotonic() - started
-        assert 0.9 <= elapsed < 5.0
+        assert 0.9 <= elapsed < 3 * 1.0 + 30
         e = err.value
         assert e.attempts >= 2 and e.waited_s >= 0.9 and "heartbeat or group" in str(e)
         assert url in str(e)

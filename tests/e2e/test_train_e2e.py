@@ -16,7 +16,7 @@ from trainer_client.client import SamplerClient
 from trainer_client.grpo import token_logprobs
 from trainer_client.launch import SamplerProcess
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 TEMPERATURE = 0.9  # not 1, so a trainer that ignored the sampler's temperature would show
 STEPS = 3

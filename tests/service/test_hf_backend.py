@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from support import perturbed_state
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -232,12 +233,6 @@ async def test_invalid_requests_are_rejected(backend: HFBackend) -> None:
     assert len(await backend.generate([5], 1, sampling)) == 1
 
 
-def perturbed(reference: Any, names: list[str], seed: int = 1) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    state = reference.state_dict()
-    return {n: state[n] + 0.5 * torch.randn(state[n].shape, generator=gen) for n in names}
-
-
 async def test_load_weights_changes_the_policy(
     backend: HFBackend, reference: Any, model_dir: Path
 ) -> None:
@@ -250,7 +245,7 @@ async def test_load_weights_changes_the_policy(
         rtol=0,
     )
 
-    new = perturbed(reference, ["lm_head.weight", "model.norm.weight"])
+    new = perturbed_state(reference, 0.5, seed=1, names=["lm_head.weight", "model.norm.weight"])
     # A partial F16 file, one tensor under the checkpoint-of-the-base-model spelling.
     upload = {
         "lm_head.weight": new["lm_head.weight"].half(),
@@ -286,7 +281,9 @@ async def test_weight_load_waits_for_the_running_batch(endless_dir: Path) -> Non
         running = asyncio.create_task(backend.generate(prompt, 4, sampling))
         await asyncio.sleep(0.05)
         assert not running.done() and backend.queue_depth == 0  # taken into a batch
-        await backend.load_weights(perturbed(reference, ["lm_head.weight"]), 1)
+        await backend.load_weights(
+            perturbed_state(reference, 0.5, seed=1, names=["lm_head.weight"]), 1
+        )
         for c in await running:
             # Every token came from the old weights: the load waited for the batch.
             assert c.policy_version == 0 and c.finish_reason == "length" and c.text == ""
@@ -298,7 +295,11 @@ async def test_weight_load_waits_for_the_running_batch(endless_dir: Path) -> Non
 
 async def test_abort_all_and_a_responsive_event_loop(endless_dir: Path) -> None:
     async with started(endless_dir) as backend:
-        running = asyncio.create_task(backend.generate([5], 4, SamplingParams(max_tokens=5000)))
+        # A million tokens would take hours: the calls after the abort can only return
+        # (within the test's timeout) if the abort stopped the running batch.
+        running = asyncio.create_task(
+            backend.generate([5], 4, SamplingParams(max_tokens=1_000_000))
+        )
         queued = asyncio.create_task(backend.generate([5], 1, SamplingParams(temperature=0.5)))
         ticks = 0
         deadline = time.monotonic() + 0.3
@@ -307,13 +308,11 @@ async def test_abort_all_and_a_responsive_event_loop(endless_dir: Path) -> None:
             ticks += 1
         assert ticks >= 5 and not running.done() and not queued.done()
 
-        started_abort = time.monotonic()
         assert await backend.abort_all() == 2
         for task in (running, queued):
             with pytest.raises(GenerationAborted):
                 await task
         assert await backend.generate([5], 1, SamplingParams(max_tokens=3))  # still serving
-        assert time.monotonic() - started_abort < 2.0  # the batch stopped early
         assert backend.model_calls == 2
 
 
