@@ -6,12 +6,10 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
-from support import Server, start_server
-
-from sampler_service.toy import ToyPaths
+from support import Server
 
 #: Shorter answers and a smaller buffer than the service tests: credit tests see
 #: backpressure sooner.
@@ -19,16 +17,12 @@ BASE_CONFIG = {"max_tokens": 6, "max_active_prompts": 16, "max_buffered_groups":
 
 
 @pytest.fixture(scope="module")
-def sampler(toy: ToyPaths, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def sampler(make_module_server: Callable[..., Server]) -> Server:
     """Fast fixed-rule groups in frames of 2."""
-    proc = start_server(
-        toy,
-        tmp_path_factory.mktemp("sampler"),
+    return make_module_server(
         {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2, "batch_groups": 2},
         base=BASE_CONFIG,
     )
-    yield proc
-    proc.stop()
 
 
 class CuttableProxy:
