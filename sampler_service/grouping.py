@@ -6,8 +6,8 @@ back is the finished group (or the reason it is dropped) and, for a batch frame,
 groups that stay with their batch-scope weights. Keeping this free of I/O lets it be
 tested with hand-computed numbers and reused by the simulated benchmarks unchanged.
 
-Pipeline per prompt (docs/architecture.md, "Sampling semantics"): down-sample to
-group_size -> advantages over the kept samples with the configured estimator -> group
+Pipeline per prompt (docs/architecture.md, "A prompt from admission to ack"): down-sample
+to group_size -> advantages over the kept samples with the configured estimator -> group
 policies on the kept samples, recomputing advantages on what a policy keeps -> drop if
 fewer than 2 samples remain.
 """
