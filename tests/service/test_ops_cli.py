@@ -51,6 +51,8 @@ def test_cli_against_live_sampler(make_server: Any, tmp_path: Path) -> None:
     server = make_server(extra=["--api-key", KEY])
     url = server.url
 
+    with server.client() as c:
+        assert c.get("/health").json()["auth_required"] is True
     got = cli(url, "config", "get")
     assert got.returncode == 0, got.stderr
     assert json.loads(got.stdout)["config_version"] == 0

@@ -3,6 +3,7 @@ crash safety (a kill -9 and restart never applies a step twice)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,13 @@ def test_schedule_validation_names_the_step() -> None:
     )
     assert schedule_error([{"at": {}, "set": {"k_pos": 1}}]) == "schedule[0].at"
     assert schedule_error([{"at": tg, "set": {}}]) == "schedule[0].set"
+
+
+def test_shipped_example_schedule_is_valid() -> None:
+    example = json.loads((Path(__file__).parents[2] / "docs" / "k_schedule.json").read_text())
+    cfg = validate_config(example)
+    check_consistency(cfg, DOMAINS)
+    assert [s.set["k_pos"] for s in cfg.schedule] == [4, 8]
 
 
 def test_event_log_is_bounded_and_ordered(tmp_path: Path) -> None:
