@@ -12,7 +12,15 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from strategies import mixing, reweighting, selection, stopping
 from strategies.estimator import Estimator
@@ -66,6 +74,10 @@ class ScheduleAt(_Strict):
         if (self.trained_groups is None) == (self.policy_version is None):
             raise ValueError("give exactly one of trained_groups or policy_version")
         return self
+
+    @model_serializer(mode="wrap")
+    def _only_the_key(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
     def key(self) -> tuple[str, int]:
         """(key kind, threshold)."""

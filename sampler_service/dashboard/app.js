@@ -172,11 +172,16 @@ function formValue(name) {
   return el.value;
 }
 
+// One step per line: long schedules stay readable and editable.
+function scheduleText(steps) {
+  return steps.length ? "[\n" + steps.map((s) => "  " + JSON.stringify(s)).join(",\n") + "\n]" : "[]";
+}
+
 function fillForm(cfg) {
   const form = $("#config-form");
   for (const name of FORM_FIELDS) {
     const value = cfg[name];
-    form.elements[name].value = JSON_FIELDS.has(name) ? JSON.stringify(value) : String(value);
+    form.elements[name].value = name === "schedule" ? scheduleText(value) : JSON_FIELDS.has(name) ? JSON.stringify(value) : String(value);
   }
   state.dirty = false;
 }
