@@ -13,8 +13,9 @@ const NUMBER_FIELDS = new Set(["k_pos", "k_neg", "n_max", "wave_size", "group_si
 const $ = (sel) => document.querySelector(sel);
 const state = {
   authRequired: false,
-  config: null,   // the live config as last read
-  dirty: false,   // the form has edits not yet sent
+  config: null,      // the live config as last read
+  formConfig: null,  // the config the form was filled from: edits are relative to it
+  dirty: false,      // the form has edits not yet sent
   lastSeq: 0,
   events: [],
   history: { t: [], groups: [], samples: [], ready: [], leased: [] },
@@ -183,6 +184,7 @@ function fillForm(cfg) {
     const value = cfg[name];
     form.elements[name].value = name === "schedule" ? scheduleText(value) : JSON_FIELDS.has(name) ? JSON.stringify(value) : String(value);
   }
+  state.formConfig = cfg;
   state.dirty = false;
 }
 
@@ -211,9 +213,17 @@ function changedKnobs() {
     } else if (NUMBER_FIELDS.has(name)) {
       value = text === "" ? text : Number(text);
     }
-    if (JSON.stringify(value) !== JSON.stringify(state.config[name])) patch[name] = value;
+    if (JSON.stringify(value) !== JSON.stringify(state.formConfig[name])) patch[name] = value;
   }
   return patch;
+}
+
+// Discard the form's edits and show the live config as it is now.
+async function reloadForm() {
+  const { status, body } = await api("GET", "/v1/config");
+  if (status !== 200) throw new Error(body?.error?.message || `GET /v1/config: ${status}`);
+  state.config = body;
+  fillForm(body);
 }
 
 async function submitConfig(event) {
@@ -222,7 +232,9 @@ async function submitConfig(event) {
   let patch;
   try { patch = changedKnobs(); } catch (err) { showError(err.field, err.message); return; }
   if (!Object.keys(patch).length) { showError("config_version", "nothing changed"); return; }
-  const { status, body } = await api("PATCH", "/v1/config", { ...patch, config_version: state.config.config_version });
+  // The version the edits were made against: if the config changed since, the server
+  // refuses (409) rather than silently undoing someone else's change.
+  const { status, body } = await api("PATCH", "/v1/config", { ...patch, config_version: state.formConfig.config_version });
   if (status === 200) {
     state.config = body;
     fillForm(body);
@@ -285,7 +297,10 @@ function start() {
     });
   });
   $("#config-form").addEventListener("input", () => { state.dirty = true; });
-  $("#reset").addEventListener("click", () => { clearErrors(); if (state.config) fillForm(state.config); });
+  $("#reset").addEventListener("click", () => {
+    clearErrors();
+    reloadForm().catch((err) => showError("config_version", err.message));
+  });
   $("#key-form").addEventListener("submit", (e) => {
     e.preventDefault();
     const key = $("#key-input").value.trim();

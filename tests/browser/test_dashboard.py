@@ -143,6 +143,20 @@ def test_dashboard(sampler: SamplerProcess, browser: Any) -> None:
     # Chromium reports the refused PATCH itself as a console error; it must be the only one.
     assert len(console_errors) == 1 and "status of 422" in console_errors[0], console_errors
 
+    # Someone else changes the config while the form holds edits: the form's PATCH carries
+    # the version it was filled from, so it is refused (409) instead of undoing that change.
+    assert api.patch("/v1/config", json={"k_neg": 1}).json()["config_version"] == 2
+    page.fill("#f-k_pos", "2")
+    page.click("#apply")
+    conflict = wait_for("the 409 message", lambda: page.inner_text("#form-status"))
+    assert conflict == "409 config_version is 2, not 1"
+    assert api.get("/v1/config").json()["k_pos"] == 1
+    assert "status of 409" in console_errors[-1], console_errors
+    page.click("#reset")
+    wait_for("the live values", lambda: page.input_value("#f-k_neg") == "1")
+    assert page.input_value("#f-k_pos") == "1"
+    assert page.inner_text("#form-status") == ""
+
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
     origin = urlsplit(sampler.url)
