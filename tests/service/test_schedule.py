@@ -110,7 +110,10 @@ def test_schedule_on_trained_groups_survives_kill(make_server: Any) -> None:
         _ack_until(c, 4)
         cfg = c.get("/v1/config").json()
         assert (cfg["k_pos"], cfg["config_version"]) == (3, 2)
-        assert c.get("/v1/stats").json()["schedule"] == {"steps": 2, "applied": 2}
+        stats = c.get("/v1/stats").json()
+        assert stats["schedule"] == {"steps": 2, "applied": 2}
+        assert stats["rates"]["window_s"] > 0 and stats["rates"]["samples_per_s"] > 0
+        assert stats["staleness"] == {"last_group": 0, "max_staleness": None}
 
     server.kill()
     server = make_server({"schedule": schedule})
