@@ -25,35 +25,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from trainer_client.config_cli import parse_key_values
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 # -- arguments ---------------------------------------------------------------------------
-def parse_assignments(pairs: list[str]) -> dict[str, Any]:
-    """`["k_pos=4", "mixing.name=static"]` -> `{"k_pos": 4, "mixing": {"name": "static"}}`.
-
-    Values are JSON where they parse as JSON, else strings; dotted keys nest.
-    """
-    patch: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"expected KEY=VALUE, got {pair!r}")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        *parents, leaf = key.split(".")
-        node = patch
-        for part in parents:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise SystemExit(f"{key!r}: {part!r} is set to a value and cannot also nest")
-            node = child
-        node[leaf] = value
-    return patch
-
-
 def load_schedule(path: Path) -> list[Any]:
     """A schedule file: a JSON list of steps, or a JSON/TOML object with a `schedule` list."""
     text = path.read_text(encoding="utf-8")
@@ -208,7 +185,10 @@ def config_command(args: argparse.Namespace) -> None:
             print(json.dumps(client.get_config(), indent=2, sort_keys=True))
             return
         if args.action == "set":
-            patch = parse_assignments(args.values)
+            try:  # the same KEY=VALUE reading as `serve --set`
+                patch = parse_key_values(args.values, "config set")
+            except argparse.ArgumentTypeError as exc:
+                raise SystemExit(str(exc)) from exc
         else:
             patch = {"schedule": load_schedule(Path(args.file))}
         old = client.get_config()

@@ -138,7 +138,9 @@ def test_trainer_process_pushes_weights_the_sampler_serves_and_acks_what_it_used
 
         # Every group the trainer used was acked: none comes back (redeliveries come first).
         assert not used & leased
-        assert not used & {g.group_id for g in client.lease(max_groups=64, wait_s=2.0).groups}
+        offered = client.lease(max_groups=64, wait_s=2.0).groups
+        assert not used & {g.group_id for g in offered}
+        client.ack(offered)  # leased groups count against the buffer the next trainer needs
 
         # Resuming from the final checkpoint goes on from its step and policy version
         # (a restarted trainer must not push a version the sampler already has: 409).

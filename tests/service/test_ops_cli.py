@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from trainer_client.ops_cli import parse_assignments
+from trainer_client.config_cli import parse_key_values
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,17 +35,17 @@ def cli(url: str, *args: str, key: str | None = KEY) -> subprocess.CompletedProc
 
 
 def test_parse_assignments() -> None:
-    assert parse_assignments(["k_pos=4", "rule=positive", "mixing.params.temp=0.5"]) == {
+    assert parse_key_values(["k_pos=4", "rule=positive", "mixing.params.temp=0.5"], "set") == {
         "k_pos": 4,
         "rule": "positive",
         "mixing": {"params": {"temp": 0.5}},
     }
-    assert parse_assignments(['group_policies=[{"name": "x"}]', "max_staleness=null"]) == {
+    assert parse_key_values(['group_policies=[{"name": "x"}]', "max_staleness=null"], "set") == {
         "group_policies": [{"name": "x"}],
         "max_staleness": None,
     }
-    with pytest.raises(SystemExit):
-        parse_assignments(["k_pos"])
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_key_values(["k_pos"], "set")
 
 
 def test_cli_against_live_sampler(make_server: Any, tmp_path: Path) -> None:
