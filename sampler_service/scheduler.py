@@ -357,7 +357,7 @@ class Scheduler:
             run = await self._finished.get()
             try:
                 await self._finalize(run)
-            except Exception as exc:  # noqa: BLE001 - one bad group must not stop the rest
+            except Exception as exc:  # one bad group must not stop the rest
                 self.last_error = f"finalizing prompt {run.row.id} failed: {exc!r}"
                 log.exception("finalizing prompt %s failed", run.row.id)
             finally:

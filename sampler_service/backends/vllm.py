@@ -535,7 +535,7 @@ class VLLMBackend(Backend):
                 _LOAD_RPC, args=([(n, self._sources[n]) for n in checkpoint.order],)
             )
             await engine.reset_prefix_cache()
-        except Exception as again:  # noqa: BLE001 - the engine's weights are now unknown
+        except Exception as again:  # the engine's weights are now unknown
             self._failure = f"weights unknown after a failed load and a failed rollback: {again!r}"
             log.exception("rollback failed")
         path.unlink(missing_ok=True)

@@ -261,9 +261,9 @@ async def test_weight_update_waits_for_in_flight_and_tags_versions(toy, backend)
         async with asyncio.timeout(60):
             while not sink.groups():
                 await asyncio.sleep(0.01)
-        tensors = {name: t.clone() for name, t in backend._model.state_dict().items()}  # noqa: SLF001
+        tensors = {name: t.clone() for name, t in backend._model.state_dict().items()}
         async with scheduler.paused_for_weights():
-            assert scheduler._in_flight == 0 and scheduler.capacity() == 0  # noqa: SLF001
+            assert scheduler._in_flight == 0 and scheduler.capacity() == 0
             await backend.load_weights(tensors, 1)
         seen = len(sink.groups())
         async with asyncio.timeout(60):

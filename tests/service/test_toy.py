@@ -14,9 +14,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sampler_service.toy import (  # noqa: E402
+from sampler_service.toy import (
     DOMAIN_NAMES,
     ToyPaths,
     build_toy,
