@@ -22,27 +22,38 @@ from strategies.registry import Params, PolicyError, parse_params
 _BISECTION_STEPS = 200
 
 
+#: The most answers one prompt may get: budgets scale memory and engine work, and an
+#: unbounded one would let a single config change queue more than the machine can hold.
+MAX_ANSWERS = 4_096
+
+
 class EstKnobs(Params):
     """The Est knobs a user sets (the sampler config's `est`). The paper gives no values;
     these defaults are ours. The only definition of them: the service's config, the
-    estimator and the trainer-side checks all use this model."""
+    estimator and the trainer-side checks all use this model. Every float is finite."""
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, allow_inf_nan=False)
 
     decay: float = Field(
         0.8, alias="lambda", gt=0.0, le=1.0, description="EMA decay of a prompt's counts"
     )
-    alpha: float = Field(1.0, gt=0.0, description="Beta prior: pseudo-count of right answers")
-    beta: float = Field(1.0, gt=0.0, description="Beta prior: pseudo-count of wrong answers")
-    eps: float = Field(0.01, gt=0.0, description="budget = c / sqrt(p + eps)")
-    n_min: int = Field(2, ge=1, description="smallest per-prompt budget")
-    mean_budget: float = Field(8.0, gt=0.0, description="dataset-wide mean of the budgets")
+    alpha: float = Field(
+        1.0, gt=0.0, le=1e6, description="Beta prior: pseudo-count of right answers"
+    )
+    beta: float = Field(
+        1.0, gt=0.0, le=1e6, description="Beta prior: pseudo-count of wrong answers"
+    )
+    eps: float = Field(0.01, gt=0.0, le=1.0, description="budget = c / sqrt(p + eps)")
+    n_min: int = Field(2, ge=1, le=MAX_ANSWERS, description="smallest per-prompt budget")
+    mean_budget: float = Field(
+        8.0, gt=0.0, le=MAX_ANSWERS, description="dataset-wide mean of the budgets"
+    )
 
 
 class EstimatorParams(EstKnobs):
     """What the estimator needs beyond the user's knobs."""
 
-    n_max: int = Field(32, ge=1)
+    n_max: int = Field(32, ge=1, le=MAX_ANSWERS)
     recalibrate_every: int = Field(64, ge=1)
 
 
