@@ -18,7 +18,9 @@ verl's own entry point builds a plain `RayPPOTrainer`; run this one with
 ``python -m trainer_client.verl.v0 <the same hydra overrides>`` (``trainer.use_v1=False``
 on verl 0.9). The rollout engine verl colocates on the actor GPUs in this trainer is
 created and put to sleep but never used; give it little memory
-(``actor_rollout_ref.rollout.gpu_memory_utilization=0.2``).
+(``actor_rollout_ref.rollout.gpu_memory_utilization=0.2``). Creating it needs vLLM in the
+trainer's environment (the ``.venv-verl`` environment has none): `main` checks for it
+first and exits naming it. The V1 trainer mode (trainer_client.verl.v1) needs no vLLM.
 """
 
 from __future__ import annotations
@@ -374,8 +376,23 @@ def _task_runner_cls() -> Any:
     return ray.remote(SamplerTaskRunner)
 
 
+#: Why the V0 path cannot start without vLLM, and what to do instead.
+VLLM_REQUIRED = (
+    "python -m trainer_client.verl.v0 needs vLLM in the trainer's environment: verl's legacy "
+    "(DataProto) trainer builds its vLLM rollout on the training GPUs even though the sampler "
+    "does all rollout. Install the vLLM build verl supports there (pip install vllm), or use "
+    "the V1 trainer mode, which needs no vLLM: deploy/verl/launch.sh trainer "
+    f"(python -m verl.trainer.main_ppo ... trainer.v1.trainer_mode={MODE})."
+)
+
+
 def main() -> None:
     """``python -m trainer_client.verl.v0 <hydra overrides>``: verl's main_ppo with our trainer."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        sys.exit(f"error: {VLLM_REQUIRED}")
     import hydra
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")

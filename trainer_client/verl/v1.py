@@ -40,11 +40,12 @@ from typing import Any
 import ray
 import torch
 import transfer_queue as tq
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
 from verl.utils.debug import marked_timer
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry
 
 from trainer_client.client import SamplerClient
 from trainer_client.protocol import Group
@@ -200,6 +201,34 @@ def uids_of(keys: Iterable[str]) -> list[str]:
 
 
 # -- trainer mode ---------------------------------------------------------------------------
+class NoRolloutReplica(RolloutReplica):
+    """The rollout replica class named by ``rollout.name`` in this trainer mode: never started."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"trainer mode {MODE} starts no rollout replica: the adaptive-rollout sampler does all rollout"
+        )
+
+
+RolloutReplicaRegistry.register(MODE, lambda: NoRolloutReplica)
+
+
+def without_rollout_replicas(config: DictConfig) -> None:
+    """Let verl build its empty LLM server manager without an inference engine.
+
+    A trainer without hybrid replicas gets ``LLMServerManager.create_empty``, whose
+    constructor still asserts ``rollout.nnodes > 0`` (standalone replicas) and resolves
+    ``rollout.name``'s replica class, which for ``vllm`` imports vLLM. Nothing else reads
+    either in this mode (the actor workers build no rollout), so the rollout is named after
+    this mode's replica class (it refuses to start) and given one nominal standalone node
+    that is never launched (create_empty starts no replica).
+    """
+    with open_dict(config):
+        rollout = config.actor_rollout_ref.rollout
+        rollout.name = MODE
+        rollout.nnodes = max(1, int(rollout.get("nnodes") or 0))
+
+
 @register_trainer(MODE)
 class SamplerPPOTrainer(PPOTrainer):
     """verl's PPO trainer with the sampler as its only rollout (see the module docstring)."""
@@ -210,6 +239,7 @@ class SamplerPPOTrainer(PPOTrainer):
         if problems:
             raise IncompatibleSamplerConfig(problems)
         configure_for_sampler(config, self.settings)
+        without_rollout_replicas(config)
         # No inference engine on the trainer GPUs: actor workers only, as verl's
         # separate_async trainer does without hybrid replicas.
         self._enable_hybrid_replicas = False
