@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 
 import pytest
@@ -56,7 +57,7 @@ def test_deploy_config_passes_verls_validation(monkeypatch) -> None:
 
 
 def test_launch_scripts_parse() -> None:
-    for script in ("deploy/verl/launch.sh", "deploy/gpu_checks/verl_gpu_check.sh"):
+    for script in ("deploy/verl/launch.sh", "deploy/gpu_checks/run.sh"):
         subprocess.run(["bash", "-n", str(REPO / script)], check=True)
 
 
@@ -247,3 +248,58 @@ def test_v0_trainer_start_and_batches_from_the_sampler(sampler) -> None:
         assert trainer.client.stats()["queue"]["leased"] == 0
     finally:
         trainer.client.update_config(batch_groups=1)
+
+
+def test_trainer_starts_the_way_verls_entry_point_builds_it(ray_tq, sampler, toy) -> None:
+    """TaskRunnerV1.run's construction, then what PPOTrainer._setup does without hybrid
+    replicas (steps 9 and 10) and TaskRunnerV1.init_agent_loop_manager, with no vLLM in
+    this environment: nothing may assert or import vLLM."""
+    import sys
+
+    from omegaconf import OmegaConf
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.import_utils import load_class_from_fqn
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    import trainer_client.verl.v1  # noqa: F401  (what VERL_USE_EXTERNAL_MODULES imports)
+
+    cfg = verl_config(sampler.url, overrides=[f"actor_rollout_ref.model.path={toy.model_dir}"])
+    OmegaConf.resolve(cfg)
+    trainer = get_trainer_cls(cfg.trainer.v1.trainer_mode)(config=cfg)
+    assert trainer._enable_hybrid_replicas is False
+    manager = LLMServerManager.create_empty(config=trainer.config)
+    assert manager.get_replicas() == []
+    engine_config = omega_conf_to_dataclass(
+        trainer.config.actor_rollout_ref.rollout.checkpoint_engine
+    )
+    engine_config.backend = "naive"
+    CheckpointEngineManager(config=engine_config, actor_wg=None, replicas=manager.get_replicas())
+    agent_cls = load_class_from_fqn(
+        trainer.config.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "AgentLoopManager"
+    )
+    agent = agent_cls.create(
+        config=trainer.config,
+        llm_client=manager.get_client(),
+        teacher_client=None,
+        reward_loop_worker_handles=[],
+    )
+    assert agent.settings.url == sampler.url
+    agent.close()
+    assert "vllm" not in sys.modules
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_v0_path_exits_naming_vllm() -> None:
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer_client.verl.v0", "actor_rollout_ref.model.path=/m"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode != 0
+    assert "needs vLLM" in out.stderr and "trainer_mode=adaptive_rollout" in out.stderr, out.stderr
