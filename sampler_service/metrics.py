@@ -11,6 +11,7 @@ from typing import get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from strategies.selection import SELECTIONS
 from strategies.stopping import StopReason
 
 PREFIX = "adaptive_rollout_"
@@ -20,6 +21,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 OUTCOMES = ("positive", "negative", "error")
 STOP_REASONS = get_args(StopReason)
 VERIFIER_ERROR_KINDS = ("timeout", "error")
+# The scheduler's own reasons to drop a finalized group; selection policies drop under
+# their names.
+DROP_REASONS = ("engine_error", "too_few_samples", *SELECTIONS.names())
 # stale_version: the version did not increase (409); rejected: the file failed vetting
 # (422); error: the engine failed while loading vetted weights.
 WEIGHT_FAILURE_REASONS = ("stale_version", "rejected", "error")
@@ -107,6 +111,8 @@ class Metrics:
             self.groups_emitted.labels(domain)
             for outcome in OUTCOMES:
                 self.samples_generated.labels(domain, outcome)
+        for reason in DROP_REASONS:
+            self.groups_dropped.labels(reason)
         for reason in STOP_REASONS:
             self.stop_reasons.labels(reason)
         for kind in VERIFIER_ERROR_KINDS:

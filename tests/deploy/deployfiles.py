@@ -8,6 +8,7 @@ points at the file and the place in it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
@@ -21,6 +22,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from sampler_service.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -46,6 +49,17 @@ def tool(name: str) -> str:
 
 def run_tool(argv: list[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The `serve` subcommand's parser, from the console script's real parser."""
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices["serve"]
+
+
+def serve_has_replicas() -> bool:
+    return "--replicas" in serve_parser()._option_string_actions
 
 
 def yaml_documents(path: Path) -> list[dict[str, Any]]:
@@ -94,8 +108,8 @@ def docker_assignments(args: str) -> dict[str, str]:
 def docker_exec_form(args: str) -> list[str] | None:
     """The argv of an exec-form CMD/ENTRYPOINT/HEALTHCHECK CMD (a JSON array), else None."""
     text = args.strip()
-    if text.startswith("CMD "):  # HEALTHCHECK [options] CMD [...]
-        text = text[4:].strip()
+    if not text.startswith("[") and " CMD " in f" {text}":  # HEALTHCHECK [options] CMD ...
+        text = f" {text}".split(" CMD ", 1)[1].strip()
     return json.loads(text) if text.startswith("[") else None
 
 
