@@ -36,13 +36,17 @@ def _expand(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2), ""), value)
 
 
-def _copy(sources: list[str], dest: Path) -> None:
+def _copy(sources: list[str], dest: Path, into_directory: bool) -> None:
+    """COPY: a directory's contents go into dest; a file goes to dest, or into it when
+    dest is a directory (it ends with / or several sources are copied)."""
     for src in sources:
         path = REPO / src
-        target = dest / path.name if len(sources) > 1 or path.is_dir() else dest
         if path.is_dir():
-            shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                path, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+            )
         else:
+            target = dest / path.name if into_directory else dest
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
 
@@ -53,7 +57,7 @@ def test_cpu_image_pip_steps_install_in_a_fresh_venv(tmp_path: Path) -> None:
     # The image's PATH: its python first (python:3.11 here is this interpreter's base).
     base_bin = str(Path(sys._base_executable).parent)
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
         "PATH": f"{base_bin}{os.pathsep}{os.environ['PATH']}",
     }
     build_args = {"TORCH_INDEX_URL": TORCH_INDEX_URL}
@@ -74,7 +78,8 @@ def test_cpu_image_pip_steps_install_in_a_fresh_venv(tmp_path: Path) -> None:
         elif ins.keyword == "COPY":
             *sources, dest = ins.args.split()
             assert not any(s.startswith("--") for s in sources), ins
-            _copy(sources, workdir / dest if not dest.startswith("/") else root / dest[1:])
+            target = root / dest.lstrip("/") if dest.startswith("/") else workdir / dest
+            _copy(sources, target, dest.endswith("/") or len(sources) > 1)
         elif ins.keyword == "RUN" and "pip install" in ins.args:
             done = subprocess.run(
                 ["bash", "-o", "pipefail", "-c", ins.args],
@@ -95,7 +100,12 @@ def test_cpu_image_pip_steps_install_in_a_fresh_venv(tmp_path: Path) -> None:
         "print(ray.__version__, torch.__version__)"
     )
     done = subprocess.run(
-        [str(python), "-c", check], capture_output=True, text=True, check=False, cwd=tmp_path
+        # Isolated: only what the venv holds, nothing from PYTHONPATH or this checkout.
+        [str(python), "-I", "-c", check],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     ray_version, torch_version = done.stdout.split()
@@ -108,5 +118,7 @@ def test_cpu_image_pip_steps_install_in_a_fresh_venv(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         check=False,
+        env=env,
+        cwd=tmp_path,
     )
     assert done.returncode == 0 and "--state-dir" in done.stdout, done.stderr

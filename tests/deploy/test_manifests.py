@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 
 import pytest
 import yaml
 from deployfiles import (
     COMPOSE,
+    DASHBOARDS,
     DOCKERFILES,
     K8S,
+    PROMETHEUS_CONFIG,
     REPO,
     CommandLine,
     command_lines,
@@ -248,3 +251,36 @@ def test_kustomization_service_and_claims_fit_together() -> None:
     for where in others:
         (template,) = [t for w, t in pod_templates() if w == where]
         assert not service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+
+
+def test_compose_mounts_provisioning_that_matches_the_dashboard() -> None:
+    """Grafana finds the dashboard and the datasource it names; Prometheus its rules."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    mounts = {}
+    for name in ("grafana", "prometheus"):
+        for volume in services[name]["volumes"]:
+            source, target = volume.split(":")[:2]
+            if source.startswith("."):
+                assert (COMPOSE.parent / source).exists(), f"{name}: {source} does not exist"
+                mounts[target] = (COMPOSE.parent / source).resolve()
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    (provider,) = yaml.safe_load(
+        (provisioning / "dashboards" / "adaptive-rollout.yml").read_text()
+    )["providers"]
+    dashboards = mounts[provider["options"]["path"]]
+    assert sorted(dashboards.glob("*.json")) == DASHBOARDS
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+        assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+        for panel in panels:
+            assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
+            grid = panel["gridPos"]
+            assert grid["x"] + grid["w"] <= 24, panel["title"]
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    for rule_file in config["rule_files"]:
+        assert f"/etc/prometheus/{rule_file}" in mounts, rule_file
+        assert mounts[f"/etc/prometheus/{rule_file}"] == (PROMETHEUS_CONFIG.parent / rule_file)
