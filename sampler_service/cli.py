@@ -210,8 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_toy.set_defaults(func=toy)
 
     from trainer_client.cli import add_trainer_commands
+    from trainer_client.ops_cli import add_ops_commands
 
     add_trainer_commands(sub)
+    add_ops_commands(sub)
     return parser
 
 
