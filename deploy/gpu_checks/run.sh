@@ -33,8 +33,9 @@ out=$(cd "$out" && pwd)
 PYTHON=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 DO_NOT_TRACK=1
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
-# The check's Ray is a private single-machine instance; TransferQueue's storage actors do
-# not come up under Ray's token authentication.
+# The check's Ray is a private single-machine instance, run as the verl test suite runs
+# it: without token authentication (with it, TransferQueue's start-up was seen waiting
+# for its storage actors' addresses until killed).
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 pythonpath=$ROOT
 if [[ -n "${BUNDLE:-}" ]]; then
