@@ -133,6 +133,8 @@ class SimBackend(Backend):
         self._arrival = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._version = 0
+        #: (prompt index, answers asked) of every generate call, in arrival order.
+        self.requests: list[tuple[int, int]] = []
 
     # -- Backend interface ------------------------------------------------------------
     @property
@@ -167,6 +169,7 @@ class SimBackend(Backend):
         if self._task is None:
             raise RuntimeError("sim engine not started")
         p = float(self.pass_rates[prompt_token_ids[0]])
+        self.requests.append((prompt_token_ids[0], n))
         spec = self.spec
         correct = self._rng.random(n) < p
         lengths = np.exp(self._rng.normal(math.log(spec.length_median), spec.length_sigma, n))

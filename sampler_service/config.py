@@ -98,7 +98,8 @@ class SamplerConfig(_Strict):
             group_size=self.group_size,
             wave="fixed" if self.mode == "rounds" else self.wave,
         )
-        if self.rule == "est":
+        if self.rule == "est" or self.wave == "adaptive":
+            # Adaptive waves size a seen prompt's first wave from its estimated pass rate.
             params["estimator"] = estimator
         return stopping.build(self.rule, **params)
 
