@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from strategies import mixing, reweighting, selection, stopping
+from strategies import admission, mixing, reweighting, selection, stopping
 from strategies.estimator import Estimator
 from strategies.registry import PolicyError
 
@@ -77,6 +77,8 @@ class SamplerConfig(_Strict):
     top_k: int | None = Field(None, ge=1)
     max_tokens: int = Field(1024, ge=1)
     group_policies: list[PolicySpec] = Field(default_factory=list)
+    # Applied to every prompt about to be admitted (e.g. history_skip).
+    admission_policies: list[PolicySpec] = Field(default_factory=list)
     # Applied when a batch frame forms.
     batch_groups: int = Field(1, ge=1)
     batch_policies: list[PolicySpec] = Field(default_factory=list)
@@ -121,6 +123,9 @@ class SamplerConfig(_Strict):
             mean_budget=est.mean_budget,
         )
 
+    def admission_policy_objects(self) -> list[admission.AdmissionPolicy]:
+        return [admission.build(p.name, **p.params) for p in self.admission_policies]
+
     def group_policy_objects(self) -> list[Any]:
         return [selection.build(p.name, **p.params) for p in self.group_policies]
 
@@ -136,7 +141,7 @@ class SamplerConfig(_Strict):
 
 
 #: PolicyError.field values that mean "no such policy" rather than a bad parameter.
-_FAMILY_KEYS = {None, "name", "selection", "reweighting", "mixing"}
+_FAMILY_KEYS = {None, "name", "selection", "reweighting", "mixing", "admission"}
 
 
 def _policy_field(where: str, field: str | None) -> str:
@@ -180,6 +185,13 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
             f"({cfg.max_buffered_groups}): such a frame could never fill",
             "batch_groups",
         )
+    for i, spec in enumerate(cfg.admission_policies):
+        try:
+            admission.build(spec.name, **spec.params)
+        except PolicyError as exc:
+            raise ConfigError(
+                str(exc), _policy_field(f"admission_policies[{i}]", exc.field)
+            ) from exc
     for attr, scope in (("group_policies", "group"), ("batch_policies", "batch")):
         for i, spec in enumerate(getattr(cfg, attr)):
             _build_policy(spec, scope, f"{attr}[{i}]")
