@@ -1,0 +1,139 @@
+"""Render BENCHMARKS.md tables from the committed result JSON.
+
+A table in BENCHMARKS.md that comes from a result file sits between two markers,
+
+    <!-- render:NAME -->
+    ...
+    <!-- /render:NAME -->
+
+and is rewritten by this script from `bench/results/*.json`, so the prose's numbers are
+those of the committed run. `tests/bench/test_render.py` fails when they differ.
+
+    python -m bench.render           # rewrite BENCHMARKS.md
+    python -m bench.render --check   # exit 1 if BENCHMARKS.md is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from bench.common import RESULTS, ROOT, fmt, table
+from bench.step_time import COLUMNS, flat_rows
+
+DOC = ROOT / "BENCHMARKS.md"
+_BLOCK = re.compile(
+    r"(<!-- render:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /render:(?P=name) -->)", re.S
+)
+
+
+def _load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _step_table(which: str) -> str:
+    return table(flat_rows(_load("step_time")["tables"][which]), COLUMNS)
+
+
+def _step_checks() -> str:
+    checks = _load("step_time")["checks"]
+    return table(
+        [{**c, "status": "met" if c["met"] else "**missed**"} for c in checks],
+        [
+            ("rule", "rule (sync)"),
+            ("quantity", "quantity"),
+            ("prompts", "prompts"),
+            ("measured", "measured mean"),
+            ("expected", "closed form"),
+            ("z", "z"),
+            ("status", "within 4 SE"),
+        ],
+        digits=4,
+    )
+
+
+def _step_targets() -> str:
+    data = _load("step_time")
+    lines = []
+    for which, t in data["targets"].items():
+        rows = {r["method"]: r for r in data["tables"][which] if r["pipeline"] == "on_policy"}
+        best = rows[t["best"]]
+        lines.append(
+            {
+                "lengths": which,
+                "best": t["best_label"],
+                "ratio": best["ratio_by_r"]["0.7"],
+                "informative": best["informative_frac"],
+                "step": "met" if t["step_target_met"] else "**missed**",
+                "fewest": rows[t["fewest_answers_method"]]["label"],
+                "api": t["fewest_answers_per_informative"],
+                "answers": "met" if t["answers_target_met"] else "**missed**",
+            }
+        )
+    return table(
+        lines,
+        [
+            ("lengths", "lengths"),
+            ("best", "best on-policy row (>= 90% informative, r 0.7)"),
+            ("ratio", "step vs GRPO n=4 sync"),
+            ("informative", "informative"),
+            ("step", "<= 1.5x"),
+            ("fewest", "fewest answers / informative group"),
+            ("api", "answers / informative"),
+            ("answers", "<= 11"),
+        ],
+    )
+
+
+def _step_settings() -> str:
+    s = _load("step_time")["settings"]
+    return (
+        f"B = {s['batch']} groups per step, {s['prompts']} prompts (hard mix), "
+        f"{s['warmup']} warm-up + {s['steps']} measured steps per run, "
+        f"{s['history_epochs']} epochs of estimator history, seed {s['seed']}, "
+        f"quick mode: {s['quick']}; off-policy simulated at r in "
+        f"{', '.join(fmt(r) for r in s['off_policy_r'])}; self-checks over {s['draws']} "
+        f"prompt draws of {s['check_batch']} prompts.\n"
+    )
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "step_time.settings": _step_settings,
+    "step_time.checks": _step_checks,
+    "step_time.targets": _step_targets,
+    "step_time.difficulty": lambda: _step_table("difficulty"),
+    "step_time.flat": lambda: _step_table("flat"),
+}
+
+
+def render(text: str) -> str:
+    """`text` with every marked block replaced by its freshly rendered table."""
+
+    def one(match: re.Match[str]) -> str:
+        body = RENDERERS[match["name"]]().rstrip("\n") + "\n"
+        return match.group(1) + body + match.group(4)
+
+    return _BLOCK.sub(one, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only report whether it is up to date")
+    args = p.parse_args(argv)
+    text = DOC.read_text()
+    fresh = render(text)
+    if args.check:
+        if fresh != text:
+            print(f"{DOC} is out of date: run python -m bench.render", file=sys.stderr)
+            return 1
+        return 0
+    DOC.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
