@@ -666,17 +666,6 @@ def _checks(
     checks = []
     for mix, rows in results.items():
         r = {x["method"]: x for x in rows}
-        if "grpo4" in r and "seqbal_rounds" in r:
-            ratio = r["seqbal_rounds"]["answers"] / r["grpo4"]["answers"]
-            checks.append(
-                {
-                    "mix": mix,
-                    "target": f"[{mix}] paper check: Seq-Balance rounds answers/step >= 2x GRPO n=4",
-                    "measured": f"{ratio:.2f}x",
-                    "value": ratio,
-                    "met": ratio >= 2.0,
-                }
-            )
         if "seqbal_rounds" in r and "seqbal_cont" in r:
             ratio = r["seqbal_cont"]["wall_s"] / r["seqbal_rounds"]["wall_s"]
             checks.append(
