@@ -103,7 +103,56 @@ def _step_settings() -> str:
     )
 
 
+def _learning_summary() -> str:
+    data = _load("learning")
+    domains = [d for d in data["curves"][next(iter(data["curves"]))] if d != "mean"]
+    rows = []
+    for row in data["summary"]:
+        cells = {"method": row["method"], "steps": row["steps"], "aps": row["answers_per_step"]}
+        for d in [*domains, "mean"]:
+            cells[d] = f"{row[f'{d}_start']:.3f} -> {row[d]:.3f} ({row[f'{d}_spread']})"
+        rows.append(cells)
+    return table(
+        rows,
+        [("method", "method"), ("steps", "optimizer steps"), ("aps", "answers/step")]
+        + [(d, d) for d in [*domains, "mean"]],
+    )
+
+
+def _learning_paired() -> str:
+    data = _load("learning")
+    labels = {m: spec["label"] for m, spec in data["settings"]["methods"].items()}
+    rows = []
+    for axis, name in (("answers", "equal answers"), ("wall_s", "equal wall-clock")):
+        for method, pr in data["paired_by_seed"][axis].items():
+            rows.append(
+                {
+                    "axis": name,
+                    "method": labels[method],
+                    "diffs": ", ".join(f"{d:+.3f}" for d in pr["diffs"]),
+                    "mean": pr["mean"],
+                    "sd": pr["sd"],
+                    "t": pr["t"],
+                    "wins": f"{pr['wins']} of {len(pr['diffs'])}",
+                }
+            )
+    return table(
+        rows,
+        [
+            ("axis", "axis"),
+            ("method", "minus GRPO n=4"),
+            ("diffs", "per seed"),
+            ("mean", "mean"),
+            ("sd", "sd"),
+            ("t", "paired t"),
+            ("wins", "seeds > 0"),
+        ],
+    )
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "learning.summary": _learning_summary,
+    "learning.paired": _learning_paired,
     "step_time.settings": _step_settings,
     "step_time.checks": _step_checks,
     "step_time.targets": _step_targets,
