@@ -125,6 +125,7 @@ class Health(_Wire):
     policy_version: int
     uptime_s: float
     engine_error: str | None = None
+    auth_required: bool = Field(False, description="whether /v1/* needs an API key")
 
 
 class ErrorDetail(_Wire):
