@@ -44,6 +44,12 @@ class Metrics:
         self.groups_dropped = Counter(
             PREFIX + "groups_dropped", "Finalized groups not emitted", ["reason"], registry=r
         )
+        self.prompts_skipped = Counter(
+            PREFIX + "prompts_skipped",
+            "Prompts an admission policy passed over before generating any answer",
+            ["domain"],
+            registry=r,
+        )
         self.stop_reasons = Counter(
             PREFIX + "stop_reasons", "Why prompts stopped sampling", ["reason"], registry=r
         )
