@@ -546,7 +546,7 @@ class VLLMBackend(Backend):
                 _LOAD_RPC, args=([(n, self._sources[n]) for n in checkpoint.order],)
             )
             await _reset_prefix_cache(engine)
-        except Exception as again:
+        except Exception as again:  # the engine's weights are now unknown
             self._failure = f"weights unknown after a failed load and a failed rollback: {again!r}"
             log.exception("rollback failed")
         path.unlink(missing_ok=True)
@@ -643,7 +643,7 @@ class VLLMBackend(Backend):
         try:
             await engine.collective_rpc(_LOAD_RPC, args=(plan,))
             await _reset_prefix_cache(engine)
-        except Exception as again:
+        except Exception as again:  # the engine's weights are now unknown
             self._failure = (
                 f"weights unknown after a failed NCCL update ({failure!r}) and a failed "
                 f"reload from files ({again!r})"
