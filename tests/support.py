@@ -28,7 +28,7 @@ class Server(SamplerProcess):
     """`adaptive-rollout serve` on a loopback port, with an HTTP client factory."""
 
     def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60.0, **kw)
+        return httpx.Client(base_url=self.url, **{"timeout": 60.0, **kw})
 
 
 def start_server(
