@@ -66,6 +66,9 @@ _AFFINITY_ENTRIES = 100_000
 #: A local Ray (no address): object store size; weights travel through it once per update.
 LOCAL_OBJECT_STORE_BYTES = 512 * 1024**2
 
+#: Seconds an actor may answer "died" after a failure before it counts as gone for good.
+_DEATH_SETTLE_S = 15.0
+
 ReplicaState = Literal["starting", "ok", "recovering", "failed"]
 _STATES: tuple[ReplicaState, ...] = ("starting", "ok", "recovering", "failed")
 
@@ -421,7 +424,8 @@ class RayPoolBackend(Backend):
                 )
                 self._set_state(rep, "failed")
                 return
-            deadline = time.monotonic() + self.settings.start_timeout_s
+            began = time.monotonic()
+            deadline = began + self.settings.start_timeout_s
             try:
                 while True:
                     try:
@@ -431,6 +435,12 @@ class RayPoolBackend(Backend):
                         if time.monotonic() > deadline:
                             raise
                         await asyncio.sleep(0.5)
+                    except ActorDiedError:
+                        # Right after a death a call may still see the old incarnation's
+                        # error; an actor Ray gave up on keeps answering it.
+                        if time.monotonic() > began + _DEATH_SETTLE_S:
+                            raise
+                        await asyncio.sleep(1.0)
             except ActorDiedError as exc:  # Ray will not restart it any more
                 rep.error = repr(exc)
                 log.error("replica %d is gone for good: %r", rep.index, exc)
