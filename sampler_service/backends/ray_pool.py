@@ -151,6 +151,7 @@ class RayPoolBackend(Backend):
         self._committed_version = 0
         self._committed_ref: Any = None  # ObjectRef of the committed tensors (None: base)
         self._loading = False
+        self._serving = False
         self._weights_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._info: dict[str, Any] = {"model_name": "", "specs": {}}
@@ -202,8 +203,11 @@ class RayPoolBackend(Backend):
                 num_gpus=s.replica_gpus,
             ).remote(self._factory, i, s.torch_threads)
             self._replicas.append(_Replica(i, self.actor_name(i), handle))
+        # No weights yet: the sampler restores the committed ones next (load_weights),
+        # and a re-attached replica already serving them keeps them.
         results = await asyncio.gather(
-            *(self._start_replica(rep) for rep in self._replicas), return_exceptions=True
+            *(self._start_replica(rep, sync=False) for rep in self._replicas),
+            return_exceptions=True,
         )
         if all(isinstance(r, BaseException) for r in results):
             raise RuntimeError(f"no engine replica started: {results[0]!r}")
@@ -217,7 +221,7 @@ class RayPoolBackend(Backend):
             ", ".join(f"{r.name} pid {r.pid} v{r.version}" for r in self._replicas),
         )
 
-    async def _start_replica(self, rep: _Replica) -> None:
+    async def _start_replica(self, rep: _Replica, sync: bool = True) -> None:
         info = await asyncio.wait_for(rep.handle.start.remote(), self.settings.start_timeout_s)
         if info["attached"]:
             # A new sampler takes over a warm replica: whatever the old one asked of it
@@ -230,7 +234,8 @@ class RayPoolBackend(Backend):
             int(info["policy_version"]),
             info["attached"],
         )
-        await self._sync_weights(rep)
+        if sync:
+            await self._sync_weights(rep)
         self._set_state(rep, "ok")
 
     async def close(self) -> None:
@@ -362,6 +367,7 @@ class RayPoolBackend(Backend):
     async def generate(
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Completion]:
+        self._serving = True  # the sampler restored its weights before the first wave
         prompt = list(prompt_token_ids)
         key = hash(tuple(prompt))
         while True:
@@ -501,6 +507,13 @@ class RayPoolBackend(Backend):
             self._fail(rep, epoch, "restarted", f"new process {result['pid']}", kill=False)
         elif not result["ok"]:
             self._fail(rep, epoch, "unhealthy", str(result.get("detail")), kill=True)
+        elif (
+            self._serving
+            and rep.version != self._committed_version
+            and not self._weights_lock.locked()
+        ):
+            # A re-attached replica at a version the sampler no longer has: start afresh.
+            self._fail(rep, epoch, "stale_version", f"serves v{rep.version}", kill=True)
         elif rep.epoch == epoch:
             rep.last_ok = time.monotonic()
 

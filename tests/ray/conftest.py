@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,12 @@ import pytest
 from ray_helpers import BASE_CONFIG, ENV, Sampler, free_port, wait_for
 
 from sampler_service.backends.replica import FAULT_EXIT_IN_LOAD_ENV
+
+# The suite's own Ray token: Ray's default token file in the home directory is shared by
+# every Ray on the machine. Set before anything imports ray (it reads these at import);
+# the clusters, the samplers and this process (a driver) all inherit it.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
 @pytest.fixture
@@ -101,15 +108,18 @@ def ray_cluster() -> Iterator[RayCluster]:
     try:
 
         def joined() -> bool:
+            output = (temp / "ray-start.log").read_text()
             if proc.poll() is not None:
-                raise AssertionError(f"ray start exited: {(temp / 'ray-start.log').read_text()}")
+                raise AssertionError(f"ray start exited: {output}")
+            if "Ray runtime started" not in output:
+                return False
             try:
                 ray.init(address=address, namespace="adaptive-rollout", configure_logging=False)
             except (ConnectionError, RuntimeError):
                 return False
             return True
 
-        wait_for("the Ray head to accept a driver", joined, 300, every_s=2.0)
+        wait_for("the Ray head to accept a driver", joined, 180, every_s=2.0)
         yield RayCluster(address, temp, fault_file)
     finally:
         ray.shutdown()
