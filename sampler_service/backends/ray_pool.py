@@ -152,6 +152,7 @@ class RayPoolBackend(Backend):
         self._committed_ref: Any = None  # ObjectRef of the committed tensors (None: base)
         self._loading = False
         self._serving = False
+        self._owns_ray = False
         self._weights_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._info: dict[str, Any] = {"model_name": "", "specs": {}}
@@ -173,8 +174,9 @@ class RayPoolBackend(Backend):
 
     def _init_ray(self) -> None:
         s = self.settings
-        if ray.is_initialized():
+        if ray.is_initialized():  # the caller's own Ray session (benchmarks): theirs to end
             return
+        self._owns_ray = True
         if s.address is not None:
             ray.init(address=s.address, namespace=NAMESPACE, configure_logging=False)
         else:
@@ -248,7 +250,7 @@ class RayPoolBackend(Backend):
             for rep in self._replicas:
                 with contextlib.suppress(Exception):
                     ray.kill(rep.handle, no_restart=True)
-        if ray.is_initialized():
+        if self._owns_ray and ray.is_initialized():
             await asyncio.to_thread(ray.shutdown)
 
     def _spawn(self, coro: Any, name: str) -> None:
