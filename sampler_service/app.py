@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sampler_service.backends.vllm_nccl import create_nccl_router
+from sampler_service.dashboard import create_dashboard_router
 from sampler_service.encoding import negotiate
 from sampler_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sampler_service.service import SamplerService, ServiceError
@@ -208,8 +209,16 @@ def create_app(service: SamplerService) -> FastAPI:
     async def stats() -> Response:
         return _json(service.stats())
 
+    @v1.get("/events")
+    async def events(
+        since: Annotated[int, Query(ge=0, le=1 << 62)] = 0,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    ) -> Response:
+        return _json(await service.events(since, limit))
+
     v1.include_router(create_nccl_router(service))
     app.include_router(v1)
+    app.include_router(create_dashboard_router())
     return app
 
 

@@ -129,6 +129,7 @@ class Health(_Wire):
     policy_version: int
     uptime_s: float
     engine_error: str | None = None
+    auth_required: bool = Field(False, description="whether /v1/* needs an API key")
     replicas: list[dict[str, Any]] | None = Field(
         None, description="per engine replica: state, pid, policy_version, restarts, ..."
     )
