@@ -2,15 +2,15 @@
 #
 #   make bench                   every benchmark in its quick mode (each < 10 minutes on 2 cores)
 #   make bench BENCH_ARGS=       the full runs (more batches, seeds and repeats)
-#   make bench-sim | bench-overhead | bench-stream | bench-learning    one of them
+#   make bench-sim | bench-overhead | bench-stream | bench-learning | bench-scaleout    one of them
 #
 # Results go to bench/results/*.json and *.png. Performance figures are ratios measured
 # side by side in one run; on a shared machine, rerun before comparing across runs.
 BENCH_ARGS ?= --quick
 
-.PHONY: bench bench-sim bench-overhead bench-stream bench-learning
+.PHONY: bench bench-sim bench-overhead bench-stream bench-learning bench-scaleout
 
-bench: bench-sim bench-overhead bench-stream bench-learning
+bench: bench-sim bench-overhead bench-stream bench-learning bench-scaleout
 
 bench-sim: venv
 	$(BIN)/python -m bench.adaptive_sim $(BENCH_ARGS)
@@ -23,3 +23,6 @@ bench-stream: venv
 
 bench-learning: venv
 	$(BIN)/python -m bench.learning $(BENCH_ARGS)
+
+bench-scaleout: venv
+	$(BIN)/python -m bench.scaleout $(BENCH_ARGS)
