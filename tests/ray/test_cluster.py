@@ -6,9 +6,12 @@ it serves (greedy answers and their logprobs), which the sampler's API cannot te
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import ray
 import torch
@@ -146,3 +149,40 @@ def test_restarted_sampler_reattaches_to_its_replicas(ray_cluster, make_sampler,
         consumer = Consumer(client)
         consumer.take(len(unacked) + 4)
     assert unacked <= set(consumer.groups)
+
+
+def test_health_degraded_while_no_replica_serves_failed_when_restarts_are_used_up(
+    ray_cluster, make_sampler
+) -> None:
+    sampler = make_sampler([*_args(ray_cluster), "--replica-max-restarts", "1"], name="few")
+    url = sampler.url
+
+    def kill_all() -> list[int]:
+        pids = [r["pid"] for r in sampler.replicas()]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        return pids
+
+    old = kill_all()
+    # Both restarting: nothing can serve, but something will again.
+    wait_for("/health to say degraded", lambda: sampler.health()["status"] == "degraded", 120, 0.05)
+    assert httpx.get(f"{url}/ready", timeout=60).status_code == 503
+    reps = wait_for(
+        "both replicas back",
+        lambda: (r := sampler.replicas()) and all(x["state"] == "ok" for x in r) and r,
+        600,
+    )
+    assert all(r["pid"] not in old for r in reps) and all(r["restarts"] == 1 for r in reps)
+    assert sampler.health()["status"] == "ok"
+    assert httpx.get(f"{url}/ready", timeout=60).status_code == 200
+
+    kill_all()  # a second failure each: no restarts left
+    health = wait_for(
+        "/health to say engine_failed",
+        lambda: (h := sampler.health())["status"] == "engine_failed" and h,
+        120,
+    )
+    assert all(r["state"] == "failed" for r in health["replicas"])
+    assert health["engine_error"]
+    r = httpx.get(f"{url}/ready", timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
