@@ -203,10 +203,20 @@ async def routing(work: Path, counts: list[int], warmup_s: float, measure_s: flo
             )
         finally:
             await pool.close()
+        decisions = {
+            kind: pool.metrics.registry.get_sample_value(
+                "adaptive_rollout_route_decisions_total", {"kind": kind}
+            )
+            or 0.0
+            for kind in ("sticky", "moved", "new")
+        }
+        # Of the waves whose prompt had run before, the share sent back to its replica.
+        sticky = decisions["sticky"] / max(decisions["sticky"] + decisions["moved"], 1.0)
         base = base or rate
         rows.append(
             {
                 "replicas": n,
+                "sticky_share": sticky,
                 "groups_per_s": rate,
                 "speedup": rate / base,
                 "of_ideal": rate / (base * n),
@@ -348,6 +358,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ("groups_per_s", "groups/s"),
                 ("speedup", "x of 1"),
                 ("of_ideal", "of N x 1"),
+                ("sticky_share", "sticky"),
             ],
         )
     )

@@ -556,7 +556,21 @@ class RayPoolBackend(Backend):
             self._committed_version, self._committed_ref = version, ref
             for rep in self._replicas:
                 self.metrics.replica_policy_version.labels(str(rep.index)).set(rep.version)
+                if rep.state == "ok" and rep.version != version:
+                    # Came back from a restart during the load, at the old version.
+                    self._spawn(self._resync(rep), f"resync-replica-{rep.index}")
             self._dispatch()
+
+    async def _resync(self, rep: _Replica) -> None:
+        epoch = rep.epoch
+        try:
+            async with self._weights_lock:
+                await self._sync_weights(rep)
+        except Exception as exc:  # noqa: BLE001 - a replica that cannot load is recycled
+            self._fail(rep, epoch, "weights", repr(exc), kill=True)
+            return
+        if rep.epoch == epoch:
+            self._set_state(rep, "ok")
 
     async def _load_one(self, rep: _Replica, ref: Any, version: int) -> None:
         if rep.version == version:  # a re-attached replica already serving it
