@@ -8,8 +8,9 @@ unchanged backend. Everything the scheduler relies on holds across replicas:
   counted here, never polled. A prompt's next wave goes back to the replica that ran its
   last one (its prefix is cached there) unless that replica's load exceeds the
   least-loaded one's by more than 64 samples and 1.5x. A replica takes at most
-  `max_inflight` samples (a larger wave still goes to an idle one); waves that fit
-  nowhere wait in one FIFO. Waves are never split.
+  `max_inflight` samples (a larger wave still goes to an idle one); waves wait in one
+  FIFO, a prompt's wave for its own replica while loads are about even. Waves are never
+  split.
 - A replica fault never reaches the scheduler. A dead process makes its pending calls
   raise; a hang fails the periodic health probe and the actor is killed. Either way its
   waves are re-issued whole on another replica (their partial answers never reach the
@@ -294,46 +295,70 @@ class RayPoolBackend(Backend):
         return BackendHealth(ok=usable, detail=detail, state=state)
 
     # -- routing ----------------------------------------------------------------------
-    def _pick(self, key: int, n: int) -> _Replica | None:
-        routable = [r for r in self._replicas if self._routable(r)]
-        if not routable:
-            return None
+    def _choose(
+        self, key: int, n: int, routable: list[_Replica], blocked: set[int]
+    ) -> tuple[_Replica | None, str, _Replica | None]:
+        """(replica to run the wave now or None, decision kind, replica it waits for).
+
+        A prompt that ran before waits for its replica while that one is full but not
+        overloaded (loads about even: moving would only lose the cached prefix); an
+        overloaded, gone or unknown one gives way to the least-loaded replica with room.
+        """
         cap = self.settings.max_inflight
-        fits = [r for r in routable if r.inflight + n <= cap or r.inflight == 0]
-        if not fits:
-            return None
-        least = min(fits, key=lambda r: (r.inflight, r.index))
-        lowest = min(r.inflight for r in routable)
-        kind = "new"
-        if key in self._affinity:
-            kind = "moved"
-            last = self._replicas[self._affinity[key]]
+
+        def room(r: _Replica) -> bool:
+            return r.index not in blocked and (r.inflight + n <= cap or r.inflight == 0)
+
+        last_index = self._affinity.get(key)
+        if self.settings.route == "sticky" and last_index is not None:
+            last = self._replicas[last_index]
+            lowest = min(r.inflight for r in routable)
             overloaded = (
                 last.inflight - lowest > STICKY_SLACK_SAMPLES
                 and last.inflight > STICKY_SLACK_RATIO * lowest
             )
-            if self.settings.route == "sticky" and last in fits and not overloaded:
-                least, kind = last, "sticky"
-        self._affinity[key] = least.index
-        self._affinity.move_to_end(key)
-        if len(self._affinity) > _AFFINITY_ENTRIES:
-            self._affinity.popitem(last=False)
-        self.metrics.route_decisions.labels(kind).inc()
-        return least
+            if last in routable and not overloaded:
+                return (last if room(last) else None), "sticky", last
+        kind = "new" if last_index is None else "moved"
+        fits = [r for r in routable if room(r)]
+        if not fits:
+            return None, kind, None
+        return min(fits, key=lambda r: (r.inflight, r.index)), kind, None
 
     def _dispatch(self) -> None:
-        """Hand replicas to waiting waves, oldest first; stop at the first that fits nowhere."""
+        """Hand replicas to waiting waves, oldest first.
+
+        Order is kept per replica: a wave waiting for one replica holds back the later
+        waves that want that replica, not those bound elsewhere; a wave that fits
+        nowhere holds back everything after it.
+        """
+        routable = [r for r in self._replicas if self._routable(r)]
+        if not routable:
+            return
+        blocked: set[int] = set()
+        waiting: deque[tuple[int, int, asyncio.Future[_Replica]]] = deque()
         while self._queue:
-            key, n, future = self._queue[0]
+            item = self._queue.popleft()
+            key, n, future = item
             if future.done():  # its caller gave up
-                self._queue.popleft()
                 continue
-            rep = self._pick(key, n)
+            rep, kind, wanted = self._choose(key, n, routable, blocked)
             if rep is None:
-                return
-            self._queue.popleft()
+                waiting.append(item)
+                if wanted is None:  # fits nowhere: nothing after it may overtake it
+                    waiting.extend(self._queue)
+                    self._queue.clear()
+                    break
+                blocked.add(wanted.index)
+                continue
+            self._affinity[key] = rep.index
+            self._affinity.move_to_end(key)
+            if len(self._affinity) > _AFFINITY_ENTRIES:
+                self._affinity.popitem(last=False)
+            self.metrics.route_decisions.labels(kind).inc()
             self._charge(rep, n)
             future.set_result(rep)
+        self._queue = waiting
 
     def _charge(self, rep: _Replica, n: int) -> None:
         rep.inflight += n
