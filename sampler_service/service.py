@@ -123,7 +123,17 @@ def _engine_factory(settings: ServeSettings) -> Any:
 
 def build_replica_pool(settings: ServeSettings, metrics: Metrics) -> Backend:
     """Engine replicas as Ray actors; the only place the service imports Ray."""
-    from sampler_service.backends.ray_pool import DEFAULT_MAX_INFLIGHT, PoolSettings, RayPoolBackend
+    try:
+        from sampler_service.backends.ray_pool import (
+            DEFAULT_MAX_INFLIGHT,
+            PoolSettings,
+            RayPoolBackend,
+        )
+    except ImportError as exc:
+        raise RuntimeError(
+            f"--replicas {settings.replicas} / --ray-address need Ray: "
+            "pip install 'adaptive-rollout[ray]'"
+        ) from exc
 
     pool = PoolSettings(
         replicas=settings.replicas,
