@@ -2,15 +2,19 @@
 #
 #   make bench                   every benchmark in its quick mode (each < 10 minutes on 2 cores)
 #   make bench BENCH_ARGS=       the full runs (more batches, seeds and repeats)
-#   make bench-sim | bench-overhead | bench-stream | bench-learning | bench-scaleout    one of them
+#   make bench-step | bench-sim | bench-overhead | bench-stream | bench-learning | bench-scaleout    one of them
+#   make bench-render            rewrite BENCHMARKS.md's tables from bench/results/*.json
 #
 # Results go to bench/results/*.json and *.png. Performance figures are ratios measured
 # side by side in one run; on a shared machine, rerun before comparing across runs.
 BENCH_ARGS ?= --quick
 
-.PHONY: bench bench-sim bench-overhead bench-stream bench-learning bench-scaleout
+.PHONY: bench bench-step bench-sim bench-overhead bench-stream bench-learning bench-scaleout bench-render
 
-bench: bench-sim bench-overhead bench-stream bench-learning bench-scaleout
+bench: bench-step bench-sim bench-overhead bench-stream bench-learning bench-scaleout
+
+bench-step: venv
+	$(BIN)/python -m bench.step_time $(BENCH_ARGS)
 
 bench-sim: venv
 	$(BIN)/python -m bench.adaptive_sim $(BENCH_ARGS)
@@ -26,3 +30,6 @@ bench-learning: venv
 
 bench-scaleout: venv
 	$(BIN)/python -m bench.scaleout $(BENCH_ARGS)
+
+bench-render: venv
+	$(BIN)/python -m bench.render

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from strategies import mixing, reweighting, selection, stopping
+from strategies import admission, mixing, reweighting, selection, stopping
 from strategies.estimator import Estimator
 from strategies.registry import PolicyError
 
@@ -116,6 +116,8 @@ class SamplerConfig(_Strict):
     top_k: int | None = Field(None, ge=1)
     max_tokens: int = Field(1024, ge=1)
     group_policies: list[PolicySpec] = Field(default_factory=list)
+    # Applied to every prompt about to be admitted (e.g. history_skip).
+    admission_policies: list[PolicySpec] = Field(default_factory=list)
     # Applied when a batch frame forms.
     batch_groups: int = Field(1, ge=1)
     batch_policies: list[PolicySpec] = Field(default_factory=list)
@@ -145,7 +147,8 @@ class SamplerConfig(_Strict):
             group_size=self.group_size,
             wave="fixed" if self.mode == "rounds" else self.wave,
         )
-        if self.rule == "est":
+        if self.rule == "est" or self.wave == "adaptive":
+            # Adaptive waves size a seen prompt's first wave from its estimated pass rate.
             params["estimator"] = estimator
         return stopping.build(self.rule, **params)
 
@@ -167,6 +170,9 @@ class SamplerConfig(_Strict):
             mean_budget=est.mean_budget,
         )
 
+    def admission_policy_objects(self) -> list[admission.AdmissionPolicy]:
+        return [admission.build(p.name, **p.params) for p in self.admission_policies]
+
     def group_policy_objects(self) -> list[Any]:
         return [selection.build(p.name, **p.params) for p in self.group_policies]
 
@@ -182,7 +188,7 @@ class SamplerConfig(_Strict):
 
 
 #: PolicyError.field values that mean "no such policy" rather than a bad parameter.
-_FAMILY_KEYS = {None, "name", "selection", "reweighting", "mixing"}
+_FAMILY_KEYS = {None, "name", "selection", "reweighting", "mixing", "admission"}
 
 
 def _policy_field(where: str, field: str | None) -> str:
@@ -226,6 +232,13 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
             f"({cfg.max_buffered_groups}): such a frame could never fill",
             "batch_groups",
         )
+    for i, spec in enumerate(cfg.admission_policies):
+        try:
+            admission.build(spec.name, **spec.params)
+        except PolicyError as exc:
+            raise ConfigError(
+                str(exc), _policy_field(f"admission_policies[{i}]", exc.field)
+            ) from exc
     for attr, scope in (("group_policies", "group"), ("batch_policies", "batch")):
         for i, spec in enumerate(getattr(cfg, attr)):
             _build_policy(spec, scope, f"{attr}[{i}]")

@@ -70,6 +70,18 @@ LOCAL_OBJECT_STORE_BYTES = 512 * 1024**2
 #: Seconds an actor may answer "died" after a failure before it counts as gone for good.
 _DEATH_SETTLE_S = 15.0
 
+#: Why a replica's waves were re-issued (label `reason`).
+REISSUE_REASONS = (
+    "died",
+    "hung",
+    "restarted",
+    "unhealthy",
+    "stale_version",
+    "weights",
+    "rollback",
+    "start",
+)
+
 ReplicaState = Literal["starting", "ok", "recovering", "failed"]
 _STATES: tuple[ReplicaState, ...] = ("starting", "ok", "recovering", "failed")
 
@@ -206,6 +218,7 @@ class RayPoolBackend(Backend):
                 num_gpus=s.replica_gpus,
             ).remote(self._factory, i, s.torch_threads)
             self._replicas.append(_Replica(i, self.actor_name(i), handle))
+            self._precreate_metrics(str(i))
         # No weights yet: the sampler restores the committed ones next (load_weights),
         # and a re-attached replica already serving them keeps them.
         results = await asyncio.gather(
@@ -223,6 +236,16 @@ class RayPoolBackend(Backend):
             s.replicas,
             ", ".join(f"{r.name} pid {r.pid} v{r.version}" for r in self._replicas),
         )
+
+    def _precreate_metrics(self, label: str) -> None:
+        """Every known series at zero, so rate() and increase() work before the first event."""
+        m = self.metrics
+        for series in (m.replica_generated_tokens, m.replica_restarts, m.replica_wasted_samples):
+            series.labels(label)
+        for reason in REISSUE_REASONS:
+            m.replica_reissued_waves.labels(label, reason)
+        for kind in ("sticky", "moved", "new"):
+            m.route_decisions.labels(kind)
 
     async def _start_replica(self, rep: _Replica, sync: bool = True) -> None:
         info = await asyncio.wait_for(rep.handle.start.remote(), self.settings.start_timeout_s)
