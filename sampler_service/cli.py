@@ -45,9 +45,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
 
 
-def initial_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+def initial_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, replicas: int = 1
+) -> Any:
     """The initial sampler config: --set over --config over the defaults, validated
-    (the saved state, when there is one, wins over all three in the service)."""
+    (the saved state, when there is one, wins over all three in the service). With
+    several engine replicas admission scales with them unless the config says otherwise."""
     from sampler_service.config import ConfigError, merge_patch, validate_config
     from trainer_client.config_cli import parse_key_values
 
@@ -56,8 +59,9 @@ def initial_config(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         given = merge_patch(given, parse_key_values(args.config_set, "--set"))
     except (OSError, ValueError, argparse.ArgumentTypeError) as exc:
         parser.error(f"--config/--set: {exc}")
+    defaults = {"max_active_prompts": 64 * replicas} if replicas > 1 else {}
     try:
-        return validate_config(given), given
+        return validate_config({**defaults, **given}), given
     except ConfigError as exc:
         parser.error(f"--config/--set: {exc}")
 
@@ -74,7 +78,7 @@ def serve(args: argparse.Namespace) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = model_from_args(args.parser, ServeSettings, args)
-    initial, given = initial_config(args.parser, args)
+    initial, given = initial_config(args.parser, args, settings.replicas)
     if settings.torch_threads > 0:
         import torch
 

@@ -118,6 +118,12 @@ class SamplerConfig(_Strict):
     max_staleness: int | None = Field(None, ge=0)
     lease_ttl_s: float = Field(300.0, gt=0.0)
     weight_update_mode: Literal["wait", "abort"] = "wait"
+    weight_drain_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="in `wait` mode, waves still running after this long are aborted and "
+        "re-issued after the update, so one long answer cannot stall every engine",
+    )
     # Patches applied by the service itself as training progresses.
     schedule: list[ScheduleStep] = Field(default_factory=list, max_length=1000)
 
@@ -355,6 +361,53 @@ class ServeSettings(_Strict):
         "parsed as JSON if it can be); repeatable",
         json_schema_extra={"cli_flag": "vllm-arg"},
     )
+    # Scale-out: engine replicas as Ray actors. The defaults (one replica, no address)
+    # keep the engine in or beside this process and never import Ray.
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="engine replicas, each a Ray actor (a local Ray unless --ray-address); 1 "
+        "keeps the engine beside the server and never imports Ray",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster to run the replicas on (auto, or host:port); replicas outlive "
+        "the sampler there, so a restarted sampler re-attaches to them",
+    )
+    replica_gpus: float = Field(0.0, ge=0.0, description="GPUs per replica")
+    replica_cpus: float = Field(1.0, ge=0.0, description="CPUs per replica")
+    replica_max_restarts: int = Field(
+        3, ge=0, description="restarts of a failed replica before it is given up"
+    )
+    replica_max_inflight: int | None = Field(
+        None,
+        ge=1,
+        description="samples in flight per replica (none: 384, 1.5 x vLLM's 256 sequences)",
+    )
+    route: Literal["sticky", "least-loaded"] = Field(
+        "sticky",
+        description="sticky: a prompt's next wave goes to its last replica (prefix cached) "
+        "unless that one is overloaded; least-loaded: always the replica with the fewest samples",
+    )
+    replica_probe_s: float = Field(5.0, gt=0.0, description="seconds between replica health probes")
+    replica_probe_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="a replica that does not answer a probe this long is killed and restarted",
+    )
+    replica_wait_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="how long a wave waits for a routable replica before it counts as failed",
+    )
+    replicas_on_exit: Literal["keep", "kill"] = Field(
+        "kill",
+        description="on a clean exit, kill the replicas or keep them warm for the next sampler",
+    )
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.replicas > 1 or self.ray_address is not None
 
 
 def overridden_by_saved(

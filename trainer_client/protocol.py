@@ -84,6 +84,10 @@ class Heartbeat(_Wire):
     engine_error: str | None = Field(
         None, description="set once the engine has failed: no new groups will come"
     )
+    engine_state: str | None = Field(
+        None,
+        description="ok, degraded (no engine replica serving now, one recovering) or failed",
+    )
 
 
 class AckRequest(_Wire):
@@ -119,13 +123,16 @@ class WeightsResponse(_Wire):
 
 
 class Health(_Wire):
-    status: str = Field(description="starting, ok, or engine_failed")
+    status: str = Field(description="starting, ok, degraded, or engine_failed")
     backend: str
     model: str
     policy_version: int
     uptime_s: float
     engine_error: str | None = None
     auth_required: bool = Field(False, description="whether /v1/* needs an API key")
+    replicas: list[dict[str, Any]] | None = Field(
+        None, description="per engine replica: state, pid, policy_version, restarts, ..."
+    )
 
 
 class ErrorDetail(_Wire):
