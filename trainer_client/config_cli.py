@@ -94,6 +94,8 @@ def add_model_arguments(
         shown = _shown_default(info)
         help_text = " ".join(filter(None, [info.description, f"({shown})" if shown else ""]))
         kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        if info.is_required():  # a missing one is a usage error at parse time, as usual
+            kw["required"] = True
         annotation = _unwrap_optional(info.annotation)
         origin = typing.get_origin(annotation)
         args = typing.get_args(annotation)
