@@ -159,7 +159,7 @@ def create_app(service: SamplerService) -> FastAPI:
         accept: Annotated[str | None, Header()] = None,
     ) -> StreamingResponse:
         encoding = negotiate(accept)
-        messages = service.stream(
+        messages = service.open_stream(
             consumer, max_unacked, heartbeat_s or settings.heartbeat_s, encoding
         )
         return StreamingResponse(messages, media_type=encoding.stream_media_type)

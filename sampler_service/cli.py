@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="engine argument passed to vLLM, e.g. tensor_parallel_size=2 (value parsed as JSON if it can be)",
     )
+    p.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or Ctrl-C, open streams end at once, finished groups are stored, and "
+        "the process exits within this many seconds",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -109,6 +117,14 @@ def _parse_engine_args(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+def _exit_now(settings: Any) -> None:
+    logging.getLogger("sampler_service").error(
+        "shutdown took longer than %g s: exiting now (stored groups are safe)",
+        settings.shutdown_timeout_s,
+    )
+    os._exit(1)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -144,6 +160,7 @@ def serve(args: argparse.Namespace) -> None:
         store_checkpoint_s=args.store_checkpoint_s,
         seed=args.seed,
         vllm=_parse_engine_args(args.vllm_arg),
+        shutdown_timeout_s=args.shutdown_timeout_s,
     )
     try:
         initial = validate_config(_load_config_file(args.config) if args.config else {})
@@ -152,9 +169,27 @@ def serve(args: argparse.Namespace) -> None:
     service = SamplerService(settings, initial_config=initial)
     app = create_app(service)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level="warning", lifespan="on"
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=settings.shutdown_timeout_s / 2,
     )
     server = uvicorn.Server(config)
+
+    original_shutdown = server.shutdown
+
+    async def shutdown(sockets: Any = None) -> None:
+        # uvicorn waits for open connections before stopping the app, and a stream never
+        # ends by itself: end them first, and bound the whole stop whatever hangs.
+        timer = threading.Timer(settings.shutdown_timeout_s, _exit_now, [settings])
+        timer.daemon = True
+        timer.start()
+        service.begin_shutdown()
+        await original_shutdown(sockets=sockets)
+
+    server.shutdown = shutdown  # type: ignore[method-assign]
 
     original_startup = server.startup
 

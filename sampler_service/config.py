@@ -31,61 +31,83 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
 
-class PolicySpec(_Strict):
+class _Live(BaseModel):
+    """A live config model: what a client sends is taken literally, never coerced.
+
+    Strict types reject `"3"` for an int, `true` for a count and `"nan"` for a float, and
+    no float may be NaN or infinite: a lax parse once turned `"nan"` into a threshold that
+    made every answer negative, and `"inf"` into leases that never expire.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=False, strict=True, allow_inf_nan=False
+    )
+
+
+#: Upper bounds that the machine can honour: each knob scales memory or work, and an
+#: unbounded one let a single PATCH spawn a billion prompt tasks.
+MAX_PROMPTS = 65_536
+MAX_ANSWERS = 4_096
+MAX_LIST_ITEMS = 100_000
+
+
+class PolicySpec(_Live):
     """A policy by registered name with its parameters (validated by the registry)."""
 
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class EstConfig(_Strict):
+class EstConfig(_Live):
     """Reinforce-Ada-Est estimator; the paper gives no values, these are ours."""
 
     decay: float = Field(0.8, gt=0.0, le=1.0)
-    alpha: float = Field(1.0, gt=0.0)
-    beta: float = Field(1.0, gt=0.0)
-    eps: float = Field(0.01, gt=0.0)
-    n_min: int = Field(2, ge=1)
-    mean_budget: float = Field(8.0, gt=0.0)
+    alpha: float = Field(1.0, gt=0.0, le=1e6)
+    beta: float = Field(1.0, gt=0.0, le=1e6)
+    eps: float = Field(0.01, gt=0.0, le=1.0)
+    n_min: int = Field(2, ge=1, le=MAX_ANSWERS)
+    mean_budget: float = Field(8.0, gt=0.0, le=MAX_ANSWERS)
 
 
-class MixingSpec(_Strict):
+class MixingSpec(_Live):
     name: str = "static"
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class SamplerConfig(_Strict):
+class SamplerConfig(_Live):
     """Everything PATCH /v1/config may change while a run is live."""
 
     # How prompts are sampled (snapshotted per prompt at admission).
     mode: Literal["continuous", "rounds"] = "continuous"
-    cohort_size: int = Field(64, ge=1)
+    cohort_size: int = Field(64, ge=1, le=MAX_PROMPTS)
     rule: Literal["fixed", "positive", "balanced", "est"] = "balanced"
-    k_pos: int = Field(2, ge=0)
-    k_neg: int = Field(2, ge=0)
-    n_max: int = Field(32, ge=1)
+    k_pos: int = Field(2, ge=0, le=MAX_ANSWERS)
+    k_neg: int = Field(2, ge=0, le=MAX_ANSWERS)
+    n_max: int = Field(32, ge=1, le=MAX_ANSWERS)
     wave: Literal["fixed", "adaptive"] = "fixed"
-    wave_size: int = Field(8, ge=1)
-    group_size: int = Field(4, ge=0, description="0 keeps every sample")
-    positive_threshold: float = 0.5
+    wave_size: int = Field(8, ge=1, le=MAX_ANSWERS)
+    group_size: int = Field(4, ge=0, le=MAX_ANSWERS, description="0 keeps every sample")
+    positive_threshold: float = Field(0.5, ge=-1e9, le=1e9)
     downsample: Literal["balanced", "max_variance", "none"] = "balanced"
     advantage: Literal["grpo", "global", "est"] = "global"
     norm_by_std: bool | None = None
     est: EstConfig = Field(default_factory=EstConfig)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
-    max_tokens: int = Field(1024, ge=1)
-    group_policies: list[PolicySpec] = Field(default_factory=list)
+    top_k: int | None = Field(None, ge=1, le=10_000_000)
+    max_tokens: int = Field(
+        1024, ge=1, le=10_000_000, description="at most the model's context length"
+    )
+    group_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
     # Applied when a batch frame forms.
-    batch_groups: int = Field(1, ge=1)
-    batch_policies: list[PolicySpec] = Field(default_factory=list)
+    batch_groups: int = Field(1, ge=1, le=MAX_PROMPTS)
+    batch_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
     # Applied at once.
     mixing: MixingSpec = Field(default_factory=MixingSpec)
-    max_active_prompts: int = Field(64, ge=1)
-    max_buffered_groups: int = Field(256, ge=1)
-    max_staleness: int | None = Field(None, ge=0)
-    lease_ttl_s: float = Field(300.0, gt=0.0)
+    max_active_prompts: int = Field(64, ge=1, le=MAX_PROMPTS)
+    max_buffered_groups: int = Field(256, ge=1, le=1_000_000)
+    max_staleness: int | None = Field(None, ge=0, le=1_000_000)
+    lease_ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
     weight_update_mode: Literal["wait", "abort"] = "wait"
 
     def build_rule(self, estimator: Any = None) -> stopping.StoppingRule:
@@ -240,3 +262,9 @@ class ServeSettings(_Strict):
     )
     seed: int = 0
     vllm: dict[str, Any] = Field(default_factory=dict, description="engine args passed through")
+    shutdown_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        le=3600.0,
+        description="on SIGTERM, streams end at once and the process exits within this bound",
+    )

@@ -65,7 +65,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--save-every", type=int, default=0, help="checkpoint every N steps (0: final only)"
     )
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    p.add_argument("--consumer", default="trainer", help="stream consumer name (one per trainer)")
+    p.add_argument(
+        "--consumer",
+        default=None,
+        help="stream consumer name, one per trainer (default: <host>-<pid>-<6 hex>)",
+    )
     p.add_argument(
         "--watchdog-s",
         type=float,

@@ -57,7 +57,7 @@ class TrainConfig:
     sync_every: int = 1
     save_every: int = 0  # 0: only the final checkpoint
     device: str = "cpu"
-    consumer: str = "trainer"
+    consumer: str | None = None  # default: unique per process (<host>-<pid>-<6 hex>)
     api_key: str | None = None
     watchdog_s: float = 120.0
     max_unacked: int | None = None  # default: 2 x batch_groups (one batch in flight)

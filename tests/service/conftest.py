@@ -19,7 +19,7 @@ BASE_CONFIG = {"max_tokens": 8, "max_active_prompts": 16, "max_buffered_groups":
 
 class Server(SamplerProcess):
     def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60.0, **kw)
+        return httpx.Client(base_url=self.url, **{"timeout": 60.0, **kw})
 
 
 @pytest.fixture
