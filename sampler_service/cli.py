@@ -97,6 +97,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="engine argument passed to vLLM, e.g. tensor_parallel_size=2 (value parsed as JSON if it can be)",
     )
     p.add_argument(
+        "--max-lease-wait-s",
+        type=float,
+        default=300.0,
+        help="longest wait of a lease call for groups (its wait_s is capped to this)",
+    )
+    p.add_argument(
         "--shutdown-timeout-s",
         type=float,
         default=30.0,
@@ -161,6 +167,7 @@ def serve(args: argparse.Namespace) -> None:
         seed=args.seed,
         vllm=_parse_engine_args(args.vllm_arg),
         shutdown_timeout_s=args.shutdown_timeout_s,
+        max_lease_wait_s=args.max_lease_wait_s,
     )
     try:
         initial = validate_config(_load_config_file(args.config) if args.config else {})

@@ -10,9 +10,10 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic.fields import FieldInfo
 
 from strategies import mixing, reweighting, selection, stopping
 from strategies.estimator import Estimator
@@ -156,6 +157,36 @@ class SamplerConfig(_Live):
         return selections, weights
 
 
+class ConfigView(SamplerConfig):
+    """GET /v1/config: the live config with the version that counts its changes."""
+
+    config_version: int = Field(ge=0)
+
+
+def _constrained(info: FieldInfo) -> Any:
+    """A field's type with its bounds (ge, le, max_length) attached."""
+    return Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+
+
+def _partial(model: type[SamplerConfig]) -> type[BaseModel]:
+    """The model of a PATCH body: every key optional, plus the expected config_version."""
+    fields: dict[str, Any] = {
+        # Absent keys keep their value; an explicit null is only valid where the config
+        # itself allows one.
+        name: (_constrained(info), Field(None, description=info.description))
+        for name, info in model.model_fields.items()
+    }
+    fields["config_version"] = (
+        int,
+        Field(None, ge=0, description="refuse (409) unless this is the current version"),
+    )
+    return create_model("ConfigPatch", __base__=_Live, **fields)
+
+
+#: PATCH /v1/config body, for the API document (the service merges and validates).
+ConfigPatch = _partial(SamplerConfig)
+
+
 #: PolicyError.field values that mean "no such policy" rather than a bad parameter.
 _FAMILY_KEYS = {None, "name", "selection", "reweighting", "mixing"}
 
@@ -262,6 +293,12 @@ class ServeSettings(_Strict):
     )
     seed: int = 0
     vllm: dict[str, Any] = Field(default_factory=dict, description="engine args passed through")
+    max_lease_wait_s: float = Field(
+        300.0,
+        gt=0.0,
+        le=300.0,
+        description="a lease call waits at most this long for groups, whatever its wait_s",
+    )
     shutdown_timeout_s: float = Field(
         30.0,
         gt=0.0,

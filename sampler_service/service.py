@@ -219,15 +219,15 @@ class SamplerService:
 
         A spec that cannot be imported would otherwise score every answer 0 in silence.
         """
-        users: dict[str, str] = {}  # spec -> who uses it first
+        # The default is checked even when every row names its own: it is what a row
+        # added later, or a mistyped flag, would silently fall back to.
+        users = {self.settings.verifier: "--verifier (the default for rows naming none)"}
         for rows in self.dataset.rows.values():
             for row in rows:
                 if row.verifier is not None:
                     users.setdefault(
                         str(row.verifier), f"prompt {row.id!r} (domain {row.domain!r})"
                     )
-        if any(row.verifier is None for rows in self.dataset.rows.values() for row in rows):
-            users.setdefault(self.settings.verifier, "--verifier, for rows that name none")
         for spec, user in users.items():
             if error := await self.verifiers.check(spec):
                 raise VerifierSpecError(
@@ -470,7 +470,7 @@ class SamplerService:
         self, consumer: str, max_groups: int, wait_s: float, encoding: Encoding
     ) -> bytes:
         """An encoded LeaseResponse, built from the stored group bytes."""
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + min(wait_s, self.settings.max_lease_wait_s)
         while (
             self.outbox.next_frame_size() is None
             and time.monotonic() < deadline

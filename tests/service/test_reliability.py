@@ -203,7 +203,8 @@ def test_sigterm_with_an_open_stream_stops_within_the_bound(make_server) -> None
         server.proc.wait(timeout=3 * timeout_s + 30 - (time.monotonic() - sent))
     except subprocess.TimeoutExpired:
         pytest.fail("the server was still running past the shutdown bound")
-    assert server.proc.returncode == 0
+    # uvicorn re-raises the SIGTERM it handled once it is done; 1 would be the forced exit.
+    assert server.proc.returncode in (0, -signal.SIGTERM)
 
 
 def test_a_hanging_verifier_is_cut_off_and_crashes_are_counted(make_server, toy, tmp_path) -> None:
