@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from sampler_service import package_version
 from sampler_service.backends.vllm_nccl import create_nccl_router
 from sampler_service.config import ConfigPatch, ConfigView
 from sampler_service.encoding import negotiate
@@ -137,7 +138,7 @@ def create_app(service: SamplerService) -> FastAPI:
         finally:
             await service.stop()
 
-    app = FastAPI(title="adaptive-rollout sampler", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="adaptive-rollout sampler", version=package_version(), lifespan=lifespan)
     app.state.service = service
 
     def require_key(
@@ -354,15 +355,6 @@ def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
         if match != Match.NONE:
             methods.update(getattr(route, "methods", None) or ())
     return sorted(methods)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("adaptive-rollout")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 async def _stream_to_file(request: Request, path: Path, limit: int) -> None:

@@ -16,6 +16,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from sampler_service import package_version
+
 
 def _load_config_file(path: Path) -> dict[str, Any]:
     text = path.read_text(encoding="utf-8")
@@ -169,9 +171,11 @@ def serve(args: argparse.Namespace) -> None:
         shutdown_timeout_s=args.shutdown_timeout_s,
         max_lease_wait_s=args.max_lease_wait_s,
     )
+    if not args.model.is_dir():
+        raise SystemExit(f"--model {args.model}: no such model directory")
     try:
         initial = validate_config(_load_config_file(args.config) if args.config else {})
-    except ConfigError as exc:
+    except (ConfigError, OSError, ValueError) as exc:  # unreadable, not JSON/TOML, invalid
         raise SystemExit(f"--config {args.config}: {exc}") from exc
     service = SamplerService(settings, initial_config=initial)
     app = create_app(service)
@@ -212,7 +216,12 @@ def serve(args: argparse.Namespace) -> None:
         )
 
     server.startup = startup  # type: ignore[method-assign]
-    server.run()
+    # Bind before the engine loads, so that a busy port is reported at once.
+    try:
+        sock = config.bind_socket()
+    except SystemExit as exc:
+        raise SystemExit(f"cannot listen on {settings.host}:{settings.port}") from exc
+    server.run(sockets=[sock])
 
 
 def toy(args: argparse.Namespace) -> None:
@@ -240,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
     parser = argparse.ArgumentParser(prog="adaptive-rollout", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_serve = sub.add_parser("serve", help="run the sampler service")

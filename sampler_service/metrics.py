@@ -6,8 +6,19 @@ process, as tests and benchmarks run them, from colliding.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# `*_created` series double every counter and histogram in the text format and carry
+# nothing a dashboard uses.
+disable_created_metrics()
 
 PREFIX = "adaptive_rollout_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -72,6 +83,15 @@ class Metrics:
         self.weight_update_seconds = Histogram(
             PREFIX + "weight_update_seconds", "Pause-to-resume time of weight updates", registry=r
         )
+
+        # Known label values have a series (at 0) before their first event, so a rate or
+        # an alert on them is defined from the start.
+        for kind in ("error", "timeout", "crash", "unavailable"):
+            self.verifier_errors.labels(kind)
+        for reason in ("engine_error", "verifier_unavailable"):
+            self.groups_dropped.labels(reason)
+        for reason in ("rule", "n_max", "budget", "fixed"):
+            self.stop_reasons.labels(reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
