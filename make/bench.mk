@@ -2,13 +2,13 @@
 #
 #   make bench                   every benchmark in its quick mode (each < 10 minutes on 2 cores)
 #   make bench BENCH_ARGS=       the full runs (more batches, seeds and repeats)
-#   make bench-sim | bench-overhead | bench-stream | bench-learning    one of them
+#   make bench-sim | bench-overhead | bench-stream | bench-learning | bench-soak    one of them
 #
 # Results go to bench/results/*.json and *.png. Performance figures are ratios measured
 # side by side in one run; on a shared machine, rerun before comparing across runs.
 BENCH_ARGS ?= --quick
 
-.PHONY: bench bench-sim bench-overhead bench-stream bench-learning
+.PHONY: bench bench-sim bench-overhead bench-stream bench-learning bench-soak
 
 bench: bench-sim bench-overhead bench-stream bench-learning
 
@@ -23,3 +23,6 @@ bench-stream: venv
 
 bench-learning: venv
 	$(BIN)/python -m bench.learning $(BENCH_ARGS)
+
+bench-soak: venv
+	$(BIN)/python -m bench.soak $(BENCH_ARGS)
