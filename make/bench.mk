@@ -10,7 +10,7 @@ BENCH_ARGS ?= --quick
 
 .PHONY: bench bench-sim bench-overhead bench-stream bench-learning bench-soak
 
-bench: bench-sim bench-overhead bench-stream bench-learning
+bench: bench-sim bench-overhead bench-stream bench-learning bench-soak
 
 bench-sim: venv
 	$(BIN)/python -m bench.adaptive_sim $(BENCH_ARGS)
