@@ -26,6 +26,7 @@ from starlette.routing import Match
 from sampler_service import package_version
 from sampler_service.backends.vllm_nccl import create_nccl_router
 from sampler_service.config import ConfigPatch, ConfigView
+from sampler_service.dashboard import create_dashboard_router
 from sampler_service.encoding import negotiate
 from sampler_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sampler_service.service import SamplerService, ServiceError
@@ -327,8 +328,16 @@ def create_app(service: SamplerService) -> FastAPI:
         """Pass rates, mixing shares, stop reasons, queue depths, throughput, warnings."""
         return _json(service.stats())
 
+    @v1.get("/events", response_model=dict[str, Any])
+    async def events(
+        since: Annotated[int, Query(ge=0, le=1 << 62)] = 0,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    ) -> Response:
+        return _json(await service.events(since, limit))
+
     v1.include_router(create_nccl_router(service), responses=_errors(400, 409, 413))
     app.include_router(v1)
+    app.include_router(create_dashboard_router())
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -262,8 +262,10 @@ def main(argv: list[str] | None = None) -> None:
     p_toy.set_defaults(func=toy)
 
     from trainer_client.cli import add_trainer_commands
+    from trainer_client.ops_cli import add_ops_commands
 
     add_trainer_commands(sub)
+    add_ops_commands(sub)
 
     args = parser.parse_args(argv)
     args.func(args)

@@ -12,7 +12,16 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    create_model,
+    model_serializer,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from strategies import mixing, reweighting, selection, stopping
@@ -75,6 +84,37 @@ class MixingSpec(_Live):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+class ScheduleAt(_Live):
+    """When a schedule step applies: once this many groups were acked since the state dir
+    was created, or once this policy version (or a later one) is served. Exactly one key."""
+
+    trained_groups: int | None = Field(None, ge=0, le=1 << 53)
+    policy_version: int | None = Field(None, ge=0, le=1 << 53)
+
+    @model_validator(mode="after")
+    def _one_key(self) -> ScheduleAt:
+        if (self.trained_groups is None) == (self.policy_version is None):
+            raise ValueError("give exactly one of trained_groups or policy_version")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _only_the_key(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+    def key(self) -> tuple[str, int]:
+        """(key kind, threshold)."""
+        if self.trained_groups is not None:
+            return "trained_groups", self.trained_groups
+        return "policy_version", int(self.policy_version or 0)
+
+
+class ScheduleStep(_Live):
+    """A config patch applied once, when `at` is first met."""
+
+    at: ScheduleAt
+    set: dict[str, Any] = Field(min_length=1)
+
+
 class SamplerConfig(_Live):
     """Everything PATCH /v1/config may change while a run is live."""
 
@@ -110,6 +150,8 @@ class SamplerConfig(_Live):
     max_staleness: int | None = Field(None, ge=0, le=1_000_000)
     lease_ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
     weight_update_mode: Literal["wait", "abort"] = "wait"
+    # Patches applied by the service itself as training progresses.
+    schedule: list[ScheduleStep] = Field(default_factory=list, max_length=1000)
 
     def build_rule(self, estimator: Any = None) -> stopping.StoppingRule:
         """The stopping rule this config describes (rounds mode always uses full waves)."""
@@ -239,6 +281,49 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
         mixing.build(cfg.mixing.name, domains=domains, **cfg.mixing.params)
     except PolicyError as exc:
         raise ConfigError(str(exc), _policy_field("mixing", exc.field)) from exc
+    _check_schedule(cfg, domains)
+
+
+def _check_schedule(cfg: SamplerConfig, domains: list[str]) -> None:
+    """One key kind, strictly increasing thresholds, and every step valid when applied in
+    order on top of this config; errors name `schedule[i].at...` or `schedule[i].set.<knob>`."""
+    kind, previous = None, -1
+    current = cfg.model_dump(mode="json", exclude={"schedule"})
+    for i, step in enumerate(cfg.schedule):
+        where = f"schedule[{i}]"
+        step_kind, threshold = step.at.key()
+        if kind is not None and step_kind != kind:
+            raise ConfigError(
+                f"{where}.at: all steps of a schedule use one key ({kind}), not {step_kind}",
+                f"{where}.at.{step_kind}",
+            )
+        if threshold <= previous:
+            raise ConfigError(
+                f"{where}.at.{step_kind}: thresholds must increase strictly "
+                f"({threshold} after {previous})",
+                f"{where}.at.{step_kind}",
+            )
+        kind, previous = step_kind, threshold
+        if "schedule" in step.set:
+            raise ConfigError(
+                f"{where}.set.schedule: a step cannot change the schedule", f"{where}.set.schedule"
+            )
+        try:
+            current = apply_step(current, step.set, domains).model_dump(
+                mode="json", exclude={"schedule"}
+            )
+        except ConfigError as exc:
+            field = f"{where}.set.{exc.field}" if exc.field else f"{where}.set"
+            raise ConfigError(f"{where}.set: {exc}", field) from exc
+
+
+def apply_step(current: dict[str, Any], patch: dict[str, Any], domains: list[str]) -> SamplerConfig:
+    """`current` (a config dict) with a schedule step's patch merged in, fully validated."""
+    merged = merge_patch(current, patch)
+    merged.pop("schedule", None)
+    cfg = validate_config(merged)
+    check_consistency(cfg, domains)
+    return cfg
 
 
 def validate_config(data: dict[str, Any]) -> SamplerConfig:
@@ -247,7 +332,9 @@ def validate_config(data: dict[str, Any]) -> SamplerConfig:
         return SamplerConfig.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or None
+        # List positions read as in the error messages of whole-config checks: a[0].b
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        field = path.lstrip(".") or None
         raise ConfigError(f"{field}: {first['msg']}" if field else first["msg"], field) from exc
 
 

@@ -15,6 +15,7 @@ import math
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from sampler_service.config import (
     ConfigError,
     SamplerConfig,
     ServeSettings,
+    apply_step,
     check_consistency,
     merge_patch,
     validate_config,
@@ -36,13 +38,16 @@ from sampler_service.encoding import Encoding
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Outbox, lease_consumer, stream_consumer
 from sampler_service.scheduler import Scheduler
-from sampler_service.store import AsyncStore, Store, StoredFrame, StoredGroup
+from sampler_service.store import ACKED_KEY, AsyncStore, Store, StoredFrame, StoredGroup
 from sampler_service.verifiers.base import Verdict
 from sampler_service.verifiers.pool import VerifierPool
 from trainer_client.protocol import AckResponse, Group, Health, Heartbeat, WeightsResponse
 from trainer_client.wire import pack_group, unpack_group
 
 log = logging.getLogger(__name__)
+
+#: /v1/stats `rates` are averaged over this window.
+RATE_WINDOW_S = 60.0
 
 
 class ServiceError(Exception):
@@ -146,6 +151,15 @@ class SamplerService:
         # Live streams: token -> (consumer, heartbeat_s, when its socket last took a message).
         self._streams: dict[object, tuple[str, float, float]] = {}
         self._closing = asyncio.Event()
+        #: Groups acked since the state dir was created (schedules key on it).
+        self.trained_groups = 0
+        #: Steps of the live schedule already applied (or skipped); they never run again.
+        self._schedule_applied = 0
+        self._engine_failure_logged = False
+        #: (monotonic time, groups emitted, answers, tokens, groups acked), once a second.
+        self._rate_samples: deque[tuple[float, int, int, int, int]] = deque(
+            maxlen=int(RATE_WINDOW_S) + 1
+        )
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -160,6 +174,7 @@ class SamplerService:
         saved = await self.store.call(self.store.sync.get, "config")
         if saved is not None:
             cfg, version = validate_config(saved["config"]), int(saved["version"])
+            self._schedule_applied = int(saved.get("schedule_applied", 0))
         else:
             cfg, version = self._initial_config, 0
         check_consistency(cfg, self.dataset.domains)
@@ -196,6 +211,9 @@ class SamplerService:
         await self.scheduler.form_frames()
         self.metrics.config_version.set(version)
         self.metrics.policy_version.set(self.backend.policy_version)
+        self.trained_groups = int(await self.store.call(self.store.sync.get, ACKED_KEY, 0))
+        # Steps whose condition was met just before a crash apply now.
+        await self._advance_schedule()
         self.scheduler.start()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         self.ready = True
@@ -253,13 +271,49 @@ class SamplerService:
             await self.store.close()
 
     async def _housekeeping(self) -> None:
-        """Expire stale leases and keep the queue gauges current."""
+        """Expire stale leases, keep the queue gauges and rate window current, log a failed
+        engine once."""
         while True:
             if self.outbox.expire():
                 self.scheduler.poke()
             self._drop_stalled_streams()
             self._update_gauges()
+            self._rate_samples.append(self._counters())
+            if not self._engine_failure_logged and (error := self.engine_error()):
+                self._engine_failure_logged = True
+                await self.record_event("engine_failed", "engine", {"error": error})
             await asyncio.sleep(1.0)
+
+    def _counters(self) -> tuple[float, int, int, int, int]:
+        st = self.scheduler.stats
+        return (time.monotonic(), st.groups_emitted, st.samples, st.tokens, self.trained_groups)
+
+    def _rates(self) -> dict[str, float]:
+        """Per-second rates over the last RATE_WINDOW_S seconds (since start when younger)."""
+        now = self._counters()
+        then = self._rate_samples[0] if self._rate_samples else now
+        dt = now[0] - then[0]
+        names = ("groups_per_s", "samples_per_s", "tokens_per_s", "acked_per_s")
+        rates = {
+            n: (a - b) / dt if dt > 0 else 0.0
+            for n, a, b in zip(names, now[1:], then[1:], strict=True)
+        }
+        return {"window_s": dt, **rates}
+
+    # -- event log --------------------------------------------------------------------
+    async def record_event(
+        self, kind: str, source: str, data: dict[str, Any], state: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Append to the persisted event log (with `state` written in the same transaction)."""
+        return await self.store.call(self.store.sync.add_event, kind, source, data, state)
+
+    async def events(self, since: int, limit: int) -> dict[str, Any]:
+        """Events after `since`, oldest first; `last_seq` is where the next poll starts."""
+        events = await self.store.call(self.store.sync.events, since, limit)
+        last = (
+            events[-1]["seq"] if events else await self.store.call(self.store.sync.last_event_seq)
+        )
+        return {"events": events, "last_seq": last}
 
     def _update_gauges(self) -> None:
         m = self.metrics
@@ -312,6 +366,7 @@ class SamplerService:
             uptime_s=time.time() - self.started_at,
             engine_error=error,
             warnings=self.warnings(),
+            auth_required=self.settings.api_key is not None,
         )
 
     def warnings(self) -> list[str]:
@@ -351,21 +406,18 @@ class SamplerService:
                     f"config_version is {self.scheduler.config_version}, not {expected}",
                     "config_version",
                 )
-            merged = merge_patch(self.scheduler.config.model_dump(), patch)
+            old = self.scheduler.config
+            merged = merge_patch(old.model_dump(), patch)
             try:
                 cfg = validate_config(merged)
                 check_consistency(cfg, self.dataset.domains)
                 self._check_context(cfg)
             except ConfigError as exc:
                 raise ServiceError(422, "invalid_config", str(exc), exc.field) from exc
-            version = self.scheduler.config_version + 1
-            await self.store.call(
-                self.store.sync.put,
-                {"config": {"config": cfg.model_dump(mode="json"), "version": version}},
-            )
-            self.scheduler.apply_config(cfg, version)
-            await self.scheduler.form_frames()
-        log.info("config v%d: %s", version, patch)
+            # A new schedule starts from its first step; steps already due apply below.
+            applied = 0 if cfg.schedule != old.schedule else self._schedule_applied
+            await self._commit_config(cfg, "api", applied)
+        await self._advance_schedule()
         return self.get_config()
 
     def _check_context(self, cfg: SamplerConfig) -> None:
@@ -376,6 +428,74 @@ class SamplerService:
                 f"({self.context_length} tokens)",
                 "max_tokens",
             )
+
+    async def _commit_config(
+        self, cfg: SamplerConfig, source: str, applied: int, detail: dict[str, Any] | None = None
+    ) -> None:
+        """Persist and install `cfg` as the next version, logged with its diff.
+
+        The config, the schedule's progress and the event are one transaction, so a
+        crash never leaves a step applied but unrecorded (or recorded twice). Callers hold
+        the config lock.
+        """
+        old = self.scheduler.config.model_dump(mode="json")
+        new = cfg.model_dump(mode="json")
+        diff = {k: [old.get(k), v] for k, v in new.items() if old.get(k) != v}
+        version = self.scheduler.config_version + 1
+        record = {"config": new, "version": version, "schedule_applied": applied}
+        await self.record_event(
+            "config",
+            source,
+            {"config_version": version, "diff": diff, **(detail or {})},
+            {"config": record},
+        )
+        self._schedule_applied = applied
+        self.scheduler.apply_config(cfg, version)
+        await self.scheduler.form_frames()
+        log.info("config v%d (%s): %s", version, source, diff)
+
+    def _schedule_due(self) -> bool:
+        schedule = self.scheduler.config.schedule
+        if self._schedule_applied >= len(schedule):
+            return False
+        kind, threshold = schedule[self._schedule_applied].at.key()
+        progress = self.trained_groups if kind == "trained_groups" else self.backend.policy_version
+        return progress >= threshold
+
+    async def _advance_schedule(self) -> None:
+        """Apply, in order and once each, every schedule step whose condition now holds.
+
+        A step that is no longer valid on top of the live config (a PATCH changed other
+        knobs since) is skipped and logged rather than retried forever.
+        """
+        if not self._schedule_due():
+            return
+        async with self._config_lock:
+            while self._schedule_due():
+                cfg, i = self.scheduler.config, self._schedule_applied
+                step = cfg.schedule[i]
+                kind, threshold = step.at.key()
+                detail = {"step": i, "at": {kind: threshold}}
+                try:
+                    new = apply_step(cfg.model_dump(mode="json"), step.set, self.dataset.domains)
+                except ConfigError as exc:
+                    record = {
+                        "config": cfg.model_dump(mode="json"),
+                        "version": self.scheduler.config_version,
+                        "schedule_applied": i + 1,
+                    }
+                    await self.record_event(
+                        "schedule_skipped",
+                        "schedule",
+                        {**detail, "error": str(exc), "field": exc.field},
+                        {"config": record},
+                    )
+                    self._schedule_applied = i + 1
+                    log.warning("schedule step %d skipped: %s", i, exc)
+                    continue
+                await self._commit_config(
+                    new.model_copy(update={"schedule": cfg.schedule}), "schedule", i + 1, detail
+                )
 
     # -- delivery ---------------------------------------------------------------------
     def _heartbeat(self, consumer: str, closing: bool = False) -> dict[str, Any]:
@@ -463,7 +583,9 @@ class SamplerService:
 
     async def ack(self, delivery_ids: list[str]) -> AckResponse:
         acked, unknown = await self.outbox.ack(delivery_ids)
+        self.trained_groups += acked
         self.scheduler.poke()
+        await self._advance_schedule()
         return AckResponse(acked=acked, unknown=unknown)
 
     async def lease(
@@ -508,11 +630,12 @@ class SamplerService:
                 "version",
             )
 
-    async def _install(self, files: list[Path], version: int) -> WeightsResponse:
+    async def _install(self, files: list[Path], version: int, transport: str) -> WeightsResponse:
         from sampler_service.backends.weights import vet_weight_files
 
         specs = self.backend.weight_specs()
         loop = asyncio.get_running_loop()
+        received = time.monotonic()
         try:
             tensors = await loop.run_in_executor(None, vet_weight_files, files, specs)
         except WeightsRejected as exc:
@@ -534,11 +657,20 @@ class SamplerService:
         self.metrics.weight_updates.inc()
         self.metrics.weight_update_seconds.observe(elapsed)
         log.info("serving weights v%d (%d tensors, %.3fs paused)", version, len(tensors), elapsed)
+        await self.weights_installed(version, transport, time.monotonic() - received, elapsed)
         return WeightsResponse(policy_version=version, tensors=len(tensors), load_s=elapsed)
+
+    async def weights_installed(
+        self, version: int, transport: str, seconds: float, paused_s: float
+    ) -> None:
+        """Log a weight update and apply schedule steps keyed on the new policy version."""
+        data = {"version": version, "transport": transport, "seconds": seconds}
+        await self.record_event("weights", "api", {**data, "paused_s": paused_s})
+        await self._advance_schedule()
 
     async def put_weights(self, upload: Path, version: int) -> WeightsResponse:
         """Install an uploaded safetensors file, then keep it as the restart weights."""
-        result = await self._install([upload], version)
+        result = await self._install([upload], version, "upload")
         keep = self.settings.state_dir / "weights" / "current.safetensors"
         keep.parent.mkdir(parents=True, exist_ok=True)
         os.replace(upload, keep)
@@ -555,7 +687,7 @@ class SamplerService:
             files = weight_files(Path(path))
         except WeightsRejected as exc:
             raise ServiceError(422, "weights_rejected", str(exc), "path") from exc
-        result = await self._install(files, version)
+        result = await self._install(files, version, "path")
         await self.store.call(
             self.store.sync.put, {"weights": {"files": [str(f) for f in files], "version": version}}
         )
@@ -621,6 +753,16 @@ class SamplerService:
             "engine": self.backend.health().detail,
             "domains": self._domain_shares(),
             **self.scheduler.stats.to_dict(),
+            "rates": self._rates(),
+            "staleness": {
+                "last_group": self.metrics.registry.get_sample_value("adaptive_rollout_staleness"),
+                "max_staleness": self.scheduler.config.max_staleness,
+            },
+            "trained_groups": self.trained_groups,
+            "schedule": {
+                "steps": len(self.scheduler.config.schedule),
+                "applied": self._schedule_applied,
+            },
         }
 
     def metrics_text(self) -> bytes:

@@ -43,7 +43,20 @@ CREATE TABLE IF NOT EXISTS kv (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS events (
+    seq    INTEGER PRIMARY KEY AUTOINCREMENT,
+    time   REAL NOT NULL,
+    kind   TEXT NOT NULL,   -- config | weights | engine_failed | replica | schedule_skipped
+    source TEXT NOT NULL,   -- who caused it: api | schedule | engine | ...
+    data   TEXT NOT NULL    -- JSON object
+);
 """
+
+#: The event log keeps this many of the newest events; older ones are deleted as new ones
+#: arrive, so a long run's log stays small.
+EVENTS_KEPT = 10_000
+#: kv key of the number of groups acked since the state dir was created.
+ACKED_KEY = "acked_groups"
 
 
 @dataclass(frozen=True)
@@ -162,6 +175,7 @@ class Store:
         self._tx(run)
 
     def delete(self, group_ids: Iterable[str]) -> int:
+        """Delete acked groups; the acked-groups counter moves in the same transaction."""
         ids = [(g,) for g in group_ids]
         if not ids:
             return 0
@@ -169,7 +183,14 @@ class Store:
         def run(db: sqlite3.Connection) -> int:
             before = db.total_changes
             db.executemany("DELETE FROM groups WHERE group_id = ?", ids)
-            return db.total_changes - before
+            deleted = db.total_changes - before
+            if deleted:
+                db.execute(
+                    "INSERT INTO kv (key, value) VALUES (?, ?) ON CONFLICT(key) "
+                    "DO UPDATE SET value = CAST(value AS INTEGER) + excluded.value",
+                    (ACKED_KEY, deleted),
+                )
+            return deleted
 
         return self._tx(run)
 
@@ -210,6 +231,44 @@ class Store:
     def get(self, key: str, default: Any = None) -> Any:
         row = self._db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return default if row is None else json.loads(row[0])
+
+    # -- event log ------------------------------------------------------------------
+    def add_event(
+        self, kind: str, source: str, data: dict[str, Any], state: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Append an event, with any state that changed with it, in one transaction.
+
+        Writing both at once is what keeps a change and its record consistent across a
+        crash: e.g. a scheduled config step is either applied and logged, or neither.
+        """
+        when = time.time()
+
+        def run(db: sqlite3.Connection) -> int:
+            cur = db.execute(
+                "INSERT INTO events (time, kind, source, data) VALUES (?, ?, ?, ?)",
+                (when, kind, source, json.dumps(data)),
+            )
+            seq = int(cur.lastrowid)
+            db.execute("DELETE FROM events WHERE seq <= ?", (seq - EVENTS_KEPT,))
+            self._put_many(db, state or {})
+            return seq
+
+        seq = self._tx(run)
+        return {"seq": seq, "time": when, "kind": kind, "source": source, "data": data}
+
+    def events(self, since: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
+        """Events with seq > `since`, oldest first, at most `limit`."""
+        rows = self._db.execute(
+            "SELECT seq, time, kind, source, data FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+            (since, limit),
+        ).fetchall()
+        return [
+            {"seq": seq, "time": t, "kind": kind, "source": source, "data": json.loads(data)}
+            for seq, t, kind, source, data in rows
+        ]
+
+    def last_event_seq(self) -> int:
+        return int(self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
 
 
 class AsyncStore:

@@ -603,6 +603,10 @@ class SamplerClient(_Core):
     def stats(self) -> dict[str, Any]:
         return self._request("GET", "/v1/stats").json()
 
+    def events(self, since: int = 0, limit: int = 1000) -> dict[str, Any]:
+        """Event log entries after `since`: `{"events": [...], "last_seq": N}`, oldest first."""
+        return self._request("GET", "/v1/events", params={"since": since, "limit": limit}).json()
+
     # -- groups -------------------------------------------------------------------------
     def ack(self, items: Iterable[Group | str]) -> AckResponse:
         """Ack groups (by their newest delivery id) or raw delivery ids. Idempotent."""

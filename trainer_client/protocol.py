@@ -137,6 +137,7 @@ class Health(_Wire):
         default_factory=list,
         description="what works badly while the sampler still serves (verifier or engine errors)",
     )
+    auth_required: bool = Field(False, description="whether /v1/* needs an API key")
 
 
 class ErrorDetail(_Wire):

@@ -158,6 +158,7 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
         elapsed = time.monotonic() - started
         service.metrics.weight_updates.inc()
         service.metrics.weight_update_seconds.observe(elapsed)
+        await service.weights_installed(req.version, "nccl", elapsed, elapsed)
         return json(
             {
                 "policy_version": req.version,

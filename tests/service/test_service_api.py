@@ -312,6 +312,12 @@ def test_a_dead_engine_is_reported_not_a_silent_hang(make_server) -> None:
         assert "exit code -9" in health["engine_error"]
         r = c.get("/ready")
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+        # ... and the event log records it, once.
+        while not [e for e in c.get("/v1/events").json()["events"] if e["kind"] == "engine_failed"]:
+            assert time.monotonic() < deadline + 30, "the event log never recorded the failure"
+            time.sleep(0.2)
+        failures = [e for e in c.get("/v1/events").json()["events"] if e["kind"] == "engine_failed"]
+        assert len(failures) == 1 and "exit code -9" in failures[0]["data"]["error"]
         admitted = sum(d["admitted"] for d in c.get("/v1/stats").json()["domains"].values())
         time.sleep(2.0)  # no prompts burned on an engine that cannot run them
         assert sum(d["admitted"] for d in c.get("/v1/stats").json()["domains"].values()) == admitted

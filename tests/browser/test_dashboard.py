@@ -1,0 +1,165 @@
+"""The dashboard in a real headless Chromium (Debian's), against a live toy sampler with an
+API key. The page must work with nothing but the sampler: any console error the test did
+not provoke, a script error, or a request to another origin fails it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from trainer_client.launch import SamplerProcess
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
+
+KEY = "dashboard-test-key"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+#: Background traffic, updates, sync and QUIC off: the browser makes only the page's requests.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS", "test-artifacts")) / "browser"
+WAIT_S = 120.0
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:
+    """Poll `check` until it returns something truthy; fail naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.25)
+    pytest.fail(f"waited {timeout_s:.0f} s for {what}")
+
+
+@pytest.fixture
+def sampler(toy: Any, tmp_path: Path) -> Iterator[SamplerProcess]:
+    server = SamplerProcess(
+        toy.model_dir,
+        toy.data_files,
+        tmp_path / "state",
+        {"max_tokens": 8, "max_active_prompts": 8, "max_buffered_groups": 256},
+        tmp_path / "sampler.log",
+        extra=["--api-key", KEY],
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    if not shutil.which(CHROMIUM):
+        pytest.fail(f"no Chromium at {CHROMIUM}: `make test-browser` installs Debian's chromium")
+    from playwright.sync_api import sync_playwright
+
+    # Playwright gives every launch a fresh temporary profile (--user-data-dir).
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+def test_dashboard(sampler: SamplerProcess, browser: Any) -> None:
+    api = httpx.Client(
+        base_url=sampler.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60.0
+    )
+    page = browser.new_page(viewport={"width": 1400, "height": 1300})
+    console_errors: list[str] = []
+    requests: list[str] = []
+    page.on(
+        "console",
+        lambda m: (
+            console_errors.append(f"{m.text} ({m.location.get('url')})")
+            if m.type == "error"
+            else None
+        ),
+    )
+    page.on("pageerror", lambda exc: console_errors.append(f"uncaught: {exc}"))
+    page.on("request", lambda r: requests.append(r.url))
+
+    # With a key configured the page asks for it and fetches no data without it.
+    response = page.goto(f"{sampler.url}/dashboard")
+    assert response is not None and response.status == 200
+    assert "default-src 'self'" in response.headers["content-security-policy"]
+    wait_for("the API key prompt", lambda: page.is_visible("#key-panel"))
+    time.sleep(3)  # past a refresh: still nothing but /health
+    assert page.is_hidden("#content")
+    assert page.locator("#domains tbody tr").count() == 0
+    assert not [u for u in requests if "/v1/" in u]
+
+    page.fill("#key-input", KEY)
+    page.click("#key-submit")
+    wait_for("the domain table", lambda: page.locator("#domains tbody tr").count() == 3)
+    assert page.locator("#domains tbody td:first-child").all_inner_texts() == [
+        "add1",
+        "add2",
+        "mul",
+    ]
+    first = page.inner_text("#total-samples")
+    wait_for("the answers counter to move", lambda: page.inner_text("#total-samples") != first)
+    assert page.inner_text("#health") == "ok"
+
+    # The key was asked for once: a reload keeps it (sessionStorage) and shows data again.
+    page.reload()
+    wait_for("data after a reload", lambda: page.locator("#domains tbody tr").count() == 3)
+    assert page.is_hidden("#key-panel")
+
+    # A k_pos change through the form is one PATCH that GET /v1/config then shows.
+    wait_for("the form to fill", lambda: page.input_value("#f-k_pos") == "2")
+    page.fill("#f-k_pos", "1")
+    page.click("#apply")
+    wait_for("the change to apply", lambda: "applied" in page.inner_text("#form-status"))
+    config = api.get("/v1/config").json()
+    assert (config["k_pos"], config["config_version"]) == (1, 1)
+    wait_for("the change in the event list", lambda: "k_pos 2 → 1" in page.inner_text("#events"))
+    assert page.inner_text("#config-version") == "1"
+    assert not console_errors, console_errors
+
+    # An invalid value shows the server's own message next to the field; nothing changes.
+    expected = api.patch("/v1/config", json={"k_pos": 99}).json()["error"]["message"]
+    page.fill("#f-k_pos", "99")
+    page.click("#apply")
+    shown = wait_for(
+        "the error next to k_pos",
+        lambda: page.inner_text('.field-error[data-field="k_pos"]'),
+    )
+    assert shown == f"422 {expected}"
+    assert api.get("/v1/config").json()["config_version"] == 1
+    # Chromium reports the refused PATCH itself as a console error; it must be the only one.
+    assert len(console_errors) == 1 and "status of 422" in console_errors[0], console_errors
+
+    # Someone else changes the config while the form holds edits: the form's PATCH carries
+    # the version it was filled from, so it is refused (409) instead of undoing that change.
+    assert api.patch("/v1/config", json={"k_neg": 1}).json()["config_version"] == 2
+    page.fill("#f-k_pos", "2")
+    page.click("#apply")
+    conflict = wait_for("the 409 message", lambda: page.inner_text("#form-status"))
+    assert conflict == "409 config_version is 2, not 1"
+    assert api.get("/v1/config").json()["k_pos"] == 1
+    assert "status of 409" in console_errors[-1], console_errors
+    page.click("#reset")
+    wait_for("the live values", lambda: page.input_value("#f-k_neg") == "1")
+    assert page.input_value("#f-k_pos") == "1"
+    assert page.inner_text("#form-status") == ""
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+    origin = urlsplit(sampler.url)
+    foreign = [u for u in requests if urlsplit(u)[:2] != origin[:2] and not u.startswith("data:")]
+    assert not foreign, foreign
+    api.close()

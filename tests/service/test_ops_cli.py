@@ -1,0 +1,109 @@
+"""`adaptive-rollout config|stats|events` as subprocesses against a live toy sampler."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer_client.ops_cli import parse_assignments
+
+pytestmark = pytest.mark.timeout(600)
+
+KEY = "ops-test-key"
+
+
+def cli(url: str, *args: str, key: str | None = KEY) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTIVE_ROLLOUT_")}
+    env["ADAPTIVE_ROLLOUT_URL"] = url
+    if key is not None:
+        env["ADAPTIVE_ROLLOUT_API_KEY"] = key
+    return subprocess.run(
+        [sys.executable, "-m", "sampler_service", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_parse_assignments() -> None:
+    assert parse_assignments(["k_pos=4", "rule=positive", "mixing.params.temp=0.5"]) == {
+        "k_pos": 4,
+        "rule": "positive",
+        "mixing": {"params": {"temp": 0.5}},
+    }
+    assert parse_assignments(['group_policies=[{"name": "x"}]', "max_staleness=null"]) == {
+        "group_policies": [{"name": "x"}],
+        "max_staleness": None,
+    }
+    with pytest.raises(SystemExit):
+        parse_assignments(["k_pos"])
+
+
+def test_cli_against_live_sampler(make_server: Any, tmp_path: Path) -> None:
+    server = make_server(extra=["--api-key", KEY])
+    url = server.url
+
+    with server.client() as c:
+        assert c.get("/health").json()["auth_required"] is True
+    got = cli(url, "config", "get")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["config_version"] == 0
+
+    no_key = cli(url, "config", "get", key=None)
+    assert no_key.returncode == 1
+    assert "401" in no_key.stderr and "API key" in no_key.stderr
+
+    changed = cli(url, "config", "set", "k_pos=3", "n_max=24")
+    assert changed.returncode == 0, changed.stderr
+    assert changed.stdout.splitlines() == [
+        "k_pos: 2 -> 3",
+        "n_max: 32 -> 24",
+        "config_version: 0 -> 1",
+    ]
+    with server.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
+        cfg = c.get("/v1/config").json()
+    assert (cfg["k_pos"], cfg["n_max"], cfg["config_version"]) == (3, 24, 1)
+
+    bad = cli(url, "config", "set", "k_pos=30")
+    assert bad.returncode == 1
+    assert "422" in bad.stderr and "k_pos + k_neg <= n_max" in bad.stderr
+    assert "(field: k_pos)" in bad.stderr
+    unknown = cli(url, "config", "set", "mixing.name=no_such_mixer")
+    assert unknown.returncode == 1 and "mixing.name" in unknown.stderr
+
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text(json.dumps([{"at": {"trained_groups": 10**6}, "set": {"k_pos": 1}}]))
+    scheduled = cli(url, "config", "schedule", str(schedule))
+    assert scheduled.returncode == 0, scheduled.stderr
+    assert scheduled.stdout.splitlines()[-1] == "config_version: 1 -> 2"
+    bad_schedule = tmp_path / "bad.json"
+    bad_schedule.write_text(json.dumps([{"at": {"trained_groups": 1}, "set": {"k_pos": -1}}]))
+    refused = cli(url, "config", "schedule", str(bad_schedule))
+    assert refused.returncode == 1 and "schedule[0].set.k_pos" in refused.stderr
+
+    once = cli(url, "stats")
+    assert once.returncode == 0, once.stderr
+    assert once.stdout.count("stats at") == 1
+    for domain in ("add1", "add2", "mul"):
+        assert domain in once.stdout
+    watched = cli(url, "stats", "--watch", "--count", "3", "--interval", "0.2")
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout.count("stats at") == 3  # no TTY: one frame per refresh
+
+    events = cli(url, "events")
+    assert events.returncode == 0, events.stderr
+    lines = events.stdout.splitlines()
+    assert len(lines) == 2
+    assert " config api v1: " in lines[0] and "k_pos 2 -> 3" in lines[0]
+    assert " config api v2: " in lines[1] and "schedule" in lines[1]
+    followed = cli(url, "events", "--follow", "--count", "3", "--interval", "0.2", "--since", "1")
+    assert followed.returncode == 0, followed.stderr
+    assert followed.stdout.splitlines() == lines[1:]  # each event once, however many polls

@@ -1,0 +1,328 @@
+"""Operate a live sampler over HTTP: `adaptive-rollout config|stats|events`.
+
+    adaptive-rollout config get
+    adaptive-rollout config set k_pos=4 n_max=48      # one PATCH; prints the diff
+    adaptive-rollout config schedule schedule.json
+    adaptive-rollout stats --watch
+    adaptive-rollout events --follow
+
+The sampler is `--url` (default: env ADAPTIVE_ROLLOUT_URL, else http://127.0.0.1:8000);
+the API key, when it has one, comes from env ADAPTIVE_ROLLOUT_API_KEY (never a flag, so
+it stays out of shell history and process lists). A refused request prints the
+server's message and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+# -- arguments ---------------------------------------------------------------------------
+def parse_assignments(pairs: list[str]) -> dict[str, Any]:
+    """`["k_pos=4", "mixing.name=static"]` -> `{"k_pos": 4, "mixing": {"name": "static"}}`.
+
+    Values are JSON where they parse as JSON, else strings; dotted keys nest.
+    """
+    patch: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"expected KEY=VALUE, got {pair!r}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        *parents, leaf = key.split(".")
+        node = patch
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SystemExit(f"{key!r}: {part!r} is set to a value and cannot also nest")
+            node = child
+        node[leaf] = value
+    return patch
+
+
+def load_schedule(path: Path) -> list[Any]:
+    """A schedule file: a JSON list of steps, or a JSON/TOML object with a `schedule` list."""
+    text = path.read_text(encoding="utf-8")
+    data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    if isinstance(data, dict) and "schedule" in data:
+        data = data["schedule"]
+    if not isinstance(data, list):
+        raise SystemExit(f"{path}: expected a list of steps or an object with a 'schedule' list")
+    return data
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Keys whose values differ, config_version aside."""
+    return {
+        k: (old.get(k), new.get(k))
+        for k in sorted(set(old) | set(new))
+        if k != "config_version" and old.get(k) != new.get(k)
+    }
+
+
+def _compact(value: Any) -> str:
+    return (
+        json.dumps(value, separators=(",", ":")) if isinstance(value, (dict, list)) else str(value)
+    )
+
+
+# -- rendering ---------------------------------------------------------------------------
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
+    """One screen of `stats`: a rich renderable built from /health and /v1/stats."""
+    from rich.console import Group
+    from rich.table import Table
+
+    rates = stats.get("rates", {})
+    queue = stats.get("queue", {})
+    staleness = stats.get("staleness", {})
+    overview = Table(title="sampler", show_header=False, box=None, pad_edge=False)
+    overview.add_column(style="bold")
+    overview.add_column()
+    rows = [
+        ("health", health.get("status")),
+        (
+            "policy / config version",
+            f"{stats.get('policy_version')} / {stats.get('config_version')}",
+        ),
+        ("groups/s (60 s)", _fmt(rates.get("groups_per_s"))),
+        ("answers/s (60 s)", _fmt(rates.get("samples_per_s"))),
+        ("tokens/s (60 s)", _fmt(rates.get("tokens_per_s"), 1)),
+        ("READY / LEASED", f"{queue.get('ready')} / {queue.get('leased')}"),
+        ("active prompts", queue.get("active_prompts")),
+        ("staleness (last group)", _fmt(staleness.get("last_group"), 0)),
+        ("trained groups", stats.get("trained_groups")),
+    ]
+    for label, value in rows:
+        overview.add_row(label, _fmt(value))
+    parts: list[Any] = [overview]
+
+    domains = Table(title="domains")
+    for col in ("domain", "pass rate", "target", "admitted", "emitted", "groups"):
+        domains.add_column(col, justify="left" if col == "domain" else "right")
+    for name, d in sorted(stats.get("domains", {}).items()):
+        domains.add_row(
+            name,
+            _fmt(d.get("pass_rate")),
+            _fmt(d.get("target_share")),
+            _fmt(d.get("admitted_share")),
+            _fmt(d.get("emitted_share")),
+            _fmt(d.get("emitted")),
+        )
+    parts.append(domains)
+
+    counts = Table(title="counts")
+    counts.add_column("kind")
+    counts.add_column("key")
+    counts.add_column("count", justify="right")
+    for kind, key in (
+        ("stop reason", "stop_reasons"),
+        ("dropped", "dropped"),
+        ("answers/group", "samples_per_group"),
+    ):
+        for name, n in stats.get(key, {}).items():
+            counts.add_row(kind, str(name), str(n))
+    parts.append(counts)
+
+    replicas = stats.get("replicas")
+    if isinstance(replicas, list) and replicas and all(isinstance(r, dict) for r in replicas):
+        table = Table(title="replicas")
+        columns = list(dict.fromkeys(k for r in replicas for k in r))
+        for col in columns:
+            table.add_column(col)
+        for r in replicas:
+            table.add_row(*(_fmt(r.get(col)) for col in columns))
+        parts.append(table)
+    return Group(*parts)
+
+
+def event_line(event: dict[str, Any]) -> str:
+    """One event as a line: `#seq time kind source summary`."""
+    data = event.get("data", {})
+    when = datetime.fromtimestamp(event.get("time", 0)).strftime("%Y-%m-%d %H:%M:%S")
+    if event.get("kind") == "config":
+        changes = ", ".join(
+            f"{k} {_compact(old)} -> {_compact(new)}"
+            for k, (old, new) in data.get("diff", {}).items()
+        )
+        summary = f"v{data.get('config_version')}: {changes or 'no change'}"
+        if "step" in data:
+            summary += f" (step {data['step']} at {_compact(data.get('at'))})"
+    elif event.get("kind") == "weights":
+        summary = (
+            f"v{data.get('version')} via {data.get('transport')} in {_fmt(data.get('seconds'))} s "
+            f"(paused {_fmt(data.get('paused_s'))} s)"
+        )
+    else:
+        summary = _compact(data)
+    return f"#{event.get('seq')} {when} {event.get('kind')} {event.get('source')} {summary}"
+
+
+# -- commands ----------------------------------------------------------------------------
+def _client(args: argparse.Namespace) -> Any:
+    from trainer_client.client import SamplerClient
+
+    return SamplerClient(
+        args.url,
+        api_key=os.environ.get("ADAPTIVE_ROLLOUT_API_KEY") or None,
+        watchdog_s=args.timeout_s,
+        timeout_s=args.timeout_s,
+    )
+
+
+def _refreshes(args: argparse.Namespace, repeat: bool) -> Iterator[int]:
+    """Refresh numbers 0, 1, ...: one without `repeat`, else `--count` (0 = until Ctrl-C)."""
+    i = 0
+    while True:
+        yield i
+        i += 1
+        if not repeat or (args.count and i >= args.count):
+            return
+        time.sleep(args.interval)
+
+
+def config_command(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        if args.action == "get":
+            print(json.dumps(client.get_config(), indent=2, sort_keys=True))
+            return
+        if args.action == "set":
+            patch = parse_assignments(args.values)
+        else:
+            patch = {"schedule": load_schedule(Path(args.file))}
+        old = client.get_config()
+        # One PATCH, refused (409) if someone else changed the config since it was read.
+        new = client.update_config(expected_version=old["config_version"], **patch)
+        for key, (before, after) in config_diff(old, new).items():
+            print(f"{key}: {_compact(before)} -> {_compact(after)}")
+        print(f"config_version: {old['config_version']} -> {new['config_version']}")
+
+
+def stats_command(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.rule import Rule
+
+    console = Console()
+    with _client(args) as client:
+
+        def frame() -> Any:
+            return stats_frame(client.health().model_dump(), client.stats())
+
+        if args.watch and console.is_terminal:
+            with Live(frame(), console=console, auto_refresh=False) as live:
+                for _ in _refreshes(args, True):
+                    live.update(frame(), refresh=True)
+            return
+        # Without a terminal (a pipe, a log file): one frame per refresh, one after another.
+        for _ in _refreshes(args, args.watch):
+            screen = frame()
+            console.print(Rule(f"stats at {datetime.now():%H:%M:%S}"))
+            console.print(screen)
+            sys.stdout.flush()
+
+
+def events_command(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        since = args.since
+        for _ in _refreshes(args, args.follow):
+            while True:
+                page = client.events(since=since, limit=1000)
+                for event in page["events"]:
+                    print(event_line(event))
+                since = page["last_seq"]
+                if len(page["events"]) < 1000:
+                    break
+            sys.stdout.flush()
+
+
+def _run(command: Callable[[argparse.Namespace], None]) -> Callable[[argparse.Namespace], None]:
+    """A command whose client errors print the server's message and exit with status 1."""
+
+    def run(args: argparse.Namespace) -> None:
+        from trainer_client.client import SamplerError
+
+        try:
+            command(args)
+        except SamplerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(1) from exc
+        except KeyboardInterrupt:
+            raise SystemExit(130) from None
+
+    return run
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--url",
+        default=os.environ.get("ADAPTIVE_ROLLOUT_URL", DEFAULT_URL),
+        help=f"sampler URL (default: env ADAPTIVE_ROLLOUT_URL, else {DEFAULT_URL}); "
+        "the API key comes from env ADAPTIVE_ROLLOUT_API_KEY",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=15.0,
+        help="give up on an unreachable or starting sampler after this many seconds",
+    )
+
+
+def _repeating(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: never)")
+
+
+def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p_config = sub.add_parser("config", help="read or change a live sampler's config over HTTP")
+    actions = p_config.add_subparsers(dest="action", required=True)
+    p_get = actions.add_parser("get", help="print the live config with its config_version")
+    p_set = actions.add_parser(
+        "set",
+        help="change knobs in one PATCH, e.g. k_pos=4 n_max=48 (values JSON, else strings; "
+        "dotted keys nest: mixing.name=static); prints the diff and the new version",
+    )
+    p_set.add_argument("values", nargs="+", metavar="KEY=VALUE")
+    p_schedule = actions.add_parser(
+        "schedule",
+        help="replace the schedule with FILE's (a JSON list of steps, or JSON/TOML with a "
+        "'schedule' list); steps already due apply at once",
+    )
+    p_schedule.add_argument("file", metavar="FILE")
+    for p in (p_get, p_set, p_schedule):
+        _common(p)
+        p.set_defaults(func=_run(config_command))
+
+    p_stats = sub.add_parser("stats", help="a live sampler's throughput, queues and domains")
+    _common(p_stats)
+    _repeating(p_stats)
+    p_stats.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (or --count)")
+    p_stats.set_defaults(func=_run(stats_command))
+
+    p_events = sub.add_parser("events", help="a live sampler's event log (config, weights, ...)")
+    _common(p_events)
+    _repeating(p_events)
+    p_events.add_argument("--since", type=int, default=0, help="print events after this seq")
+    p_events.add_argument("--follow", action="store_true", help="keep printing new events")
+    p_events.set_defaults(func=_run(events_command))
