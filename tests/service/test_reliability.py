@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -79,6 +80,16 @@ def test_unbounded_and_non_finite_config_is_refused(make_server) -> None:
         after = c.get("/v1/config").json()
         assert after["positive_threshold"] == before["positive_threshold"]
         assert after["lease_ttl_s"] == before["lease_ttl_s"]
+        # /metrics has no doubled _created series, and passes promtool where it is installed
+        # (Debian's prometheus package).
+        metrics = c.get("/metrics").text
+        assert "_created" not in metrics
+        promtool = shutil.which("promtool")
+        if promtool:
+            lint = subprocess.run(
+                [promtool, "check", "metrics"], input=metrics, capture_output=True, text=True
+            )
+            assert lint.returncode == 0, lint.stdout + lint.stderr
         # Request bodies: unknown keys and coerced types are refused too.
         for path, body, field in (
             ("/v1/groups/lease", {"max_groups": "3"}, "max_groups"),
