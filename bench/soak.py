@@ -1,7 +1,7 @@
 """Soak: a toy sampler under consumers, config changes, weight pushes and a kill -9.
 
 N consumers (half on the stream, half leasing; all acking), a PATCH every few seconds,
-a weight push every 15 s and, half-way, a SIGKILL of the server and a restart on the
+a weight push every 15 s and, a third of the way in, a SIGKILL of the server and a restart on the
 same state dir. Reports groups, duplicates, 5xx answers, groups lost across the restart,
 and the server's memory and state-dir size over time.
 
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     killed = False
     weights = _weights(toy.model_dir, 0)
     while (now := time.monotonic()) - started < args.duration_s:
-        if args.kill and not killed and now - started >= args.duration_s / 2:
+        if args.kill and not killed and now - started >= args.duration_s / 3:
             server.kill()
             lost_watch = ledger.restart()
             url = server.start()
