@@ -1,4 +1,5 @@
-"""Does adaptive sampling learn faster per answer generated? GRPO n=4 vs Seq-Balance.
+"""Does adaptive sampling learn faster per answer generated, and per second? GRPO n=4 vs
+Seq-Balance, with the advantage estimator ablated separately from the stopping rule.
 
 On the toy arithmetic task (three domains: add1, add2, mul), the reference GRPO trainer
 (`trainer_client.grpo.GRPOTrainer`) trains the toy model against a real sampler process
@@ -7,6 +8,9 @@ On the toy arithmetic task (three domains: add1, add2, mul), the reference GRPO 
 - `grpo4`: plain GRPO, rule `fixed`, n = 4, GRPO advantages; or
 - `seqbal`: Seq-Balance, rule `balanced` (K_pos = K_neg = 2, n_max 16, adaptive waves of
   up to 8), balanced down-sampling to n = 4, Reinforce-Ada's global-baseline advantage;
+- `grpo4_global`: GRPO n=4's rule with Seq-Balance's advantage (global baseline), and
+  `seqbal_grpo`: Seq-Balance's rule with GRPO advantages, so the rule and the advantage
+  estimator are compared one at a time;
 
 with everything else equal (batch of 16 groups, lr, temperature 1, static uniform domain
 mix, one weight push per step, `max_staleness` 0 so the sampler runs at most one batch
@@ -14,9 +18,11 @@ ahead of the trainer: groups are one policy version old when trained on). Cost i
 trainer trained on (`GroupStats.n_generated`); every run stops at the same answer budget
 and is evaluated at checkpoints along the way: greedy exact-match accuracy per domain on
 the held-out split. Curves are interpolated onto a common answers grid and averaged over
-seeds, with the spread (min..max over seeds) shown.
+seeds, with the spread (min..max over seeds) shown. The same is done on a wall-clock axis
+(training time, evaluations excluded), and each method is paired by seed with GRPO n=4
+at equal answers and at equal wall-clock time (mean difference, sd, paired t).
 
-    .venv/bin/python -m bench.learning --quick     # 3 seeds x 2 methods, ~5 minutes on 2 cores
+    .venv/bin/python -m bench.learning --quick     # 3 seeds x 4 methods, ~10 minutes on 2 cores
     .venv/bin/python -m bench.learning             # 5 seeds, a larger answer budget
 """
 
@@ -53,6 +59,31 @@ METHODS: dict[str, dict[str, Any]] = {
             "n_max": 4,
             "advantage": "grpo",
             "downsample": "none",
+        },
+    },
+    "grpo4_global": {
+        "label": "GRPO n=4, global baseline",
+        "config": {
+            "rule": "fixed",
+            "group_size": 4,
+            "wave_size": 4,
+            "n_max": 4,
+            "advantage": "global",
+            "downsample": "none",
+        },
+    },
+    "seqbal_grpo": {
+        "label": "Seq-Balance, GRPO advantages",
+        "config": {
+            "rule": "balanced",
+            "k_pos": 2,
+            "k_neg": 2,
+            "n_max": 16,
+            "wave": "adaptive",
+            "wave_size": 8,
+            "group_size": 4,
+            "downsample": "balanced",
+            "advantage": "grpo",
         },
     },
     "seqbal": {
@@ -127,9 +158,11 @@ def run_one(
                 {
                     "answers": 0,
                     "step": 0,
+                    "wall_s": 0.0,
                     **greedy_accuracy_of(trainer.model, trainer.tokenizer, eval_rows),
                 }
             ]
+            wall = 0.0  # training time; evaluations are not counted
             answers, per_step = 0, 4.0 * batch_groups
             for k in range(1, checkpoints + 1):
                 target = budget * k / checkpoints
@@ -139,11 +172,13 @@ def run_one(
                     cfg.steps = trainer.step + (
                         1 if trainer.step == 0 else max(1, math.ceil((target - answers) / per_step))
                     )
+                    t0 = time.monotonic()
                     trainer.train()
+                    wall += time.monotonic() - t0
                     answers = sum(sum(r["domain_generated"].values()) for r in trainer.history)
                     per_step = answers / max(trainer.step, 1)
                 acc = greedy_accuracy_of(trainer.model, trainer.tokenizer, eval_rows)
-                points.append({"answers": answers, "step": trainer.step, **acc})
+                points.append({"answers": answers, "step": trainer.step, "wall_s": wall, **acc})
             stats = trainer.client.stats()
     del trainer
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -159,8 +194,18 @@ def run_one(
     }
 
 
-def aggregate(runs: list[dict[str, Any]], domains: list[str], grid: np.ndarray) -> dict[str, Any]:
-    """Per method and domain: mean, min, max over seeds of accuracy interpolated on `grid`."""
+_AXES = {"answers", "step", "wall_s"}
+
+
+def _domains(point: dict[str, Any]) -> list[str]:
+    return [d for d in point if d not in _AXES]
+
+
+def aggregate(
+    runs: list[dict[str, Any]], domains: list[str], grid: np.ndarray, axis: str = "answers"
+) -> dict[str, Any]:
+    """Per method and domain: mean, min, max over seeds of accuracy interpolated on `grid`
+    along `axis` (answers generated or training wall time)."""
     out: dict[str, Any] = {}
     for method in METHODS:
         mine = [r for r in runs if r["method"] == method]
@@ -170,7 +215,7 @@ def aggregate(runs: list[dict[str, Any]], domains: list[str], grid: np.ndarray) 
         for d in [*domains, "mean"]:
             ys = []
             for r in mine:
-                xs = [p["answers"] for p in r["points"]]
+                xs = [p[axis] for p in r["points"]]
                 vals = [
                     p[d] if d != "mean" else float(np.mean([p[x] for x in domains]))
                     for p in r["points"]
@@ -187,31 +232,38 @@ def aggregate(runs: list[dict[str, Any]], domains: list[str], grid: np.ndarray) 
     return out
 
 
-def _paired(runs: list[dict[str, Any]], domains: list[str], budget: int) -> dict[str, Any] | None:
-    """Per seed, Seq-Balance minus GRPO n=4 in mean accuracy at the budget (interpolated)."""
+def _paired(runs: list[dict[str, Any]], domains: list[str], axis: str, at: float) -> dict[str, Any]:
+    """Per method, per seed: its mean accuracy minus GRPO n=4's at `at` on `axis`
+    (interpolated), with mean, sd and the paired t over seeds."""
 
-    def final(r: dict[str, Any]) -> float:
-        xs = [p["answers"] for p in r["points"]]
+    def value(r: dict[str, Any]) -> float:
+        xs = [p[axis] for p in r["points"]]
         ys = [float(np.mean([p[d] for d in domains])) for p in r["points"]]
-        return float(np.interp(budget, xs, ys))
+        return float(np.interp(at, xs, ys))
 
-    by = {(r["method"], r["seed"]): final(r) for r in runs}
-    seeds = sorted({s for m, s in by if m == "seqbal" and ("grpo4", s) in by})
-    if not seeds:
-        return None
-    diffs = [by[("seqbal", s)] - by[("grpo4", s)] for s in seeds]
-    return {
-        "diffs": diffs,
-        "mean": float(np.mean(diffs)),
-        "sd": float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0,
-        "wins": sum(d > 0 for d in diffs),
-    }
+    by = {(r["method"], r["seed"]): value(r) for r in runs}
+    out: dict[str, Any] = {}
+    for method in METHODS:
+        seeds = sorted({s for m, s in by if m == method and ("grpo4", s) in by})
+        if method == "grpo4" or not seeds:
+            continue
+        diffs = [by[(method, s)] - by[("grpo4", s)] for s in seeds]
+        sd = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0
+        mean = float(np.mean(diffs))
+        out[method] = {
+            "diffs": diffs,
+            "mean": mean,
+            "sd": sd,
+            "t": mean / (sd / math.sqrt(len(diffs))) if sd > 0 else None,
+            "wins": sum(d > 0 for d in diffs),
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--quick", action="store_true", help="3 seeds, 6,000 answers per run (~5 minutes)"
+        "--quick", action="store_true", help="3 seeds, 6,000 answers per run (~10 minutes)"
     )
     p.add_argument("--seeds", type=int, help="seeds per method (>= 3)")
     p.add_argument("--budget", type=int, help="answers generated per run")
@@ -249,13 +301,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 last = r["points"][-1]
                 print(
                     f"  {METHODS[method]['label']}, seed {seed}: {r['steps']} steps, {r['answers']} answers, "
-                    + " ".join(f"{d}={last[d]:.3f}" for d in last if d not in ("answers", "step"))
+                    + " ".join(f"{d}={last[d]:.3f}" for d in _domains(last))
                     + f" ({r['real_s']:.0f}s)",
                     flush=True,
                 )
-    domains = [d for d in runs[0]["points"][0] if d not in ("answers", "step")]
+    domains = _domains(runs[0]["points"][0])
     grid = np.linspace(0, budget, args.checkpoints + 1)
     curves = aggregate(runs, domains, grid)
+    # Equal wall-clock: up to the shortest run's training time, so every run covers it.
+    wall_at = min(r["points"][-1]["wall_s"] for r in runs)
+    wall_grid = np.linspace(0, wall_at, args.checkpoints + 1)
+    wall_curves = aggregate(runs, domains, wall_grid, axis="wall_s")
     rows = []
     for method, c in curves.items():
         row: dict[str, Any] = {"method": METHODS[method]["label"]}
@@ -287,13 +343,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             [("answers", "answers"), *[(m, f"{METHODS[m]['label']} mean acc") for m in curves]],
         )
     )
-    paired = _paired(runs, domains, budget)
-    if paired:
-        print(
-            f"\npaired by seed, mean accuracy at {budget:,} answers, Seq-Balance - GRPO n=4: "
-            + ", ".join(f"{d:+.3f}" for d in paired["diffs"])
-            + f" (mean {paired['mean']:+.3f}, sd {paired['sd']:.3f}, {paired['wins']} of {len(paired['diffs'])} seeds > 0)"
-        )
+    paired = {
+        "answers": _paired(runs, domains, "answers", budget),
+        "wall_s": _paired(runs, domains, "wall_s", wall_at),
+    }
+    for axis, at in (
+        ("answers", f"{budget:,} answers"),
+        ("wall_s", f"{wall_at:.0f} s of training"),
+    ):
+        print(f"\npaired by seed, mean accuracy minus GRPO n=4's at {at}:")
+        for method, pr in paired[axis].items():
+            t = "-" if pr["t"] is None else f"{pr['t']:+.2f}"
+            print(
+                f"  {METHODS[method]['label']}: "
+                + ", ".join(f"{d:+.3f}" for d in pr["diffs"])
+                + f" (mean {pr['mean']:+.3f}, sd {pr['sd']:.3f}, paired t {t}, "
+                f"{pr['wins']} of {len(pr['diffs'])} seeds > 0)"
+            )
     out = {
         "paired_by_seed": paired,
         "settings": {
@@ -306,6 +372,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": runs,
         "grid": grid.tolist(),
         "curves": curves,
+        "wall_grid": wall_grid.tolist(),
+        "wall_curves": wall_curves,
         "summary": rows,
         "real_s": time.monotonic() - started,
     }

@@ -6,13 +6,16 @@ It models what decides a rollout's wall time on an engine with continuous batchi
 - at most `max_num_seqs` sequences decode at once; further ones wait in a FIFO queue and
   join the running batch as soon as a slot frees (no global barrier inside the engine);
 - every decode step advances each running sequence by one token and takes
-  `step_base_s + step_per_seq_s x running` seconds (memory-bound decode: a fuller batch
-  costs a little more per step but far less per token);
+  `step_base_s + step_per_seq_s x running + kv_token_s x context` seconds, context being
+  the prompt and generated tokens the running sequences hold (memory-bound decode: a
+  fuller batch costs a little more per step but far less per token, and attention reads
+  every cached token once per step);
 - a request's prompt is prefilled once when its first sequence is scheduled (the n
   samples share the prefix), stalling the batch for `prefill_per_token_s x prompt length`;
-- answer lengths are log-normal (median `length_median`, log-sd `length_sigma`),
-  truncated at the request's `max_tokens` (finish reason "length", which the scheduler
-  scores 0 without verifying).
+- answer lengths are log-normal (median `length_median x (1 + difficulty_length x (1 -
+  p))` for a prompt of pass rate p, log-sd `length_sigma`), a wrong answer's length times
+  `wrong_length_factor`, truncated at the request's `max_tokens` (finish reason
+  "length", which the scheduler scores 0 without verifying).
 
 Rewards are Bernoulli draws from a per-prompt pass rate. The prompt is identified by its
 first token id (the benchmark's tokenizer puts the prompt's index there), and the drawn
@@ -69,6 +72,11 @@ class EngineSpec:
     length_sigma: float = 0.6
     #: Multiplies the length of a wrong answer (wrong answers tend to ramble); 1 = none.
     wrong_length_factor: float = 1.0
+    #: Median length grows by this fraction from the easiest (p = 1) to the hardest
+    #: (p = 0) prompt; 0 = lengths independent of difficulty.
+    difficulty_length: float = 0.0
+    #: Seconds per decode step per token of context held by the running sequences.
+    kv_token_s: float = 0.0
 
     def step_s(self, running: int) -> float:
         return self.step_base_s + self.step_per_seq_s * running
@@ -90,6 +98,7 @@ class _Seq:
     length: int
     finish_reason: str
     correct: bool
+    start: float = 0.0  # the engine's step count when the sequence was scheduled
 
 
 @dataclass
@@ -130,9 +139,14 @@ class SimBackend(Backend):
         self._tiebreak = itertools.count()
         self._steps = 0.0  # decode steps done so far: a running seq's progress clock
         self._stall_s = 0.0  # prefill time owed before decoding resumes
+        # Context of the running sequences is _ctx_base + running x _steps (each holds its
+        # prompt plus one token per step since it started).
+        self._ctx_base = 0.0
         self._arrival = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._version = 0
+        #: (prompt index, answers asked) of every generate call, in arrival order.
+        self.requests: list[tuple[int, int]] = []
 
     # -- Backend interface ------------------------------------------------------------
     @property
@@ -167,9 +181,11 @@ class SimBackend(Backend):
         if self._task is None:
             raise RuntimeError("sim engine not started")
         p = float(self.pass_rates[prompt_token_ids[0]])
+        self.requests.append((prompt_token_ids[0], n))
         spec = self.spec
         correct = self._rng.random(n) < p
-        lengths = np.exp(self._rng.normal(math.log(spec.length_median), spec.length_sigma, n))
+        median = spec.length_median * (1.0 + spec.difficulty_length * (1.0 - p))
+        lengths = np.exp(self._rng.normal(math.log(median), spec.length_sigma, n))
         lengths = np.where(correct, lengths, lengths * spec.wrong_length_factor)
         lengths = np.maximum(1, np.round(lengths)).astype(np.int64)
         future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
@@ -202,10 +218,13 @@ class SimBackend(Backend):
                 stall = spec.prefill_per_token_s * seq.request.prompt_len
                 self._stall_s += stall
                 self.stats.prefill_s += stall
+            seq.start = self._steps
+            self._ctx_base += seq.request.prompt_len - seq.start
             heapq.heappush(self._running, (self._steps + seq.length, next(self._tiebreak), seq))
 
     def _finish(self, seq: _Seq) -> None:
         request = seq.request
+        self._ctx_base -= request.prompt_len - seq.start
         token_ids, logprobs = self._payload(self._rng, seq.length)
         request.completions[seq.index] = Completion(
             token_ids=token_ids,
@@ -234,16 +253,22 @@ class SimBackend(Backend):
                 await self._arrival.wait()
                 continue
             running = len(self._running)
-            step = self.spec.step_s(running)
-            next_finish = self._running[0][0]
-            horizon = self._stall_s + max(0.0, next_finish - self._steps) * step
+            # Step k from now takes step + slope x k: the context grows by `running`
+            # tokens per step. Time for d steps: d x step + slope x d^2 / 2.
+            step = self.spec.step_s(running) + self.spec.kv_token_s * (
+                self._ctx_base + running * self._steps
+            )
+            slope = self.spec.kv_token_s * running
+            to_finish = max(0.0, self._running[0][0] - self._steps)
+            horizon = self._stall_s + to_finish * step + slope * to_finish**2 / 2
             started = loop.time()
             await wait_event(self._arrival, horizon)
             elapsed = loop.time() - started
             stalled = min(elapsed, self._stall_s)
             self._stall_s -= stalled
             decoding = elapsed - stalled
-            self._steps += decoding / step
+            # Steps done in `decoding` seconds: the root of slope/2 d^2 + step d = decoding.
+            self._steps += 2 * decoding / (step + math.sqrt(step * step + 2 * slope * decoding))
             self.stats.busy_slot_s += running * elapsed
             self.stats.decode_s += decoding
             while self._running and self._running[0][0] <= self._steps + _EPS_STEPS:

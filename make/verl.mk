@@ -33,6 +33,6 @@ $(VERL_STAMP): pyproject.toml make/verl.mk
 
 # CPU: real verl 0.9.1 (no mocks), two toy samplers as subprocesses and a 2-CPU local Ray
 # for TransferQueue; about 1.5 minutes on two cores (building .venv-verl: 4-6 minutes).
-# The full verl training run needs a GPU: deploy/gpu_checks/verl_gpu_check.sh.
+# The full verl training run needs a GPU: deploy/gpu_checks/run.sh (make/gpu_bundle.mk).
 test-verl: venv-verl
 	HF_HUB_OFFLINE=1 $(VERL_BIN)/python -m pytest tests/verl_integration -m verl -q -rs

@@ -245,9 +245,9 @@ OFFLINE_ENV = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    for key, value in OFFLINE_ENV.items():
-        os.environ.setdefault(key, value)
+def build_parser() -> argparse.ArgumentParser:
+    """The `adaptive-rollout` argument parser with every subcommand; parsing runs nothing
+    (deployment checks parse the command lines of the manifests with it)."""
     parser = argparse.ArgumentParser(prog="adaptive-rollout", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -266,8 +266,13 @@ def main(argv: list[str] | None = None) -> None:
 
     add_trainer_commands(sub)
     add_ops_commands(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+    args = build_parser().parse_args(argv)
     args.func(args)
 
 

@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from strategies import mixing, reweighting, selection, stopping
+from strategies import admission, mixing, reweighting, selection, stopping
 from strategies.estimator import Estimator
 from strategies.registry import PolicyError
 
@@ -140,6 +140,8 @@ class SamplerConfig(_Live):
         1024, ge=1, le=10_000_000, description="at most the model's context length"
     )
     group_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
+    # Applied to every prompt about to be admitted (e.g. history_skip).
+    admission_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
     # Applied when a batch frame forms.
     batch_groups: int = Field(1, ge=1, le=MAX_PROMPTS)
     batch_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
@@ -163,7 +165,8 @@ class SamplerConfig(_Live):
             group_size=self.group_size,
             wave="fixed" if self.mode == "rounds" else self.wave,
         )
-        if self.rule == "est":
+        if self.rule == "est" or self.wave == "adaptive":
+            # Adaptive waves size a seen prompt's first wave from its estimated pass rate.
             params["estimator"] = estimator
         return stopping.build(self.rule, **params)
 
@@ -184,6 +187,9 @@ class SamplerConfig(_Live):
             n_max=n_max,
             mean_budget=est.mean_budget,
         )
+
+    def admission_policy_objects(self) -> list[admission.AdmissionPolicy]:
+        return [admission.build(p.name, **p.params) for p in self.admission_policies]
 
     def group_policy_objects(self) -> list[Any]:
         return [selection.build(p.name, **p.params) for p in self.group_policies]
@@ -230,7 +236,7 @@ ConfigPatch = _partial(SamplerConfig)
 
 
 #: PolicyError.field values that mean "no such policy" rather than a bad parameter.
-_FAMILY_KEYS = {None, "name", "selection", "reweighting", "mixing"}
+_FAMILY_KEYS = {None, "name", "selection", "reweighting", "mixing", "admission"}
 
 
 def _policy_field(where: str, field: str | None) -> str:
@@ -274,6 +280,13 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
             f"({cfg.max_buffered_groups}): such a frame could never fill",
             "batch_groups",
         )
+    for i, spec in enumerate(cfg.admission_policies):
+        try:
+            admission.build(spec.name, **spec.params)
+        except PolicyError as exc:
+            raise ConfigError(
+                str(exc), _policy_field(f"admission_policies[{i}]", exc.field)
+            ) from exc
     for attr, scope in (("group_policies", "group"), ("batch_policies", "batch")):
         for i, spec in enumerate(getattr(cfg, attr)):
             _build_policy(spec, scope, f"{attr}[{i}]")

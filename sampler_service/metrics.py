@@ -6,6 +6,8 @@ process, as tests and benchmarks run them, from colliding.
 
 from __future__ import annotations
 
+from typing import get_args
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -16,12 +18,27 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from strategies.selection import SELECTIONS
+from strategies.stopping import StopReason
+
 # `*_created` series double every counter and histogram in the text format and carry
 # nothing a dashboard uses.
 disable_created_metrics()
 
 PREFIX = "adaptive_rollout_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Known label values, created at zero when the service starts (Metrics.precreate).
+OUTCOMES = ("positive", "negative", "error")
+STOP_REASONS = get_args(StopReason)
+# crash: the verifier's worker died; unavailable: not called, its breaker is open.
+VERIFIER_ERROR_KINDS = ("timeout", "error", "crash", "unavailable")
+# The scheduler's own reasons to drop a finalized group; selection policies drop under
+# their names.
+DROP_REASONS = ("engine_error", "verifier_unavailable", "too_few_samples", *SELECTIONS.names())
+# stale_version: the version did not increase (409); rejected: the file failed vetting
+# (422); error: the engine failed while loading vetted weights.
+WEIGHT_FAILURE_REASONS = ("stale_version", "rejected", "error")
 
 
 class Metrics:
@@ -38,6 +55,12 @@ class Metrics:
         )
         self.groups_dropped = Counter(
             PREFIX + "groups_dropped", "Finalized groups not emitted", ["reason"], registry=r
+        )
+        self.prompts_skipped = Counter(
+            PREFIX + "prompts_skipped",
+            "Prompts an admission policy passed over before generating any answer",
+            ["domain"],
+            registry=r,
         )
         self.stop_reasons = Counter(
             PREFIX + "stop_reasons", "Why prompts stopped sampling", ["reason"], registry=r
@@ -83,15 +106,37 @@ class Metrics:
         self.weight_update_seconds = Histogram(
             PREFIX + "weight_update_seconds", "Pause-to-resume time of weight updates", registry=r
         )
+        self.weight_update_failures = Counter(
+            PREFIX + "weight_update_failures",
+            "Weight updates refused or failed",
+            ["reason"],
+            registry=r,
+        )
+        self.engine_failed = Gauge(
+            PREFIX + "engine_failed",
+            "1 while the engine is failed and generates nothing, else 0",
+            registry=r,
+        )
 
-        # Known label values have a series (at 0) before their first event, so a rate or
-        # an alert on them is defined from the start.
-        for kind in ("error", "timeout", "crash", "unavailable"):
-            self.verifier_errors.labels(kind)
-        for reason in ("engine_error", "verifier_unavailable"):
+    def precreate(self, domains: list[str]) -> None:
+        """Create every known label set at zero.
+
+        A labelled series is otherwise absent until its first increment, and
+        `increase()`/`rate()` over an absent series is empty rather than 0, so alert rules
+        such as "no groups for N minutes" could never fire on a sampler that never emitted.
+        """
+        for domain in domains:
+            self.groups_emitted.labels(domain)
+            for outcome in OUTCOMES:
+                self.samples_generated.labels(domain, outcome)
+        for reason in DROP_REASONS:
             self.groups_dropped.labels(reason)
-        for reason in ("rule", "n_max", "budget", "fixed"):
+        for reason in STOP_REASONS:
             self.stop_reasons.labels(reason)
+        for kind in VERIFIER_ERROR_KINDS:
+            self.verifier_errors.labels(kind)
+        for reason in WEIGHT_FAILURE_REASONS:
+            self.weight_update_failures.labels(reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

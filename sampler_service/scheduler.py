@@ -94,6 +94,7 @@ class PromptRun:
 class DomainStats:
     admitted: int = 0
     emitted: int = 0
+    skipped: int = 0  # prompts an admission policy passed over (no answer generated)
     samples: int = 0
     positives: int = 0
     recent_pass_rates: deque[float] = field(default_factory=lambda: deque(maxlen=200))
@@ -128,6 +129,7 @@ class SchedulerStats:
             "samples_per_group": {str(k): v for k, v in sorted(self.samples_per_group.items())},
             "stop_reasons": dict(self.stop_reasons),
             "dropped": dict(self.dropped),
+            "skipped": {d: ds.skipped for d, ds in self.domains.items()},
         }
 
 
@@ -159,6 +161,9 @@ class Scheduler:
             config.mixing.name, domains=dataset.domains, **config.mixing.params
         )
         self.admitter = mixing.DeficitAdmitter(dataset.domains, window=200)
+        self._admission = config.admission_policy_objects()
+        for domain in dataset.domains:
+            self.metrics.prompts_skipped.labels(domain)  # every domain's series from the start
         self.stats = SchedulerStats(dataset.domains, clock)
         self._rng = np.random.default_rng(seed)
         self._unframed: list[Group] = []
@@ -241,6 +246,8 @@ class Scheduler:
             self.mixer = mixing.build(
                 cfg.mixing.name, domains=self.dataset.domains, **cfg.mixing.params
             )
+        if cfg.admission_policies != old.admission_policies:
+            self._admission = cfg.admission_policy_objects()
         if cfg.est != old.est or cfg.n_max != old.n_max or cfg.rule != old.rule:
             state = self.estimator.state_dict()
             self.estimator = cfg.build_estimator()
@@ -293,7 +300,7 @@ class Scheduler:
     def _admit(self) -> PromptRun:
         cfg = self.config
         domain = self.admitter.choose(self.mixer.proportions())
-        row = self.dataset.next(domain)
+        row = self._next_admissible(domain)
         sampling = SamplingParams(
             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens
         )
@@ -301,6 +308,22 @@ class Scheduler:
         self.stats.domains[domain].admitted += 1
         self.stats.recent_admitted.append(domain)
         return PromptRun(row, plan, cfg.build_rule(self.estimator))
+
+    def _next_admissible(self, domain: str) -> PromptRow:
+        """The domain's next prompt that no admission policy skips; skips are counted.
+
+        A skipped prompt is passed over for this epoch of its domain. Every policy keeps
+        a floor chance of admitting, so the loop ends.
+        """
+        while True:
+            row = self.dataset.next(domain)
+            if not any(
+                self._rng.random() < policy.skip_probability(self.estimator, row.id)
+                for policy in self._admission
+            ):
+                return row
+            self.stats.domains[domain].skipped += 1
+            self.metrics.prompts_skipped.labels(domain).inc()
 
     def _spawn(self, run: PromptRun) -> None:
         task = asyncio.create_task(self._run_prompt(run), name=f"prompt-{run.row.id}")

@@ -171,6 +171,7 @@ class SamplerService:
         loop = asyncio.get_running_loop()
         self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, s.model)
         self.dataset = Dataset(s.data, self._tokenize, seed=s.seed)
+        self.metrics.precreate(self.dataset.domains)
         saved = await self.store.call(self.store.sync.get, "config")
         if saved is not None:
             cfg, version = validate_config(saved["config"]), int(saved["version"])
@@ -320,6 +321,7 @@ class SamplerService:
         m.queue_depth.labels("ready").set(self.outbox.ready_groups)
         m.queue_depth.labels("leased").set(self.outbox.leased_groups)
         m.queue_depth.labels("pending").set(self.sink.pending)
+        m.engine_failed.set(self.engine_error() is not None)
         for domain, shares in self._domain_shares().items():
             for kind in ("target", "admitted", "emitted"):
                 m.mixing_share.labels(domain, kind).set(shares[f"{kind}_share"])
@@ -623,6 +625,7 @@ class SamplerService:
         self.check_engine()
         current = self.backend.policy_version
         if version <= current:
+            self.metrics.weight_update_failures.labels("stale_version").inc()
             raise ServiceError(
                 409,
                 "stale_version",
@@ -639,6 +642,7 @@ class SamplerService:
         try:
             tensors = await loop.run_in_executor(None, vet_weight_files, files, specs)
         except WeightsRejected as exc:
+            self.metrics.weight_update_failures.labels("rejected").inc()
             raise ServiceError(422, "weights_rejected", str(exc)) from exc
         started = time.monotonic()
         async with self.scheduler.paused_for_weights():
@@ -646,8 +650,10 @@ class SamplerService:
             try:
                 await self.backend.load_weights(tensors, version)
             except WeightsRejected as exc:
+                self.metrics.weight_update_failures.labels("rejected").inc()
                 raise ServiceError(422, "weights_rejected", str(exc)) from exc
             except Exception as exc:  # noqa: BLE001 - a dead engine is a 503, not a 500
+                self.metrics.weight_update_failures.labels("error").inc()
                 if self.engine_error() is None:
                     raise
                 raise ServiceError(
@@ -686,6 +692,7 @@ class SamplerService:
         try:
             files = weight_files(Path(path))
         except WeightsRejected as exc:
+            self.metrics.weight_update_failures.labels("rejected").inc()
             raise ServiceError(422, "weights_rejected", str(exc), "path") from exc
         result = await self._install(files, version, "path")
         await self.store.call(

@@ -2,6 +2,7 @@
 advantages, selection, reweighting and domain mixing, on numpy arrays (no I/O)."""
 
 from strategies import (
+    admission,
     advantage,
     downsample,
     estimator,
@@ -16,6 +17,7 @@ from strategies.registry import PolicyError
 
 __all__ = [
     "PolicyError",
+    "admission",
     "advantage",
     "downsample",
     "estimator",

@@ -50,6 +50,8 @@ class Estimator:
                 field="mean_budget",
             )
         self._stats: dict[str, tuple[float, float]] = {}  # id -> (N_tot, N_pos)
+        # id -> consecutive finalized groups with no correct or no incorrect answer
+        self._streaks: dict[str, int] = {}
         self._prompts: frozenset[str] = frozenset()
         self._finalized = 0
         self.c = 0.0
@@ -69,6 +71,11 @@ class Estimator:
         n_tot, n_pos = self._stats.get(prompt_id, (0.0, 0.0))
         return (n_pos + self.params.alpha) / (n_tot + self.params.alpha + self.params.beta)
 
+    def streak(self, prompt_id: str) -> int:
+        """Consecutive finalized groups of this prompt, up to the last, that had no correct
+        or no incorrect answer (0 after a group with both)."""
+        return self._streaks.get(prompt_id, 0)
+
     def update(self, prompt_id: str, n: int, k: int) -> None:
         """Fold in a finalized group of ``n`` answers, ``k`` of them correct.
 
@@ -80,6 +87,10 @@ class Estimator:
         lam = self.params.lam
         n_tot, n_pos = self._stats.get(prompt_id, (0.0, 0.0))
         self._stats[prompt_id] = (lam * n_tot + n, lam * n_pos + k)
+        if k in (0, n):
+            self._streaks[prompt_id] = self._streaks.get(prompt_id, 0) + 1
+        else:
+            self._streaks.pop(prompt_id, None)
         self._finalized += 1
         if self._finalized % self.params.recalibrate_every == 0:
             self.recalibrate()
@@ -123,11 +134,12 @@ class Estimator:
         return self._mean(self.c, *self._population())
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serializable learned state (c, group counter, per-prompt counts)."""
+        """JSON-serializable learned state (c, group counter, per-prompt counts, streaks)."""
         return {
             "c": self.c,
             "finalized": self._finalized,
             "stats": {pid: [n_tot, n_pos] for pid, (n_tot, n_pos) in self._stats.items()},
+            "streaks": dict(self._streaks),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -135,6 +147,8 @@ class Estimator:
         self.c = float(state["c"])
         self._finalized = int(state["finalized"])
         self._stats = {pid: (float(t), float(k)) for pid, (t, k) in state["stats"].items()}
+        # Absent from states saved before streaks were kept: those start with no streak.
+        self._streaks = {pid: int(s) for pid, s in state.get("streaks", {}).items()}
 
     def _population(self) -> tuple[np.ndarray, np.ndarray]:
         """Pass rates c is calibrated on, with the number of prompts at each.

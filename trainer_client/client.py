@@ -33,7 +33,8 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -225,8 +226,22 @@ def encode_weights(state_dict: Mapping[str, Any]) -> bytes:
     return save(out)
 
 
-def _weights_body(weights: Mapping[str, Any] | str | Path | bytes) -> tuple[Any, int | None]:
-    """(content, length) for a PUT /v1/weights: bytes in memory, or a file streamed from disk."""
+@dataclass(frozen=True)
+class WeightStream:
+    """A weights body made piece by piece (`length` bytes from `chunks()`): uploaded as it
+    is produced, never built whole in memory."""
+
+    length: int
+    chunks: Callable[[], Iterator[bytes]]
+
+
+def _weights_body(
+    weights: Mapping[str, Any] | str | Path | bytes | WeightStream,
+) -> tuple[Any, int | None]:
+    """(content, length) for a PUT /v1/weights: bytes in memory, a file streamed from disk,
+    or a `WeightStream`."""
+    if isinstance(weights, WeightStream):
+        return weights, weights.length
     if isinstance(weights, bytes | bytearray):
         return bytes(weights), len(weights)
     if isinstance(weights, str | Path):
@@ -697,18 +712,19 @@ class SamplerClient(_Core):
 
     # -- weights ------------------------------------------------------------------------
     def push_weights(
-        self, weights: Mapping[str, Any] | str | Path | bytes, version: int
+        self, weights: Mapping[str, Any] | str | Path | bytes | WeightStream, version: int
     ) -> WeightsResponse:
-        """Upload weights (a state_dict, safetensors bytes, or a .safetensors path) as `version`.
+        """Upload weights (a state_dict, safetensors bytes, a .safetensors path or a
+        `WeightStream`) as `version`.
 
         Returns once the sampler serves them. A version that does not increase raises
         `ConflictError`; a file the model cannot take raises `InvalidRequest`.
         """
         content, length = _weights_body(weights)
         headers = {"Content-Type": "application/octet-stream"}
-        if isinstance(content, Path):
+        if isinstance(content, Path | WeightStream):
             headers["Content-Length"] = str(length)
-            content = _file_chunks(content)
+            content = _file_chunks(content) if isinstance(content, Path) else content.chunks()
         try:
             r = self._request(
                 "PUT",
@@ -888,6 +904,8 @@ class AsyncSamplerClient(_Core):
     async def push_weights(
         self, weights: Mapping[str, Any] | str | Path | bytes, version: int
     ) -> WeightsResponse:
+        if isinstance(weights, WeightStream):
+            raise TypeError("a WeightStream is uploaded with SamplerClient.push_weights")
         loop = asyncio.get_running_loop()
         if isinstance(weights, Mapping):  # serializing a large model must not block the loop
             weights = await loop.run_in_executor(None, encode_weights, weights)

@@ -3,6 +3,7 @@
 #
 #   deploy/verl/launch.sh sampler [extra `adaptive-rollout serve` flags]   # on the inference node(s)
 #   deploy/verl/launch.sh trainer [extra hydra overrides]                  # on the training head node
+#   deploy/verl/launch.sh sampler-config                                   # print the sampler's config
 #
 # The sampler owns the prompts, the verification and the domain mixing; verl owns the
 # optimization. Both read these variables (defaults in brackets):
@@ -12,6 +13,9 @@
 #   SAMPLER_URL     where the trainer finds the sampler [http://127.0.0.1:8000]
 #   SAMPLER_PORT    sampler port [8000]
 #   GROUP_SIZE      answers per group = verl's actor_rollout_ref.rollout.n [4]
+#   WAVE_SIZE       answers per sampler wave; at least GROUP_SIZE, so every group is full
+#                   [max(8, GROUP_SIZE)]
+#   N_MAX           answers per prompt at most [4 x WAVE_SIZE]
 #   TEMPERATURE     sampling temperature, the same on both sides [1.0]
 #   MAX_TOKENS      answer length cap (sampler max_tokens = verl max_response_length) [2048]
 #   TRAIN_BATCH     groups per step (verl train_batch_size = sampler batch_groups) [64]
@@ -19,6 +23,8 @@
 #   STEPS           trainer.total_training_steps [100]
 #   NNODES, GPUS_PER_NODE   training nodes and GPUs per node [1, 8]
 #   SAMPLER_TP      vLLM tensor parallel size on the sampler [1]
+#   GPU_MEMORY      share of each sampler GPU vLLM takes (weights + KV cache) [the backend's
+#                   0.45, which leaves a trainer on the same GPU room; 0.9 on GPUs of its own]
 #   WEIGHT_SYNC     upload | path [upload]; path needs WEIGHTS_DIR on storage both sides mount
 #   WEIGHTS_DIR     shared directory for weight files (path mode)
 #   STATE_DIR       sampler state (SQLite store, accepted weights) [sampler_state]
@@ -48,25 +54,38 @@ fi
 : "${GPUS_PER_NODE:=8}" "${SAMPLER_TP:=1}" "${WEIGHT_SYNC:=upload}" "${STATE_DIR:=sampler_state}"
 : "${RULE:=balanced}" "${ADVANTAGE:=global}"
 
+: "${WAVE_SIZE:=$(( GROUP_SIZE > 8 ? GROUP_SIZE : 8 ))}"
+: "${N_MAX:=$(( 4 * WAVE_SIZE ))}"
+
+# The sampler's config (`launch.sh sampler-config` prints it). group_size must equal
+# rollout.n; waves of at least group_size answers guarantee every group has exactly that
+# many samples (the trainer checks this at start-up).
+sampler_config() {
+  cat <<JSON
+{"rule": "$RULE", "k_pos": 2, "k_neg": 2, "wave": "fixed", "wave_size": $WAVE_SIZE,
+ "n_max": $N_MAX, "group_size": $GROUP_SIZE, "downsample": "balanced",
+ "advantage": "$ADVANTAGE", "temperature": $TEMPERATURE, "max_tokens": $MAX_TOKENS,
+ "batch_groups": $TRAIN_BATCH, "max_buffered_groups": $((TRAIN_BATCH * 4)),
+ "max_staleness": 1, "group_policies": [{"name": "nonzero_std", "params": {}}]}
+JSON
+}
+
 case "$role" in
+  sampler-config)
+    sampler_config
+    ;;
   sampler)
     : "${MODEL:?set MODEL}" "${DATA:?set DATA (comma-separated prompt files)}"
     config=$(mktemp --suffix=.json)
-    # group_size must equal rollout.n; waves of at least group_size answers guarantee every
-    # group has exactly that many samples (the trainer checks this at start-up).
-    cat > "$config" <<JSON
-{"rule": "$RULE", "k_pos": 2, "k_neg": 2, "wave": "fixed", "wave_size": 8, "n_max": 32,
- "group_size": $GROUP_SIZE, "downsample": "balanced", "advantage": "$ADVANTAGE",
- "temperature": $TEMPERATURE, "max_tokens": $MAX_TOKENS, "batch_groups": $TRAIN_BATCH,
- "max_buffered_groups": $((TRAIN_BATCH * 4)), "max_staleness": 1,
- "group_policies": [{"name": "nonzero_std", "params": {}}]}
-JSON
+    sampler_config > "$config"
     data_args=()
     IFS=, read -ra files <<< "$DATA"
     for f in "${files[@]}"; do data_args+=(--data "$f"); done
+    vllm_args=(--vllm-arg "tensor_parallel_size=$SAMPLER_TP")
+    [[ -n "${GPU_MEMORY:-}" ]] && vllm_args+=(--vllm-arg "gpu_memory_utilization=$GPU_MEMORY")
     exec "$PYTHON" -m sampler_service serve --backend vllm --model "$MODEL" "${data_args[@]}" \
       --host 0.0.0.0 --port "$SAMPLER_PORT" --state-dir "$STATE_DIR" --config "$config" \
-      --vllm-arg "tensor_parallel_size=$SAMPLER_TP" "$@"
+      "${vllm_args[@]}" "$@"
     ;;
   trainer)
     : "${MODEL:?set MODEL}"

@@ -105,6 +105,8 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
             "model_name": backend.model_name,
             "policy_version": backend.policy_version,
             "name": backend.name,
+            # the dtype weights are served in (a trainer casts its upload to it)
+            "dtype": backend.health().detail.get("dtype"),
         },
     )
     threading.Thread(target=receive, name="engine-recv", daemon=True).start()
@@ -256,7 +258,11 @@ class EngineProcess(Backend):
 
     def health(self) -> BackendHealth:
         alive = self._process is not None and self._process.is_alive()
-        detail: dict[str, Any] = {"engine_pid": self.pid, "policy_version": self.policy_version}
+        detail: dict[str, Any] = {
+            "engine_pid": self.pid,
+            "policy_version": self.policy_version,
+            "dtype": self._info.get("dtype"),
+        }
         if self._failure is not None:
             detail["error"] = repr(self._failure)
         return BackendHealth(ok=alive and self._failure is None, detail=detail)

@@ -72,6 +72,10 @@ _DEFAULTS: dict[str, Any] = {
 # (vLLM reserves `gpu_memory_utilization` x RAM, 0.92 by default, and refuses to start
 # when that is not free), and the checkpoint's dtype rather than a bfloat16 downcast.
 _CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True}
+# On GPUs vLLM takes `gpu_memory_utilization` of each GPU (0.92 by default), which leaves a
+# trainer on the same GPU nothing; this default leaves it a little over half. Dedicated
+# inference GPUs can give vLLM more (--vllm-arg gpu_memory_utilization=0.9).
+_CUDA_DEFAULTS: dict[str, Any] = {"gpu_memory_utilization": 0.45}
 _CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _SAFETENSORS_TO_TORCH = {
@@ -193,6 +197,9 @@ class VLLMBackend(Backend):
         self._work_dir: Path | None = None
         self._engine: Any = None
         self._version = 0
+        #: The version of the newest weights that came from files (the ones a failed NCCL
+        #: round can fall back to).
+        self._file_version = 0
         self._checkpoint: _Checkpoint | None = None
         self._sources: dict[str, str] = {}  # canonical name -> file with its current value
         self._eos: list[int] = []
@@ -248,6 +255,7 @@ class VLLMBackend(Backend):
             if isinstance(own, str) and own in ("float32", "bfloat16", "float16"):
                 args["dtype"] = own
         elif current_platform.is_cuda_alike():
+            args.update(_CUDA_DEFAULTS)
             # NCCL weight transfer from a trainer; it only builds a small object at
             # start-up and opens no connection until a trainer calls nccl_init.
             args["weight_transfer_config"] = {"backend": "nccl"}
@@ -315,6 +323,9 @@ class VLLMBackend(Backend):
             "engine_start_s": self.start_seconds,
             "nccl_weight_transfer": self._nccl_ready,
         }
+        if engine is not None:
+            # the dtype weights are served in (a trainer casts its upload to it)
+            detail["dtype"] = str(engine.model_config.dtype).removeprefix("torch.")
         if self._failure:
             detail["error"] = self._failure
         if errored:
@@ -506,16 +517,16 @@ class VLLMBackend(Backend):
             started = time.monotonic()
             try:
                 await engine.collective_rpc(_LOAD_RPC, args=(plan,))
+                await _reset_prefix_cache(engine)
             except Exception as exc:
                 await self._rollback(engine, checkpoint, path, exc)
                 raise RuntimeError(
                     f"vLLM weight load failed (previous weights restored): {exc}"
                 ) from exc
-            await engine.reset_prefix_cache()
             old = set(self._sources.values())
             self._sources = sources
             self._sources_stale = False
-            self._version = version
+            self._version = self._file_version = version
             await engine.update_weight_version(str(version))
             self._drop_unused(old)
         log.info(
@@ -534,7 +545,7 @@ class VLLMBackend(Backend):
             await engine.collective_rpc(
                 _LOAD_RPC, args=([(n, self._sources[n]) for n in checkpoint.order],)
             )
-            await engine.reset_prefix_cache()
+            await _reset_prefix_cache(engine)
         except Exception as again:  # noqa: BLE001 - the engine's weights are now unknown
             self._failure = f"weights unknown after a failed load and a failed rollback: {again!r}"
             log.exception("rollback failed")
@@ -587,18 +598,67 @@ class VLLMBackend(Backend):
 
         async with self._load_lock:
             await engine.start_weight_update()
+            failure: BaseException | None = None
             try:
                 await engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-            finally:
-                # finish also closes a session whose update failed, so the next round
-                # can start; the weights are then whatever arrived.
-                await engine.finish_weight_update(str(version))
-            await engine.reset_prefix_cache()
+            except Exception as exc:  # noqa: BLE001 - reported below, after recovery
+                failure = exc
+            try:
+                # finish also closes a session whose update failed, so the next round can
+                # start; it must not hide why the update failed.
+                await engine.finish_weight_update(
+                    str(version if failure is None else self._version)
+                )
+                if failure is None:
+                    await _reset_prefix_cache(engine)
+            except Exception as exc:  # noqa: BLE001
+                if failure is None:
+                    failure = exc
+                else:
+                    log.warning("closing the failed NCCL update also failed: %r", exc)
+            if failure is not None:
+                served = await self._recover_from_failed_transfer(engine, failure)
+                raise RuntimeError(
+                    f"NCCL weight update to version {version} failed: {failure!r}; {served}"
+                ) from failure
             self._version = version
             # Weights now live only in the engine: a later partial file update would be
             # completed from stale files, so file sources no longer describe them.
             self._sources_stale = True
         log.info("vllm backend serving policy version %d (NCCL)", version)
+
+    async def _recover_from_failed_transfer(self, engine: Any, failure: BaseException) -> str:
+        """Reload whole weights after a failed NCCL round; returns what is served now.
+
+        A receive that broke off leaves the layers that got nothing without weights (vLLM
+        rebuilds each layer from what it receives), and the next forward pass would kill
+        the engine. The weights served before are reloaded from their files; when they
+        came over NCCL they exist nowhere else, so the last file-based weights are served
+        again under their own (older) version, which samples then carry.
+        """
+        checkpoint = self._checkpoint
+        assert checkpoint is not None
+        log.error("NCCL weight update failed (%r); reloading weights from files", failure)
+        plan = [(name, self._sources[name]) for name in checkpoint.order]
+        try:
+            await engine.collective_rpc(_LOAD_RPC, args=(plan,))
+            await _reset_prefix_cache(engine)
+        except Exception as again:  # noqa: BLE001 - the engine's weights are now unknown
+            self._failure = (
+                f"weights unknown after a failed NCCL update ({failure!r}) and a failed "
+                f"reload from files ({again!r})"
+            )
+            log.exception("reload after a failed NCCL update failed")
+            return "the engine could not reload its weights and stops serving"
+        if self._sources_stale:
+            self._version = self._file_version
+            self._sources_stale = False
+            await engine.update_weight_version(str(self._version))
+            return (
+                "the weights received over NCCL before it were lost; serving the last "
+                f"file-based weights as version {self._version}"
+            )
+        return f"still serving version {self._version}"
 
     async def nccl_shutdown(self) -> None:
         engine = self._require_running()
@@ -631,6 +691,22 @@ class VLLMBackend(Backend):
         if self._failure is not None:
             raise RuntimeError(f"vllm backend is not serving: {self._failure}")
         return self._engine
+
+
+async def _reset_prefix_cache(engine: Any) -> None:
+    """Drop KV blocks computed with the previous weights; raise if vLLM could not.
+
+    vLLM refuses (returns False) while requests still hold cached blocks; a weight update
+    has paused new work, so what still runs is preempted and recomputed with the new
+    weights rather than served from stale cache.
+    """
+    if await engine.reset_prefix_cache():
+        return
+    if not await engine.reset_prefix_cache(reset_running_requests=True):
+        raise RuntimeError(
+            "vLLM did not reset its prefix cache after loading new weights; cached blocks "
+            "from the previous weights would be reused"
+        )
 
 
 def _sampled_logprobs(tokens: list[int], logprobs: Any) -> list[float]:

@@ -9,7 +9,7 @@ into the live model. Only metadata goes over HTTP:
 |---|---|
 | GET  /weights/nccl             | -> `{"enabled", "inference_ranks", "policy_version", "tensors": {name: [shape, dtype]}, "required": [names]}` |
 | POST /weights/nccl/init        | `{"init_info": {...}}` (vLLM `NCCLWeightTransferInitInfo` fields); returns once the group is formed |
-| POST /weights/nccl/update      | `{"update_info": {"names", "dtype_names", "shapes"}, "version"}`; pauses sampling (wait/abort as configured), receives the broadcast, serves it as `version` |
+| POST /weights/nccl/update      | `{"update_info": {"names", "dtype_names", "shapes"}, "version"}`; pauses sampling (wait/abort as configured), receives the broadcast, serves it as `version`; a failed receive gets 409 `nccl_update_failed` naming its cause and the version served instead |
 | POST /weights/nccl/shutdown    | closes the group (sampling goes on) |
 
 `trainer_client.nccl.NCCLWeightSender` drives these with vLLM's own trainer-side engine.
@@ -154,7 +154,11 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
         started = time.monotonic()
         async with service.scheduler.paused_for_weights():
             service.check_version(req.version)
-            await engine.nccl_update(req.update_info.model_dump(), req.version)
+            try:
+                await engine.nccl_update(req.update_info.model_dump(), req.version)
+            except RuntimeError as exc:
+                # the engine reloaded whole weights; the message says which version it serves
+                raise ServiceError(409, "nccl_update_failed", str(exc), "update_info") from exc
         elapsed = time.monotonic() - started
         service.metrics.weight_updates.inc()
         service.metrics.weight_update_seconds.observe(elapsed)

@@ -220,11 +220,10 @@ def test_group_size_must_be_rollout_n() -> None:
 
 
 def test_v0_advantage_block_with_service_outputs(reinforce_ada_sampler) -> None:
-    """SamplerRayPPOTrainer.compute_advantages: verl's pipeline, then the service's advantages and weights."""
+    """The V0 trainer's advantage block: verl's pipeline, then the service's advantages and weights."""
     from verl.trainer.ppo.metric_utils import compute_data_metrics
 
-    from trainer_client.verl.settings import SamplerSettings
-    from trainer_client.verl.v0 import SamplerRayPPOTrainer
+    from trainer_client.verl.v0 import compute_advantages
 
     groups = lease_groups(reinforce_ada_sampler.url, 4)[:4]
     assert all(len(g.samples) == 4 for g in groups)
@@ -237,12 +236,6 @@ def test_v0_advantage_block_with_service_outputs(reinforce_ada_sampler) -> None:
             "algorithm.rollout_correction.rollout_is_threshold=2.0",
         ],
     )
-    trainer = object.__new__(SamplerRayPPOTrainer)  # the advantage block needs only the config
-    trainer.config, trainer.settings, trainer.use_sampler_advantages = (
-        cfg,
-        SamplerSettings.from_verl_config(cfg),
-        True,
-    )
     batch = groups_to_dataproto(groups, 0, n=4)
     # the actor's recomputed log-probs: a little off the sampler's, so verl's IS weights are not 1
     gen = torch.Generator().manual_seed(0)
@@ -250,7 +243,7 @@ def test_v0_advantage_block_with_service_outputs(reinforce_ada_sampler) -> None:
         batch.batch["rollout_log_probs"].shape, generator=gen
     )
     metrics: dict = {}
-    out = trainer.compute_advantages(batch, metrics)
+    out = compute_advantages(batch, cfg, metrics, sampler_advantages=True, sample_weights=True)
     mask = out.batch["response_mask"].float()
     service_adv = torch.tensor([s.advantage for g in groups for s in g.samples])
     torch.testing.assert_close(out.batch["advantages"], service_adv[:, None] * mask)

@@ -10,12 +10,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 
 import pytest
 from verl_suite import GRPO_CONFIG, REPO, verl_config
 
 from trainer_client.client import SamplerClient
+from trainer_client.verl.session import SamplerSession
 from trainer_client.verl.settings import (
     MODE,
     IncompatibleSamplerConfig,
@@ -56,7 +58,7 @@ def test_deploy_config_passes_verls_validation(monkeypatch) -> None:
 
 
 def test_launch_scripts_parse() -> None:
-    for script in ("deploy/verl/launch.sh", "deploy/gpu_checks/verl_gpu_check.sh"):
+    for script in ("deploy/verl/launch.sh", "deploy/gpu_checks/run.sh"):
         subprocess.run(["bash", "-n", str(REPO / script)], check=True)
 
 
@@ -134,22 +136,16 @@ def test_dapo_filtering_and_reward_models_are_refused(sampler) -> None:
         SamplerPPOTrainer(cfg)
 
 
-def _start(trainer_cls, cfg):
-    """on_init_end of the V1 trainer mode, on an instance without worker groups."""
-    trainer = object.__new__(trainer_cls)
-    trainer.config, trainer.settings = cfg, SamplerSettings.from_verl_config(cfg)
-    trainer.client = SamplerClient(trainer.settings.url)
-    trainer.parameter_sync_step, trainer.use_critic, trainer.global_steps = 1, False, 0
-    trainer.on_init_end()
-    return trainer
+def _start(cfg):
+    """The start-up both trainers run (SamplerSession.start), against the live sampler."""
+    session = SamplerSession(SamplerSettings.from_verl_config(cfg))
+    session.start(cfg, global_steps=0, use_critic=False, step_groups=int(cfg.data.train_batch_size))
+    return session
 
 
 def test_start_up_checks_against_the_live_sampler(sampler, reinforce_ada_sampler) -> None:
-    from trainer_client.verl.v1 import SamplerPPOTrainer
-
     with pytest.raises(IncompatibleSamplerConfig) as err:
         _start(
-            SamplerPPOTrainer,
             verl_config(
                 sampler.url,
                 n=3,
@@ -166,7 +162,6 @@ def test_start_up_checks_against_the_live_sampler(sampler, reinforce_ada_sampler
     client = SamplerClient(sampler.url)
     try:
         trainer = _start(
-            SamplerPPOTrainer,
             verl_config(sampler.url, n=4, batch=3, overrides=["actor_rollout_ref.model.path=/m"]),
         )
         assert client.get_config()["batch_groups"] == 3  # set to the step's group count
@@ -177,7 +172,6 @@ def test_start_up_checks_against_the_live_sampler(sampler, reinforce_ada_sampler
     finally:
         client.update_config(batch_groups=1)
     ada = _start(
-        SamplerPPOTrainer,
         verl_config(reinforce_ada_sampler.url, n=4, overrides=["actor_rollout_ref.model.path=/m"]),
     )
     assert ada.use_sampler_advantages is True  # global baseline: only the service can compute it
@@ -224,26 +218,82 @@ def test_compatible_configs(patch) -> None:
     assert problems == []
 
 
-def test_v0_trainer_start_and_batches_from_the_sampler(sampler) -> None:
-    """SamplerRayPPOTrainer's own steps before verl's: start-up checks, lease -> DataProto, ack."""
-    from trainer_client.verl.source import GroupSource
-    from trainer_client.verl.v0 import SamplerRayPPOTrainer
+def test_v0_trainer_start_and_batches_from_the_sampler(sampler, toy) -> None:
+    """What the V0 trainer does before verl's steps: start-up checks, lease -> DataProto, ack."""
+    from transformers import AutoTokenizer
+
+    from trainer_client.verl.v0 import lease_batch_proto
 
     cfg = verl_config(
         sampler.url, n=4, batch=3, overrides=["actor_rollout_ref.model.path=/m"], consumer="v0"
     )
-    trainer = object.__new__(SamplerRayPPOTrainer)  # workers are not needed for these steps
-    trainer.config, trainer.settings = cfg, SamplerSettings.from_verl_config(cfg)
-    trainer.source = GroupSource(trainer.settings)
-    trainer.client, trainer.use_critic, trainer.global_steps = trainer.source.client, False, 0
+    session = SamplerSession(SamplerSettings.from_verl_config(cfg))
     try:
-        sampler_config = trainer.sampler_start()
-        assert sampler_config["batch_groups"] == 3 and trainer.use_sampler_advantages is False
-        groups, batch = trainer.lease_batch()
+        sampler_config = session.start(cfg, global_steps=0, use_critic=False, step_groups=3)
+        assert sampler_config["batch_groups"] == 3 and session.use_sampler_advantages is False
+        groups = session.source.take(3)
+        batch = lease_batch_proto(
+            groups, cfg, AutoTokenizer.from_pretrained(toy.model_dir), 1, sample_weights=True
+        )
         assert len(groups) == 3 and len(batch) == 12
         assert batch.meta_info["temperature"] == 1.0
         assert list(batch.non_tensor_batch["uid"]) == [g.group_id for g in groups for _ in range(4)]
-        assert trainer.source.ack(groups) == 3
-        assert trainer.client.stats()["queue"]["leased"] == 0
+        assert session.source.ack(groups) == 3
+        assert session.client.stats()["queue"]["leased"] == 0
     finally:
-        trainer.client.update_config(batch_groups=1)
+        session.client.update_config(batch_groups=1)
+
+
+def test_trainer_starts_the_way_verls_entry_point_builds_it(ray_tq, sampler, toy) -> None:
+    """TaskRunnerV1.run's construction, then what PPOTrainer._setup does without hybrid
+    replicas (steps 9 and 10) and TaskRunnerV1.init_agent_loop_manager, with no vLLM in
+    this environment: nothing may assert or import vLLM."""
+    import sys
+
+    from omegaconf import OmegaConf
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.import_utils import load_class_from_fqn
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    import trainer_client.verl.v1  # noqa: F401  (what VERL_USE_EXTERNAL_MODULES imports)
+
+    cfg = verl_config(sampler.url, overrides=[f"actor_rollout_ref.model.path={toy.model_dir}"])
+    OmegaConf.resolve(cfg)
+    trainer = get_trainer_cls(cfg.trainer.v1.trainer_mode)(config=cfg)
+    assert trainer._enable_hybrid_replicas is False
+    manager = LLMServerManager.create_empty(config=trainer.config)
+    assert manager.get_replicas() == []
+    engine_config = omega_conf_to_dataclass(
+        trainer.config.actor_rollout_ref.rollout.checkpoint_engine
+    )
+    engine_config.backend = "naive"
+    CheckpointEngineManager(config=engine_config, actor_wg=None, replicas=manager.get_replicas())
+    agent_cls = load_class_from_fqn(
+        trainer.config.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "AgentLoopManager"
+    )
+    agent = agent_cls.create(
+        config=trainer.config,
+        llm_client=manager.get_client(),
+        teacher_client=None,
+        reward_loop_worker_handles=[],
+    )
+    assert agent.settings.url == sampler.url
+    agent.close()
+    assert "vllm" not in sys.modules
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_v0_path_exits_naming_vllm() -> None:
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer_client.verl.v0", "actor_rollout_ref.model.path=/m"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode != 0
+    assert "needs vLLM" in out.stderr and "trainer_mode=adaptive_rollout" in out.stderr, out.stderr

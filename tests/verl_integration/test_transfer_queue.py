@@ -21,7 +21,7 @@ from verl_suite import verl_config
 from trainer_client.client import SamplerClient
 from trainer_client.verl.convert import group_uid, per_token_weights
 from trainer_client.verl.pacing import write_pacing_dataset
-from trainer_client.verl.settings import MODE, SamplerSettings
+from trainer_client.verl.settings import MODE
 
 pytestmark = pytest.mark.verl
 
@@ -66,17 +66,16 @@ def _replay_buffer() -> Any:
     )
 
 
-def _bare_trainer(cfg: Any, manager: Any, *, sampler_advantages: bool) -> Any:
-    """Our trainer mode without worker groups: what its advantage and step-end hooks need."""
-    from trainer_client.verl.v1 import SamplerPPOTrainer, VersionMap
+def _trainer(cfg: Any, manager: Any, *, sampler_advantages: bool) -> Any:
+    """Our trainer mode as verl builds it, before its worker groups: what its advantage and
+    step-end hooks need."""
+    from trainer_client.verl.session import VersionMap
+    from trainer_client.verl.v1 import SamplerPPOTrainer
 
-    trainer = object.__new__(SamplerPPOTrainer)
-    trainer.config = cfg
-    trainer.settings = SamplerSettings.from_verl_config(cfg)
-    trainer.client = SamplerClient(trainer.settings.url)
-    trainer.use_sampler_advantages = sampler_advantages
+    trainer = SamplerPPOTrainer(cfg)
+    trainer.session.use_sampler_advantages = sampler_advantages
+    trainer.session.versions = VersionMap(0, 0)
     trainer.agent_loop_manager = manager
-    trainer.versions = VersionMap(0, 0)
     trainer.global_steps = 1
     trainer.timing_raw = {}
     return trainer
@@ -136,7 +135,7 @@ def test_manager_groups_through_replay_buffer_and_advantages(
     old = TensorDict({"old_log_probs": data["rollout_log_probs"]}, batch_size=len(meta.keys))
     tq.kv_batch_put(keys=meta.keys, partition_id="train", fields=old)
     # ... then verl's V1 advantage step (PPOTrainer._compute_advantage) plus our trainer mode's part
-    trainer = _bare_trainer(cfg, manager, sampler_advantages=(which == "global"))
+    trainer = _trainer(cfg, manager, sampler_advantages=(which == "global"))
     metrics: dict = {}
     trainer._compute_advantage(meta, metrics)
     out = tq.kv_batch_get(

@@ -119,7 +119,7 @@ def test_shared_path_mode(sampler, toy, tmp_path) -> None:
 
 
 def test_version_map() -> None:
-    from trainer_client.verl.v1 import VersionMap
+    from trainer_client.verl.session import VersionMap
 
     fresh = VersionMap(served=0, step=0)
     assert [fresh.version(s) for s in (1, 2, 3)] == [1, 2, 3]

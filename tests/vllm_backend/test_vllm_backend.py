@@ -47,7 +47,11 @@ def engines(toy, loop_thread: LoopThread) -> Iterator[Engines]:
     from sampler_service.backends.vllm import VLLMBackend
 
     tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
-    vllm = VLLMBackend(toy.model_dir, tokenizer=tokenizer, seed=0)
+    # NCCL weight transfer configured (as on GPUs) so a failed receive can be tested; no
+    # trainer ever joins its group here.
+    vllm = VLLMBackend(
+        toy.model_dir, tokenizer=tokenizer, seed=0, weight_transfer_config={"backend": "nccl"}
+    )
     hf = HFBackend(toy.model_dir, tokenizer=tokenizer)
     started = time.monotonic()
     loop_thread.run(vllm.start(), timeout=600)
@@ -91,6 +95,7 @@ def test_engine_args_and_specs(engines: Engines, toy) -> None:
     assert "layers.0.mlp.down_proj.weight" in specs  # bare base-model names are accepted too
     health = engines.vllm.health()
     assert health.ok and health.detail["policy_version"] == 0
+    assert health.detail["dtype"] == "float32"  # what a trainer casts its uploads to
 
 
 def test_unknown_engine_argument_is_an_error(toy) -> None:
@@ -279,3 +284,35 @@ def test_malformed_upload_keeps_old_weights(engines: Engines, toy) -> None:
     assert engines.vllm.policy_version == version
     assert engines.run(engines.vllm.score(prompt, answer)) == before
     assert engines.vllm.health().ok
+
+
+def test_failed_nccl_receive_keeps_the_previous_weights(engines: Engines) -> None:
+    """A receive that breaks off (here: no trainer joined the NCCL group) leaves layers
+    without weights inside vLLM, whose finish_weight_update then fails with an error of
+    its own. The update must report the receive's cause, and the engine must go on
+    serving the previous version's weights."""
+    prompts = _prompts(engines.tokenizer, per_domain=1)
+    sampling = SamplingParams(temperature=1.0, max_tokens=6, seed=11)
+
+    async def generate() -> list[Any]:
+        return await _gather(*(engines.vllm.generate(p, 1, sampling) for p in prompts))
+
+    before = engines.run(generate())
+    version = engines.vllm.policy_version
+    specs, required = engines.vllm.nccl_specs()
+    names = sorted(required)
+    info = {
+        "names": names,
+        "dtype_names": ["float32"] * len(names),
+        "shapes": [list(specs[n].shape) for n in names],
+    }
+    with pytest.raises(RuntimeError) as err:
+        engines.run(engines.vllm.nccl_update(info, version + 1))
+    message = str(err.value)
+    assert "NCCL weight transfer not initialized" in message, message
+    assert f"still serving version {version}" in message
+    assert engines.vllm.policy_version == version and engines.vllm.health().ok
+    after = engines.run(generate())
+    for a, b in zip(before, after, strict=True):
+        assert a[0].token_ids == b[0].token_ids
+        assert _max_diff(a[0].logprobs, b[0].logprobs) <= LOGPROB_TOL

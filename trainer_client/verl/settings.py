@@ -22,10 +22,16 @@ Pure Python: importable without verl.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from strategies.estimator import EstimatorParams
+from strategies.stopping import StoppingParams
 
 #: The name our trainer mode and checkpoint engine are registered under in verl.
 MODE = "adaptive_rollout"
@@ -62,6 +68,10 @@ class SamplerSettings:
     #: sampler can read too, then POST /v1/weights/load) or ``none``.
     weight_sync: Literal["upload", "path", "none"] = "upload"
     weights_dir: str | None = None
+    #: The dtype floating weights travel in: ``auto`` is the one the sampler serves in
+    #: (so an fp32 trainer sends bf16 to a bf16 sampler: half the bytes, within its
+    #: upload limit); the cast happens on the trainer's GPU before the host copy.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     #: Keep only the newest file in `weights_dir` (path mode writes one per step).
     keep_weight_files: int = 1
     #: ``sampler``: train on the service's advantages (e.g. Reinforce-Ada's global
@@ -141,6 +151,14 @@ class SamplerSettings:
         return self.advantages == "sampler"
 
 
+def _knob(params: type[BaseModel], sampler: Mapping[str, Any], name: str) -> Any:
+    """`name` from the sampler's config (GET /v1/config), else the default the sampler's
+    own policy model gives it: the defaults live once, in strategies."""
+    if name in sampler:
+        return sampler[name]
+    return params.model_fields[name].get_default(call_default_factory=True)
+
+
 def _select(config: Any, dotted: str) -> Any:
     node = config
     for part in dotted.split("."):
@@ -161,7 +179,7 @@ def check_sampler_config(
     """(problems, warnings) of training verl with rollout.n = `rollout_n` on this sampler config."""
     problems: list[str] = []
     warnings: list[str] = []
-    group_size = int(sampler.get("group_size", 0))
+    group_size = _knob(StoppingParams, sampler, "group_size")
     if group_size != rollout_n:
         what = (
             "keeps every sample (group_size 0, variable group sizes)"
@@ -189,24 +207,24 @@ def check_sampler_config(
                 f"batch policy {name!r} drops samples out of groups; verl needs all {rollout_n} "
                 "(reweighting policies per/softmax/diffband/ar are fine: they become rollout_is_weights)"
             )
-    rule = sampler.get("rule", "balanced")
-    if group_size > 0 and rule != "fixed":
+    rule = sampler.get("rule")
+    if group_size > 0 and rule not in (None, "fixed"):
         if rule == "est":
-            est = sampler.get("est") or {}
-            n_min = int(est.get("n_min", 2))
+            n_min = _knob(EstimatorParams, sampler.get("est") or {}, "n_min")
             if n_min < group_size:
                 problems.append(
                     f"rule 'est' may stop a prompt after est.n_min = {n_min} < group_size = {group_size} "
                     f"answers; set est.n_min >= {group_size} or use another rule"
                 )
         else:
-            first_wave = int(sampler.get("wave_size", 8))
+            first_wave = _knob(StoppingParams, sampler, "wave_size")
             if (
-                sampler.get("wave", "fixed") == "adaptive"
-                and sampler.get("mode", "continuous") != "rounds"
+                _knob(StoppingParams, sampler, "wave") == "adaptive"
+                and sampler.get("mode") != "rounds"
             ):
                 first_wave = 1  # an adaptive wave can be a single answer
-            k_pos, k_neg = int(sampler.get("k_pos", 2)), int(sampler.get("k_neg", 2))
+            k_pos = _knob(StoppingParams, sampler, "k_pos")
+            k_neg = _knob(StoppingParams, sampler, "k_neg")
             least = k_pos if rule == "positive" else k_pos + k_neg
             if max(first_wave, least) < group_size:
                 problems.append(
@@ -216,19 +234,26 @@ def check_sampler_config(
                 )
     if (
         temperature is not None
-        and abs(float(sampler.get("temperature", 1.0)) - float(temperature)) > 1e-9
+        and "temperature" in sampler
+        and abs(float(sampler["temperature"]) - float(temperature)) > 1e-9
     ):
         problems.append(
             f"the sampler generates at temperature {sampler.get('temperature')} but verl computes "
             f"log-probs at actor_rollout_ref.rollout.temperature = {temperature}; they must be equal"
         )
-    if top_p is not None and abs(float(sampler.get("top_p", 1.0)) - float(top_p)) > 1e-9:
+    if (
+        top_p is not None
+        and "top_p" in sampler
+        and abs(float(sampler["top_p"]) - float(top_p)) > 1e-9
+    ):
         warnings.append(
             f"sampler top_p {sampler.get('top_p')} differs from rollout.top_p {top_p} "
             "(verl does not use top_p in the loss; the logprobs come from the sampler)"
         )
-    if max_response_length is not None and int(sampler.get("max_tokens", 0)) > int(
-        max_response_length
+    if (
+        max_response_length is not None
+        and "max_tokens" in sampler
+        and int(sampler["max_tokens"]) > int(max_response_length)
     ):
         warnings.append(
             f"sampler max_tokens {sampler.get('max_tokens')} > data.max_response_length "
@@ -245,9 +270,57 @@ def require_compatible(sampler: Mapping[str, Any], *, url: str = "", **kw: Any) 
     return warnings
 
 
-def check_verl_config(config: Any) -> list[str]:
-    """Problems in the verl config itself when the sampler does the rollout."""
+#: What verl's model config uses when ``override_config.attn_implementation`` is unset.
+VERL_DEFAULT_ATTENTION = "flash_attention_2"
+_FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def flash_attn_installed() -> bool:
+    """Whether the flash-attn package (which ``verl[verl-core]`` does not install) is importable."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def attention_of(config: Any) -> str:
+    """The attention implementation verl's FSDP actor will ask transformers for."""
+    override = _select(config, "actor_rollout_ref.model.override_config")
+    chosen = override.get("attn_implementation") if override is not None else None
+    return str(chosen or VERL_DEFAULT_ATTENTION)
+
+
+def check_attention(config: Any, *, flash_attn: bool) -> list[str]:
+    """Problems with the actor's attention: flash attention without flash-attn installed
+    (transformers raises ImportError when the actor loads the model), and verl's padding
+    removal without flash attention (it packs a micro-batch into one sequence and relies on
+    flash attention's variable-length kernels to keep the sequences apart)."""
     problems = []
+    attention = attention_of(config)
+    where = "actor_rollout_ref.model.override_config.attn_implementation"
+    if attention in _FLASH_ATTENTION and not flash_attn:
+        problems.append(
+            f"{where} is {attention} (verl's default when unset) but flash-attn is not installed: "
+            f"set {where}=sdpa and actor_rollout_ref.model.use_remove_padding=false, or install flash-attn"
+        )
+    model = _select(config, "actor_rollout_ref.model")
+    if (
+        attention not in _FLASH_ATTENTION
+        and model is not None
+        and model.get("use_remove_padding", False)
+    ):
+        problems.append(
+            f"actor_rollout_ref.model.use_remove_padding=true needs flash attention, but {where} is "
+            f"{attention}: set actor_rollout_ref.model.use_remove_padding=false"
+        )
+    return problems
+
+
+def check_verl_config(config: Any, *, flash_attn: bool | None = None) -> list[str]:
+    """Problems in the verl config itself when the sampler does the rollout.
+
+    `flash_attn`: whether flash-attn is installed where the actor runs (default: here).
+    """
+    problems = check_attention(
+        config, flash_attn=flash_attn_installed() if flash_attn is None else flash_attn
+    )
     filter_groups = _select(config, "algorithm.filter_groups")
     if filter_groups is not None and filter_groups.get("enable", False):
         problems.append(

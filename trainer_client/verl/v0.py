@@ -18,7 +18,9 @@ verl's own entry point builds a plain `RayPPOTrainer`; run this one with
 ``python -m trainer_client.verl.v0 <the same hydra overrides>`` (``trainer.use_v1=False``
 on verl 0.9). The rollout engine verl colocates on the actor GPUs in this trainer is
 created and put to sleep but never used; give it little memory
-(``actor_rollout_ref.rollout.gpu_memory_utilization=0.2``).
+(``actor_rollout_ref.rollout.gpu_memory_utilization=0.2``). Creating it needs vLLM in the
+trainer's environment (the ``.venv-verl`` environment has none): `main` checks for it
+first and exits naming it. The V1 trainer mode (trainer_client.verl.v1) needs no vLLM.
 """
 
 from __future__ import annotations
@@ -36,19 +38,18 @@ from verl.utils.debug import marked_timer
 
 from trainer_client.protocol import Group
 from trainer_client.verl.convert import groups_to_dataproto
+from trainer_client.verl.session import SamplerSession
 from trainer_client.verl.settings import (
     MODE,
     IncompatibleSamplerConfig,
     SamplerSettings,
     check_verl_config,
-    require_compatible,
     sampler_metrics,
 )
-from trainer_client.verl.source import GroupSource
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SamplerRayPPOTrainer", "main"]
+__all__ = ["SamplerRayPPOTrainer", "compute_advantages", "lease_batch_proto", "main"]
 
 
 def _version_tuple(text: str) -> tuple[int, int]:
@@ -85,113 +86,20 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
                         "hf_model",
                     ]
         super().__init__(config, *args, **kwargs)
-        self.source = GroupSource(self.settings)
-        self.client = self.source.client
-        self.use_sampler_advantages = False
-        self.version_offset = 0
+        self.session = SamplerSession(self.settings)
+        self.client = self.session.client
 
-    # -- pieces of a step (usable on their own) ------------------------------------------
-    def sampler_start(self) -> dict[str, Any]:
-        """Check the sampler's config, set its batch_groups, fix the policy-version offset."""
-        health = self.client.wait_ready(timeout_s=self.settings.watchdog_s)
-        sampler_config = self.client.get_config()
-        rollout = self.config.actor_rollout_ref.rollout
-        if self.settings.check_config:
-            for warning in require_compatible(
-                sampler_config,
-                url=self.settings.url,
-                rollout_n=int(rollout.n),
-                temperature=float(rollout.temperature),
-                top_p=float(rollout.get("top_p", 1.0)),
-                max_response_length=self.config.data.get("max_response_length"),
-            ):
-                log.warning("sampler config: %s", warning)
-        self.use_sampler_advantages = self.settings.sampler_advantages(sampler_config)
-        if self.use_sampler_advantages and self.use_critic:
-            raise IncompatibleSamplerConfig(
-                [
-                    f"the service's advantages replace verl's estimator; set trainer.v1.{MODE}.advantages=verl to use a critic"
-                ],
-                self.settings.url,
-            )
-        groups = int(self.config.data.train_batch_size)
-        if self.settings.configure_sampler and sampler_config.get("batch_groups") != groups:
-            sampler_config = self.client.update_config(batch_groups=groups)
-        self.version_offset = max(0, health.policy_version - self.global_steps)
-        return sampler_config
-
-    def lease_batch(self, count: int | None = None) -> tuple[list[Group], DataProto]:
-        """`count` (default train_batch_size) groups from the sampler, as verl's DataProto."""
-        groups = self.source.take(int(count or self.config.data.train_batch_size))
-        batch = groups_to_dataproto(
-            groups,
-            self._pad_token_id(),
-            n=int(self.config.actor_rollout_ref.rollout.n),
-            sample_weights=self.settings.use_sample_weights,
-            meta_info={
-                "temperature": self.config.actor_rollout_ref.rollout.temperature,
-                "global_steps": self.global_steps,
-            },
-        )
-        return groups, batch
-
-    def _pad_token_id(self) -> int:
-        tok = getattr(self, "tokenizer", None)
-        pad = getattr(tok, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(tok, "eos_token_id", None)
-        return int(pad or 0)
-
-    def compute_advantages(self, batch: DataProto, metrics: dict) -> DataProto:
-        """verl's reward/KL/rollout-correction/advantage block, then the service's outputs."""
-        batch.batch["token_level_scores"] = batch.batch["rm_scores"]
-        if self.config.algorithm.use_kl_in_reward:
-            batch, kl_metrics = apply_kl_penalty(
-                batch, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty
-            )
-            metrics.update(kl_metrics)
-        else:
-            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-        rollout_corr = self.config.algorithm.get("rollout_correction", None)
-        bypass = bool(rollout_corr and rollout_corr.get("bypass_mode", False))
-        if "rollout_is_weights" in batch.batch:
-            batch.batch.pop("rollout_is_weights")  # verl computes its own below, if configured
-        if rollout_corr is not None and not bypass:
-            from verl.trainer.ppo.rollout_corr_helper import (
-                compute_rollout_correction_and_add_to_batch,
-            )
-
-            batch, is_metrics = compute_rollout_correction_and_add_to_batch(batch, rollout_corr)
-            metrics.update(is_metrics)
-        batch = compute_advantage(
-            batch,
-            adv_estimator=self.config.algorithm.adv_estimator,
-            gamma=self.config.algorithm.gamma,
-            lam=self.config.algorithm.lam,
-            num_repeat=self.config.actor_rollout_ref.rollout.n,
-            norm_adv_by_std_in_grpo=self.config.algorithm.get("norm_adv_by_std_in_grpo", True),
-            config=self.config.algorithm,
-        )
-        return apply_sampler_outputs(
-            batch,
-            metrics,
-            advantages=self.use_sampler_advantages,
-            weights=self.settings.use_sample_weights,
-        )
-
-    def push_weights(self, metrics: dict) -> None:
-        """The actor's weights -> the sampler, as policy version global_steps + offset."""
+    # -- pieces of a step ------------------------------------------------------------------
+    def push_weights(self, metrics: dict, *, initial: bool = False) -> None:
+        """The actor's weights -> the sampler, as its next policy version."""
         if self.settings.weight_sync == "none":
             return
-        version = self.global_steps + self.version_offset
         if HAS_CHECKPOINT_ENGINE:
-            import ray
-
-            results = ray.get(self.actor_rollout_wg.update_weights(global_steps=version, mode=MODE))
-            for result in results if isinstance(results, list) else [results]:
-                if isinstance(result, dict):
-                    metrics.update(result)
+            metrics.update(
+                self.session.push_weights(self.actor_rollout_wg, self.global_steps, initial=initial)
+            )
             return
+        version = self.session.next_version(self.global_steps, initial=initial)
         root = self.settings.weights_dir or os.path.join(
             self.config.trainer.default_local_dir, "sampler_weights"
         )
@@ -204,6 +112,8 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
             reply = self.client.load_weights(hf_dir, version)
         else:
             reply = self.client.push_weights(hf_dir, version)
+        assert self.session.versions is not None
+        self.session.versions.note_pushed(version, self.global_steps)
         metrics[f"{MODE}/policy_version"] = float(reply.policy_version)
 
     # -- the loop --------------------------------------------------------------------------
@@ -224,12 +134,14 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
         )
         self.global_steps = 0
         self._load_checkpoint()
-        self.sampler_start()
-        if self.settings.push_initial_weights == "always" or (
-            self.settings.push_initial_weights == "auto" and self.global_steps > 0
-        ):
-            self.version_offset += 1  # the initial push takes version step + offset
-            self.push_weights({})
+        self.session.start(
+            self.config,
+            global_steps=self.global_steps,
+            use_critic=self.use_critic,
+            step_groups=int(self.config.data.train_batch_size),
+        )
+        if self.session.initial_push_due(self.global_steps):
+            self.push_weights({}, initial=True)
         if self.config.trainer.get("val_before_train", True):
             tracker.log(
                 data=sampler_metrics(self.client.stats(), prefix="val-aux"), step=self.global_steps
@@ -241,7 +153,14 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
             is_last_step = self.global_steps >= self.total_training_steps
             with marked_timer("step", timing_raw):
                 with marked_timer("gen", timing_raw, color="red"):
-                    groups, batch = self.lease_batch()
+                    groups = self.session.source.take(int(self.config.data.train_batch_size))
+                    batch = lease_batch_proto(
+                        groups,
+                        self.config,
+                        self.tokenizer,
+                        self.global_steps,
+                        sample_weights=self.settings.use_sample_weights,
+                    )
                 batch = self.train_step(batch, metrics, timing_raw)
                 if self.config.trainer.save_freq > 0 and (
                     is_last_step or self.global_steps % self.config.trainer.save_freq == 0
@@ -250,7 +169,7 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
                         self._save_checkpoint()
                 with marked_timer("update_weights", timing_raw, color="red"):
                     self.push_weights(metrics)
-                self.source.ack(groups)
+                self.session.source.ack(groups)
             metrics.update(
                 {
                     "training/global_step": self.global_steps,
@@ -305,7 +224,14 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
             with marked_timer("values", timing_raw, color="cyan"):
                 batch = batch.union(self._compute_values(batch))
         with marked_timer("adv", timing_raw, color="brown"):
-            batch = self.compute_advantages(batch, metrics)
+            batch = compute_advantages(
+                batch,
+                self.config,
+                metrics,
+                sampler_advantages=self.session.use_sampler_advantages,
+                sample_weights=self.settings.use_sample_weights,
+                kl_ctrl=getattr(self, "kl_ctrl_in_reward", None),
+            )
         if self.use_critic:
             with marked_timer("update_critic", timing_raw, color="pink"):
                 critic_output = self._update_critic(batch)
@@ -315,6 +241,68 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
                 actor_output = self._update_actor(batch)
             metrics.update(_reduce(actor_output.meta_info["metrics"]))
         return batch
+
+
+def lease_batch_proto(
+    groups: list[Group], config: Any, tokenizer: Any, global_steps: int, *, sample_weights: bool
+) -> DataProto:
+    """Leased groups as verl's DataProto (rollout.n samples each, the rollout temperature)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    return groups_to_dataproto(
+        groups,
+        int(pad or 0),
+        n=int(config.actor_rollout_ref.rollout.n),
+        sample_weights=sample_weights,
+        meta_info={
+            "temperature": config.actor_rollout_ref.rollout.temperature,
+            "global_steps": global_steps,
+        },
+    )
+
+
+def compute_advantages(
+    batch: DataProto,
+    config: Any,
+    metrics: dict,
+    *,
+    sampler_advantages: bool,
+    sample_weights: bool,
+    kl_ctrl: Any = None,
+) -> DataProto:
+    """verl's reward/KL/rollout-correction/advantage block, then the service's outputs."""
+    batch.batch["token_level_scores"] = batch.batch["rm_scores"]
+    if config.algorithm.use_kl_in_reward:
+        batch, kl_metrics = apply_kl_penalty(
+            batch, kl_ctrl=kl_ctrl, kl_penalty=config.algorithm.kl_penalty
+        )
+        metrics.update(kl_metrics)
+    else:
+        batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+    rollout_corr = config.algorithm.get("rollout_correction", None)
+    bypass = bool(rollout_corr and rollout_corr.get("bypass_mode", False))
+    if "rollout_is_weights" in batch.batch:
+        batch.batch.pop("rollout_is_weights")  # verl computes its own below, if configured
+    if rollout_corr is not None and not bypass:
+        from verl.trainer.ppo.rollout_corr_helper import (
+            compute_rollout_correction_and_add_to_batch,
+        )
+
+        batch, is_metrics = compute_rollout_correction_and_add_to_batch(batch, rollout_corr)
+        metrics.update(is_metrics)
+    batch = compute_advantage(
+        batch,
+        adv_estimator=config.algorithm.adv_estimator,
+        gamma=config.algorithm.gamma,
+        lam=config.algorithm.lam,
+        num_repeat=config.actor_rollout_ref.rollout.n,
+        norm_adv_by_std_in_grpo=config.algorithm.get("norm_adv_by_std_in_grpo", True),
+        config=config.algorithm,
+    )
+    return apply_sampler_outputs(
+        batch, metrics, advantages=sampler_advantages, weights=sample_weights
+    )
 
 
 def _reduce(metrics: dict) -> dict:
@@ -374,8 +362,23 @@ def _task_runner_cls() -> Any:
     return ray.remote(SamplerTaskRunner)
 
 
+#: Why the V0 path cannot start without vLLM, and what to do instead.
+VLLM_REQUIRED = (
+    "python -m trainer_client.verl.v0 needs vLLM in the trainer's environment: verl's legacy "
+    "(DataProto) trainer builds its vLLM rollout on the training GPUs even though the sampler "
+    "does all rollout. Install the vLLM build verl supports there (pip install vllm), or use "
+    "the V1 trainer mode, which needs no vLLM: deploy/verl/launch.sh trainer "
+    f"(python -m verl.trainer.main_ppo ... trainer.v1.trainer_mode={MODE})."
+)
+
+
 def main() -> None:
     """``python -m trainer_client.verl.v0 <hydra overrides>``: verl's main_ppo with our trainer."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        sys.exit(f"error: {VLLM_REQUIRED}")
     import hydra
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")

@@ -37,24 +37,24 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-import ray
 import torch
 import transfer_queue as tq
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
 from verl.utils.debug import marked_timer
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry
 
 from trainer_client.client import SamplerClient
 from trainer_client.protocol import Group
 from trainer_client.verl.convert import tq_records
+from trainer_client.verl.session import SamplerSession
 from trainer_client.verl.settings import (
     MODE,
     IncompatibleSamplerConfig,
     SamplerSettings,
     check_verl_config,
-    require_compatible,
     sampler_metrics,
 )
 from trainer_client.verl.source import GroupSource
@@ -64,7 +64,7 @@ from trainer_client.verl.weights import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SamplerAgentLoopManager", "SamplerPPOTrainer", "VersionMap"]
+__all__ = ["SamplerAgentLoopManager", "SamplerPPOTrainer"]
 
 
 def _plain(value: Any) -> Any:
@@ -78,24 +78,6 @@ def _plain(value: Any) -> Any:
 
 def _has(td: Any, key: str) -> bool:
     return key in td
-
-
-class VersionMap:
-    """verl global step -> sampler policy version (must increase on the sampler).
-
-    ``version(step) = step + offset``, with the offset chosen when training starts so that
-    the first step's version is above what the sampler serves.
-    """
-
-    def __init__(self, served: int, step: int) -> None:
-        self.offset = max(0, served - step)
-
-    def version(self, step: int) -> int:
-        return step + self.offset
-
-    def note_pushed(self, version: int, step: int) -> None:
-        """After a push of `version` at `step`, the next step's version must be higher."""
-        self.offset = max(self.offset, version - step)
 
 
 # -- agent-loop manager ---------------------------------------------------------------------
@@ -200,6 +182,34 @@ def uids_of(keys: Iterable[str]) -> list[str]:
 
 
 # -- trainer mode ---------------------------------------------------------------------------
+class NoRolloutReplica(RolloutReplica):
+    """The rollout replica class named by ``rollout.name`` in this trainer mode: never started."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"trainer mode {MODE} starts no rollout replica: the adaptive-rollout sampler does all rollout"
+        )
+
+
+RolloutReplicaRegistry.register(MODE, lambda: NoRolloutReplica)
+
+
+def without_rollout_replicas(config: DictConfig) -> None:
+    """Let verl build its empty LLM server manager without an inference engine.
+
+    A trainer without hybrid replicas gets ``LLMServerManager.create_empty``, whose
+    constructor still asserts ``rollout.nnodes > 0`` (standalone replicas) and resolves
+    ``rollout.name``'s replica class, which for ``vllm`` imports vLLM. Nothing else reads
+    either in this mode (the actor workers build no rollout), so the rollout is named after
+    this mode's replica class (it refuses to start) and given one nominal standalone node
+    that is never launched (create_empty starts no replica).
+    """
+    with open_dict(config):
+        rollout = config.actor_rollout_ref.rollout
+        rollout.name = MODE
+        rollout.nnodes = max(1, int(rollout.get("nnodes") or 0))
+
+
 @register_trainer(MODE)
 class SamplerPPOTrainer(PPOTrainer):
     """verl's PPO trainer with the sampler as its only rollout (see the module docstring)."""
@@ -210,64 +220,34 @@ class SamplerPPOTrainer(PPOTrainer):
         if problems:
             raise IncompatibleSamplerConfig(problems)
         configure_for_sampler(config, self.settings)
+        without_rollout_replicas(config)
         # No inference engine on the trainer GPUs: actor workers only, as verl's
         # separate_async trainer does without hybrid replicas.
         self._enable_hybrid_replicas = False
         super().__init__(config)
-        self.client = SamplerClient(self.settings.url, **self.settings.client_kwargs())
-        self.versions: VersionMap | None = None
-        self.use_sampler_advantages = False
+        self.session = SamplerSession(self.settings)
+        self.client = self.session.client
         self._step_keys: list[str] = []
 
     # -- start-up --------------------------------------------------------------------------
     def on_init_end(self) -> None:
-        health = self.client.wait_ready(timeout_s=self.settings.watchdog_s)
-        sampler_config = self.client.get_config()
-        rollout = self.config.actor_rollout_ref.rollout
-        if self.settings.check_config:
-            warnings = require_compatible(
-                sampler_config,
-                url=self.settings.url,
-                rollout_n=int(rollout.n),
-                temperature=float(rollout.temperature),
-                top_p=float(rollout.get("top_p", 1.0)),
-                max_response_length=self.config.data.get("max_response_length"),
-            )
-            for warning in warnings:
-                log.warning("sampler config: %s", warning)
-        self.use_sampler_advantages = self.settings.sampler_advantages(sampler_config)
-        if self.use_sampler_advantages and self.use_critic:
-            raise IncompatibleSamplerConfig(
-                [
-                    "the service's advantages replace verl's estimator, which makes a critic (GAE) pointless: "
-                    f"set trainer.v1.{MODE}.advantages=verl or use a critic-free estimator"
-                ],
-                self.settings.url,
-            )
         step_groups = int(self.config.data.train_batch_size) // self.parameter_sync_step
-        if self.settings.configure_sampler and sampler_config.get("batch_groups") != step_groups:
-            self.client.update_config(batch_groups=step_groups)
-        self.versions = VersionMap(health.policy_version, self.global_steps)
-        push = self.settings.push_initial_weights
-        if push == "always" or (push == "auto" and self.global_steps > 0):
-            version = health.policy_version + 1
-            self._push_weights(version)
-            self.versions.note_pushed(version, self.global_steps)
-        log.info(
-            "sampler at %s: policy version %d, config version %s, %s advantages",
-            self.settings.url,
-            health.policy_version,
-            sampler_config.get("config_version"),
-            "service" if self.use_sampler_advantages else "verl",
+        self.session.start(
+            self.config,
+            global_steps=self.global_steps,
+            use_critic=self.use_critic,
+            step_groups=step_groups,
         )
+        if self.session.initial_push_due(self.global_steps):
+            self.session.push_weights(self.actor_rollout_wg, self.global_steps, initial=True)
 
     def on_train_begin(self) -> None:
         self._sync_manager_offset()
 
     def _sync_manager_offset(self) -> None:
         manager = getattr(self, "agent_loop_manager", None)
-        if isinstance(manager, SamplerAgentLoopManager) and self.versions is not None:
-            manager.version_offset = self.versions.offset
+        if isinstance(manager, SamplerAgentLoopManager) and self.session.versions is not None:
+            manager.version_offset = self.session.versions.offset
 
     # -- one step --------------------------------------------------------------------------
     def step(self, metrics: dict, timing_raw: dict) -> KVBatchMeta:
@@ -295,7 +275,7 @@ class SamplerPPOTrainer(PPOTrainer):
         return apply_sampler_outputs(
             batch,
             metrics,
-            advantages=self.use_sampler_advantages,
+            advantages=self.session.use_sampler_advantages,
             weights=use_weights,
         )
 
@@ -303,13 +283,10 @@ class SamplerPPOTrainer(PPOTrainer):
         return None
 
     def on_step_end(self) -> None:
-        assert self.versions is not None, "on_init_end did not run"
-        version = self.versions.version(self.global_steps)
         sync_metrics: dict[str, float] = {}
         if self.settings.weight_sync != "none":
             with marked_timer("update_weights", self.timing_raw, color="red"):
-                sync_metrics = self._push_weights(version)
-            self.versions.note_pushed(version, self.global_steps)
+                sync_metrics = self.session.push_weights(self.actor_rollout_wg, self.global_steps)
             self._sync_manager_offset()
         manager = getattr(self, "agent_loop_manager", None)
         if isinstance(manager, SamplerAgentLoopManager):
@@ -326,15 +303,6 @@ class SamplerPPOTrainer(PPOTrainer):
             **(getattr(self, "_pending_sync_metrics", None) or {}),
             **sync_metrics,
         }
-
-    def _push_weights(self, version: int) -> dict[str, float]:
-        """All actor ranks send their weights through the adaptive_rollout checkpoint engine."""
-        results = ray.get(self.actor_rollout_wg.update_weights(global_steps=version, mode=MODE))
-        merged: dict[str, float] = {}
-        for result in results if isinstance(results, list) else [results]:
-            if isinstance(result, dict):
-                merged.update(result)
-        return merged
 
     def _validate(self) -> dict[str, float]:
         """No generation here: the sampler's statistics stand in for validation metrics."""

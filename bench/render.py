@@ -1,0 +1,190 @@
+"""Render BENCHMARKS.md tables from the committed result JSON.
+
+A table in BENCHMARKS.md that comes from a result file sits between two markers,
+
+    <!-- render:NAME -->
+    ...
+    <!-- /render:NAME -->
+
+and is rewritten by this script from `bench/results/*.json`, so the prose's numbers are
+those of the committed run. `tests/bench/test_render.py` fails when they differ.
+
+    python -m bench.render           # rewrite BENCHMARKS.md
+    python -m bench.render --check   # exit 1 if BENCHMARKS.md is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from bench.common import RESULTS, ROOT, fmt, table
+from bench.step_time import COLUMNS, flat_rows
+
+DOC = ROOT / "BENCHMARKS.md"
+_BLOCK = re.compile(
+    r"(<!-- render:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /render:(?P=name) -->)", re.S
+)
+
+
+def _load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _step_table(which: str) -> str:
+    return table(flat_rows(_load("step_time")["tables"][which]), COLUMNS)
+
+
+def _step_checks() -> str:
+    checks = _load("step_time")["checks"]
+    return table(
+        [{**c, "status": "met" if c["met"] else "**missed**"} for c in checks],
+        [
+            ("rule", "rule (sync)"),
+            ("quantity", "quantity"),
+            ("prompts", "prompts"),
+            ("measured", "measured mean"),
+            ("expected", "closed form"),
+            ("z", "z"),
+            ("status", "within 4 SE"),
+        ],
+        digits=4,
+    )
+
+
+def _step_targets() -> str:
+    data = _load("step_time")
+    lines = []
+    for key, t in data["targets"].items():
+        which, _, competing = key.partition("/")
+        labels = {r["method"]: r["label"] for r in data["tables"][which]}
+        lines.append(
+            {
+                "lengths": which,
+                "rows": {"all": "listed + extra (*)", "adaptive": "listed, no GRPO/DAPO"}.get(
+                    competing, competing
+                ),
+                "best": labels.get(t["best"], "none"),
+                "ratio": t.get("ratio_r07"),
+                "informative": t.get("informative"),
+                "step": "met" if t["step_target_met"] else "**missed**",
+                "api": t.get("answers_per_informative"),
+                "answers": "met" if t["answers_target_met"] else "**missed**",
+            }
+        )
+    return table(
+        lines,
+        [
+            ("lengths", "lengths"),
+            ("rows", "rows competing"),
+            ("best", "best on-policy row with >= 90% informative"),
+            ("ratio", "step vs GRPO n=4 sync, r 0.7"),
+            ("informative", "informative"),
+            ("step", "<= 1.5x"),
+            ("api", "answers / informative group"),
+            ("answers", "<= 11"),
+        ],
+    )
+
+
+def _step_settings() -> str:
+    s = _load("step_time")["settings"]
+    return (
+        f"B = {s['batch']} groups per step, {s['prompts']} prompts (hard mix), "
+        f"{s['warmup']} warm-up + {s['steps']} measured steps per run, "
+        f"{s['history_epochs']} epochs of estimator history, seed {s['seed']}, "
+        f"quick mode: {s['quick']}; off-policy simulated at r in "
+        f"{', '.join(fmt(r) for r in s['off_policy_r'])}; self-checks over {s['draws']} "
+        f"prompt draws of {s['check_batch']} prompts.\n"
+    )
+
+
+def _learning_summary() -> str:
+    data = _load("learning")
+    domains = [d for d in data["curves"][next(iter(data["curves"]))] if d != "mean"]
+    rows = []
+    for row in data["summary"]:
+        cells = {"method": row["method"], "steps": row["steps"], "aps": row["answers_per_step"]}
+        for d in [*domains, "mean"]:
+            cells[d] = f"{row[f'{d}_start']:.3f} -> {row[d]:.3f} ({row[f'{d}_spread']})"
+        rows.append(cells)
+    return table(
+        rows,
+        [("method", "method"), ("steps", "optimizer steps"), ("aps", "answers/step")]
+        + [(d, d) for d in [*domains, "mean"]],
+    )
+
+
+def _learning_paired() -> str:
+    data = _load("learning")
+    labels = {m: spec["label"] for m, spec in data["settings"]["methods"].items()}
+    rows = []
+    for axis, name in (("answers", "equal answers"), ("wall_s", "equal wall-clock")):
+        for method, pr in data["paired_by_seed"][axis].items():
+            rows.append(
+                {
+                    "axis": name,
+                    "method": labels[method],
+                    "diffs": ", ".join(f"{d:+.3f}" for d in pr["diffs"]),
+                    "mean": pr["mean"],
+                    "sd": pr["sd"],
+                    "t": pr["t"],
+                    "wins": f"{pr['wins']} of {len(pr['diffs'])}",
+                }
+            )
+    return table(
+        rows,
+        [
+            ("axis", "axis"),
+            ("method", "minus GRPO n=4"),
+            ("diffs", "per seed"),
+            ("mean", "mean"),
+            ("sd", "sd"),
+            ("t", "paired t"),
+            ("wins", "seeds > 0"),
+        ],
+    )
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "learning.summary": _learning_summary,
+    "learning.paired": _learning_paired,
+    "step_time.settings": _step_settings,
+    "step_time.checks": _step_checks,
+    "step_time.targets": _step_targets,
+    "step_time.difficulty": lambda: _step_table("difficulty"),
+    "step_time.flat": lambda: _step_table("flat"),
+}
+
+
+def render(text: str) -> str:
+    """`text` with every marked block replaced by its freshly rendered table."""
+
+    def one(match: re.Match[str]) -> str:
+        body = RENDERERS[match["name"]]().rstrip("\n") + "\n"
+        return match.group(1) + body + match.group(4)
+
+    return _BLOCK.sub(one, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only report whether it is up to date")
+    args = p.parse_args(argv)
+    text = DOC.read_text()
+    fresh = render(text)
+    if args.check:
+        if fresh != text:
+            print(f"{DOC} is out of date: run python -m bench.render", file=sys.stderr)
+            return 1
+        return 0
+    DOC.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

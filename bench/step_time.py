@@ -1,0 +1,662 @@
+"""Step time of a training step (generation + trainer phase + weight sync) per sampling
+rule and pipeline, on a simulated engine in simulated time, checked against closed forms.
+
+What a user comparing against GRPO pays per step is generation *and* training: a rule
+that generates 3x the answers of GRPO n=4 does not take 3x the step time if the trainer
+phase is a large part of the step. The project's real `Scheduler` (real rules,
+down-sampling, advantages, group and admission policies) drives
+`bench.sim_backend.SimBackend` on `bench.virtual_clock`'s simulated-time event loop, and
+a simulated trainer consumes each batch frame: it trains for
+
+    r x T4 x (samples trained / 4B)
+
+simulated seconds (T4 = GRPO n=4's synchronous generation time per batch of B groups;
+Est trains on all of its samples), then pushes new weights through the scheduler's own
+weight-update path (weight sync itself costs `SYNC_S`, 0), then acks the frame.
+
+Pipelines:
+- sync: `mode: rounds`, one cohort of B prompts per step, no generation while training
+  (the paper's setting; adaptive waves do not apply in rounds);
+- on-policy continuous: `mode: continuous`, `max_staleness` 0: prompts advance on their
+  own, but nothing is admitted for step k+1 before step k's weights are pushed;
+- one-step-off-policy: `max_staleness` 1: generation of step k+1 overlaps training of
+  step k; answers may come from weights one step old (stale share reported).
+
+Figures per row: step time relative to GRPO n=4 synchronous (same r), the informative
+fraction of the trained groups (kept rewards not all equal), answers generated per
+informative group (every answer, dropped groups too), engine-seconds per informative
+group (time the engine was decoding or prefilling), and the policy-lag distribution of
+the trained samples.
+
+Self-checks that can fail: for the round-based rules (GRPO n=4, Seq-Pos K_pos 1,
+Seq-Balance 2/2) expected answers per prompt and the chance a group is informative have
+closed forms given a prompt's pass rate; over >= 5 independent prompt draws the
+per-prompt residuals must average to 0 within 4 standard errors.
+
+The engine model (`ENGINE`; fixed before any target was measured):
+- decode step 12 ms + 0.05 ms per running sequence (assumed; the order of vLLM's time
+  per output token for a ~1.5B model on one GPU), prefill 0.02 ms per prompt token,
+  256 sequences at most;
+- context term 8.5 ns per cached token per decode step: a Qwen2.5-1.5B KV cache holds
+  28 layers x 2 (K, V) x 2 KV heads x 128 dims x 2 bytes = 28.7 kB per token (the model's
+  config.json), read once per step at the 3.35 TB/s of an H100 SXM (NVIDIA's data sheet);
+- answer lengths log-normal, log-sd 0.6, median 700 tokens for the easiest prompts,
+  growing by half from the easiest to the hardest prompt (assumed: harder problems get
+  longer reasoning), wrong answers 1.3x longer (incorrect solutions are longer than
+  correct ones in Zeng et al. 2025, arXiv 2502.12215; the factor is assumed), cut at
+  `max_tokens` 4,096 (a cut answer scores 0);
+- `ENGINE_FLAT` is the same engine with lengths independent of difficulty and
+  correctness; the table is repeated with it.
+
+    python -m bench.step_time --quick   # B = 256, 3 measured steps, r 0.7 off-policy
+    python -m bench.step_time           # B = 512, 6 measured steps, every r off-policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import tempfile
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import adaptive_sim, virtual_clock
+from bench.common import table, write_json
+from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
+from sampler_service.config import SamplerConfig, check_consistency
+from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.scheduler import Scheduler
+from trainer_client.protocol import Group
+
+ENGINE = EngineSpec(
+    max_num_seqs=256,
+    step_base_s=0.012,
+    step_per_seq_s=0.00005,
+    prefill_per_token_s=0.00002,
+    length_median=700.0,
+    length_sigma=0.6,
+    wrong_length_factor=1.3,
+    difficulty_length=0.5,
+    kv_token_s=8.5e-9,
+)
+ENGINE_FLAT = replace(ENGINE, wrong_length_factor=1.0, difficulty_length=0.0)
+MAX_TOKENS = 4096
+#: Weight sync after each step, simulated seconds (stated constant).
+SYNC_S = 0.0
+RATIOS = (0.35, 0.7, 1.4)
+PIPELINES = ("sync", "on_policy", "off_policy")
+#: Standard errors a self-check may be off by.
+CHECK_SE = 4.0
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    label: str
+    config: dict[str, Any]
+    #: Beyond the rows the targets are judged on: shown to locate the frontier.
+    extra: bool = False
+
+
+def rows() -> list[Row]:
+    """The compared methods, as sampler configs without their pipeline knobs."""
+    grpo = {"rule": "fixed", "advantage": "grpo", "downsample": "none"}
+    ada = {
+        "n_max": 32,
+        "wave_size": 8,
+        "group_size": 4,
+        "downsample": "balanced",
+        "advantage": "global",
+    }
+    bal = {**ada, "rule": "balanced", "k_pos": 2, "k_neg": 2}
+    skip = [{"name": "history_skip", "params": {"explore": 0.5, "max_skip": 0.9}}]
+    return [
+        *(
+            Row(f"grpo{n}", f"GRPO n={n}", {**grpo, "group_size": n, "wave_size": n, "n_max": n})
+            for n in (4, 8, 16)
+        ),
+        Row(
+            "dapo4",
+            "DAPO refill n=4",
+            {
+                **grpo,
+                "group_size": 4,
+                "wave_size": 4,
+                "n_max": 4,
+                "group_policies": [{"name": "nonzero_std"}],
+            },
+        ),
+        Row("seqpos1", "Seq-Pos K_pos 1", {**ada, "rule": "positive", "k_pos": 1}),
+        Row("seqbal", "Seq-Balance 2/2", bal),
+        Row("seqbal_adaptive", "Seq-Balance + adaptive waves", {**bal, "wave": "adaptive"}),
+        Row(
+            "est",
+            "Est (mean budget 8)",
+            {
+                "rule": "est",
+                "advantage": "est",
+                "group_size": 0,
+                "downsample": "none",
+                "n_max": 32,
+                "wave_size": 32,
+                "est": {"mean_budget": 8},
+            },
+        ),
+        Row(
+            "seqbal_adaptive_skip",
+            "Seq-Balance + adaptive + history skip",
+            {**bal, "wave": "adaptive", "admission_policies": skip},
+        ),
+        Row(
+            "dapo4_skip",
+            "DAPO refill n=4 + history skip",
+            {
+                **grpo,
+                "group_size": 4,
+                "wave_size": 4,
+                "n_max": 4,
+                "group_policies": [{"name": "nonzero_std"}],
+                "admission_policies": skip,
+            },
+            extra=True,
+        ),
+        Row(
+            "seqbal11_adaptive_skip",
+            "Seq-Balance 1/1 + adaptive + history skip",
+            {**bal, "k_pos": 1, "k_neg": 1, "wave": "adaptive", "admission_policies": skip},
+            extra=True,
+        ),
+    ]
+
+
+def pipeline_config(row: Row, pipeline: str, batch: int) -> dict[str, Any]:
+    """The row's config with the admission knobs of a pipeline (module docstring)."""
+    base = {"batch_groups": batch, "max_tokens": MAX_TOKENS, **row.config}
+    if pipeline == "sync":
+        return {
+            **base,
+            "mode": "rounds",
+            "cohort_size": batch,
+            "max_active_prompts": batch,
+            "max_buffered_groups": batch,
+        }
+    staleness = {"on_policy": 0, "off_policy": 1}[pipeline]
+    return {
+        **base,
+        "max_staleness": staleness,
+        "max_active_prompts": (staleness + 1) * batch,
+        "max_buffered_groups": 8 * batch,
+    }
+
+
+class Trainer:
+    """The scheduler's sink: a trainer that takes frames one at a time, trains on each
+    for its trainer phase, pushes weights, then acks it (frees its buffer space)."""
+
+    def __init__(self, *, train_s_per_sample: float, steps: int, pass_rates: np.ndarray) -> None:
+        self.train_s_per_sample = train_s_per_sample
+        self.steps_wanted = steps
+        self.rates = pass_rates
+        self.held: deque[list[Group]] = deque()
+        self.frames = asyncio.Event()
+        self.version = 0
+        self.records: list[dict[str, Any]] = []
+        self.groups: list[tuple[float, int, bool]] = []  # (pass rate, answers, informative)
+        self.scheduler: Scheduler | None = None
+        self.engine: SimBackend | None = None
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        return None
+
+    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+        if groups:
+            self.held.append(groups)
+            self.frames.set()
+
+    def buffered(self) -> int:
+        return sum(len(f) for f in self.held)
+
+    def _snapshot(self) -> dict[str, Any]:
+        assert self.scheduler is not None and self.engine is not None
+        loop = asyncio.get_running_loop()
+        st = self.scheduler.stats
+        return {
+            "t": loop.time(),
+            "answers": st.samples,
+            "engine_s": self.engine.stats.decode_s + self.engine.stats.prefill_s,
+            "skipped": sum(d.skipped for d in st.domains.values()),
+            "admitted": sum(d.admitted for d in st.domains.values()),
+        }
+
+    async def run(self) -> None:
+        assert self.scheduler is not None and self.engine is not None
+        loop = asyncio.get_running_loop()
+        self.records.append({**self._snapshot(), "t_frame": loop.time()})
+        while len(self.records) <= self.steps_wanted:
+            while not self.held:
+                self.frames.clear()
+                await self.frames.wait()
+            frame = self.held[0]
+            at_frame = self._snapshot()
+            lags = Counter(self.version - s.policy_version for g in frame for s in g.samples)
+            samples = sum(len(g.samples) for g in frame)
+            informative = [_informative(g) for g in frame]
+            self.groups.extend(
+                (float(self.rates[int(g.prompt_id[1:])]), g.stats.n_generated, inf)
+                for g, inf in zip(frame, informative, strict=True)
+            )
+            await asyncio.sleep(self.train_s_per_sample * samples + SYNC_S)
+            async with self.scheduler.paused_for_weights():
+                self.version += 1
+                await self.engine.load_weights({}, self.version)
+            self.held.popleft()
+            self.scheduler.poke()
+            self.records.append(
+                {
+                    **at_frame,
+                    "t_frame": at_frame["t"],
+                    "t": loop.time(),
+                    "groups": len(frame),
+                    "informative": sum(informative),
+                    "samples": samples,
+                    "lags": dict(lags),
+                }
+            )
+
+
+def _informative(group: Group) -> bool:
+    rewards = [s.reward for s in group.samples]
+    return len(rewards) >= 2 and max(rewards) > min(rewards)
+
+
+async def simulate(
+    config: dict[str, Any],
+    pass_rates: np.ndarray,
+    dataset_file: Path,
+    *,
+    spec: EngineSpec,
+    steps: int,
+    warmup: int,
+    train_s_per_sample: float,
+    seed: int,
+    history_epochs: int,
+) -> dict[str, Any]:
+    """Run one method on one pipeline for warmup + steps training steps."""
+    prompt_lens = np.clip(
+        np.round(
+            np.exp(np.random.default_rng(seed + 7).normal(math.log(150), 0.4, len(pass_rates)))
+        ),
+        16,
+        2048,
+    )
+
+    def tokenize(row: PromptRow) -> None:
+        index = int(row.id[1:])
+        row.text = row.prompt if isinstance(row.prompt, str) else ""
+        row.token_ids = [index] + [0] * (int(prompt_lens[index]) - 1)
+
+    dataset = Dataset([dataset_file], tokenize, seed=seed)
+    cfg = SamplerConfig(**config)
+    check_consistency(cfg, dataset.domains)
+    engine = SimBackend(pass_rates, spec, seed=seed + 1)
+    await engine.start()
+    trainer = Trainer(
+        train_s_per_sample=train_s_per_sample, steps=warmup + steps, pass_rates=pass_rates
+    )
+    scheduler = Scheduler(
+        backend=engine,
+        dataset=dataset,
+        verify=verify_reward_text,
+        sink=trainer,
+        config=cfg,
+        clock=asyncio.get_running_loop().time,
+        seed=seed,
+    )
+    trainer.scheduler, trainer.engine = scheduler, engine
+    if history_epochs:
+        adaptive_sim.load_history(scheduler, pass_rates, history_epochs, seed)
+    scheduler.start()
+    try:
+        async with asyncio.timeout(1e7):  # simulated seconds: a stuck simulation fails loudly
+            await trainer.run()
+    finally:
+        await scheduler.stop()
+        await engine.close()
+    return summarize(trainer.records, warmup, trainer.groups)
+
+
+def summarize(
+    records: list[dict[str, Any]], warmup: int, groups: list[tuple[float, int, bool]]
+) -> dict[str, Any]:
+    """Per-step figures over the steps after `warmup` (records[0] is the start)."""
+    start, measured = records[warmup], records[warmup + 1 :]
+    k = len(measured)
+    end = measured[-1]
+    informative = sum(r["informative"] for r in measured)
+    n_groups = sum(r["groups"] for r in measured)
+    lags: Counter[int] = Counter()
+    for r in measured:
+        lags.update({int(a): n for a, n in r["lags"].items()})
+    samples = sum(lags.values())
+    # Generation time of a step with nothing overlapping: frame formed - previous ack.
+    gen = [r["t_frame"] - prev["t"] for prev, r in zip(records[warmup:], measured, strict=False)]
+    return {
+        "steps": k,
+        "step_s": (end["t"] - start["t"]) / k,
+        "gen_s": float(np.mean(gen)),
+        "samples_trained": samples / k,
+        "answers": (end["answers"] - start["answers"]) / k,
+        "informative_frac": informative / n_groups,
+        "answers_per_informative": (end["answers"] - start["answers"]) / max(informative, 1),
+        "engine_s_per_informative": (end["engine_s"] - start["engine_s"]) / max(informative, 1),
+        "skipped_per_step": (end["skipped"] - start["skipped"]) / k,
+        "admitted_per_step": (end["admitted"] - start["admitted"]) / k,
+        "stale_share": sum(n for lag, n in lags.items() if lag >= 1) / max(samples, 1),
+        "lags": {str(lag): n / max(samples, 1) for lag, n in sorted(lags.items())},
+        "groups": groups,
+    }
+
+
+def run_one(
+    row: Row,
+    pipeline: str,
+    rates: np.ndarray,
+    args: argparse.Namespace,
+    spec: EngineSpec,
+    *,
+    train_s_per_sample: float = 0.0,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        data = adaptive_sim.write_dataset(Path(tmp), len(rates))
+        return virtual_clock.run(
+            simulate(
+                pipeline_config(row, pipeline, args.batch),
+                rates,
+                data,
+                spec=spec,
+                steps=args.steps,
+                warmup=args.warmup,
+                train_s_per_sample=train_s_per_sample,
+                seed=args.seed if seed is None else seed,
+                history_epochs=args.history_epochs,
+            )
+        )
+
+
+# -- closed forms ---------------------------------------------------------------------
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p)."""
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(0, min(k, n) + 1))
+
+
+def effective_pass_rate(p: float, spec: EngineSpec, max_tokens: int = MAX_TOKENS) -> float:
+    """Chance an answer scores 1: correct and not cut at max_tokens (a cut answer scores 0)."""
+    median = spec.length_median * (1.0 + spec.difficulty_length * (1.0 - p))
+    z = (
+        (math.log(max_tokens + 0.5) - math.log(median)) / spec.length_sigma
+        if spec.length_sigma
+        else math.inf
+    )
+    return p * 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def closed_form(key: str, q: float, *, n_max: int = 32, wave: int = 8) -> tuple[float, float]:
+    """(expected answers, P(informative)) of a round-based rule for a prompt whose
+    answers score 1 with probability q.
+
+    A prompt runs waves of `wave` answers until its rule holds or n_max is reached, so
+    E[answers] = sum over rounds j of wave x P(rule not yet met after j waves). Balanced
+    down-sampling keeps a positive and a negative whenever both exist, so a group is
+    informative unless every answer agreed (for Seq-Pos K_pos 1: unless the first wave
+    was all correct or all n_max answers were wrong).
+    """
+    rounds = n_max // wave
+    if key == "grpo4":
+        return 4.0, 1.0 - q**4 - (1 - q) ** 4
+    if key == "seqpos1":
+        answers = sum(wave * (1 - q) ** (wave * j) for j in range(rounds))
+        return answers, 1.0 - q**wave - (1 - q) ** n_max
+    if key == "seqbal":
+
+        def not_met(m: int) -> float:  # P(fewer than 2 positives or fewer than 2 negatives)
+            if m < 4:
+                return 1.0
+            return _binom_cdf(1, m, q) + _binom_cdf(1, m, 1 - q)
+
+        answers = sum(wave * not_met(wave * j) for j in range(rounds))
+        return answers, 1.0 - q**n_max - (1 - q) ** n_max
+    raise KeyError(key)
+
+
+CHECKED = ("grpo4", "seqpos1", "seqbal")
+
+
+def self_check(
+    key: str, groups: list[tuple[float, int, bool]], spec: EngineSpec
+) -> list[dict[str, Any]]:
+    """Pooled per-prompt residuals (measured - closed form) of answers and informative,
+    and their z-scores; a check is met when |z| <= CHECK_SE."""
+    out = []
+    expected = [closed_form(key, effective_pass_rate(p, spec)) for p, _, _ in groups]
+    for i, (name, measured) in enumerate(
+        (
+            ("answers per prompt", [a for _, a, _ in groups]),
+            ("informative", [float(f) for *_, f in groups]),
+        )
+    ):
+        resid = np.array(measured, dtype=float) - np.array([e[i] for e in expected])
+        se = float(resid.std(ddof=1) / math.sqrt(len(resid))) if len(resid) > 1 else math.inf
+        mean = float(resid.mean())
+        z = mean / se if se > 0 else (0.0 if mean == 0 else math.inf)
+        out.append(
+            {
+                "rule": key,
+                "quantity": name,
+                "prompts": len(resid),
+                "measured": float(np.mean(measured)),
+                "expected": float(np.mean([e[i] for e in expected])),
+                "z": z,
+                "met": abs(z) <= CHECK_SE,
+            }
+        )
+    return out
+
+
+def run_checks(args: argparse.Namespace, spec: EngineSpec) -> list[dict[str, Any]]:
+    """Each checked rule on the sync pipeline over `args.draws` prompt draws."""
+    by_key = {r.key: r for r in rows()}
+    small = argparse.Namespace(**{**vars(args), "batch": args.check_batch, "steps": 1, "warmup": 0})
+    out = []
+    for key in CHECKED:
+        groups: list[tuple[float, int, bool]] = []
+        for draw in range(args.draws):
+            seed = args.seed + 1000 * (draw + 1)
+            rates = adaptive_sim.draw_pass_rates(
+                "hard", args.check_batch * 2, np.random.default_rng(seed)
+            )
+            groups += run_one(by_key[key], "sync", rates, small, spec, seed=seed)["groups"]
+        out += self_check(key, groups, spec)
+    return out
+
+
+# -- the tables -----------------------------------------------------------------------
+def measure(args: argparse.Namespace, spec: EngineSpec, log: Any) -> list[dict[str, Any]]:
+    """Every row on every pipeline; step times per r (module docstring)."""
+    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+    table_rows = []
+    t4 = None
+    for row in rows():
+        for pipeline in PIPELINES:
+            started = time.monotonic()
+            if pipeline != "off_policy":
+                res = run_one(row, pipeline, rates, args, spec)
+                res["step_s_by_r"] = {}
+                if t4 is None:  # GRPO n=4 sync comes first
+                    t4 = res["gen_s"]
+                for r in RATIOS:
+                    train = r * t4 * res["samples_trained"] / (4 * args.batch)
+                    res["step_s_by_r"][str(r)] = res["gen_s"] + train + SYNC_S
+            else:
+                assert t4 is not None
+                res = {"step_s_by_r": {}}
+                for r in args.off_policy_r:
+                    one = run_one(
+                        row,
+                        pipeline,
+                        rates,
+                        args,
+                        spec,
+                        train_s_per_sample=r * t4 / (4 * args.batch),
+                    )
+                    res["step_s_by_r"][str(r)] = one["step_s"]
+                    if r == 0.7 or "answers" not in res:
+                        res.update({k: v for k, v in one.items() if k != "step_s"})
+            res.pop("groups", None)
+            res.update(method=row.key, label=row.label, pipeline=pipeline, extra=row.extra)
+            table_rows.append(res)
+            log(f"  {row.label} / {pipeline}: {time.monotonic() - started:.1f}s real")
+    base = next(r for r in table_rows if r["method"] == "grpo4" and r["pipeline"] == "sync")
+    for r in table_rows:
+        r["ratio_by_r"] = {k: v / base["step_s_by_r"][k] for k, v in r["step_s_by_r"].items()}
+    return table_rows
+
+
+COLUMNS = [
+    ("label", "method"),
+    ("pipeline", "pipeline"),
+    ("ratio_0.35", "step vs GRPO n=4 sync, r 0.35"),
+    ("ratio_0.7", "r 0.7"),
+    ("ratio_1.4", "r 1.4"),
+    ("informative_frac", "informative"),
+    ("answers_per_informative", "answers / informative group"),
+    ("engine_s_per_informative", "engine-s / informative group"),
+    ("stale_share", "stale share"),
+    ("skipped_per_step", "prompts skipped / step"),
+]
+
+
+def flat_rows(table_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with one column per r, for `bench.common.table`; extra rows marked with *."""
+    out = []
+    for r in table_rows:
+        flat = {**r, "label": r["label"] + (" *" if r["extra"] else "")}
+        for k, v in r["ratio_by_r"].items():
+            flat[f"ratio_{k}"] = v
+        out.append(flat)
+    return out
+
+
+#: Informative fraction the best configuration must reach.
+MIN_INFORMATIVE = 0.9
+
+
+#: Which rows compete for "best": the listed ones, the listed adaptive-sampling ones
+#: (no GRPO or DAPO), or every row including the extra ones.
+COMPETING = ("listed", "adaptive", "all")
+
+
+def targets(table_rows: list[dict[str, Any]], competing: str = "listed") -> dict[str, Any]:
+    """The targets, on the on-policy pipeline at r 0.7: the best row (lowest step-time
+    ratio among the competing non-GRPO rows with >= 90% informative groups) should be
+    within 1.5x of GRPO n=4 sync and spend <= 11 answers per informative group."""
+    good = [
+        r
+        for r in table_rows
+        if r["pipeline"] == "on_policy"
+        and not r["method"].startswith("grpo")
+        and (competing == "all" or not r["extra"])
+        and (competing != "adaptive" or not r["method"].startswith("dapo"))
+        and r["informative_frac"] >= MIN_INFORMATIVE
+    ]
+    if not good:
+        return {"best": None, "step_target_met": False, "answers_target_met": False}
+    best = min(good, key=lambda r: r["ratio_by_r"]["0.7"])
+    return {
+        "best": best["method"],
+        "ratio_r07": best["ratio_by_r"]["0.7"],
+        "informative": best["informative_frac"],
+        "answers_per_informative": best["answers_per_informative"],
+        "step_target_met": best["ratio_by_r"]["0.7"] <= 1.5,
+        "answers_target_met": best["answers_per_informative"] <= 11,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="B 256, 3 steps, r 0.7 off-policy")
+    p.add_argument("--batch", type=int, default=None, help="groups per step (B)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
+    p.add_argument("--history-epochs", type=int, default=2)
+    p.add_argument("--draws", type=int, default=5, help="prompt draws per self-check")
+    p.add_argument("--check-batch", type=int, default=128, help="prompts per self-check draw")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-flat", action="store_true", help="skip the difficulty-free table")
+    args = p.parse_args(argv)
+    args.batch = args.batch or (256 if args.quick else 512)
+    args.steps = args.steps or (3 if args.quick else 6)
+    args.prompts = 4 * args.batch
+    args.off_policy_r = (0.7,) if args.quick else RATIOS
+    started = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    checks = run_checks(args, ENGINE)
+    log("\n== self-checks against closed forms (sync pipeline) ==")
+    for c in checks:
+        log(
+            f"[{'met' if c['met'] else 'MISSED'}] {c['rule']} {c['quantity']}: measured "
+            f"{c['measured']:.4f}, closed form {c['expected']:.4f}, z {c['z']:+.2f}"
+        )
+    tables = {"difficulty": measure(args, ENGINE, log)}
+    if not args.no_flat:
+        tables["flat"] = measure(args, ENGINE_FLAT, log)
+    for name, tr in tables.items():
+        log(
+            f"\n== step time, lengths {'by difficulty and correctness' if name == 'difficulty' else 'independent of difficulty'} =="
+        )
+        log(table(flat_rows(tr), COLUMNS))
+    judged = {
+        f"{name}/{competing}": targets(tr, competing)
+        for name, tr in tables.items()
+        for competing in COMPETING
+    }
+    log(f"\ntargets: {judged}")
+    out = {
+        "settings": {
+            "batch": args.batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "prompts": args.prompts,
+            "history_epochs": args.history_epochs,
+            "draws": args.draws,
+            "check_batch": args.check_batch,
+            "seed": args.seed,
+            "quick": args.quick,
+            "ratios": RATIOS,
+            "off_policy_r": list(args.off_policy_r),
+            "sync_s": SYNC_S,
+            "max_tokens": MAX_TOKENS,
+            "engine": asdict(ENGINE),
+            "engine_flat": asdict(ENGINE_FLAT),
+        },
+        "checks": checks,
+        "tables": tables,
+        "targets": judged,
+        "real_s": time.monotonic() - started,
+    }
+    path = write_json("step_time", out)
+    log(f"\nwrote {path}; real time {time.monotonic() - started:.0f}s")
+    return out
+
+
+if __name__ == "__main__":
+    main()

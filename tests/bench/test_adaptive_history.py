@@ -1,0 +1,90 @@
+"""Adaptive waves read the pass-rate history: a prompt seen in an earlier epoch gets a
+first wave sized from its estimated pass rate, not from the uninformed p = 1/2.
+
+The real scheduler, stopping rule and estimator drive the simulated engine in simulated
+time; the engine logs every request's size, so the first wave of each prompt is observed
+where it is asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench import adaptive_sim, virtual_clock
+from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
+from sampler_service.config import SamplerConfig
+from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.scheduler import MemorySink, Scheduler
+
+PROMPTS = 16
+CONFIG = {
+    "rule": "balanced",
+    "wave": "adaptive",
+    "k_pos": 2,
+    "k_neg": 2,
+    "n_max": 32,
+    "wave_size": 16,
+    "max_active_prompts": PROMPTS,
+    "max_buffered_groups": 4 * PROMPTS,
+}
+
+
+def _first_waves(history: dict[str, list[float]] | None) -> tuple[dict[int, int], dict[int, float]]:
+    """Run one epoch; return each prompt's first wave and the p the estimator held for it."""
+    rates = np.full(PROMPTS, 0.1)
+
+    async def main() -> tuple[dict[int, int], dict[int, float]]:
+        with tempfile.TemporaryDirectory() as tmp:
+            data = adaptive_sim.write_dataset(Path(tmp), PROMPTS)
+
+            def tokenize(row: PromptRow) -> None:
+                row.token_ids = [int(row.id[1:]), 0, 0]
+
+            dataset = Dataset([data], tokenize, seed=0)
+        engine = SimBackend(rates, EngineSpec(max_num_seqs=64), seed=0)
+        await engine.start()
+        sink = MemorySink()
+        scheduler = Scheduler(
+            backend=engine,
+            dataset=dataset,
+            verify=verify_reward_text,
+            sink=sink,
+            config=SamplerConfig(**CONFIG),
+        )
+        if history is not None:
+            scheduler.estimator.load_state_dict({"c": 0.0, "finalized": 0, "stats": history})
+        prior = {i: scheduler.estimator.p(f"p{i:06d}") for i in range(PROMPTS)}
+        scheduler.start()
+        try:
+            async with asyncio.timeout(1e6):
+                while len({i for i, _ in engine.requests}) < PROMPTS:
+                    await asyncio.sleep(1.0)
+        finally:
+            await scheduler.stop()
+            await engine.close()
+        first: dict[int, int] = {}
+        for index, n in engine.requests:
+            first.setdefault(index, n)
+        return first, prior
+
+    return virtual_clock.run(main())
+
+
+def test_history_changes_the_first_adaptive_wave() -> None:
+    cold, _ = _first_waves(None)
+    # p = 1/2 for an unseen prompt: ceil(max(2 / 0.5, 2 / 0.5)) = 4 answers.
+    assert set(cold.values()) == {4}
+    # Earlier epochs saw 1 correct answer in 16 for every prompt (p = 2/18 with the prior).
+    history = {f"p{i:06d}": [16.0, 1.0] for i in range(PROMPTS)}
+    warm, prior = _first_waves(history)
+    assert len(warm) == PROMPTS
+    for index, n in warm.items():
+        p = prior[index]
+        assert p < 0.2
+        assert n == min(16, math.ceil(max(2 / p, 2 / (1 - p))))
+    assert set(warm.values()) == {16}

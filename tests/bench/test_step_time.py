@@ -1,0 +1,100 @@
+"""The step-time benchmark's engine terms, pipelines and self-checks (bench/step_time.py).
+
+Simulated times are exact, so the engine terms are checked exactly; the self-check is
+shown to pass for the rule its closed form describes and to fail for a different one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+import pytest
+
+from bench import adaptive_sim, step_time
+from bench.sim_backend import EngineSpec
+from tests.bench.test_sim_engine import _generate
+
+KV = EngineSpec(
+    max_num_seqs=2,
+    step_base_s=0.01,
+    step_per_seq_s=0.001,
+    prefill_per_token_s=0.0,
+    length_median=100,
+    length_sigma=0.0,
+    kv_token_s=1e-4,
+)
+
+
+def test_decode_steps_pay_for_the_context_they_read() -> None:
+    # Two sequences of a 3-token prompt: context 2 x (3 + k) after k steps, so step k
+    # takes 0.012 + 1e-4 x 2 x (3 + k) seconds (the engine integrates k continuously).
+    (_,), (t,), _ = _generate(KV, [(0, 2)], [0.5])
+    assert t == pytest.approx(100 * (0.012 + 1e-4 * 6) + 1e-4 * 2 * 100**2 / 2)
+    # A second request arriving mid-way changes the running set, not the arithmetic.
+    _, (t1, t2), _ = _generate(KV, [(0, 1), (1, 1)], [0.5, 0.5])
+    assert t1 == t2 == pytest.approx(t)
+
+
+def test_answer_length_grows_with_difficulty_and_for_wrong_answers() -> None:
+    spec = EngineSpec(max_num_seqs=64, length_median=100, length_sigma=0.0, difficulty_length=0.5)
+    (easy, hard), _, _ = _generate(spec, [(0, 4), (1, 4)], [1.0, 0.0])
+    assert {len(c.token_ids) for c in easy} == {100}
+    assert {len(c.token_ids) for c in hard} == {150}
+    wrong = EngineSpec(
+        max_num_seqs=64, length_median=100, length_sigma=0.0, wrong_length_factor=1.3
+    )
+    (right, bad), _, _ = _generate(wrong, [(0, 4), (1, 4)], [1.0, 0.0])
+    assert {len(c.token_ids) for c in right} == {100} and {len(c.token_ids) for c in bad} == {130}
+
+
+def test_closed_forms_match_direct_enumeration() -> None:
+    q = 0.3
+    # Seq-Balance 2/2, waves of 8 up to 32: enumerate the first-wave outcomes by hand for
+    # the chance that one wave is not enough.
+    p_not_met_8 = sum(
+        math.comb(8, k) * q**k * (1 - q) ** (8 - k) for k in range(9) if k < 2 or 8 - k < 2
+    )
+    answers, informative = step_time.closed_form("seqbal", q)
+    assert answers > 8 + 8 * p_not_met_8 - 1e-12
+    assert informative == pytest.approx(1 - q**32 - (1 - q) ** 32)
+    assert step_time.closed_form("seqpos1", q)[0] == pytest.approx(
+        8 * (1 + (1 - q) ** 8 + (1 - q) ** 16 + (1 - q) ** 24)
+    )
+    assert step_time.effective_pass_rate(0.5, EngineSpec(length_sigma=0.0)) == 0.5
+
+
+def _check(key: str, config: dict) -> list[dict]:
+    row = step_time.Row(key, key, config)
+    args = argparse.Namespace(batch=48, steps=1, warmup=0, seed=0, history_epochs=0)
+    groups = []
+    for draw in range(5):
+        rates = adaptive_sim.draw_pass_rates("hard", 96, np.random.default_rng(draw))
+        groups += step_time.run_one(row, "sync", rates, args, step_time.ENGINE, seed=draw)["groups"]
+    return step_time.self_check(key, groups, step_time.ENGINE)
+
+
+def test_self_check_passes_for_its_rule_and_fails_for_another() -> None:
+    seqbal = next(r for r in step_time.rows() if r.key == "seqbal").config
+    assert all(c["met"] for c in _check("seqbal", seqbal))
+    # The same closed form against a rule that needs 3 of each: far more answers.
+    wrong = _check("seqbal", {**seqbal, "k_pos": 3, "k_neg": 3})
+    by_quantity = {c["quantity"]: c for c in wrong}
+    assert not by_quantity["answers per prompt"]["met"]
+    assert by_quantity["answers per prompt"]["z"] > step_time.CHECK_SE
+
+
+def test_pipelines_bound_the_policy_lag() -> None:
+    args = argparse.Namespace(batch=32, steps=2, warmup=2, seed=0, history_epochs=0)
+    rates = adaptive_sim.draw_pass_rates("hard", 128, np.random.default_rng(0))
+    row = next(r for r in step_time.rows() if r.key == "seqbal")
+    on = step_time.run_one(row, "on_policy", rates, args, step_time.ENGINE)
+    assert on["stale_share"] == 0.0 and on["step_s"] == pytest.approx(on["gen_s"])
+    train = 0.05
+    off = step_time.run_one(
+        row, "off_policy", rates, args, step_time.ENGINE, train_s_per_sample=train
+    )
+    assert off["stale_share"] > 0.0
+    # Training overlaps generation: a step is shorter than generating then training.
+    assert off["step_s"] < on["gen_s"] + train * on["samples_trained"]
