@@ -151,6 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         toy.model_dir, toy.data_files, state, CONFIG, work / "server.log", heartbeat_s=1.0
     )
     url = server.start()
+    # The restart must come back on the same port: the consumers keep their URL.
+    server.cmd[server.cmd.index("--port") + 1] = url.rsplit(":", 1)[1]
     ledger, stop = Ledger(), threading.Event()
     threads = [
         threading.Thread(
