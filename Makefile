@@ -31,7 +31,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(if $(HAS_GPU),,$(BIN)/pip install --progress-bar off $(CPU_TORCH))
-	$(BIN)/pip install --progress-bar off -e '.[dev]'
+	$(BIN)/pip install --progress-bar off -e '.[dev,ray]'
 	touch $@
 
 include $(wildcard make/*.mk)

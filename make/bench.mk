@@ -2,18 +2,19 @@
 #
 #   make bench                   every benchmark in its quick mode (each < 10 minutes on 2 cores)
 #   make bench BENCH_ARGS=       the full runs (more batches, seeds and repeats)
-#   make bench-step | bench-sim | bench-overhead | bench-stream | bench-learning | bench-soak
-#                                one of them
+#   make bench-step | bench-sim | bench-overhead | bench-stream | bench-learning |
+#   bench-scaleout | bench-soak    one of them
 #   make bench-render            rewrite BENCHMARKS.md's tables from bench/results/*.json
 #
 # Results go to bench/results/*.json and *.png. Performance figures are ratios measured
 # side by side in one run; on a shared machine, rerun before comparing across runs.
 BENCH_ARGS ?= --quick
 
-.PHONY: bench bench-step bench-sim bench-overhead bench-stream bench-learning bench-soak \
-	bench-render
+.PHONY: bench bench-step bench-sim bench-overhead bench-stream bench-learning \
+	bench-scaleout bench-soak bench-render
 
-bench: bench-step bench-sim bench-overhead bench-stream bench-learning bench-soak
+bench: bench-step bench-sim bench-overhead bench-stream bench-learning bench-scaleout \
+	bench-soak
 
 bench-step: venv
 	$(BIN)/python -m bench.step_time $(BENCH_ARGS)
@@ -29,6 +30,9 @@ bench-stream: venv
 
 bench-learning: venv
 	$(BIN)/python -m bench.learning $(BENCH_ARGS)
+
+bench-scaleout: venv
+	$(BIN)/python -m bench.scaleout $(BENCH_ARGS)
 
 bench-render: venv
 	$(BIN)/python -m bench.render

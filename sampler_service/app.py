@@ -195,6 +195,8 @@ def create_app(service: SamplerService) -> FastAPI:
             return _error(503, "not_ready", "the engine or dataset is still loading")
         if error := service.engine_error():
             return _error(503, "engine_failed", f"the engine failed and generates nothing: {error}")
+        if service.engine_degraded():
+            return _error(503, "degraded", "no engine replica can serve now; one is recovering")
         return _json({"status": "ready"})
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -111,6 +111,59 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM or Ctrl-C, open streams end at once, finished groups are stored, and "
         "the process exits within this many seconds",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas, each a Ray actor (a local Ray unless --ray-address); 1 keeps "
+        "the engine beside the server and never imports Ray",
+    )
+    p.add_argument(
+        "--ray-address",
+        help="Ray cluster to run the replicas on (auto, or host:port); replicas outlive the "
+        "sampler there, so a restarted sampler re-attaches to them",
+    )
+    p.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica")
+    p.add_argument(
+        "--replica-max-restarts",
+        type=int,
+        default=3,
+        help="restarts of a failed replica before it is given up",
+    )
+    p.add_argument(
+        "--replica-max-inflight",
+        type=int,
+        help="samples in flight per replica (default 384, 1.5 x vLLM's 256 sequences)",
+    )
+    p.add_argument(
+        "--route",
+        choices=["sticky", "least-loaded"],
+        default="sticky",
+        help="sticky: a prompt's next wave goes to its last replica (prefix cached) unless "
+        "that one is overloaded; least-loaded: always the replica with the fewest samples",
+    )
+    p.add_argument(
+        "--replica-probe-s", type=float, default=5.0, help="seconds between replica health probes"
+    )
+    p.add_argument(
+        "--replica-probe-timeout-s",
+        type=float,
+        default=30.0,
+        help="a replica that does not answer a probe this long is killed and restarted",
+    )
+    p.add_argument(
+        "--replica-wait-s",
+        type=float,
+        default=300.0,
+        help="how long a wave waits for a routable replica before it counts as failed",
+    )
+    p.add_argument(
+        "--replicas-on-exit",
+        choices=["keep", "kill"],
+        default="kill",
+        help="on a clean exit, kill the replicas or keep them warm for the next sampler",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -170,11 +223,26 @@ def serve(args: argparse.Namespace) -> None:
         vllm=_parse_engine_args(args.vllm_arg),
         shutdown_timeout_s=args.shutdown_timeout_s,
         max_lease_wait_s=args.max_lease_wait_s,
+        replicas=args.replicas,
+        ray_address=args.ray_address,
+        replica_gpus=args.replica_gpus,
+        replica_cpus=args.replica_cpus,
+        replica_max_restarts=args.replica_max_restarts,
+        replica_max_inflight=args.replica_max_inflight,
+        route=args.route,
+        replica_probe_s=args.replica_probe_s,
+        replica_probe_timeout_s=args.replica_probe_timeout_s,
+        replica_wait_s=args.replica_wait_s,
+        replicas_on_exit=args.replicas_on_exit,
     )
     if not args.model.is_dir():
         raise SystemExit(f"--model {args.model}: no such model directory")
     try:
-        initial = validate_config(_load_config_file(args.config) if args.config else {})
+        raw = _load_config_file(args.config) if args.config else {}
+        if settings.replicas > 1:
+            # Admission scales with the engines unless the config says otherwise.
+            raw.setdefault("max_active_prompts", 64 * settings.replicas)
+        initial = validate_config(raw)
     except (ConfigError, OSError, ValueError) as exc:  # unreadable, not JSON/TOML, invalid
         raise SystemExit(f"--config {args.config}: {exc}") from exc
     service = SamplerService(settings, initial_config=initial)

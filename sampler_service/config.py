@@ -152,6 +152,12 @@ class SamplerConfig(_Live):
     max_staleness: int | None = Field(None, ge=0, le=1_000_000)
     lease_ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
     weight_update_mode: Literal["wait", "abort"] = "wait"
+    weight_drain_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="in `wait` mode, waves still running after this long are aborted and "
+        "re-issued after the update, so one long answer cannot stall every engine",
+    )
     # Patches applied by the service itself as training progresses.
     schedule: list[ScheduleStep] = Field(default_factory=list, max_length=1000)
 
@@ -405,3 +411,32 @@ class ServeSettings(_Strict):
         le=3600.0,
         description="on SIGTERM, streams end at once and the process exits within this bound",
     )
+    # Scale-out: engine replicas as Ray actors. The defaults (one replica, no address)
+    # keep the engine in or beside this process and never import Ray.
+    replicas: int = Field(1, ge=1, description="engine replicas (Ray actors when > 1)")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join (auto or host:port); none: a local Ray"
+    )
+    replica_gpus: float = Field(0.0, ge=0.0, description="GPUs per replica")
+    replica_cpus: float = Field(1.0, ge=0.0, description="CPUs per replica")
+    replica_max_restarts: int = Field(3, ge=0, description="restarts before a replica is failed")
+    replica_max_inflight: int | None = Field(
+        None, ge=1, description="samples in flight per replica; default 384 (1.5 x 256 seqs)"
+    )
+    route: Literal["sticky", "least-loaded"] = Field(
+        "sticky", description="send a prompt's next wave to its last replica unless overloaded"
+    )
+    replica_probe_s: float = Field(5.0, gt=0.0, description="seconds between health probes")
+    replica_probe_timeout_s: float = Field(
+        30.0, gt=0.0, description="a probe unanswered this long fails the replica"
+    )
+    replica_wait_s: float = Field(
+        300.0, gt=0.0, description="how long a wave waits for a routable replica"
+    )
+    replicas_on_exit: Literal["keep", "kill"] = Field(
+        "kill", description="on a clean exit: kill the replicas, or keep them for a new sampler"
+    )
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.replicas > 1 or self.ray_address is not None

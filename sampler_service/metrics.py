@@ -117,6 +117,68 @@ class Metrics:
             "1 while the engine is failed and generates nothing, else 0",
             registry=r,
         )
+        # Engine replicas behind one sampler (the Ray pool); absent series mean one engine.
+        self.replica_state = Gauge(
+            PREFIX + "replica_state",
+            "1 for the state each engine replica is in (ok, recovering, failed)",
+            ["replica", "state"],
+            registry=r,
+        )
+        self.replica_inflight_samples = Gauge(
+            PREFIX + "replica_inflight_samples",
+            "Samples requested of a replica and not yet returned",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_generated_tokens = Counter(
+            PREFIX + "replica_generated_tokens",
+            "Response tokens per replica",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_wave_seconds = Histogram(
+            PREFIX + "replica_wave_seconds",
+            "Engine time of one wave on a replica",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_policy_version = Gauge(
+            PREFIX + "replica_policy_version",
+            "Weights version a replica serves",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_restarts = Counter(
+            PREFIX + "replica_restarts",
+            "Replica failures that led to a restart",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_reissued_waves = Counter(
+            PREFIX + "replica_reissued_waves",
+            "Waves lost with a failed replica and sent again to another",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.replica_wasted_samples = Counter(
+            PREFIX + "replica_wasted_samples",
+            "Samples of waves lost with a failed replica (generated again elsewhere)",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_weight_load_seconds = Histogram(
+            PREFIX + "replica_weight_load_seconds",
+            "Time a replica took to install new weights",
+            ["replica"],
+            registry=r,
+        )
+        self.route_decisions = Counter(
+            PREFIX + "route_decisions",
+            "Replica choices: sticky (prompt's last replica), new (first wave), moved "
+            "(last replica overloaded, full or gone)",
+            ["kind"],
+            registry=r,
+        )
 
     def precreate(self, domains: list[str]) -> None:
         """Create every known label set at zero.

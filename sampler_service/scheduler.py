@@ -649,12 +649,32 @@ class Scheduler:
             try:
                 if self.config.weight_update_mode == "abort":
                     await self.backend.abort_all()
-                await self._drained.wait()
+                await self._drain(self.config.weight_drain_timeout_s)
                 yield
             finally:
                 self._gate.set()
                 self.metrics.policy_version.set(self.backend.policy_version)
                 self.poke()
+
+    async def _drain(self, timeout_s: float) -> None:
+        """Wait for in-flight waves; abort the ones still running after `timeout_s`.
+
+        Aborted waves raise GenerationAborted in their prompt's loop and are issued again
+        once the gate reopens, so nothing is lost; with several engines, one long answer
+        cannot hold every engine idle.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._drained.wait()
+            return
+        except TimeoutError:
+            log.warning(
+                "weight update: %d waves still running after %.0fs; aborting them",
+                self._in_flight,
+                timeout_s,
+            )
+        await self.backend.abort_all()
+        await self._drained.wait()
 
 
 class MemorySink:

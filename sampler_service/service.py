@@ -23,7 +23,12 @@ from typing import Any
 import orjson
 
 from sampler_service.aio import wait_event
-from sampler_service.backends.base import Backend, Completion, WeightsRejected
+from sampler_service.backends.base import (
+    Backend,
+    Completion,
+    WeightsNotServed,
+    WeightsRejected,
+)
 from sampler_service.config import (
     ConfigError,
     SamplerConfig,
@@ -113,6 +118,59 @@ def _context_length(model_dir: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def _instance_id(state_dir: Path) -> str:
+    """This sampler's id, kept in its state dir: a restarted sampler finds its replicas."""
+    path = state_dir / "instance_id"
+    if not path.exists():
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()
+
+
+def _engine_factory(settings: ServeSettings) -> Any:
+    """A picklable recipe for one engine, built where it runs (a Ray actor)."""
+    if settings.backend == "vllm":
+        from sampler_service.backends.vllm import VLLMBackend
+
+        return functools.partial(VLLMBackend, settings.model, seed=settings.seed, **settings.vllm)
+    from sampler_service.backends.hf import HFBackend
+
+    return functools.partial(
+        HFBackend, settings.model, device=settings.device, dtype=settings.dtype
+    )
+
+
+def build_replica_pool(settings: ServeSettings, metrics: Metrics) -> Backend:
+    """Engine replicas as Ray actors; the only place the service imports Ray."""
+    try:
+        from sampler_service.backends.ray_pool import (
+            DEFAULT_MAX_INFLIGHT,
+            PoolSettings,
+            RayPoolBackend,
+        )
+    except ImportError as exc:
+        raise RuntimeError(
+            f"--replicas {settings.replicas} / --ray-address need Ray: "
+            "pip install 'adaptive-rollout[ray]'"
+        ) from exc
+
+    pool = PoolSettings(
+        replicas=settings.replicas,
+        instance_id=_instance_id(settings.state_dir),
+        address=settings.ray_address,
+        replica_cpus=settings.replica_cpus,
+        replica_gpus=settings.replica_gpus,
+        max_restarts=settings.replica_max_restarts,
+        max_inflight=settings.replica_max_inflight or DEFAULT_MAX_INFLIGHT,
+        route=settings.route,
+        probe_s=settings.replica_probe_s,
+        probe_timeout_s=settings.replica_probe_timeout_s,
+        wait_s=settings.replica_wait_s,
+        on_exit=settings.replicas_on_exit,
+        torch_threads=settings.torch_threads,
+    )
+    return RayPoolBackend(_engine_factory(settings), pool, metrics)
+
+
 def build_backend(settings: ServeSettings, tokenizer: Any) -> Backend:
     if settings.backend == "vllm":
         from sampler_service.backends.vllm import VLLMBackend
@@ -188,7 +246,12 @@ class SamplerService:
             max_workers=s.verifier_workers, timeout_s=s.verifier_timeout_s
         )
         await self._check_verifiers()
-        self.backend = self._backend or build_backend(s, self.tokenizer)
+        if self._backend is not None:
+            self.backend = self._backend
+        elif s.uses_ray:
+            self.backend = build_replica_pool(s, self.metrics)
+        else:
+            self.backend = build_backend(s, self.tokenizer)
         await self.backend.start()
         await self._restore_weights()
         self.scheduler = Scheduler(
@@ -352,16 +415,32 @@ class SamplerService:
             return None
         health = self.backend.health()
         return (
-            None
-            if health.ok
-            else str(health.detail.get("error", "the engine reports it is unhealthy"))
+            str(health.detail.get("error", "the engine reports it is unhealthy"))
+            if health.state == "failed"
+            else None
         )
+
+    def engine_degraded(self) -> bool:
+        """No engine replica can serve now, but one is recovering (admission is paused)."""
+        return self.ready and self.backend.health().state == "degraded"
+
+    def replicas(self) -> list[dict[str, Any]] | None:
+        """Per-replica state when engines run as replicas, else None."""
+        if not self.ready:
+            return None
+        return self.backend.health().detail.get("replicas")
 
     def health(self) -> Health:
         backend = getattr(self, "backend", None)
         error = self.engine_error()
+        status = "ok" if self.ready else "starting"
+        if error:
+            status = "engine_failed"
+        elif self.engine_degraded():
+            status = "degraded"
         return Health(
-            status="engine_failed" if error else "ok" if self.ready else "starting",
+            status=status,
+            replicas=self.replicas(),
             backend=self.settings.backend,
             model=str(self.settings.model),
             policy_version=backend.policy_version if backend and self.ready else 0,
@@ -511,6 +590,7 @@ class SamplerService:
             unacked=self.outbox.unacked(consumer),
             engine_error=self.engine_error(),
             closing=closing,
+            engine_state=self.backend.health().state,
         ).model_dump()
 
     def open_stream(
@@ -652,6 +732,9 @@ class SamplerService:
             except WeightsRejected as exc:
                 self.metrics.weight_update_failures.labels("rejected").inc()
                 raise ServiceError(422, "weights_rejected", str(exc)) from exc
+            except WeightsNotServed as exc:
+                self.metrics.weight_update_failures.labels("error").inc()
+                raise ServiceError(503, "weights_not_served", str(exc)) from exc
             except Exception as exc:  # noqa: BLE001 - a dead engine is a 503, not a 500
                 self.metrics.weight_update_failures.labels("error").inc()
                 if self.engine_error() is None:
@@ -758,6 +841,7 @@ class SamplerService:
             "warnings": self.warnings(),
             "verifiers": dataclasses.asdict(self.verifiers.stats),
             "engine": self.backend.health().detail,
+            "replicas": self.replicas(),
             "domains": self._domain_shares(),
             **self.scheduler.stats.to_dict(),
             "rates": self._rates(),

@@ -85,6 +85,10 @@ class Heartbeat(_Wire):
         None, description="set once the engine has failed: no new groups will come"
     )
     closing: bool = Field(False, description="the sampler is shutting down; this stream ends")
+    engine_state: str | None = Field(
+        None,
+        description="ok, degraded (no engine replica serving now, one recovering) or failed",
+    )
 
 
 class _Request(BaseModel):
@@ -127,7 +131,7 @@ class WeightsResponse(_Wire):
 
 
 class Health(_Wire):
-    status: str = Field(description="starting, ok, or engine_failed")
+    status: str = Field(description="starting, ok, degraded, or engine_failed")
     backend: str
     model: str
     policy_version: int
@@ -138,6 +142,9 @@ class Health(_Wire):
         description="what works badly while the sampler still serves (verifier or engine errors)",
     )
     auth_required: bool = Field(False, description="whether /v1/* needs an API key")
+    replicas: list[dict[str, Any]] | None = Field(
+        None, description="per engine replica: state, pid, policy_version, restarts, ..."
+    )
 
 
 class ErrorDetail(_Wire):

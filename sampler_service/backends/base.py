@@ -23,6 +23,10 @@ class WeightsRejected(ValueError):
     """A weight file was refused before anything was loaded (maps to HTTP 4xx)."""
 
 
+class WeightsNotServed(RuntimeError):
+    """No engine could install the new weights; the old version stays (maps to HTTP 503)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling knobs. Requests are only batched with equal params."""
@@ -53,10 +57,21 @@ class TensorSpec:
     dtype: str  # safetensors dtype string, e.g. "F32", "BF16"
 
 
+HealthState = Literal["ok", "degraded", "failed"]
+
+
 @dataclass
 class BackendHealth:
+    """`ok`: requests can be served now. `state` tells a pause from the end: `degraded`
+    (nothing can serve now, but an engine is recovering) or `failed` (none ever will)."""
+
     ok: bool
     detail: dict[str, Any] = field(default_factory=dict)
+    state: HealthState | None = None
+
+    def __post_init__(self) -> None:
+        if self.state is None:
+            self.state = "ok" if self.ok else "failed"
 
 
 class Backend(abc.ABC):

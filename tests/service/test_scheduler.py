@@ -240,6 +240,35 @@ async def test_weight_update_waits_for_in_flight_and_tags_versions(toy, backend)
         assert g.policy_version_min == g.policy_version_max or g.policy_version_max == 1
 
 
+async def test_weight_drain_timeout_aborts_waves_still_running(toy, backend, caplog) -> None:
+    """Waves still running when the drain timeout passes are aborted and issued again."""
+    scheduler, sink = make_scheduler(
+        toy,
+        backend,
+        rule="fixed",
+        group_size=4,
+        n_max=4,
+        wave_size=4,
+        weight_drain_timeout_s=1e-6,
+    )
+    scheduler.start()
+    try:
+        async with asyncio.timeout(60):
+            while not scheduler._in_flight:  # noqa: SLF001
+                await asyncio.sleep(0)
+        async with scheduler.paused_for_weights():
+            assert scheduler._in_flight == 0  # noqa: SLF001
+        seen = len(sink.groups())
+        async with asyncio.timeout(60):
+            while len(sink.groups()) < seen + 4:
+                await asyncio.sleep(0.01)
+    finally:
+        await scheduler.stop()
+    assert "aborting them" in caplog.text
+    assert "engine_error" not in scheduler.stats.dropped
+    assert all(g.stats.n_generated == 4 for g in sink.groups())
+
+
 class SlowSink(MemorySink):
     """A store that takes 50 ms per group: the engine must not wait for it."""
 

@@ -1,0 +1,372 @@
+"""Scale-out with engine replicas as Ray actors: routing, the Ray hop, and failover time.
+
+Three measurements, each side by side in one run on one local Ray:
+
+1. **Routing scales**: the real scheduler drives N = 1, 2, 4, 8 replicas of the simulated
+   engine (`bench/sim_backend.py`, real time, each in its own Ray actor) through the
+   real pool; groups/s at N against N x the groups/s of one replica (target >= 0.9).
+   The simulated engine sleeps instead of computing, so this measures what the front and
+   Ray add (routing, one Ray call per wave), not the machine's compute.
+2. **Ray hop**: one hf replica of the toy model through the pool against the same engine
+   in a child process (the default `--hf-engine process`); groups/s ratio (target >= 0.95).
+3. **Kill to re-issue**: two simulated replicas; one is killed with SIGKILL while it has
+   waves in flight; the time until every wave in flight at the kill has finished
+   (re-issued on the survivor), next to the median wave time.
+
+    .venv/bin/python -m bench.scaleout --quick     # ~6 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+import signal
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import ROOT, environment, table, write_json
+from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
+from sampler_service.backends.base import Backend, Completion, SamplingParams, TensorSpec
+from sampler_service.config import SamplerConfig
+from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.scheduler import Scheduler
+from sampler_service.verifiers.base import Verdict
+from trainer_client.protocol import Group
+
+#: A replica of the simulated engine: 64 sequences, 50 ms per decode step, short answers
+#: (~16 tokens): about 80 answers/s each, so 8 replicas stay within what one front core
+#: verifies and routes on a small machine.
+SIM_SPEC = EngineSpec(
+    max_num_seqs=64,
+    step_base_s=0.05,
+    step_per_seq_s=0.0,
+    prefill_per_token_s=0.0,
+    length_median=16.0,
+    length_sigma=0.3,
+)
+PROMPTS = 512
+
+
+class RateSink:
+    """Counts formed groups by time; nothing is buffered, so admission never stops."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        return None
+
+    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+        now = time.monotonic()
+        self.times.extend(now for _ in groups)
+
+    def buffered(self) -> int:
+        return 0
+
+    def rate(self, start: float, end: float) -> float:
+        return sum(start <= t < end for t in self.times) / (end - start)
+
+
+class Timed(Backend):
+    """Records when each wave was issued and when it came back, around another backend."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.calls: list[tuple[float, float]] = []
+
+    @property
+    def model_name(self) -> str:
+        return self.inner.model_name
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        started = time.monotonic()
+        out = await self.inner.generate(prompt_token_ids, n, sampling)
+        self.calls.append((started, time.monotonic()))
+        return out
+
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        return self.inner.weight_specs()
+
+    async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        await self.inner.load_weights(tensors, version)
+
+    def health(self) -> Any:
+        return self.inner.health()
+
+
+def _sim_dataset(work: Path) -> tuple[Dataset, np.ndarray]:
+    rates = np.random.default_rng(0).uniform(0.15, 0.85, PROMPTS)
+    path = work / "sim.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": f"p{i}", "answer": ""}) + "\n"
+            for i in range(PROMPTS)
+        )
+    )
+
+    def tokenize(row: PromptRow) -> None:  # the simulated engine reads the prompt index
+        row.text = str(row.prompt)
+        row.token_ids = [int(row.id[1:])] + [0] * 15
+
+    return Dataset([path], tokenize, seed=0), rates
+
+
+def _pool(
+    factory: Any, replicas: int, tag: str, torch_threads: int = 0, max_inflight: int = 96
+) -> Any:
+    """A pool on the bench's Ray session; the simulated engine's cap is 1.5 x its 64 seqs."""
+    from sampler_service.backends.ray_pool import PoolSettings, RayPoolBackend
+
+    settings = PoolSettings(
+        replicas=replicas,
+        instance_id=f"bench-{tag}-{os.getpid()}",
+        replica_cpus=0.1,
+        max_inflight=max_inflight,
+        probe_s=1.0,
+        probe_timeout_s=10.0,
+        torch_threads=torch_threads,
+    )
+    return RayPoolBackend(factory, settings)
+
+
+async def _drive(
+    backend: Backend,
+    dataset: Dataset,
+    verify: Any,
+    cfg: SamplerConfig,
+    warmup_s: float,
+    measure_s: float,
+    during: Any = None,
+) -> tuple[float, RateSink]:
+    """Groups/s of the real scheduler over `measure_s` after `warmup_s`."""
+    sink = RateSink()
+    scheduler = Scheduler(backend=backend, dataset=dataset, verify=verify, sink=sink, config=cfg)
+    scheduler.start()
+    try:
+        await asyncio.sleep(warmup_s)
+        start = time.monotonic()
+        if during is not None:
+            await during()
+        await asyncio.sleep(max(0.0, start + measure_s - time.monotonic()))
+        end = time.monotonic()
+    finally:
+        await scheduler.stop(drain_timeout_s=5.0)
+    return sink.rate(start, end), sink
+
+
+def _sim_config(replicas: int) -> SamplerConfig:
+    return SamplerConfig(
+        rule="balanced",
+        n_max=16,
+        wave_size=8,
+        group_size=4,
+        max_tokens=64,
+        max_active_prompts=16 * replicas,
+        max_buffered_groups=100_000,
+    )
+
+
+async def routing(work: Path, counts: list[int], warmup_s: float, measure_s: float) -> list[dict]:
+    dataset, rates = _sim_dataset(work)
+    rows = []
+    base = None
+    for n in counts:
+        factory = functools.partial(SimBackend, rates.tolist(), SIM_SPEC)
+        pool = _pool(factory, n, f"sim{n}")
+        await pool.start()
+        try:
+            rate, _ = await _drive(
+                pool, dataset, verify_reward_text, _sim_config(n), warmup_s, measure_s
+            )
+        finally:
+            await pool.close()
+        decisions = {
+            kind: pool.metrics.registry.get_sample_value(
+                "adaptive_rollout_route_decisions_total", {"kind": kind}
+            )
+            or 0.0
+            for kind in ("sticky", "moved", "new")
+        }
+        # Of the waves whose prompt had run before, the share sent back to its replica.
+        sticky = decisions["sticky"] / max(decisions["sticky"] + decisions["moved"], 1.0)
+        base = base or rate
+        rows.append(
+            {
+                "replicas": n,
+                "sticky_share": sticky,
+                "groups_per_s": rate,
+                "speedup": rate / base,
+                "of_ideal": rate / (base * n),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+async def failover(work: Path, warmup_s: float, measure_s: float) -> dict[str, Any]:
+    dataset, rates = _sim_dataset(work)
+    factory = functools.partial(SimBackend, rates.tolist(), SIM_SPEC)
+    pool = _pool(factory, 2, "kill")
+    timed = Timed(pool)
+    await pool.start()
+    killed: dict[str, float] = {}
+
+    def victim() -> dict[str, Any]:
+        return pool.health().detail["replicas"][0]
+
+    async def kill() -> None:
+        while (rep := victim())["inflight_samples"] == 0:
+            await asyncio.sleep(0.005)
+        killed["at"] = time.monotonic()
+        killed["inflight_samples"] = rep["inflight_samples"]
+        os.kill(rep["pid"], signal.SIGKILL)
+        while victim()["state"] == "ok":
+            await asyncio.sleep(0.005)
+        killed["detected"] = time.monotonic()
+
+    try:
+        await _drive(timed, dataset, verify_reward_text, _sim_config(2), warmup_s, measure_s, kill)
+    finally:
+        await pool.close()
+    at = killed["at"]
+    hit = [end for start, end in timed.calls if start < at < end]
+    waves = [end - start for start, end in timed.calls if end < at]
+    reissued = victim()["reissued_waves"]
+    return {
+        "inflight_samples_at_kill": killed["inflight_samples"],
+        "detect_s": killed["detected"] - at,
+        "reissued_waves": reissued,
+        "all_reissued_done_s": max(hit) - at if hit else None,
+        "median_wave_s": statistics.median(waves),
+    }
+
+
+async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> dict[str, Any]:
+    """One hf replica via the pool vs the same engine in a child process (toy model)."""
+    from transformers import AutoTokenizer
+
+    from sampler_service.backends.engine_process import EngineProcess
+    from sampler_service.backends.hf import HFBackend
+    from sampler_service.toy import build_toy
+
+    toy = build_toy(Path(tempfile.mkdtemp(prefix="scaleout-toy-")), seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
+
+    def tokenize(row: PromptRow) -> None:
+        row.text = str(row.prompt)
+        row.token_ids = list(tokenizer(row.prompt)["input_ids"])
+
+    async def verify(row: PromptRow, completion: Completion) -> Verdict:
+        return Verdict(1.0 if completion.text.strip() == row.answer else 0.0)
+
+    cfg = SamplerConfig(
+        rule="balanced",
+        n_max=16,
+        wave_size=8,
+        group_size=4,
+        max_tokens=8,
+        max_active_prompts=16,
+        max_buffered_groups=100_000,
+    )
+    factory = functools.partial(HFBackend, toy.model_dir)
+    rates: dict[str, list[float]] = {"pool": [], "process": []}
+    for i in range(pairs):
+        for kind in ("pool", "process") if i % 2 == 0 else ("process", "pool"):
+            dataset = Dataset(toy.data_files, tokenize, seed=i)
+            if kind == "pool":
+                # The hf engine has no sequence limit: the cap must not be what differs.
+                backend: Backend = _pool(factory, 1, f"hf{i}", torch_threads=1, max_inflight=10_000)
+            else:
+                backend = EngineProcess(factory, torch_threads=1)
+            await backend.start()
+            try:
+                rate, _ = await _drive(backend, dataset, verify, cfg, warmup_s, measure_s)
+            finally:
+                await backend.close()
+            rates[kind].append(rate)
+            print(kind, rate, flush=True)
+    ratios = [p / q for p, q in zip(rates["pool"], rates["process"], strict=True)]
+    return {
+        "pool_groups_per_s": statistics.median(rates["pool"]),
+        "process_groups_per_s": statistics.median(rates["process"]),
+        "pair_ratios": ratios,
+        "ratio": statistics.median(ratios),
+        "pairs": pairs,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="shorter windows, 3 hf pairs (~6 minutes)")
+    args = p.parse_args(argv)
+    warmup_s, measure_s, pairs = (5.0, 15.0, 3) if args.quick else (10.0, 40.0, 5)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        namespace="adaptive-rollout",
+        configure_logging=False,
+        log_to_driver=False,
+    )
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            scale = asyncio.run(routing(work, [1, 2, 4, 8], warmup_s, measure_s))
+            kill = asyncio.run(failover(work, warmup_s, measure_s))
+        hop = asyncio.run(ray_hop(warmup_s, measure_s, pairs))
+    finally:
+        ray.shutdown()
+    result = {
+        "quick": args.quick,
+        "sim_spec": dataclasses.asdict(SIM_SPEC),
+        "routing": scale,
+        "kill": kill,
+        "ray_hop": hop,
+    }
+    path = write_json("scaleout", result)
+    print(
+        table(
+            scale,
+            [
+                ("replicas", "replicas"),
+                ("groups_per_s", "groups/s"),
+                ("speedup", "x of 1"),
+                ("of_ideal", "of N x 1"),
+                ("sticky_share", "sticky"),
+            ],
+        )
+    )
+    print(json.dumps({"kill": kill, "ray_hop": hop}, indent=1))
+    print(f"wrote {path.relative_to(ROOT)}; {environment()['cpus']} CPUs")
+    return result
+
+
+if __name__ == "__main__":
+    main()

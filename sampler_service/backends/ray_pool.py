@@ -1,0 +1,637 @@
+"""N engine replicas as Ray actors behind the one `Backend` interface the scheduler uses.
+
+The sampler (the "front": API, scheduler, store, outbox) stays a single process and the
+only Ray driver; each replica is a detached, named actor (`replica.py`) wrapping an
+unchanged backend. Everything the scheduler relies on holds across replicas:
+
+- Routing is sticky least-outstanding: load is the samples in flight on a replica,
+  counted here, never polled. A prompt's next wave goes back to the replica that ran its
+  last one (its prefix is cached there) unless that replica's load exceeds the
+  least-loaded one's by more than 64 samples and 1.5x. A replica takes at most
+  `max_inflight` samples (a larger wave still goes to an idle one); waves wait in one
+  FIFO, a prompt's wave for its own replica while loads are about even. Waves are never
+  split.
+- A replica fault never reaches the scheduler. A dead process makes its pending calls
+  raise; a hang fails the periodic health probe and the actor is killed. Either way its
+  waves are re-issued whole on another replica (their partial answers never reach the
+  scheduler, so nothing is counted twice), Ray restarts the actor, and the pool loads the
+  committed weights into it before routing to it again.
+- Weights: every usable replica loads the new version; it is committed only when all of
+  them serve it, and only replicas at the committed version are routed to, so each
+  sample's policy version is exact. A replica that fails to load is recycled (it comes
+  back at the committed version); a file a replica rejects rolls every replica back.
+
+Health: `ok` while a replica is routable; `degraded` while none is but one is recovering
+(waves park, admission stops); `failed` once every replica has used up its restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from sampler_service.backends.base import (
+    Backend,
+    BackendHealth,
+    Completion,
+    GenerationAborted,
+    SamplingParams,
+    TensorSpec,
+    WeightsNotServed,
+    WeightsRejected,
+)
+from sampler_service.backends.replica import NotStarted, Replica
+from sampler_service.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+#: Ray namespace of every replica actor; names are `adaptive-rollout/<instance>/replica-<i>`.
+NAMESPACE = "adaptive-rollout"
+#: Sticky routing gives way when the prompt's replica is this much busier than the
+#: least-loaded one, in samples and as a ratio (vllm-router's cache_aware defaults).
+STICKY_SLACK_SAMPLES = 64
+STICKY_SLACK_RATIO = 1.5
+#: Default in-flight cap: 1.5 x vLLM's default max_num_seqs (256).
+DEFAULT_MAX_INFLIGHT = 384
+#: Prompts whose last replica is remembered (oldest forgotten first).
+_AFFINITY_ENTRIES = 100_000
+#: A local Ray (no address): object store size; weights travel through it once per update.
+LOCAL_OBJECT_STORE_BYTES = 512 * 1024**2
+
+#: Seconds an actor may answer "died" after a failure before it counts as gone for good.
+_DEATH_SETTLE_S = 15.0
+
+#: Why a replica's waves were re-issued (label `reason`).
+REISSUE_REASONS = (
+    "died",
+    "hung",
+    "restarted",
+    "unhealthy",
+    "stale_version",
+    "weights",
+    "rollback",
+    "start",
+)
+
+ReplicaState = Literal["starting", "ok", "recovering", "failed"]
+_STATES: tuple[ReplicaState, ...] = ("starting", "ok", "recovering", "failed")
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """What the pool needs of the serve settings (kept apart so benchmarks can build one)."""
+
+    replicas: int
+    instance_id: str
+    address: str | None = None
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+    max_restarts: int = 3
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    route: Literal["sticky", "least-loaded"] = "sticky"
+    probe_s: float = 5.0
+    probe_timeout_s: float = 30.0
+    wait_s: float = 300.0
+    on_exit: Literal["keep", "kill"] = "kill"
+    torch_threads: int = 1
+    start_timeout_s: float = 600.0
+
+
+@dataclass(eq=False)
+class _Replica:
+    index: int
+    name: str
+    handle: Any
+    state: ReplicaState = "starting"
+    version: int = -1
+    pid: int | None = None
+    inflight: int = 0
+    restarts: int = 0
+    #: Bumped at every detected failure: a call that started in an older epoch reports
+    #: its error without failing the replica a second time.
+    epoch: int = 0
+    last_ok: float = 0.0
+    reason: str = ""
+    error: str | None = None
+    reissued: int = 0
+    attached: bool = False
+    probing: bool = False
+
+    def detail(self) -> dict[str, Any]:
+        return {
+            "replica": self.index,
+            "name": self.name,
+            "state": self.state,
+            "pid": self.pid,
+            "policy_version": self.version,
+            "inflight_samples": self.inflight,
+            "restarts": self.restarts,
+            "reissued_waves": self.reissued,
+            "error": self.error,
+        }
+
+
+class _NoReplica(RuntimeError):
+    """No replica became routable within the wait (the scheduler retries the wave)."""
+
+
+class RayPoolBackend(Backend):
+    """See the module docstring."""
+
+    name = "ray"
+
+    def __init__(
+        self,
+        factory: Callable[[], Backend],
+        settings: PoolSettings,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._factory = factory
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self._replicas: list[_Replica] = []
+        self._queue: deque[tuple[int, int, asyncio.Future[_Replica]]] = deque()
+        self._affinity: OrderedDict[int, int] = OrderedDict()
+        self._committed_version = 0
+        self._committed_ref: Any = None  # ObjectRef of the committed tensors (None: base)
+        self._loading = False
+        self._serving = False
+        self._owns_ray = False
+        self._weights_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._info: dict[str, Any] = {"model_name": "", "specs": {}}
+
+    # -- life cycle -------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return str(self._info["model_name"])
+
+    @property
+    def policy_version(self) -> int:
+        return self._committed_version
+
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        return self._info["specs"]
+
+    def actor_name(self, index: int) -> str:
+        return f"adaptive-rollout/{self.settings.instance_id}/replica-{index}"
+
+    def _init_ray(self) -> None:
+        s = self.settings
+        if ray.is_initialized():  # the caller's own Ray session (benchmarks): theirs to end
+            return
+        self._owns_ray = True
+        if s.address is not None:
+            ray.init(address=s.address, namespace=NAMESPACE, configure_logging=False)
+        else:
+            ray.init(
+                namespace=NAMESPACE,
+                num_cpus=max(1, round(s.replicas * s.replica_cpus)),
+                include_dashboard=False,
+                object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                configure_logging=False,
+            )
+
+    async def start(self) -> None:
+        s = self.settings
+        await asyncio.to_thread(self._init_ray)
+        actor_class = ray.remote(Replica)
+        for i in range(s.replicas):
+            handle = actor_class.options(  # type: ignore[attr-defined]
+                name=self.actor_name(i),
+                namespace=NAMESPACE,
+                lifetime="detached",
+                get_if_exists=True,
+                max_restarts=s.max_restarts,
+                max_task_retries=0,
+                max_concurrency=1000,
+                num_cpus=s.replica_cpus,
+                num_gpus=s.replica_gpus,
+            ).remote(self._factory, i, s.torch_threads)
+            self._replicas.append(_Replica(i, self.actor_name(i), handle))
+            self._precreate_metrics(str(i))
+        # No weights yet: the sampler restores the committed ones next (load_weights),
+        # and a re-attached replica already serving them keeps them.
+        results = await asyncio.gather(
+            *(self._start_replica(rep, sync=False) for rep in self._replicas),
+            return_exceptions=True,
+        )
+        if all(isinstance(r, BaseException) for r in results):
+            raise RuntimeError(f"no engine replica started: {results[0]!r}")
+        for rep, result in zip(self._replicas, results, strict=True):
+            if isinstance(result, BaseException):
+                self._fail(rep, rep.epoch, "start", repr(result), kill=True)
+        self._spawn(self._probe_loop(), "replica-probes")
+        log.info(
+            "%d engine replicas: %s",
+            s.replicas,
+            ", ".join(f"{r.name} pid {r.pid} v{r.version}" for r in self._replicas),
+        )
+
+    def _precreate_metrics(self, label: str) -> None:
+        """Every known series at zero, so rate() and increase() work before the first event."""
+        m = self.metrics
+        for series in (m.replica_generated_tokens, m.replica_restarts, m.replica_wasted_samples):
+            series.labels(label)
+        for reason in REISSUE_REASONS:
+            m.replica_reissued_waves.labels(label, reason)
+        for kind in ("sticky", "moved", "new"):
+            m.route_decisions.labels(kind)
+
+    async def _start_replica(self, rep: _Replica, sync: bool = True) -> None:
+        info = await asyncio.wait_for(rep.handle.start.remote(), self.settings.start_timeout_s)
+        if info["attached"]:
+            # A new sampler takes over a warm replica: whatever the old one asked of it
+            # is nobody's any more.
+            await rep.handle.abort_all.remote()
+        if not self._info["specs"]:
+            self._info = info
+        rep.pid, rep.version, rep.attached = (
+            info["pid"],
+            int(info["policy_version"]),
+            info["attached"],
+        )
+        if sync:
+            await self._sync_weights(rep)
+        self._set_state(rep, "ok")
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for _, _, future in self._queue:
+            future.cancel()
+        if self.settings.on_exit == "kill":
+            for rep in self._replicas:
+                with contextlib.suppress(Exception):
+                    ray.kill(rep.handle, no_restart=True)
+        if self._owns_ray and ray.is_initialized():
+            await asyncio.to_thread(ray.shutdown)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- state ------------------------------------------------------------------------
+    def _set_state(self, rep: _Replica, state: ReplicaState) -> None:
+        rep.state = state
+        if state == "ok":
+            rep.last_ok = time.monotonic()
+            rep.error = None
+        label = str(rep.index)
+        for s in _STATES:
+            self.metrics.replica_state.labels(label, s).set(1.0 if s == state else 0.0)
+        self.metrics.replica_policy_version.labels(label).set(rep.version)
+        self._dispatch()
+
+    def _routable(self, rep: _Replica) -> bool:
+        return (
+            rep.state == "ok"
+            and rep.version == self._committed_version
+            and not self._loading
+            and time.monotonic() - rep.last_ok
+            <= self.settings.probe_timeout_s + self.settings.probe_s
+        )
+
+    def health(self) -> BackendHealth:
+        usable = any(r.state == "ok" for r in self._replicas)
+        failed = bool(self._replicas) and all(r.state == "failed" for r in self._replicas)
+        detail: dict[str, Any] = {
+            "policy_version": self._committed_version,
+            "replicas": [r.detail() for r in self._replicas],
+        }
+        if failed:
+            detail["error"] = "every engine replica failed and used up its restarts: " + "; ".join(
+                f"replica {r.index}: {r.error}" for r in self._replicas
+            )
+        state = "ok" if usable else "failed" if failed else "degraded"
+        return BackendHealth(ok=usable, detail=detail, state=state)
+
+    # -- routing ----------------------------------------------------------------------
+    def _choose(
+        self, key: int, n: int, routable: list[_Replica], blocked: set[int]
+    ) -> tuple[_Replica | None, str, _Replica | None]:
+        """(replica to run the wave now or None, decision kind, replica it waits for).
+
+        A prompt that ran before waits for its replica while that one is full but not
+        overloaded (loads about even: moving would only lose the cached prefix); an
+        overloaded, gone or unknown one gives way to the least-loaded replica with room.
+        """
+        cap = self.settings.max_inflight
+
+        def room(r: _Replica) -> bool:
+            return r.index not in blocked and (r.inflight + n <= cap or r.inflight == 0)
+
+        last_index = self._affinity.get(key)
+        if self.settings.route == "sticky" and last_index is not None:
+            last = self._replicas[last_index]
+            lowest = min(r.inflight for r in routable)
+            overloaded = (
+                last.inflight - lowest > STICKY_SLACK_SAMPLES
+                and last.inflight > STICKY_SLACK_RATIO * lowest
+            )
+            if last in routable and not overloaded:
+                return (last if room(last) else None), "sticky", last
+        kind = "new" if last_index is None else "moved"
+        fits = [r for r in routable if room(r)]
+        if not fits:
+            return None, kind, None
+        return min(fits, key=lambda r: (r.inflight, r.index)), kind, None
+
+    def _dispatch(self) -> None:
+        """Hand replicas to waiting waves, oldest first.
+
+        Order is kept per replica: a wave waiting for one replica holds back the later
+        waves that want that replica, not those bound elsewhere; a wave that fits
+        nowhere holds back everything after it.
+        """
+        routable = [r for r in self._replicas if self._routable(r)]
+        if not routable:
+            return
+        blocked: set[int] = set()
+        waiting: deque[tuple[int, int, asyncio.Future[_Replica]]] = deque()
+        while self._queue:
+            item = self._queue.popleft()
+            key, n, future = item
+            if future.done():  # its caller gave up
+                continue
+            rep, kind, wanted = self._choose(key, n, routable, blocked)
+            if rep is None:
+                waiting.append(item)
+                if wanted is None:  # fits nowhere: nothing after it may overtake it
+                    waiting.extend(self._queue)
+                    self._queue.clear()
+                    break
+                blocked.add(wanted.index)
+                continue
+            self._affinity[key] = rep.index
+            self._affinity.move_to_end(key)
+            if len(self._affinity) > _AFFINITY_ENTRIES:
+                self._affinity.popitem(last=False)
+            self.metrics.route_decisions.labels(kind).inc()
+            self._charge(rep, n)
+            future.set_result(rep)
+        self._queue = waiting
+
+    def _charge(self, rep: _Replica, n: int) -> None:
+        rep.inflight += n
+        self.metrics.replica_inflight_samples.labels(str(rep.index)).set(rep.inflight)
+
+    def _release(self, rep: _Replica, n: int) -> None:
+        self._charge(rep, -n)
+        self._dispatch()
+
+    async def _acquire(self, key: int, n: int) -> _Replica:
+        """A replica for a wave of n, charged with it; waits in the FIFO if none has room."""
+        future: asyncio.Future[_Replica] = asyncio.get_running_loop().create_future()
+        self._queue.append((key, n, future))
+        self._dispatch()
+        parked_since = time.monotonic()
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), self.settings.probe_s)
+                except TimeoutError:
+                    if any(self._routable(r) for r in self._replicas):
+                        parked_since = time.monotonic()
+                    elif time.monotonic() - parked_since > self.settings.wait_s:
+                        raise _NoReplica(
+                            f"no engine replica became routable within {self.settings.wait_s:.0f}s"
+                        ) from None
+        except BaseException:
+            if future.done() and not future.cancelled():
+                self._release(future.result(), n)  # assigned just as we gave up
+            future.cancel()
+            raise
+
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        self._serving = True  # the sampler restored its weights before the first wave
+        prompt = list(prompt_token_ids)
+        key = hash(tuple(prompt))
+        while True:
+            rep = await self._acquire(key, n)
+            epoch, started = rep.epoch, time.monotonic()
+            try:
+                out: list[Completion] = await rep.handle.generate.remote(prompt, n, sampling)
+            except GenerationAborted:
+                raise  # a weight update's abort: the scheduler re-issues it after the update
+            except RayActorError as exc:
+                self._fail(rep, epoch, "died", repr(exc), kill=False)
+                self._count_reissue(rep, n)
+                continue
+            except NotStarted as exc:  # Ray restarted it before a probe noticed
+                self._fail(rep, epoch, "restarted", repr(exc), kill=False)
+                self._count_reissue(rep, n)
+                continue
+            finally:
+                self._release(rep, n)
+            label = str(rep.index)
+            rep.last_ok = time.monotonic()
+            self.metrics.replica_wave_seconds.labels(label).observe(rep.last_ok - started)
+            self.metrics.replica_generated_tokens.labels(label).inc(
+                sum(len(c.token_ids) for c in out)
+            )
+            return out
+
+    def _count_reissue(self, rep: _Replica, n: int) -> None:
+        rep.reissued += 1
+        label = str(rep.index)
+        self.metrics.replica_reissued_waves.labels(label, rep.reason or "died").inc()
+        self.metrics.replica_wasted_samples.labels(label).inc(n)
+
+    # -- failure and recovery ---------------------------------------------------------
+    def _fail(self, rep: _Replica, epoch: int, reason: str, error: str, *, kill: bool) -> None:
+        """Take a replica out of rotation once per failure, restart it, bring it back."""
+        if epoch != rep.epoch or rep.state in ("recovering", "failed"):
+            return
+        rep.epoch += 1
+        rep.reason, rep.error = reason, error
+        log.warning("replica %d (pid %s) failed (%s): %s", rep.index, rep.pid, reason, error)
+        if kill:
+            with contextlib.suppress(Exception):
+                ray.kill(rep.handle, no_restart=False)
+        self._set_state(rep, "recovering")
+        self._spawn(self._recover(rep), f"recover-replica-{rep.index}")
+
+    async def _recover(self, rep: _Replica) -> None:
+        """Wait for Ray's restart of the actor, then start it and load the committed weights.
+
+        Each failure is one restart; a replica whose new incarnation fails to come up is
+        recycled again, until its restarts are used up (or Ray gives up on the actor).
+        """
+        while True:
+            rep.restarts += 1
+            self.metrics.replica_restarts.labels(str(rep.index)).inc()
+            if rep.restarts > self.settings.max_restarts:
+                log.error(
+                    "replica %d used up its %d restarts", rep.index, self.settings.max_restarts
+                )
+                self._set_state(rep, "failed")
+                return
+            began = time.monotonic()
+            deadline = began + self.settings.start_timeout_s
+            try:
+                while True:
+                    try:
+                        await self._start_replica(rep)
+                        break
+                    except ActorUnavailableError:  # Ray is still restarting it
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(0.5)
+                    except ActorDiedError:
+                        # Right after a death a call may still see the old incarnation's
+                        # error; an actor Ray gave up on keeps answering it.
+                        if time.monotonic() > began + _DEATH_SETTLE_S:
+                            raise
+                        await asyncio.sleep(1.0)
+            except ActorDiedError as exc:  # Ray will not restart it any more
+                rep.error = repr(exc)
+                log.error("replica %d is gone for good: %r", rep.index, exc)
+                self._set_state(rep, "failed")
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure to come back is one more restart
+                rep.error = repr(exc)
+                log.warning("replica %d did not come back: %r", rep.index, exc)
+                with contextlib.suppress(Exception):
+                    ray.kill(rep.handle, no_restart=False)
+                await asyncio.sleep(1.0)
+                continue
+            log.info("replica %d back (pid %s) at v%d", rep.index, rep.pid, rep.version)
+            return
+
+    async def _sync_weights(self, rep: _Replica) -> None:
+        """Bring a replica to the committed version; re-checked, as a commit may land meanwhile."""
+        while rep.version != self._committed_version:
+            version, ref = self._committed_version, self._committed_ref
+            if ref is None:
+                raise RuntimeError(
+                    f"replica {rep.index} serves v{rep.version} and the committed v{version} "
+                    "is the base model: it must be restarted"
+                )
+            seconds = await rep.handle.load_weights.remote(ref, version)
+            self.metrics.replica_weight_load_seconds.labels(str(rep.index)).observe(seconds)
+            rep.version = version
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.probe_s)
+            for rep in self._replicas:
+                if rep.state == "ok" and not rep.probing:
+                    rep.probing = True
+                    self._spawn(self._probe(rep), f"probe-replica-{rep.index}")
+
+    async def _probe(self, rep: _Replica) -> None:
+        epoch = rep.epoch
+        try:
+            result = await asyncio.wait_for(
+                rep.handle.health.remote(), self.settings.probe_timeout_s
+            )
+        except TimeoutError:
+            self._fail(
+                rep,
+                epoch,
+                "hung",
+                f"no probe answer in {self.settings.probe_timeout_s}s",
+                kill=True,
+            )
+            return
+        except RayActorError as exc:
+            self._fail(rep, epoch, "died", repr(exc), kill=False)
+            return
+        finally:
+            rep.probing = False
+        if not result["started"] or result["pid"] != rep.pid:
+            self._fail(rep, epoch, "restarted", f"new process {result['pid']}", kill=False)
+        elif not result["ok"]:
+            self._fail(rep, epoch, "unhealthy", str(result.get("detail")), kill=True)
+        elif (
+            self._serving
+            and rep.version != self._committed_version
+            and not self._weights_lock.locked()
+        ):
+            # A re-attached replica at a version the sampler no longer has: start afresh.
+            self._fail(rep, epoch, "stale_version", f"serves v{rep.version}", kill=True)
+        elif rep.epoch == epoch:
+            rep.last_ok = time.monotonic()
+
+    # -- weights ----------------------------------------------------------------------
+    async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        async with self._weights_lock:
+            targets = [r for r in self._replicas if r.state == "ok"]
+            if not targets:
+                raise WeightsNotServed("no engine replica is up to load the weights")
+            ref = await asyncio.to_thread(ray.put, dict(tensors))
+            self._loading = True
+            try:
+                results = await asyncio.gather(
+                    *(self._load_one(r, ref, version) for r in targets), return_exceptions=True
+                )
+            finally:
+                self._loading = False
+            rejected = [r for r in results if isinstance(r, WeightsRejected)]
+            for rep, result in zip(targets, results, strict=True):
+                if rejected and rep.version == version:
+                    # Roll back: the replica restarts and loads the committed weights.
+                    self._fail(rep, rep.epoch, "rollback", "rolled back", kill=True)
+                elif isinstance(result, BaseException) and not isinstance(result, WeightsRejected):
+                    # A dead replica is being restarted by Ray already; a live one that
+                    # failed is recycled so that it comes back clean.
+                    dead = isinstance(result, RayActorError)
+                    self._fail(rep, rep.epoch, "weights", repr(result), kill=not dead)
+            if rejected:
+                self._dispatch()
+                raise rejected[0]
+            serving = [r for r in targets if r.state == "ok" and r.version == version]
+            if not serving:
+                self._dispatch()
+                raise WeightsNotServed(
+                    f"no engine replica installed v{version}: "
+                    + "; ".join(f"replica {r.index}: {r.error}" for r in targets)
+                )
+            self._committed_version, self._committed_ref = version, ref
+            for rep in self._replicas:
+                self.metrics.replica_policy_version.labels(str(rep.index)).set(rep.version)
+                if rep.state == "ok" and rep.version != version:
+                    # Came back from a restart during the load, at the old version.
+                    self._spawn(self._resync(rep), f"resync-replica-{rep.index}")
+            self._dispatch()
+
+    async def _resync(self, rep: _Replica) -> None:
+        epoch = rep.epoch
+        try:
+            async with self._weights_lock:
+                await self._sync_weights(rep)
+        except Exception as exc:  # noqa: BLE001 - a replica that cannot load is recycled
+            self._fail(rep, epoch, "weights", repr(exc), kill=True)
+            return
+        if rep.epoch == epoch:
+            self._set_state(rep, "ok")
+
+    async def _load_one(self, rep: _Replica, ref: Any, version: int) -> None:
+        if rep.version == version:  # a re-attached replica already serving it
+            return
+        seconds = await rep.handle.load_weights.remote(ref, version)
+        rep.version = version
+        self.metrics.replica_weight_load_seconds.labels(str(rep.index)).observe(seconds)
+
+    async def abort_all(self) -> int:
+        calls = [r.handle.abort_all.remote() for r in self._replicas if r.state == "ok"]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return sum(r for r in results if isinstance(r, int))
+
+    # -- introspection (tests, benchmarks, /v1/stats) -----------------------------------
+    def replica_pids(self) -> list[int | None]:
+        return [r.pid for r in self._replicas]

@@ -1,0 +1,142 @@
+"""One engine replica: an unchanged backend (hf, vLLM, the simulated engine) in a Ray actor.
+
+The pool (`ray_pool.py`) creates this class as a detached, named Ray actor, so a sampler
+that restarts finds its replicas still warm. The actor holds no scheduling logic: it
+builds its backend from a picklable factory, serves `generate` calls concurrently on its
+event loop (so the backend batches them as it does in-process), loads weights, and
+answers health probes. It imports nothing of Ray itself, so the same class runs in a
+test without a cluster.
+
+A Ray restart runs `__init__` again on a fresh process: the new incarnation reports
+`started: False` until the pool calls `start()` and loads the committed weights into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sampler_service.backends.base import Backend, Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+#: Fault hook for tests (off unless set): a path; the first replica that starts loading
+#: weights while that file exists removes it and exits at once, as a replica killed in the
+#: middle of a weight load would.
+FAULT_EXIT_IN_LOAD_ENV = "ADAPTIVE_ROLLOUT_FAULT_EXIT_IN_LOAD"
+
+
+class NotStarted(RuntimeError):
+    """The replica's process is a fresh incarnation: its engine is not loaded yet."""
+
+
+class Replica:
+    """Actor body wrapping one backend; see the module docstring."""
+
+    def __init__(self, factory: Callable[[], Backend], index: int, torch_threads: int = 1) -> None:
+        self._factory = factory
+        self._index = index
+        self._torch_threads = torch_threads
+        self._backend: Backend | None = None
+        self._starting: asyncio.Lock | None = None
+        self._inflight = 0
+        self._generated_tokens = 0
+
+    def _info(self, attached: bool) -> dict[str, Any]:
+        assert self._backend is not None
+        return {
+            "pid": os.getpid(),
+            "name": self._backend.name,
+            "model_name": self._backend.model_name,
+            "policy_version": self._backend.policy_version,
+            "specs": self._backend.weight_specs(),
+            "attached": attached,
+        }
+
+    async def start(self) -> dict[str, Any]:
+        """Load the engine once; later calls (a re-attaching sampler) report what runs.
+
+        `attached` is True when the engine was already running: the caller is a new
+        sampler taking over a warm replica.
+        """
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._backend is not None:
+                return self._info(attached=True)
+            if self._torch_threads > 0:
+                import torch
+
+                torch.set_num_threads(self._torch_threads)
+            backend = self._factory()
+            await backend.start()
+            self._backend = backend
+            log.info("replica %d (pid %d) serving %s", self._index, os.getpid(), backend.model_name)
+            return self._info(attached=False)
+
+    def _engine(self) -> Backend:
+        if self._backend is None:
+            raise NotStarted(f"replica {self._index} (pid {os.getpid()}) has no engine loaded")
+        return self._backend
+
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        engine = self._engine()
+        self._inflight += n
+        try:
+            out = await engine.generate(prompt_token_ids, n, sampling)
+        finally:
+            self._inflight -= n
+        self._generated_tokens += sum(len(c.token_ids) for c in out)
+        return out
+
+    async def load_weights(self, tensors: Mapping[str, Any], version: int) -> float:
+        """Install weights as `version`; returns the seconds the load took."""
+        engine = self._engine()
+        hook = os.environ.get(FAULT_EXIT_IN_LOAD_ENV)
+        if hook:
+            try:
+                Path(hook).unlink()
+            except FileNotFoundError:
+                pass
+            else:
+                log.warning("fault hook: replica %d exits during a weight load", self._index)
+                os._exit(1)
+        started = time.monotonic()
+        await engine.load_weights(tensors, version)
+        return time.monotonic() - started
+
+    async def abort_all(self) -> int:
+        return await self._engine().abort_all() if self._backend is not None else 0
+
+    async def health(self) -> dict[str, Any]:
+        """The probe: the backend's own health, plus a 1-token generate when idle.
+
+        An idle engine that hangs would otherwise look healthy until the next wave
+        reached it; while waves run, their progress is the evidence.
+        """
+        if self._backend is None:
+            return {"started": False, "ok": False, "pid": os.getpid()}
+        health = self._backend.health()
+        if health.ok and self._inflight == 0:
+            await self._backend.generate([0], 1, SamplingParams(max_tokens=1))
+        return {
+            "started": True,
+            "ok": health.ok,
+            "pid": os.getpid(),
+            "policy_version": self._backend.policy_version,
+            "inflight": self._inflight,
+            "generated_tokens": self._generated_tokens,
+            "detail": health.detail,
+        }
+
+    async def close(self) -> None:
+        if self._backend is not None:
+            await self._backend.close()
+            self._backend = None
