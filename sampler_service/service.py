@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +139,11 @@ def _engine_factory(settings: ServeSettings) -> Any:
     )
 
 
-def build_replica_pool(settings: ServeSettings, metrics: Metrics) -> Backend:
+def build_replica_pool(
+    settings: ServeSettings,
+    metrics: Metrics,
+    on_state_change: Callable[[dict[str, Any]], None] | None = None,
+) -> Backend:
     """Engine replicas as Ray actors; the only place the service imports Ray."""
     try:
         from sampler_service.backends.ray_pool import (
@@ -168,7 +172,7 @@ def build_replica_pool(settings: ServeSettings, metrics: Metrics) -> Backend:
         on_exit=settings.replicas_on_exit,
         torch_threads=settings.torch_threads,
     )
-    return RayPoolBackend(_engine_factory(settings), pool, metrics)
+    return RayPoolBackend(_engine_factory(settings), pool, metrics, on_state_change)
 
 
 def build_backend(settings: ServeSettings, tokenizer: Any) -> Backend:
@@ -214,6 +218,7 @@ class SamplerService:
         #: Steps of the live schedule already applied (or skipped); they never run again.
         self._schedule_applied = 0
         self._engine_failure_logged = False
+        self._event_tasks: set[asyncio.Task[Any]] = set()
         #: (monotonic time, groups emitted, answers, tokens, groups acked), once a second.
         self._rate_samples: deque[tuple[float, int, int, int, int]] = deque(
             maxlen=int(RATE_WINDOW_S) + 1
@@ -249,7 +254,7 @@ class SamplerService:
         if self._backend is not None:
             self.backend = self._backend
         elif s.uses_ray:
-            self.backend = build_replica_pool(s, self.metrics)
+            self.backend = build_replica_pool(s, self.metrics, self._replica_state_changed)
         else:
             self.backend = build_backend(s, self.tokenizer)
         await self.backend.start()
@@ -365,6 +370,19 @@ class SamplerService:
         return {"window_s": dt, **rates}
 
     # -- event log --------------------------------------------------------------------
+    def _replica_state_changed(self, detail: dict[str, Any]) -> None:
+        """Log a replica's state change; the pool reports it from the event loop."""
+
+        async def record() -> None:
+            try:
+                await self.record_event("replica", "engine", detail)
+            except Exception as exc:  # noqa: BLE001 - the store may be closing; the log says so
+                log.warning("replica event not recorded (%s): %s", exc, detail)
+
+        task = asyncio.get_running_loop().create_task(record())
+        self._event_tasks.add(task)
+        task.add_done_callback(self._event_tasks.discard)
+
     async def record_event(
         self, kind: str, source: str, data: dict[str, Any], state: dict[str, Any] | None = None
     ) -> dict[str, Any]:
