@@ -2,16 +2,19 @@
 #
 #   make bench                   every benchmark in its quick mode (each < 10 minutes on 2 cores)
 #   make bench BENCH_ARGS=       the full runs (more batches, seeds and repeats)
-#   make bench-step | bench-sim | bench-overhead | bench-stream | bench-learning | bench-scaleout    one of them
+#   make bench-step | bench-sim | bench-overhead | bench-stream | bench-learning |
+#   bench-scaleout | bench-soak    one of them
 #   make bench-render            rewrite BENCHMARKS.md's tables from bench/results/*.json
 #
 # Results go to bench/results/*.json and *.png. Performance figures are ratios measured
 # side by side in one run; on a shared machine, rerun before comparing across runs.
 BENCH_ARGS ?= --quick
 
-.PHONY: bench bench-step bench-sim bench-overhead bench-stream bench-learning bench-scaleout bench-render
+.PHONY: bench bench-step bench-sim bench-overhead bench-stream bench-learning \
+	bench-scaleout bench-soak bench-render
 
-bench: bench-step bench-sim bench-overhead bench-stream bench-learning bench-scaleout
+bench: bench-step bench-sim bench-overhead bench-stream bench-learning bench-scaleout \
+	bench-soak
 
 bench-step: venv
 	$(BIN)/python -m bench.step_time $(BENCH_ARGS)
@@ -33,3 +36,6 @@ bench-scaleout: venv
 
 bench-render: venv
 	$(BIN)/python -m bench.render
+
+bench-soak: venv
+	$(BIN)/python -m bench.soak $(BENCH_ARGS)

@@ -1,5 +1,7 @@
-"""HTTP routes (the API table of the README). Thin by rule: parse, call the service, map
-errors."""
+"""HTTP routes of the sampler. Thin by rule: parse, call the service, map errors.
+
+Every route declares its request and response models and each status it answers, so
+the OpenAPI document (/docs) is the reference of the API."""
 
 from __future__ import annotations
 
@@ -14,16 +16,30 @@ from typing import Annotated, Any, TypeVar
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
+from sampler_service import package_version
 from sampler_service.backends.vllm_nccl import create_nccl_router
+from sampler_service.config import ConfigPatch, ConfigView
 from sampler_service.dashboard import create_dashboard_router
 from sampler_service.encoding import negotiate
 from sampler_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sampler_service.service import SamplerService, ServiceError
-from trainer_client.protocol import AckRequest, LeaseRequest, WeightsLoadRequest
+from trainer_client.protocol import (
+    AckRequest,
+    AckResponse,
+    ErrorResponse,
+    Health,
+    LeaseRequest,
+    LeaseResponse,
+    WeightsLoadRequest,
+    WeightsResponse,
+)
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -60,9 +76,48 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI declarations of the JSON error body for each status."""
+    return {
+        status: {"model": ErrorResponse, "description": _REASONS[status]} for status in statuses
+    }
+
+
+_REASONS = {
+    400: "the body is not valid JSON",
+    401: "missing or wrong API key",
+    409: "a conflict: a stale version, or a name already in use",
+    413: "the body is over its size limit",
+    422: "a value is out of range, of the wrong type, unknown or inconsistent",
+    503: "the sampler is starting, or its engine failed",
+}
+#: Every /v1 route can answer these (auth, readiness, parameters).
+_V1_ERRORS = (401, 422, 503)
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """An `openapi_extra` declaring a JSON request body read by the route itself (the
+    routes read bodies themselves to enforce size limits before parsing)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+_BEARER = HTTPBearer(auto_error=False, description="the API key, when one is configured")
+
+#: Request models declared through `_json_body`, added to the document's components.
+_BODY_MODELS: tuple[type[BaseModel], ...] = (
+    ConfigPatch,
+    AckRequest,
+    LeaseRequest,
+    WeightsLoadRequest,
+)
+
+
 def _parse(model: type[M], body: bytes) -> M:
+    if not body:
+        raise ServiceError(422, "invalid_request", "a JSON object body is required")
     try:
-        return model.model_validate_json(body or b"{}")
+        return model.model_validate_json(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         if first["type"] == "json_invalid":
@@ -84,13 +139,16 @@ def create_app(service: SamplerService) -> FastAPI:
         finally:
             await service.stop()
 
-    app = FastAPI(title="adaptive-rollout sampler", lifespan=lifespan)
+    app = FastAPI(title="adaptive-rollout sampler", version=package_version(), lifespan=lifespan)
     app.state.service = service
 
-    def require_key(authorization: Annotated[str | None, Header()] = None) -> None:
+    def require_key(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+    ) -> None:
+        """`Authorization: Bearer <key>`, the scheme in any case; a bare key is refused."""
         if settings.api_key is None:
             return
-        presented = (authorization or "").removeprefix("Bearer ").strip()
+        presented = credentials.credentials if credentials is not None else ""
         if not hmac.compare_digest(presented.encode(), settings.api_key.encode()):
             raise ServiceError(
                 401, "unauthorized", "missing or wrong API key (Authorization: Bearer <key>)"
@@ -114,20 +172,25 @@ def create_app(service: SamplerService) -> FastAPI:
         return _error(422, "invalid_request", f"{field}: {first['msg']}", field or None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return _error(exc.status_code, "http_error", str(exc.detail))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method of the path, not only one route's
+            headers["Allow"] = ", ".join(_allowed_methods(app, request))
+        return _error(exc.status_code, "http_error", str(exc.detail), headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
         return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health)
     async def health() -> Response:
+        """Liveness, with no auth: status, backend, model, policy version, warnings."""
         return _json(service.health())
 
-    @app.get("/ready")
+    @app.get("/ready", responses={200: {"model": dict[str, str]}, **_errors(503)})
     async def ready() -> Response:
+        """200 once the engine is loaded and the dataset open and while the engine lives."""
         if not service.ready:
             return _error(503, "not_ready", "the engine or dataset is still loading")
         if error := service.engine_error():
@@ -136,18 +199,30 @@ def create_app(service: SamplerService) -> FastAPI:
             return _error(503, "degraded", "no engine replica can serve now; one is recovering")
         return _json({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        """Prometheus text exposition; open without a key (it carries no groups or config)."""
         return Response(service.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key), Depends(require_ready)])
+    v1 = APIRouter(
+        prefix="/v1",
+        dependencies=[Depends(require_key), Depends(require_ready)],
+        responses=_errors(*_V1_ERRORS),
+    )
 
-    @v1.get("/config")
+    @v1.get("/config", response_model=ConfigView)
     async def get_config() -> Response:
+        """The live sampler config with its config_version."""
         return _json(service.get_config())
 
-    @v1.patch("/config")
+    @v1.patch(
+        "/config",
+        response_model=ConfigView,
+        responses=_errors(400, 409, 413),
+        openapi_extra=_json_body(ConfigPatch),
+    )
     async def patch_config(request: Request) -> Response:
+        """A JSON merge patch of config keys; validated as a whole, persisted."""
         body = await _read_body(request, settings.max_request_bytes)
         try:
             patch = orjson.loads(body)
@@ -155,37 +230,75 @@ def create_app(service: SamplerService) -> FastAPI:
             raise ServiceError(400, "invalid_json", f"body is not valid JSON: {exc}") from exc
         return _json(await service.patch_config(patch))
 
-    @v1.get("/groups/stream")
+    @v1.get(
+        "/groups/stream",
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "NDJSON (or msgpack on request) group and heartbeat messages",
+                "content": {"application/x-ndjson": {}, "application/x-msgpack": {}},
+            },
+            **_errors(409),
+        },
+    )
     async def stream(
         consumer: Annotated[str, Query(min_length=1, max_length=200)] = "default",
         max_unacked: Annotated[int, Query(ge=1, le=100_000)] = 8,
         heartbeat_s: Annotated[float | None, Query(gt=0, le=300)] = None,
-        accept: Annotated[str | None, Header()] = None,
+        accept: Annotated[str | None, Header(include_in_schema=False)] = None,
     ) -> StreamingResponse:
+        """Finished groups for one consumer; 409 while another live stream has its name."""
         encoding = negotiate(accept)
-        messages = service.stream(
+        messages = service.open_stream(
             consumer, max_unacked, heartbeat_s or settings.heartbeat_s, encoding
         )
         return StreamingResponse(messages, media_type=encoding.stream_media_type)
 
-    @v1.post("/groups/ack")
+    @v1.post(
+        "/groups/ack",
+        response_model=AckResponse,
+        responses=_errors(400, 413),
+        openapi_extra=_json_body(AckRequest),
+    )
     async def ack(request: Request) -> Response:
+        """Delete acked groups durably; unknown ids are counted, not errors."""
         body = _parse(AckRequest, await _read_body(request, settings.max_request_bytes * 8))
         return _json(await service.ack(body.delivery_ids))
 
-    @v1.post("/groups/lease")
-    async def lease(request: Request, accept: Annotated[str | None, Header()] = None) -> Response:
+    @v1.post(
+        "/groups/lease",
+        response_model=LeaseResponse,
+        responses=_errors(400, 413),
+        openapi_extra=_json_body(LeaseRequest),
+    )
+    async def lease(
+        request: Request, accept: Annotated[str | None, Header(include_in_schema=False)] = None
+    ) -> Response:
+        """Lease whole frames (JSON, or msgpack on request); they return if not acked."""
         body = _parse(LeaseRequest, await _read_body(request, settings.max_request_bytes))
         encoding = negotiate(accept)
         payload = await service.lease(body.consumer, body.max_groups, body.wait_s, encoding)
         return Response(payload, media_type=encoding.lease_media_type)
 
-    @v1.put("/weights")
+    @v1.put(
+        "/weights",
+        response_model=WeightsResponse,
+        responses=_errors(409, 413),
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                },
+            }
+        },
+    )
     async def put_weights(
         request: Request,
         version: Annotated[int | None, Query(ge=0)] = None,
         x_policy_version: Annotated[int | None, Header(ge=0)] = None,
     ) -> Response:
+        """Upload a safetensors file; returns once the engine serves it."""
         version = version if version is not None else x_policy_version
         if version is None:
             raise ServiceError(
@@ -201,26 +314,58 @@ def create_app(service: SamplerService) -> FastAPI:
         finally:
             incoming.unlink(missing_ok=True)
 
-    @v1.post("/weights/load")
+    @v1.post(
+        "/weights/load",
+        response_model=WeightsResponse,
+        responses=_errors(400, 409, 413),
+        openapi_extra=_json_body(WeightsLoadRequest),
+    )
     async def load_weights(request: Request) -> Response:
+        """Load weights from a path the server can read."""
         body = _parse(WeightsLoadRequest, await _read_body(request, settings.max_request_bytes))
         return _json(await service.load_weights(body.path, body.version))
 
-    @v1.get("/stats")
+    @v1.get("/stats", response_model=dict[str, Any])
     async def stats() -> Response:
+        """Pass rates, mixing shares, stop reasons, queue depths, throughput, warnings."""
         return _json(service.stats())
 
-    @v1.get("/events")
+    @v1.get("/events", response_model=dict[str, Any])
     async def events(
         since: Annotated[int, Query(ge=0, le=1 << 62)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> Response:
         return _json(await service.events(since, limit))
 
-    v1.include_router(create_nccl_router(service))
+    v1.include_router(create_nccl_router(service), responses=_errors(400, 409, 413))
     app.include_router(v1)
     app.include_router(create_dashboard_router())
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, description=__doc__
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in _BODY_MODELS:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """The methods some route of `request`'s path answers (a path may have several routes)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 async def _stream_to_file(request: Request, path: Path, limit: int) -> None:

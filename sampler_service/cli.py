@@ -11,9 +11,12 @@ import json
 import logging
 import os
 import sys
+import threading
 import tomllib
 from pathlib import Path
 from typing import Any
+
+from sampler_service import package_version
 
 
 def _load_config_file(path: Path) -> dict[str, Any]:
@@ -66,6 +69,14 @@ def initial_config(
         parser.error(f"--config/--set: {exc}")
 
 
+def _exit_now(settings: Any) -> None:
+    logging.getLogger("sampler_service").error(
+        "shutdown took longer than %g s: exiting now (stored groups are safe)",
+        settings.shutdown_timeout_s,
+    )
+    os._exit(1)
+
+
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -78,6 +89,8 @@ def serve(args: argparse.Namespace) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = model_from_args(args.parser, ServeSettings, args)
+    if not settings.model.is_dir():
+        args.parser.error(f"--model {settings.model}: no such model directory")
     initial, given = initial_config(args.parser, args, settings.replicas)
     if settings.torch_threads > 0:
         import torch
@@ -86,9 +99,27 @@ def serve(args: argparse.Namespace) -> None:
     service = SamplerService(settings, initial_config=initial, given=frozenset(given))
     app = create_app(service)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level="warning", lifespan="on"
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=settings.shutdown_timeout_s / 2,
     )
     server = uvicorn.Server(config)
+
+    original_shutdown = server.shutdown
+
+    async def shutdown(sockets: Any = None) -> None:
+        # uvicorn waits for open connections before stopping the app, and a stream never
+        # ends by itself: end them first, and bound the whole stop whatever hangs.
+        timer = threading.Timer(settings.shutdown_timeout_s, _exit_now, [settings])
+        timer.daemon = True
+        timer.start()
+        service.begin_shutdown()
+        await original_shutdown(sockets=sockets)
+
+    server.shutdown = shutdown  # type: ignore[method-assign]
 
     original_startup = server.startup
 
@@ -104,7 +135,12 @@ def serve(args: argparse.Namespace) -> None:
         )
 
     server.startup = startup  # type: ignore[method-assign]
-    server.run()
+    # Bind before the engine loads, so that a busy port is reported at once.
+    try:
+        sock = config.bind_socket()
+    except SystemExit as exc:
+        raise SystemExit(f"cannot listen on {settings.host}:{settings.port}") from exc
+    server.run(sockets=[sock])
 
 
 def toy(args: argparse.Namespace) -> None:
@@ -132,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `adaptive-rollout` argument parser with every subcommand; parsing runs nothing
     (deployment checks parse the command lines of the manifests with it)."""
     parser = argparse.ArgumentParser(prog="adaptive-rollout", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_serve = sub.add_parser("serve", help="run the sampler service")

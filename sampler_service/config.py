@@ -11,7 +11,7 @@ import copy
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -19,12 +19,14 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    create_model,
     model_serializer,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from strategies import admission, mixing, reweighting, selection, stopping
-from strategies.estimator import Estimator, EstKnobs
+from strategies.estimator import MAX_ANSWERS, Estimator, EstKnobs
 from strategies.registry import PolicyError
 
 
@@ -40,19 +42,38 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
 
-class PolicySpec(_Strict):
+class _Live(BaseModel):
+    """A live config model: what a client sends is taken literally, never coerced.
+
+    Strict types reject `"3"` for an int, `true` for a count and `"nan"` for a float, and
+    no float may be NaN or infinite: a lax parse once turned `"nan"` into a threshold that
+    made every answer negative, and `"inf"` into leases that never expire.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=False, strict=True, allow_inf_nan=False
+    )
+
+
+#: Upper bounds that the machine can honour: each knob scales memory or work, and an
+#: unbounded one let a single PATCH spawn a billion prompt tasks.
+MAX_PROMPTS = 65_536
+MAX_LIST_ITEMS = 100_000
+
+
+class PolicySpec(_Live):
     """A policy by registered name with its parameters (validated by the registry)."""
 
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class MixingSpec(_Strict):
+class MixingSpec(_Live):
     name: str = "static"
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class ScheduleAt(_Strict):
+class ScheduleAt(_Live):
     """When a schedule step applies: once this many groups were acked since the state dir
     was created, or once this policy version (or a later one) is served. Exactly one key."""
 
@@ -76,47 +97,49 @@ class ScheduleAt(_Strict):
         return "policy_version", int(self.policy_version or 0)
 
 
-class ScheduleStep(_Strict):
+class ScheduleStep(_Live):
     """A config patch applied once, when `at` is first met."""
 
     at: ScheduleAt
     set: dict[str, Any] = Field(min_length=1)
 
 
-class SamplerConfig(_Strict):
+class SamplerConfig(_Live):
     """Everything PATCH /v1/config may change while a run is live."""
 
     # How prompts are sampled (snapshotted per prompt at admission).
     mode: Literal["continuous", "rounds"] = "continuous"
-    cohort_size: int = Field(64, ge=1)
+    cohort_size: int = Field(64, ge=1, le=MAX_PROMPTS)
     rule: Literal["fixed", "positive", "balanced", "est"] = "balanced"
-    k_pos: int = Field(2, ge=0)
-    k_neg: int = Field(2, ge=0)
-    n_max: int = Field(32, ge=1)
+    k_pos: int = Field(2, ge=0, le=MAX_ANSWERS)
+    k_neg: int = Field(2, ge=0, le=MAX_ANSWERS)
+    n_max: int = Field(32, ge=1, le=MAX_ANSWERS)
     wave: Literal["fixed", "adaptive"] = "fixed"
-    wave_size: int = Field(8, ge=1)
-    group_size: int = Field(4, ge=0, description="0 keeps every sample")
-    positive_threshold: float = 0.5
+    wave_size: int = Field(8, ge=1, le=MAX_ANSWERS)
+    group_size: int = Field(4, ge=0, le=MAX_ANSWERS, description="0 keeps every sample")
+    positive_threshold: float = Field(0.5, ge=-1e9, le=1e9)
     downsample: Literal["balanced", "max_variance", "none"] = "balanced"
     advantage: Literal["grpo", "global", "est"] = "global"
     norm_by_std: bool | None = None
     est: EstKnobs = Field(default_factory=EstKnobs)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
-    max_tokens: int = Field(1024, ge=1)
-    group_policies: list[PolicySpec] = Field(default_factory=list)
+    top_k: int | None = Field(None, ge=1, le=10_000_000)
+    max_tokens: int = Field(
+        1024, ge=1, le=10_000_000, description="at most the model's context length"
+    )
+    group_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
     # Applied to every prompt about to be admitted (e.g. history_skip).
-    admission_policies: list[PolicySpec] = Field(default_factory=list)
+    admission_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
     # Applied when a batch frame forms.
-    batch_groups: int = Field(1, ge=1)
-    batch_policies: list[PolicySpec] = Field(default_factory=list)
+    batch_groups: int = Field(1, ge=1, le=MAX_PROMPTS)
+    batch_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
     # Applied at once.
     mixing: MixingSpec = Field(default_factory=MixingSpec)
-    max_active_prompts: int = Field(64, ge=1)
-    max_buffered_groups: int = Field(256, ge=1)
-    max_staleness: int | None = Field(None, ge=0)
-    lease_ttl_s: float = Field(300.0, gt=0.0)
+    max_active_prompts: int = Field(64, ge=1, le=MAX_PROMPTS)
+    max_buffered_groups: int = Field(256, ge=1, le=1_000_000)
+    max_staleness: int | None = Field(None, ge=0, le=1_000_000)
+    lease_ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
     weight_update_mode: Literal["wait", "abort"] = "wait"
     weight_drain_timeout_s: float = Field(
         60.0,
@@ -167,6 +190,36 @@ class SamplerConfig(_Strict):
             else:
                 weights.append(reweighting.build(spec.name, **spec.params))
         return selections, weights
+
+
+class ConfigView(SamplerConfig):
+    """GET /v1/config: the live config with the version that counts its changes."""
+
+    config_version: int = Field(ge=0)
+
+
+def _constrained(info: FieldInfo) -> Any:
+    """A field's type with its bounds (ge, le, max_length) attached."""
+    return Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+
+
+def _partial(model: type[SamplerConfig]) -> type[BaseModel]:
+    """The model of a PATCH body: every key optional, plus the expected config_version."""
+    fields: dict[str, Any] = {
+        # Absent keys keep their value; an explicit null is only valid where the config
+        # itself allows one.
+        name: (_constrained(info), Field(None, description=info.description))
+        for name, info in model.model_fields.items()
+    }
+    fields["config_version"] = (
+        int,
+        Field(None, ge=0, description="refuse (409) unless this is the current version"),
+    )
+    return create_model("ConfigPatch", __base__=_Live, **fields)
+
+
+#: PATCH /v1/config body, for the API document (the service merges and validates).
+ConfigPatch = _partial(SamplerConfig)
 
 
 #: PolicyError.field values that mean "no such policy" rather than a bad parameter.
@@ -360,6 +413,18 @@ class ServeSettings(_Strict):
         description="engine argument passed to vLLM, e.g. tensor_parallel_size=2 (value "
         "parsed as JSON if it can be); repeatable",
         json_schema_extra={"cli_flag": "vllm-arg"},
+    )
+    max_lease_wait_s: float = Field(
+        300.0,
+        gt=0.0,
+        le=300.0,
+        description="a lease call waits at most this long for groups, whatever its wait_s",
+    )
+    shutdown_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        le=3600.0,
+        description="on SIGTERM, streams end at once and the process exits within this bound",
     )
     # Scale-out: engine replicas as Ray actors. The defaults (one replica, no address)
     # keep the engine in or beside this process and never import Ray.

@@ -8,11 +8,22 @@ from __future__ import annotations
 
 from typing import get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from strategies.selection import SELECTIONS
 from strategies.stopping import StopReason
+
+# `*_created` series double every counter and histogram in the text format and carry
+# nothing a dashboard uses.
+disable_created_metrics()
 
 PREFIX = "adaptive_rollout_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -20,10 +31,11 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Known label values, created at zero when the service starts (Metrics.precreate).
 OUTCOMES = ("positive", "negative", "error")
 STOP_REASONS = get_args(StopReason)
-VERIFIER_ERROR_KINDS = ("timeout", "error")
+# crash: the verifier's worker died; unavailable: not called, its breaker is open.
+VERIFIER_ERROR_KINDS = ("timeout", "error", "crash", "unavailable")
 # The scheduler's own reasons to drop a finalized group; selection policies drop under
 # their names.
-DROP_REASONS = ("engine_error", "too_few_samples", *SELECTIONS.names())
+DROP_REASONS = ("engine_error", "verifier_unavailable", "too_few_samples", *SELECTIONS.names())
 # stale_version: the version did not increase (409); rejected: the file failed vetting
 # (422); error: the engine failed while loading vetted weights.
 WEIGHT_FAILURE_REASONS = ("stale_version", "rejected", "error")

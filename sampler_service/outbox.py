@@ -6,6 +6,12 @@ disconnects (or its lease expires) goes back to READY together and is offered ag
 before anything newer. The bytes of a group never change after framing, so a
 redelivered frame is byte-for-byte what was sent before (apart from the delivery id).
 
+Consumers are named by the caller, in two namespaces (`stream_consumer`, `lease_consumer`):
+a stream opening or ending never touches what a lease caller of the same name holds. One
+name has at most one live stream; a second is refused while the first lives, since
+replacing it would hand the first one's groups to the second while the first still
+trains on them.
+
 An ack is honoured for any delivery id of a group that still exists, even one whose
 lease was already released (a trainer that lost its connection still acks what it
 trained on): that only saves a redelivery the client would have deduped anyway.
@@ -21,6 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sampler_service.store import AsyncStore, StoredFrame, StoredGroup
+
+
+def stream_consumer(name: str) -> str:
+    """The holder key of the live stream named `name`."""
+    return f"stream/{name}"
+
+
+def lease_consumer(name: str) -> str:
+    """The holder key of lease calls naming `name` (apart from streams of that name)."""
+    return f"lease/{name}"
 
 
 @dataclass
@@ -55,6 +71,10 @@ class Outbox:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def wake(self) -> None:
+        """Wake every waiter (e.g. so streams notice a shutdown)."""
+        self._notify()
 
     def changed(self) -> asyncio.Event:
         """An event set at the next change (new frame, ack, release); grab before checking."""
@@ -171,11 +191,12 @@ class Outbox:
         return removed, len(delivery_ids) - removed
 
     # -- streams ----------------------------------------------------------------------
-    def connect(self, consumer: str) -> object:
-        """Register a stream; a newer stream with the same name replaces the old one."""
+    def connect(self, consumer: str) -> object | None:
+        """Register a stream, or None while another live stream holds the name."""
+        if consumer in self._streams:
+            return None
         token = object()
         self._streams[consumer] = token
-        self.release_consumer(consumer)
         self._notify()
         return token
 

@@ -41,6 +41,8 @@ VerifyFn = Callable[[PromptRow, Completion], Awaitable[Verdict]]
 
 #: Attempts at a wave whose engine call fails before the prompt is given up.
 _ENGINE_RETRIES = 3
+#: Prompts admitted per pass of the admission loop before it yields to the event loop.
+_ADMIT_CHUNK = 64
 #: Seconds between snapshots of the mixer/estimator/dataset state, which travel with the
 #: next finished group into the store. By time, not by count: a snapshot of 8,192
 #: prompts' estimator state takes ~27 ms of the event loop. A crash loses at most this
@@ -184,6 +186,8 @@ class Scheduler:
         self._runner: asyncio.Task[None] | None = None
         self._state_saved_at = clock()
         self.last_error: str | None = None
+        #: Recent engine calls: the time of each failure, None for each success.
+        self.engine_errors: deque[float | None] = deque(maxlen=100)
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -219,6 +223,15 @@ class Scheduler:
     def finalizing(self) -> int:
         """Prompts whose answers are all in, their groups not yet stored."""
         return self._finalizing
+
+    def engine_warning(self, window_s: float = 60.0) -> str | None:
+        """Set while most recent engine calls fail (it clears once calls succeed again)."""
+        now = self.clock()
+        recent = [t for t in self.engine_errors if t is None or now - t <= window_s]
+        failures = sum(t is not None for t in recent)
+        if failures >= 3 and failures * 2 >= len(recent):
+            return f"engine: {failures} of its last {len(recent)} calls failed ({self.last_error})"
+        return None
 
     @property
     def paused(self) -> bool:
@@ -340,7 +353,9 @@ class Scheduler:
             if n <= 0:
                 await self._sleep_until_poked(1.0)
                 continue
-            for _ in range(n):
+            # A few at a time, yielding in between: heartbeats, PATCHes and /health keep
+            # being answered while a large max_active_prompts fills up.
+            for _ in range(min(n, _ADMIT_CHUNK)):
                 self._spawn(self._admit())
             await asyncio.sleep(0)
 
@@ -349,16 +364,20 @@ class Scheduler:
         while self.capacity() <= 0 or self._active:
             await self._sleep_until_poked(1.0)
         cfg = self.config
-        runs = [self._admit() for _ in range(cfg.cohort_size)]
+        runs = []
+        for i in range(cfg.cohort_size):
+            runs.append(self._admit())
+            if i % _ADMIT_CHUNK == _ADMIT_CHUNK - 1:
+                await asyncio.sleep(0)
         self.metrics.active_prompts.set(len(runs))
         for _ in range(math.ceil(cfg.n_max / cfg.wave_size)):
             live = [(run, n) for run in runs if not run.done and (n := run.next_wave()) > 0]
             if not live:
                 break
             results = await asyncio.gather(*(self._wave(run, n) for run, n in live))
-            for (run, _), ok in zip(live, results, strict=True):
-                if not ok:
-                    self._drop(run, "engine_error")
+            for (run, _), failed in zip(live, results, strict=True):
+                if failed:
+                    self._drop(run, failed)
                 elif run.next_wave() == 0:
                     await self._finalize(run)
         for run in runs:
@@ -369,8 +388,8 @@ class Scheduler:
     # -- one prompt -------------------------------------------------------------------
     async def _run_prompt(self, run: PromptRun) -> None:
         while (n := run.next_wave()) > 0:
-            if not await self._wave(run, n):
-                self._drop(run, "engine_error")
+            if failed := await self._wave(run, n):
+                self._drop(run, failed)
                 return
         self._finalizing += 1
         self._finished.put_nowait(run)
@@ -401,8 +420,13 @@ class Scheduler:
                 self._drained.set()
                 self.poke()
 
-    async def _wave(self, run: PromptRun, n: int) -> bool:
-        """Generate and verify one wave; False if the engine kept failing."""
+    async def _wave(self, run: PromptRun, n: int) -> str | None:
+        """Generate and verify one wave; why the prompt must be dropped, or None.
+
+        "engine_error": the engine kept failing. "verifier_unavailable": the prompt's
+        verifier is refusing calls after too many time-outs; its answers are not scored 0
+        (that would emit a wrong group), the prompt is dropped instead.
+        """
         started = self.clock()
         completions: list[Completion] | None = None
         failures = 0
@@ -424,10 +448,14 @@ class Scheduler:
                     _ENGINE_RETRIES,
                     exc,
                 )
+                self.engine_errors.append(self.clock())
                 if failures >= _ENGINE_RETRIES:
-                    return False
+                    return "engine_error"
                 await asyncio.sleep(0.5 * 2**failures)
+        self.engine_errors.append(None)
         verdicts = await asyncio.gather(*(self._score(run.row, c) for c in completions))
+        if any(v.kind == "unavailable" for v in verdicts):
+            return "verifier_unavailable"
         threshold = run.plan.cfg.positive_threshold
         domain_stats = self.stats.domains[run.row.domain]
         for completion, verdict in zip(completions, verdicts, strict=True):
@@ -444,7 +472,7 @@ class Scheduler:
             self.stats.samples += 1
             self.stats.tokens += len(completion.token_ids)
         self.metrics.wave_latency.observe(self.clock() - started)
-        return True
+        return None
 
     async def _score(self, row: PromptRow, completion: Completion) -> Verdict:
         """A truncated answer scores 0 without being verified: its final answer is missing."""

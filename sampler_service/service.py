@@ -8,15 +8,19 @@ routes stay thin (parse, call, map errors).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
+import math
 import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from sampler_service.aio import wait_event
 from sampler_service.backends.base import (
@@ -38,7 +42,7 @@ from sampler_service.config import (
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.encoding import Encoding
 from sampler_service.metrics import Metrics
-from sampler_service.outbox import Outbox
+from sampler_service.outbox import Outbox, lease_consumer, stream_consumer
 from sampler_service.scheduler import Scheduler
 from sampler_service.store import ACKED_KEY, AsyncStore, Store, StoredFrame, StoredGroup
 from sampler_service.verifiers.base import Verdict
@@ -58,6 +62,10 @@ class ServiceError(Exception):
     def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.field = status, code, message, field
+
+
+class VerifierSpecError(RuntimeError):
+    """A verifier named by --verifier or by a data row cannot be loaded."""
 
 
 class StoreSink:
@@ -101,6 +109,16 @@ def _load_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def _context_length(model_dir: Path) -> int | None:
+    """The model's context length from its config.json, if it states one."""
+    try:
+        config = orjson.loads((model_dir / "config.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def _instance_id(state_dir: Path) -> str:
     """This sampler's id, kept in its state dir: a restarted sampler finds its replicas."""
     path = state_dir / "instance_id"
@@ -122,7 +140,11 @@ def _engine_factory(settings: ServeSettings) -> Any:
     )
 
 
-def build_replica_pool(settings: ServeSettings, metrics: Metrics) -> Backend:
+def build_replica_pool(
+    settings: ServeSettings,
+    metrics: Metrics,
+    on_state_change: Callable[[dict[str, Any]], None] | None = None,
+) -> Backend:
     """Engine replicas as Ray actors; the only place the service imports Ray."""
     try:
         from sampler_service.backends.ray_pool import (
@@ -151,7 +173,7 @@ def build_replica_pool(settings: ServeSettings, metrics: Metrics) -> Backend:
         on_exit=settings.replicas_on_exit,
         torch_threads=settings.torch_threads,
     )
-    return RayPoolBackend(_engine_factory(settings), pool, metrics)
+    return RayPoolBackend(_engine_factory(settings), pool, metrics, on_state_change)
 
 
 def build_backend(settings: ServeSettings, tokenizer: Any) -> Backend:
@@ -193,11 +215,15 @@ class SamplerService:
         self.ready = False
         self._config_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        # Live streams: token -> (consumer, heartbeat_s, when its socket last took a message).
+        self._streams: dict[object, tuple[str, float, float]] = {}
+        self._closing = asyncio.Event()
         #: Groups acked since the state dir was created (schedules key on it).
         self.trained_groups = 0
         #: Steps of the live schedule already applied (or skipped); they never run again.
         self._schedule_applied = 0
         self._engine_failure_logged = False
+        self._event_tasks: set[asyncio.Task[Any]] = set()
         #: (monotonic time, groups emitted, answers, tokens, groups acked), once a second.
         self._rate_samples: deque[tuple[float, int, int, int, int]] = deque(
             maxlen=int(RATE_WINDOW_S) + 1
@@ -229,17 +255,23 @@ class SamplerService:
         else:
             cfg, version = self._initial_config, 0
         check_consistency(cfg, self.dataset.domains)
+        self.context_length = _context_length(s.model)
+        try:
+            self._check_context(cfg)
+        except ConfigError as exc:  # a start-up config is served; PATCHes are held to it
+            log.warning("%s: answers end at the context", exc)
+        self.verifiers = VerifierPool(
+            max_workers=s.verifier_workers, timeout_s=s.verifier_timeout_s
+        )
+        await self._check_verifiers()
         if self._backend is not None:
             self.backend = self._backend
         elif s.uses_ray:
-            self.backend = build_replica_pool(s, self.metrics)
+            self.backend = build_replica_pool(s, self.metrics, self._replica_state_changed)
         else:
             self.backend = build_backend(s, self.tokenizer)
         await self.backend.start()
         await self._restore_weights()
-        self.verifiers = VerifierPool(
-            max_workers=s.verifier_workers, timeout_s=s.verifier_timeout_s
-        )
         self.scheduler = Scheduler(
             backend=self.backend,
             dataset=self.dataset,
@@ -276,7 +308,34 @@ class SamplerService:
             len(pending),
         )
 
+    def begin_shutdown(self) -> None:
+        """Stop serving: open streams end (with a `closing` heartbeat), lease waits return."""
+        self._closing.set()
+        if hasattr(self, "outbox"):
+            self.outbox.wake()
+
+    async def _check_verifiers(self) -> None:
+        """Resolve the default verifier and every one the data names, or refuse to start.
+
+        A spec that cannot be imported would otherwise score every answer 0 in silence.
+        """
+        # The default is checked even when every row names its own: it is what a row
+        # added later, or a mistyped flag, would silently fall back to.
+        users = {self.settings.verifier: "--verifier (the default for rows naming none)"}
+        for rows in self.dataset.rows.values():
+            for row in rows:
+                if row.verifier is not None:
+                    users.setdefault(
+                        str(row.verifier), f"prompt {row.id!r} (domain {row.domain!r})"
+                    )
+        for spec, user in users.items():
+            if error := await self.verifiers.check(spec):
+                raise VerifierSpecError(
+                    f"verifier {spec!r}, used by {user}, cannot be loaded: {error}"
+                )
+
     async def stop(self) -> None:
+        self.begin_shutdown()
         self.ready = False
         for task in self._tasks:
             task.cancel()
@@ -299,6 +358,7 @@ class SamplerService:
         while True:
             if self.outbox.expire():
                 self.scheduler.poke()
+            self._drop_stalled_streams()
             self._update_gauges()
             self._rate_samples.append(self._counters())
             if not self._engine_failure_logged and (error := self.engine_error()):
@@ -323,6 +383,19 @@ class SamplerService:
         return {"window_s": dt, **rates}
 
     # -- event log --------------------------------------------------------------------
+    def _replica_state_changed(self, detail: dict[str, Any]) -> None:
+        """Log a replica's state change; the pool reports it from the event loop."""
+
+        async def record() -> None:
+            try:
+                await self.record_event("replica", "engine", detail)
+            except Exception as exc:  # noqa: BLE001 - the store may be closing; the log says so
+                log.warning("replica event not recorded (%s): %s", exc, detail)
+
+        task = asyncio.get_running_loop().create_task(record())
+        self._event_tasks.add(task)
+        task.add_done_callback(self._event_tasks.discard)
+
     async def record_event(
         self, kind: str, source: str, data: dict[str, Any], state: dict[str, Any] | None = None
     ) -> dict[str, Any]:
@@ -362,9 +435,8 @@ class SamplerService:
         spec = row.verifier or self.settings.verifier
         verdict = await self.verifiers.verify(spec, completion.text, row.answer, row.metadata)
         self.metrics.verifier_latency.observe(verdict.seconds)
-        if verdict.error:
-            kind = "timeout" if "timeout" in verdict.error.lower() else "error"
-            self.metrics.verifier_errors.labels(kind).inc()
+        if verdict.kind != "ok":
+            self.metrics.verifier_errors.labels(verdict.kind).inc()
         return verdict
 
     # -- health -----------------------------------------------------------------------
@@ -405,8 +477,16 @@ class SamplerService:
             policy_version=backend.policy_version if backend and self.ready else 0,
             uptime_s=time.time() - self.started_at,
             engine_error=error,
+            warnings=self.warnings(),
             auth_required=self.settings.api_key is not None,
         )
+
+    def warnings(self) -> list[str]:
+        """Verifier specs failing or cut off, and an engine failing most of its calls."""
+        if not self.ready:
+            return []
+        engine = self.scheduler.engine_warning()
+        return [*self.verifiers.warnings(), *([engine] if engine else [])]
 
     # -- config -----------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
@@ -421,8 +501,17 @@ class SamplerService:
                 422, "invalid_config", "the body must be a JSON object of config keys"
             )
         async with self._config_lock:
+            patch = dict(patch)
+            has_expected = "config_version" in patch
             expected = patch.pop("config_version", None)
-            if expected is not None and expected != self.scheduler.config_version:
+            if has_expected and (type(expected) is not int):
+                raise ServiceError(
+                    422,
+                    "invalid_config",
+                    "config_version: must be an integer (the version this change expects)",
+                    "config_version",
+                )
+            if has_expected and expected != self.scheduler.config_version:
                 raise ServiceError(
                     409,
                     "config_version_conflict",
@@ -434,6 +523,7 @@ class SamplerService:
             try:
                 cfg = validate_config(merged)
                 check_consistency(cfg, self.dataset.domains)
+                self._check_context(cfg)
             except ConfigError as exc:
                 raise ServiceError(422, "invalid_config", str(exc), exc.field) from exc
             # A new schedule starts from its first step; steps already due apply below.
@@ -441,6 +531,15 @@ class SamplerService:
             await self._commit_config(cfg, "api", applied)
         await self._advance_schedule()
         return self.get_config()
+
+    def _check_context(self, cfg: SamplerConfig) -> None:
+        """max_tokens beyond the model's context could never be generated."""
+        if self.context_length is not None and cfg.max_tokens > self.context_length:
+            raise ConfigError(
+                f"max_tokens ({cfg.max_tokens}) exceeds the model's context "
+                f"({self.context_length} tokens)",
+                "max_tokens",
+            )
 
     async def _commit_config(
         self, cfg: SamplerConfig, source: str, applied: int, detail: dict[str, Any] | None = None
@@ -511,7 +610,7 @@ class SamplerService:
                 )
 
     # -- delivery ---------------------------------------------------------------------
-    def _heartbeat(self, consumer: str) -> dict[str, Any]:
+    def _heartbeat(self, consumer: str, closing: bool = False) -> dict[str, Any]:
         return Heartbeat(
             time=time.time(),
             policy_version=self.backend.policy_version,
@@ -521,33 +620,79 @@ class SamplerService:
             active_prompts=self.scheduler.active_prompts + self.scheduler.finalizing,
             unacked=self.outbox.unacked(consumer),
             engine_error=self.engine_error(),
+            closing=closing,
             engine_state=self.backend.health().state,
         ).model_dump()
 
-    async def stream(
-        self, consumer: str, max_unacked: int, heartbeat_s: float, encoding: Encoding
+    def open_stream(
+        self, name: str, max_unacked: int, heartbeat_s: float, encoding: Encoding
+    ) -> AsyncIterator[bytes]:
+        """Claim the stream name `name` (409 while another live stream holds it)."""
+        consumer = stream_consumer(name)
+        token = self.outbox.connect(consumer)
+        if token is None:
+            raise ServiceError(
+                409,
+                "consumer_busy",
+                f"consumer {name!r} already has a live stream; give each trainer its own name",
+                "consumer",
+            )
+        self._streams[token] = (consumer, heartbeat_s, time.monotonic())
+        return self._stream(consumer, token, max_unacked, heartbeat_s, encoding)
+
+    async def _stream(
+        self,
+        consumer: str,
+        token: object,
+        max_unacked: int,
+        heartbeat_s: float,
+        encoding: Encoding,
     ) -> AsyncIterator[bytes]:
         """Messages for one consumer: whole frames as credit allows, else heartbeats."""
-        token = self.outbox.connect(consumer)
+
+        def sending() -> None:  # a yield returns once the socket has taken the message
+            self._streams[token] = (consumer, heartbeat_s, time.monotonic())
+
         try:
+            sending()
             yield encoding.message(self._heartbeat(consumer))
             next_beat = time.monotonic() + heartbeat_s
-            while self.outbox.is_current(consumer, token):
+            while self.outbox.is_current(consumer, token) and not self._closing.is_set():
+                self._streams[token] = (consumer, heartbeat_s, math.inf)
                 changed = self.outbox.changed()
                 size = self.outbox.next_frame_size()
                 unacked = self.outbox.unacked(consumer)
                 if size is not None and (unacked + size <= max_unacked or unacked == 0):
                     ttl = self.scheduler.config.lease_ttl_s
+                    sending()
                     yield b"".join(map(encoding.group_message, self.outbox.take(consumer, ttl)))
                     continue
                 now = time.monotonic()
                 if now >= next_beat:
+                    sending()
                     yield encoding.message(self._heartbeat(consumer))
                     next_beat = now + heartbeat_s
                 await wait_event(changed, next_beat - now)
+            if self._closing.is_set():
+                yield encoding.message(self._heartbeat(consumer, closing=True))
         finally:
+            self._streams.pop(token, None)
             self.outbox.disconnect(consumer, token)
             self.scheduler.poke()
+
+    def _drop_stalled_streams(self) -> None:
+        """Free the name of a stream whose socket has not taken a message in 2 heartbeats.
+
+        A consumer that vanished without closing its connection would otherwise hold its
+        name (409 to its own reconnect) and its groups until their lease expires.
+        """
+        now = time.monotonic()
+        for token, (consumer, heartbeat_s, since) in list(self._streams.items()):
+            if now - since > 2 * heartbeat_s:
+                log.warning("stream %s took no message for %.0f s: dropped", consumer, now - since)
+                del self._streams[token]
+                self.outbox.disconnect(consumer, token)
+                self.scheduler.poke()
 
     async def ack(self, delivery_ids: list[str]) -> AckResponse:
         acked, unknown = await self.outbox.ack(delivery_ids)
@@ -560,11 +705,15 @@ class SamplerService:
         self, consumer: str, max_groups: int, wait_s: float, encoding: Encoding
     ) -> bytes:
         """An encoded LeaseResponse, built from the stored group bytes."""
-        deadline = time.monotonic() + wait_s
-        while self.outbox.next_frame_size() is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + min(wait_s, self.settings.max_lease_wait_s)
+        while (
+            self.outbox.next_frame_size() is None
+            and time.monotonic() < deadline
+            and not self._closing.is_set()
+        ):
             await wait_event(self.outbox.changed(), deadline - time.monotonic())
         ttl = self.scheduler.config.lease_ttl_s
-        delivered = self.outbox.take(consumer, ttl, max_groups=max_groups)
+        delivered = self.outbox.take(lease_consumer(consumer), ttl, max_groups=max_groups)
         return encoding.lease(
             {"lease_id": uuid.uuid4().hex, "expires_at": time.time() + ttl}, delivered
         )
@@ -577,7 +726,15 @@ class SamplerService:
 
         return 2 * spec_bytes(self.backend.weight_specs())
 
+    def check_engine(self) -> None:
+        """503 for weight calls while the engine is dead: there is nothing to load into."""
+        if error := self.engine_error():
+            raise ServiceError(
+                503, "engine_failed", f"the engine failed and cannot take weights: {error}"
+            )
+
     def check_version(self, version: int) -> None:
+        self.check_engine()
         current = self.backend.policy_version
         if version <= current:
             self.metrics.weight_update_failures.labels("stale_version").inc()
@@ -610,9 +767,13 @@ class SamplerService:
             except WeightsNotServed as exc:
                 self.metrics.weight_update_failures.labels("error").inc()
                 raise ServiceError(503, "weights_not_served", str(exc)) from exc
-            except Exception:
+            except Exception as exc:
                 self.metrics.weight_update_failures.labels("error").inc()
-                raise
+                if self.engine_error() is None:
+                    raise
+                raise ServiceError(
+                    503, "engine_failed", f"the engine failed while loading weights: {exc}"
+                ) from exc
         elapsed = time.monotonic() - started
         self.metrics.weight_updates.inc()
         self.metrics.weight_update_seconds.observe(elapsed)
@@ -709,6 +870,8 @@ class SamplerService:
             "paused": self.scheduler.paused,
             "last_error": self.scheduler.last_error,
             "engine_error": self.engine_error(),
+            "warnings": self.warnings(),
+            "verifiers": dataclasses.asdict(self.verifiers.stats),
             "engine": self.backend.health().detail,
             "replicas": self.replicas(),
             "domains": self._domain_shares(),

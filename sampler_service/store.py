@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+_WAL_LIMIT_BYTES = 8 << 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -110,6 +111,9 @@ class Store:
         # NORMAL in WAL mode survives a process crash (kill -9); only an OS crash or
         # power loss can drop the last commits.
         self._db.execute("PRAGMA synchronous=NORMAL")
+        # After a checkpoint the WAL file is cut back to this size: without the limit it
+        # keeps its high-water mark (tens of MB under load) for the life of the process.
+        self._db.execute(f"PRAGMA journal_size_limit={_WAL_LIMIT_BYTES}")
         # Once checkpointed, the WAL is reused from its start; this caps the file it leaves.
         self._db.execute(f"PRAGMA journal_size_limit={64 << 20}")
         self._db.executescript(_SCHEMA)

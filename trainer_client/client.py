@@ -14,6 +14,10 @@ The group stream (`groups()`) is the main path:
 - duplicates: delivery is at-least-once. A group id already acked is acked again and
   skipped; a group id the caller holds but has not acked yet is skipped, and `ack()` uses
   its newest delivery id (the older one died with the old connection);
+- names: each client streams under its own consumer name (by default
+  `<host>-<pid>-<6 hex>`, unique per process); the server refuses a second live stream
+  under a name (409 `consumer_busy`), which a reconnect retries for a short while, until
+  the server has let go of the old connection;
 - watchdog: if no heartbeat and no group arrives for `watchdog_s` (a SIGSTOPped or dead
   server, a wedged network), `SamplerUnavailable` says what it waited for and for how long,
   instead of hanging forever.
@@ -23,7 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import secrets
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
@@ -103,9 +110,9 @@ class EngineFailed(SamplerError):
     """The sampler answers but its engine has failed: no new groups will come.
 
     Raised by `groups()` once a heartbeat says the engine failed and nothing more can
-    reach this stream: no READY group, no prompt still finishing, no group leased by
-    another consumer that could come back. Every group finished before the failure is
-    delivered first. The message carries the engine's error.
+    reach this stream: no READY group and no prompt still finishing. Groups leased to
+    other consumers are not waited for (their leases may last minutes). Every group
+    finished before the failure is delivered first. The message carries the engine's error.
     """
 
 
@@ -399,6 +406,11 @@ class _Attempts:
         return delay
 
 
+def default_consumer_name() -> str:
+    """`<host>-<pid>-<6 hex>`: two trainers never share a name by accident."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
 class _Core:
     """Configuration and the I/O-free logic shared by both clients."""
 
@@ -407,7 +419,7 @@ class _Core:
         base_url: str,
         *,
         api_key: str | None = None,
-        consumer: str = "trainer",
+        consumer: str | None = None,
         max_unacked: int = 8,
         watchdog_s: float = 60.0,
         heartbeat_s: float | None = None,
@@ -419,7 +431,7 @@ class _Core:
         if watchdog_s <= 0:
             raise ValueError("watchdog_s must be positive")
         self.base_url = base_url.rstrip("/")
-        self.consumer = consumer
+        self.consumer = consumer or default_consumer_name()
         self.max_unacked = max_unacked
         self.watchdog_s = watchdog_s
         # Heartbeats must come well inside the watchdog, or an idle but healthy sampler
@@ -458,13 +470,27 @@ class _Core:
     def _retry_delay(self, backoff: _Backoff, last_seen: float) -> float:
         return min(backoff.next(), max(self.watchdog_s - (time.monotonic() - last_seen), 0.0))
 
-    @staticmethod
-    def _refused(response: httpx.Response) -> SamplerHTTPError:
-        """A stream refused with a status: transient ones are returned (retry), others raised."""
+    def _refused(self, response: httpx.Response, busy_since: float | None) -> SamplerHTTPError:
+        """A stream refused with a status: transient ones are returned (retry), others raised.
+
+        `consumer_busy` (409) is transient for 2 heartbeats + 5 s since it was first seen:
+        after a lost connection the server may not have let go of the old stream yet.
+        """
         error = _http_error(response)
-        if response.status_code not in _TRANSIENT:
-            raise error
-        return error
+        if response.status_code in _TRANSIENT:
+            return error
+        if error.code == "consumer_busy" and (
+            busy_since is None or time.monotonic() - busy_since < 2 * self.heartbeat_s + 5.0
+        ):
+            return error
+        raise error
+
+    @staticmethod
+    def _busy_since(error: Any, busy_since: float | None) -> float | None:
+        """When the current run of `consumer_busy` refusals began, or None if not in one."""
+        if getattr(error, "code", None) != "consumer_busy":
+            return None
+        return busy_since if busy_since is not None else time.monotonic()
 
     def _message(self, msg: Any) -> Group | None:
         """A group to hand on, or None (a heartbeat or an unknown message type)."""
@@ -474,12 +500,9 @@ class _Core:
         if kind == "heartbeat":
             self.last_heartbeat = Heartbeat.model_validate(msg)
             beat = self.last_heartbeat
-            if (
-                beat.engine_error
-                and not beat.ready
-                and not beat.active_prompts
-                and beat.leased <= beat.unacked
-            ):
+            # Only what this consumer can still receive counts: groups leased to other
+            # consumers may never come back to READY (or only when their lease expires).
+            if beat.engine_error and not beat.ready and not beat.active_prompts:
                 raise EngineFailed(
                     f"sampler at {self.base_url}: engine failed: {beat.engine_error}"
                 )
@@ -647,6 +670,7 @@ class SamplerClient(_Core):
         params = self._stream_params(max_unacked, consumer)
         last_seen = time.monotonic()  # last heartbeat or group, or the caller's return
         backoff, attempts, error = _Backoff(*self.backoff_s), 0, None
+        busy_since: float | None = None
         while True:
             remaining = self.watchdog_s - (time.monotonic() - last_seen)
             if remaining <= 0:
@@ -662,8 +686,10 @@ class SamplerClient(_Core):
                 ) as response:
                     if response.status_code >= 400:
                         response.read()
-                        error = self._refused(response)
+                        error = self._refused(response, busy_since)
+                        busy_since = self._busy_since(error, busy_since)
                     else:
+                        busy_since = None
                         self.connections += 1
                         decoder = _decoder(response)
                         for chunk in response.iter_bytes():
@@ -835,6 +861,7 @@ class AsyncSamplerClient(_Core):
         params = self._stream_params(max_unacked, consumer)
         last_seen = time.monotonic()
         backoff, attempts, error = _Backoff(*self.backoff_s), 0, None
+        busy_since: float | None = None
         while True:
             remaining = self.watchdog_s - (time.monotonic() - last_seen)
             if remaining <= 0:
@@ -850,8 +877,10 @@ class AsyncSamplerClient(_Core):
                 ) as response:
                     if response.status_code >= 400:
                         await response.aread()
-                        error = self._refused(response)
+                        error = self._refused(response, busy_since)
+                        busy_since = self._busy_since(error, busy_since)
                     else:
+                        busy_since = None
                         self.connections += 1
                         decoder = _decoder(response)
                         async for chunk in response.aiter_bytes():

@@ -84,13 +84,21 @@ class Heartbeat(_Wire):
     engine_error: str | None = Field(
         None, description="set once the engine has failed: no new groups will come"
     )
+    closing: bool = Field(False, description="the sampler is shutting down; this stream ends")
     engine_state: str | None = Field(
         None,
         description="ok, degraded (no engine replica serving now, one recovering) or failed",
     )
 
 
-class AckRequest(_Wire):
+class _Request(BaseModel):
+    """A request body: unknown keys are errors and values are taken literally (no "3" for
+    3, no true for 1, no NaN or infinity), as the live config is."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class AckRequest(_Request):
     delivery_ids: list[str] = Field(max_length=100_000)
 
 
@@ -99,7 +107,7 @@ class AckResponse(_Wire):
     unknown: int
 
 
-class LeaseRequest(_Wire):
+class LeaseRequest(_Request):
     max_groups: int = Field(8, ge=1, le=100_000)
     wait_s: float = Field(0.0, ge=0.0, le=300.0)
     consumer: str = Field("lease", min_length=1, max_length=200)
@@ -111,7 +119,7 @@ class LeaseResponse(_Wire):
     expires_at: float
 
 
-class WeightsLoadRequest(_Wire):
+class WeightsLoadRequest(_Request):
     path: str = Field(min_length=1)
     version: int = Field(ge=0)
 
@@ -129,6 +137,10 @@ class Health(_Wire):
     policy_version: int
     uptime_s: float
     engine_error: str | None = None
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="what works badly while the sampler still serves (verifier or engine errors)",
+    )
     auth_required: bool = Field(False, description="whether /v1/* needs an API key")
     replicas: list[dict[str, Any]] | None = Field(
         None, description="per engine replica: state, pid, policy_version, restarts, ..."

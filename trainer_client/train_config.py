@@ -56,7 +56,10 @@ class TrainConfig(BaseModel):
     sync_every: int = Field(1, ge=1, description="push weights to the sampler every N steps")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: final only)")
     device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1, ...)")
-    consumer: str = Field("trainer", description="stream consumer name (one per trainer)")
+    consumer: str | None = Field(
+        None,
+        description="stream consumer name, one per trainer (none: <host>-<pid>-<6 hex>)",
+    )
     api_key: str | None = Field(
         default_factory=lambda: os.environ.get("ADAPTIVE_ROLLOUT_API_KEY"),
         description="bearer key for the sampler (default: env ADAPTIVE_ROLLOUT_API_KEY)",

@@ -217,12 +217,17 @@ class EngineProcess(Backend):
         )
         for future in self._calls.values():
             if not future.done():
-                future.set_exception(self._failure)
+                future.set_exception(self._failed())
         self._calls.clear()
+
+    def _failed(self) -> EngineProcessDied:
+        """A fresh exception per failed call: re-raising one instance would grow its
+        traceback on every raise."""
+        return EngineProcessDied(str(self._failure))
 
     async def _call(self, method: str, *args: Any) -> Any:
         if self._failure is not None:
-            raise self._failure
+            raise self._failed()
         call_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future

@@ -154,10 +154,13 @@ class RayPoolBackend(Backend):
         factory: Callable[[], Backend],
         settings: PoolSettings,
         metrics: Metrics | None = None,
+        on_state_change: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self._factory = factory
         self.settings = settings
         self.metrics = metrics or Metrics()
+        # Told every replica state change (its detail plus `previous`), for the event log.
+        self._on_state_change = on_state_change
         self._replicas: list[_Replica] = []
         self._queue: deque[tuple[int, int, asyncio.Future[_Replica]]] = deque()
         self._affinity: OrderedDict[int, int] = OrderedDict()
@@ -284,7 +287,7 @@ class RayPoolBackend(Backend):
 
     # -- state ------------------------------------------------------------------------
     def _set_state(self, rep: _Replica, state: ReplicaState) -> None:
-        rep.state = state
+        previous, rep.state = rep.state, state
         if state == "ok":
             rep.last_ok = time.monotonic()
             rep.error = None
@@ -292,6 +295,8 @@ class RayPoolBackend(Backend):
         for s in _STATES:
             self.metrics.replica_state.labels(label, s).set(1.0 if s == state else 0.0)
         self.metrics.replica_policy_version.labels(label).set(rep.version)
+        if previous != state and self._on_state_change is not None:
+            self._on_state_change({**rep.detail(), "previous": previous})
         self._dispatch()
 
     def _routable(self, rep: _Replica) -> bool:

@@ -120,7 +120,8 @@ def vet_weight_file(
     `source` is the uploaded bytes, a `.safetensors` file, or a Hugging Face checkpoint
     directory (every `*.safetensors` shard in it). Raises WeightsRejected, naming the
     tensor where there is one, for: not safetensors, a truncated file, a tensor name the
-    model lacks, a wrong shape, a non-floating dtype mismatch, or no tensors at all.
+    model lacks, a wrong shape, a non-floating dtype mismatch, a non-finite value, or no
+    tensors at all.
     A subset of the model's tensors is accepted (a partial update). Tensors keep their
     file dtype; the backend casts floating ones to its own dtype when loading.
     """
@@ -149,8 +150,16 @@ def vet_weight_files(
 
 
 def _nonempty(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors, refused when there are none or one holds NaN or an infinity.
+
+    Non-finite weights would load, then make every generation fail while the old
+    weights, which still work, are gone.
+    """
     if not tensors:
         raise WeightsRejected("the weight file holds no tensors")
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise WeightsRejected(f"tensor {name!r}: holds NaN or infinite values")
     return tensors
 
 

@@ -8,7 +8,11 @@ enforces a time limit; a verifier that raises or hangs yields reward 0 and a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+#: How a verification ended: a reward, a verifier error (an exception or a bad value),
+#: a time-out, a crashed worker, or not run at all because the spec's breaker is open.
+VerdictKind = Literal["ok", "error", "timeout", "crash", "unavailable"]
 
 
 class VerifierFn(Protocol):
@@ -20,3 +24,4 @@ class Verdict:
     reward: float
     error: str | None = None
     seconds: float = 0.0
+    kind: VerdictKind = "ok"

@@ -16,6 +16,7 @@ nothing of the server (torch, the model, the event loop) is inherited.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import multiprocessing
 import numbers
@@ -31,7 +32,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Literal, NamedTuple
 
 from sampler_service.verifiers import BUILTIN, resolve
-from sampler_service.verifiers.base import Verdict
+from sampler_service.verifiers.base import Verdict, VerdictKind
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,15 @@ _PRELOAD = [__name__, *(target.partition(":")[0] for target in BUILTIN.values())
 _READY = "ready"
 _BOOT_TIMEOUT_S = 60.0
 _MAX_ERROR_CHARS = 500
+# A spec whose recent calls failed this often gets a warning in /health and /v1/stats.
+_ERROR_WINDOW, _ERROR_SHARE, _ERROR_MIN_CALLS = 200, 0.5, 20
+# A spec with this share of time-outs over its last calls is not called for a while: a
+# verifier that hangs on some answers would otherwise hold every worker most of the time.
+_TIMEOUT_WINDOW, _TIMEOUT_SHARE, _TIMEOUT_MIN = 50, 0.2, 2
+BREAKER_OPEN_S = 30.0
 
-Request = tuple[str, str, str, dict[str, Any] | None]
+# (spec, response, answer, metadata); a response of None asks only to resolve the spec.
+Request = tuple[str, str | None, str, dict[str, Any] | None]
 
 
 class _Outcome(NamedTuple):
@@ -56,13 +64,45 @@ class _Outcome(NamedTuple):
 
 @dataclass
 class VerifierStats:
-    """Running totals for metrics export. `errors` counts failures other than timeouts."""
+    """Running totals for metrics export. `errors` counts failures other than timeouts
+    and crashes, which have their own counts."""
 
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
+    crashes: int = 0
+    unavailable: int = 0  # calls refused while a spec's breaker was open
     restarts: int = 0  # workers replaced after a timeout or a crash
     seconds_total: float = 0.0
+
+
+class _SpecHealth:
+    """Recent outcomes of one verifier spec: its error rate, time-outs and breaker."""
+
+    def __init__(self, half_workers: int) -> None:
+        self.outcomes: collections.deque[VerdictKind] = collections.deque(maxlen=_ERROR_WINDOW)
+        self.slots = asyncio.Semaphore(half_workers)
+        self.open_until = 0.0
+
+    def recent_timeouts(self) -> int:
+        recent = list(self.outcomes)[-_TIMEOUT_WINDOW:]
+        return sum(kind == "timeout" for kind in recent)
+
+    def record(self, kind: VerdictKind, now: float) -> bool:
+        """Add an outcome; True if it opened the breaker."""
+        self.outcomes.append(kind)
+        window = min(len(self.outcomes), _TIMEOUT_WINDOW)
+        timeouts = self.recent_timeouts()
+        if kind == "timeout" and timeouts >= max(_TIMEOUT_MIN, _TIMEOUT_SHARE * window):
+            self.open_until = now + BREAKER_OPEN_S
+            self.outcomes.clear()  # judged afresh once the breaker closes
+            return True
+        return False
+
+    def error_share(self) -> float | None:
+        if len(self.outcomes) < _ERROR_MIN_CALLS:
+            return None
+        return sum(kind != "ok" for kind in self.outcomes) / len(self.outcomes)
 
 
 def run_verifier(
@@ -79,6 +119,15 @@ def run_verifier(
     return float(value), None
 
 
+def resolve_error(spec: str) -> tuple[float, str | None]:
+    """(0, None) if `spec` names a callable verifier, else (0, why not)."""
+    try:
+        fn = resolve(spec)
+    except Exception as exc:  # noqa: BLE001 - user code: any import failure is reported
+        return 0.0, f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
+    return 0.0, None if callable(fn) else f"{spec} is not callable"
+
+
 def _worker_main(conn: Connection, sys_path: list[str]) -> None:
     """Worker process: answer requests until the parent closes the pipe."""
     sys.path[:] = sys_path  # so python:module:function resolves as in the server
@@ -90,7 +139,7 @@ def _worker_main(conn: Connection, sys_path: list[str]) -> None:
             request: Request = conn.recv()
         except EOFError:
             return
-        conn.send(run_verifier(*request))
+        conn.send(resolve_error(request[0]) if request[1] is None else run_verifier(*request))
 
 
 class _Worker:
@@ -186,21 +235,73 @@ class VerifierPool:
         # Each busy worker is driven by one thread blocked on its pipe, off the event loop.
         self._threads = ThreadPoolExecutor(max_workers, thread_name_prefix="verifier")
         self._closed = False
+        self._half_workers = max(1, max_workers // 2)
+        self._specs: dict[str, _SpecHealth] = {}
 
     def worker_pids(self) -> list[int | None]:
         """Process ids of the workers (None for one not started yet or just killed)."""
         return [worker.pid for worker in self._workers]
+
+    def _health(self, spec: str) -> _SpecHealth:
+        if spec not in self._specs:
+            self._specs[spec] = _SpecHealth(self._half_workers)
+        return self._specs[spec]
+
+    def warnings(self) -> list[str]:
+        """One line per spec with a high error rate or an open breaker."""
+        out = []
+        now = time.monotonic()
+        for spec, health in self._specs.items():
+            if health.open_until > now:
+                out.append(
+                    f"verifier {spec}: too many time-outs, not called for "
+                    f"{health.open_until - now:.0f} s (its prompts are dropped)"
+                )
+            share = health.error_share()
+            if share is not None and share >= _ERROR_SHARE:
+                out.append(
+                    f"verifier {spec}: {share:.0%} of its last {len(health.outcomes)} calls failed"
+                )
+        return out
+
+    async def check(self, spec: str) -> str | None:
+        """Why `spec` cannot be resolved, or None; resolved in a worker, as verify does."""
+        if spec in INLINE:
+            return resolve_error(spec)[1]
+        worker = await self._idle.get()
+        try:
+            outcome = await asyncio.get_running_loop().run_in_executor(
+                self._threads, worker.call, (spec, None, "", None), _BOOT_TIMEOUT_S
+            )
+        finally:
+            self._release(worker)
+        return outcome.error
 
     async def verify(
         self, spec: str, response: str, answer: str, metadata: dict[str, Any] | None = None
     ) -> Verdict:
         if self._closed:
             raise RuntimeError("verifier pool is closed")
+        health = self._health(spec)
         if spec in INLINE:
             started = time.perf_counter()
             reward, error = run_verifier(spec, response, answer, metadata)
             outcome = _Outcome(reward, error, "ok" if error is None else "error")
             return self._record(spec, outcome, time.perf_counter() - started)
+        if health.open_until > time.monotonic():
+            self.stats.unavailable += 1
+            return Verdict(
+                0.0, f"verifier {spec} is not called: too many time-outs", kind="unavailable"
+            )
+        if health.recent_timeouts():
+            # A spec that has hung lately holds at most half the workers.
+            async with health.slots:
+                return await self._verify_in_worker(spec, response, answer, metadata)
+        return await self._verify_in_worker(spec, response, answer, metadata)
+
+    async def _verify_in_worker(
+        self, spec: str, response: str, answer: str, metadata: dict[str, Any] | None
+    ) -> Verdict:
         worker = await self._idle.get()
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
@@ -227,12 +328,20 @@ class VerifierPool:
         stats.seconds_total += seconds
         if outcome.kind == "timeout":
             stats.timeouts += 1
+        elif outcome.kind == "crash":
+            stats.crashes += 1
         elif outcome.error is not None:
             stats.errors += 1
         if outcome.kind in ("timeout", "crash"):
             stats.restarts += 1
             log.warning("verifier %s: %s", spec, outcome.error)
-        return Verdict(reward=outcome.reward, error=outcome.error, seconds=seconds)
+        if self._health(spec).record(outcome.kind, time.monotonic()):
+            log.warning(
+                "verifier %s: too many time-outs; not called for %.0f s", spec, BREAKER_OPEN_S
+            )
+        return Verdict(
+            reward=outcome.reward, error=outcome.error, seconds=seconds, kind=outcome.kind
+        )
 
     def close(self) -> None:
         """Kill every worker. Calls in progress return an error verdict; later ones raise."""

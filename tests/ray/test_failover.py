@@ -116,3 +116,14 @@ def test_kill_and_hang_of_a_replica_lose_nothing(make_sampler) -> None:
     wasted = sampler.metric("replica_wasted_samples_total")
     assert reissued >= 2 and wasted >= reissued
     assert sampler.health()["status"] == "ok"
+    # The event log tells each replica's way down and back up.
+    with sampler.client() as http:
+        events = http.get("/v1/events", params={"limit": 10000}).json()["events"]
+    for rep in (victim, hung):
+        changes = [
+            (e["data"]["previous"], e["data"]["state"])
+            for e in events
+            if e["kind"] == "replica" and e["data"]["replica"] == rep["replica"]
+        ]
+        assert any(old == "ok" and new != "ok" for old, new in changes), changes
+        assert changes and changes[-1][1] == "ok", changes

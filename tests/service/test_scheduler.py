@@ -296,10 +296,10 @@ async def test_weight_drain_timeout_aborts_waves_still_running(toy, backend, cap
     scheduler.start()
     try:
         async with asyncio.timeout(60):
-            while not scheduler._in_flight:  # noqa: SLF001
+            while not scheduler._in_flight:
                 await asyncio.sleep(0)
         async with scheduler.paused_for_weights():
-            assert scheduler._in_flight == 0  # noqa: SLF001
+            assert scheduler._in_flight == 0
         seen = len(sink.groups())
         async with asyncio.timeout(60):
             while len(sink.groups()) < seen + 4:

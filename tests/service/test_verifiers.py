@@ -102,7 +102,9 @@ async def test_failing_verifier_scores_zero_and_the_pool_goes_on(
     verdict = await pool.verify(T + name, "42", "42")
     assert verdict.reward == 0.0
     assert verdict.error is not None and verdict.error.startswith(error)
-    assert pool.stats.errors == 1 and pool.stats.timeouts == 0
+    crashed = name == "exit_process"  # a dead worker is a crash, counted apart from errors
+    assert (pool.stats.errors, pool.stats.crashes) == (int(not crashed), int(crashed))
+    assert verdict.kind == ("crash" if crashed else "error") and pool.stats.timeouts == 0
     assert (await pool.verify("math", "42", "42")).reward == 1.0
 
 
@@ -139,3 +141,35 @@ async def test_close_ends_calls_in_progress(pool: VerifierPool) -> None:
     assert verdict.reward == 0.0 and verdict.error is not None
     with pytest.raises(RuntimeError):
         await pool.verify("exact", "1", "1")
+
+
+async def test_specs_are_checked_in_a_worker(pool: VerifierPool) -> None:
+    assert await pool.check("math") is None
+    assert await pool.check(T + "fail") is None
+    assert "no_such_module_here" in (await pool.check("python:no_such_module_here:fn") or "")
+    assert "missing" in (await pool.check(T + "missing") or "")
+    assert "unknown verifier" in (await pool.check("nope") or "")
+
+
+async def test_a_hanging_spec_opens_its_breaker_and_others_go_on() -> None:
+    """Time-outs past the share open the spec's breaker: its calls are refused at once
+    (kind "unavailable", so the scheduler drops the prompt) and /health is warned;
+    another spec is not affected."""
+    pool = VerifierPool(max_workers=2, timeout_s=0.3)
+    try:
+        verdicts = [await pool.verify(T + "hang", "1", "1") for _ in range(2)]
+        assert [v.kind for v in verdicts] == ["timeout", "timeout"]
+        refused = await pool.verify(T + "hang", "1", "1")
+        assert refused.kind == "unavailable" and refused.reward == 0.0
+        assert pool.stats.unavailable == 1 and pool.stats.timeouts == 2
+        assert any(T + "hang" in w and "time-outs" in w for w in pool.warnings())
+        assert (await pool.verify("math", "2", "2")).reward == 1.0
+    finally:
+        pool.close()
+
+
+async def test_a_spec_that_mostly_fails_is_warned_about(pool: VerifierPool) -> None:
+    for _ in range(20):
+        await pool.verify(T + "fail", "1", "1")
+    assert any(T + "fail" in w and "100%" in w for w in pool.warnings())
+    assert not any("math" in w for w in pool.warnings())

@@ -316,3 +316,29 @@ def test_failed_nccl_receive_keeps_the_previous_weights(engines: Engines) -> Non
     for a, b in zip(before, after, strict=True):
         assert a[0].token_ids == b[0].token_ids
         assert _max_diff(a[0].logprobs, b[0].logprobs) <= LOGPROB_TOL
+
+
+class _RefusingPrefixCache:
+    """An engine front whose prefix-cache reset is refused, as vLLM refuses on a GPU while
+    running requests hold cached blocks (vLLM on CPU always succeeds, so this cannot be
+    provoked here with the real engine)."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.calls: list[bool] = []
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.calls.append(reset_running_requests)
+        return len(self.calls) > self.refusals
+
+
+def test_prefix_cache_reset_is_checked_and_retried() -> None:
+    from sampler_service.backends.vllm import _reset_prefix_cache
+
+    once = _RefusingPrefixCache(refusals=1)
+    asyncio.run(_reset_prefix_cache(once))
+    assert once.calls == [False, True]  # retried, preempting running requests
+
+    always = _RefusingPrefixCache(refusals=2)
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        asyncio.run(_reset_prefix_cache(always))

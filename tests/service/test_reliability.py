@@ -1,0 +1,253 @@
+"""Faults a reliability review found: each test drives the real server as a subprocess
+(toy model, real SQLite) through the input or failure that once froze or misled it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import torch
+from safetensors.torch import save
+from transformers import AutoModelForCausalLM
+
+from trainer_client.client import ConflictError, EngineFailed, SamplerClient
+
+pytestmark = pytest.mark.timeout(300)
+
+FIXED = {"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2}
+
+
+def _lease(c: httpx.Client, n: int, consumer: str, wait_s: float = 30.0) -> list[dict]:
+    r = c.post("/v1/groups/lease", json={"max_groups": n, "wait_s": wait_s, "consumer": consumer})
+    assert r.status_code == 200, r.text
+    return r.json()["groups"]
+
+
+def _error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, (r.status_code, r.text)
+    return r.json()["error"]
+
+
+def _engine_pid(c: httpx.Client) -> int:
+    return c.get("/v1/stats").json()["engine"]["engine_pid"]
+
+
+def _wait_for(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_unbounded_and_non_finite_config_is_refused(make_server) -> None:
+    """A billion active prompts once froze the event loop (PATCH never answered); lax
+    parsing let "nan", "inf", true and "3" in. Each now gets 422 naming the field, and
+    the config that serves is unchanged."""
+    server = make_server()
+    with server.client(timeout=30.0) as c:
+        before = c.get("/v1/config").json()
+        refused = {
+            "max_active_prompts": 1_000_000_000,
+            "cohort_size": 1_000_000_000,
+            "n_max": 100_000,
+            "positive_threshold": "nan",
+            "temperature": "inf",
+            "lease_ttl_s": "inf",
+            "k_pos": True,
+            "max_tokens": 100_000,  # the toy model's context is 64 tokens
+            "top_p": "1",
+        }
+        for key, value in refused.items():
+            err = _error(c.patch("/v1/config", json={key: value}), 422)
+            assert err["field"] == key, (key, err)
+        err = _error(c.patch("/v1/config", json={"config_version": None, "k_pos": 1}), 422)
+        assert err["field"] == "config_version"
+        # The event loop keeps answering while admission fills a large window.
+        r = c.patch("/v1/config", json={"max_active_prompts": 4096})
+        assert r.status_code == 200, r.text
+        assert c.get("/health").json()["status"] == "ok"
+        after = c.get("/v1/config").json()
+        assert after["positive_threshold"] == before["positive_threshold"]
+        assert after["lease_ttl_s"] == before["lease_ttl_s"]
+        # /metrics has no doubled _created series, and passes promtool where it is installed
+        # (Debian's prometheus package).
+        metrics = c.get("/metrics").text
+        assert "_created" not in metrics
+        promtool = shutil.which("promtool")
+        if promtool:
+            lint = subprocess.run(
+                [promtool, "check", "metrics"], input=metrics, capture_output=True, text=True
+            )
+            assert lint.returncode == 0, lint.stdout + lint.stderr
+        # Request bodies: unknown keys and coerced types are refused too.
+        for path, body, field in (
+            ("/v1/groups/lease", {"max_groups": "3"}, "max_groups"),
+            ("/v1/groups/lease", {"max_groups": 1, "bogus": 1}, "bogus"),
+            ("/v1/groups/lease", {"wait_s": True}, "wait_s"),
+            ("/v1/groups/ack", {"delivery_ids": [], "extra": 1}, "extra"),
+            ("/v1/weights/load", {"path": "x", "version": 1, "force": True}, "force"),
+            ("/v1/weights/load", {"path": "x", "version": "7"}, "version"),
+        ):
+            err = _error(c.post(path, json=body), 422)
+            assert err["field"] == field, (path, body, err)
+
+
+def test_one_live_stream_per_name_and_lease_names_apart(make_server) -> None:
+    """Two streams under one name once replaced each other (both trained on the same
+    groups), and a stream under a lease caller's name released that caller's lease."""
+    server = make_server(FIXED)
+    with server.client() as c:
+        held = _lease(c, 2, consumer="shared")
+        assert held
+        params = {"consumer": "shared", "max_unacked": 1}
+        with c.stream("GET", "/v1/groups/stream", params=params) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: dropping the iterator closes the stream
+            next(lines)  # the first heartbeat: the stream is live
+            err = _error(c.get("/v1/groups/stream", params=params), 409)
+            assert err["code"] == "consumer_busy"
+            # The client retries consumer_busy briefly, then reports the conflict.
+            with (
+                SamplerClient(server.url, consumer="shared", heartbeat_s=0.5) as client,
+                pytest.raises(ConflictError, match="live stream"),
+            ):
+                next(client.groups())
+        # The stream named "shared" came and went: the lease of that name still holds.
+        others = _lease(c, 4, consumer="other")
+        assert {g["group_id"] for g in others}.isdisjoint(g["group_id"] for g in held)
+        stats = c.get("/v1/stats").json()["queue"]
+        assert stats["leased"] >= len(held)
+    names = {SamplerClient(server.url).consumer for _ in range(3)}
+    assert len(names) == 3
+    assert all(re.fullmatch(rf".+-{os.getpid()}-[0-9a-f]{{6}}", n) for n in names)
+
+
+def test_a_bad_verifier_spec_stops_start_up(make_server, toy, tmp_path: Path) -> None:
+    """A verifier that cannot be imported once started ready and scored every answer 0."""
+    with pytest.raises(RuntimeError, match="nonexistent_mod") as info:
+        make_server(extra=["--verifier", "python:nonexistent_mod:fn"], name="flag")
+    assert "--verifier" in str(info.value)
+    rows = [json.loads(line) for line in toy.data_files[0].read_text().splitlines()[:3]]
+    rows[1]["verifier"] = "python:flaky_verifiers:no_such_function"
+    data = tmp_path / "named.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(RuntimeError, match="no_such_function") as info:
+        make_server(data=[data], name="row")
+    assert "prompt" in str(info.value)
+
+
+def _toy_weights(toy: Any, scale: float | None) -> bytes:
+    model = AutoModelForCausalLM.from_pretrained(toy.model_dir, dtype=torch.float32)
+    tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if scale is None:
+        for tensor in tensors.values():
+            tensor.fill_(float("nan"))
+    return save(tensors)
+
+
+def test_non_finite_weights_and_a_dead_engine(make_server, toy) -> None:
+    """All-NaN weights were accepted (200); with a dead engine weight calls answered 500
+    and reset the connection; EngineFailed waited for other consumers' leases to expire."""
+    server = make_server({**FIXED, "lease_ttl_s": 600.0})
+    with server.client() as c:
+        err = _error(c.put("/v1/weights?version=1", content=_toy_weights(toy, None)), 422)
+        assert err["code"] == "weights_rejected" and "NaN" in err["message"]
+        assert c.get("/health").json()["policy_version"] == 0
+        hog = _lease(c, 2, consumer="hog")  # held, never acked, for 600 s
+        assert hog
+        os.kill(_engine_pid(c), signal.SIGKILL)
+        _wait_for(lambda: c.get("/health").json()["status"] == "engine_failed", "engine_failed")
+        weights = _toy_weights(toy, 1.0)
+        for _ in range(2):  # the keep-alive connection survives the refusal
+            err = _error(c.put("/v1/weights?version=2", content=weights), 503)
+            assert err["code"] == "engine_failed"
+        err = _error(
+            c.post("/v1/weights/load", json={"path": str(toy.model_dir), "version": 2}), 503
+        )
+        assert err["code"] == "engine_failed"
+        assert c.get("/health").status_code == 200
+    outcome: list[BaseException | None] = []
+
+    def consume() -> None:
+        with SamplerClient(server.url, consumer="after", heartbeat_s=0.5, watchdog_s=60) as cl:
+            try:
+                for group in cl.groups():
+                    cl.ack([group])
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                outcome.append(exc)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    thread.join(timeout=3 * 60 + 30)  # the client's watchdog is 60 s
+    assert outcome, "the client kept waiting on another consumer's lease"
+    assert isinstance(outcome[0], EngineFailed), repr(outcome[0])
+
+
+def test_sigterm_with_an_open_stream_stops_within_the_bound(make_server) -> None:
+    """SIGTERM once left the server running as long as a stream stayed open."""
+    timeout_s = 10.0
+    server = make_server(FIXED, extra=["--shutdown-timeout-s", str(timeout_s)])
+    messages: list[dict] = []
+    with (
+        server.client() as c,
+        c.stream("GET", "/v1/groups/stream", params={"consumer": "open"}) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        messages.append(orjson.loads(next(lines)))
+        server.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        messages.extend(orjson.loads(line) for line in lines if line)
+    assert messages[-1]["type"] == "heartbeat" and messages[-1]["closing"] is True
+    try:
+        server.proc.wait(timeout=3 * timeout_s + 30 - (time.monotonic() - sent))
+    except subprocess.TimeoutExpired:
+        pytest.fail("the server was still running past the shutdown bound")
+    # uvicorn re-raises the SIGTERM it handled once it is done; 1 would be the forced exit.
+    assert server.proc.returncode in (0, -signal.SIGTERM)
+
+
+def test_a_hanging_verifier_is_cut_off_and_crashes_are_counted(make_server, toy, tmp_path) -> None:
+    """A verifier hanging on some answers once held every worker: throughput fell ~100x.
+    Its breaker opens, its prompts are dropped (not emitted as negatives), /health warns;
+    a verifier that kills its worker is counted as a crash, not an error."""
+    rows = [json.loads(line) for line in toy.data_files[0].read_text().splitlines()]
+    half = len(rows) // 2
+    for row in rows[:half]:
+        row["verifier"] = "python:flaky_verifiers:hangs_often"
+    for row in rows[half:]:
+        row["verifier"] = "python:flaky_verifiers:crashes"
+    data = tmp_path / "flaky.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    server = make_server(
+        {**FIXED, "group_size": 4, "n_max": 4, "wave_size": 4},
+        data=[data],
+        extra=["--verifier-timeout-s", "1", "--verifier-workers", "2"],
+    )
+    with server.client() as c:
+
+        def cut_off() -> bool:
+            stats = c.get("/v1/stats").json()
+            return stats["dropped"].get("verifier_unavailable", 0) > 0
+
+        _wait_for(cut_off, "prompts dropped as verifier_unavailable", timeout_s=240)
+        health = c.get("/health").json()
+        assert any("hangs_often" in w and "time-outs" in w for w in health["warnings"])
+        groups = _lease(c, 64, consumer="check", wait_s=0.0)
+        for group in groups:
+            errors = [s["verifier_error"] or "" for s in group["samples"]]
+            assert not any("not called" in e for e in errors), errors
+        _wait_for(lambda: c.get("/v1/stats").json()["verifiers"]["crashes"] > 0, "a counted crash")
+        text = c.get("/metrics").text
+        assert re.search(r'verifier_errors_total\{kind="crash"\} [1-9]', text), text
