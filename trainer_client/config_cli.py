@@ -6,8 +6,8 @@ Booleans get `--x/--no-x`; list fields repeat the flag; dict fields take KEY=VAL
 The parsed flags build and validate the model, so a bad value is a usage error that
 names the flag, never a traceback from deep inside a run.
 
-Only flags the user gave reach the model; everything else keeps the model's own default,
-which is therefore stated once, in the model.
+Each default is stated once, in the model: the parser copies it (tools that read the
+parser see it), and defaults built by a factory are left for the model to build.
 
 Lives on the trainer side (which depends on pydantic alone) so that both `serve` and
 `train` can use it without the trainer importing the server.
@@ -93,7 +93,11 @@ def add_model_arguments(
         flag = flag_name(name, info)
         shown = _shown_default(info)
         help_text = " ".join(filter(None, [info.description, f"({shown})" if shown else ""]))
-        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        # The parser's default is the model's, so tools reading the parser see the truth;
+        # a default built by a factory (an environment variable, a fresh list) is left to
+        # the model, and so is anything not given.
+        default = argparse.SUPPRESS if info.default is PydanticUndefined else info.default
+        kw: dict[str, Any] = {"dest": name, "default": default, "help": help_text}
         if info.is_required():  # a missing one is a usage error at parse time, as usual
             kw["required"] = True
         annotation = _unwrap_optional(info.annotation)
