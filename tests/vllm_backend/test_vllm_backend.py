@@ -342,3 +342,18 @@ def test_prefix_cache_reset_is_checked_and_retried() -> None:
     always = _RefusingPrefixCache(refusals=2)
     with pytest.raises(RuntimeError, match="prefix cache"):
         asyncio.run(_reset_prefix_cache(always))
+
+
+def test_cuda_engine_args_leave_room_for_a_trainer(toy, monkeypatch) -> None:
+    """On a GPU vLLM would take 0.92 of the memory by default; the backend's default leaves
+    room for a trainer on the same GPU, and a user's value still wins."""
+    from vllm.platforms import current_platform
+
+    from sampler_service.backends.vllm import VLLMBackend
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda self: True)
+    args = VLLMBackend(toy.model_dir).build_engine_args()
+    assert args["gpu_memory_utilization"] <= 0.5
+    mine = VLLMBackend(toy.model_dir, gpu_memory_utilization=0.8)
+    assert mine.build_engine_args()["gpu_memory_utilization"] == 0.8
