@@ -1,6 +1,6 @@
 """Reinforce-Ada *Est*: a per-prompt pass-rate estimate and the budget it implies.
 
-Each prompt id keeps exponentially decayed counts (EMA with decay ``lambda``) of answers
+Each prompt id keeps exponentially decayed counts (EMA with decay ``decay``, the paper's lambda) of answers
 and correct answers; a Beta(alpha, beta) prior keeps the estimate away from 0 and 1 for
 rarely-seen prompts. Hard prompts (low p) get more answers: N_x proportional to
 1/sqrt(p_x), with the constant c chosen so that the dataset-wide mean budget is
@@ -32,11 +32,9 @@ class EstKnobs(Params):
     these defaults are ours. The only definition of them: the service's config, the
     estimator and the trainer-side checks all use this model. Every float is finite."""
 
-    model_config = ConfigDict(populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False)
 
-    decay: float = Field(
-        0.8, alias="lambda", gt=0.0, le=1.0, description="EMA decay of a prompt's counts"
-    )
+    decay: float = Field(0.8, gt=0.0, le=1.0, description="EMA decay (lambda) of a prompt's counts")
     alpha: float = Field(
         1.0, gt=0.0, le=1e6, description="Beta prior: pseudo-count of right answers"
     )

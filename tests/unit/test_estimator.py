@@ -121,7 +121,7 @@ def test_state_round_trip_through_json():
     ("params", "field"),
     [
         ({"lamda": 0.5}, "lamda"),
-        ({"lambda": 1.5}, "lambda"),
+        ({"decay": 1.5}, "decay"),
         ({"alpha": 0}, "alpha"),
         ({"eps": "small"}, "eps"),
         ({"mean_budget": 1}, "mean_budget"),
