@@ -256,7 +256,12 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
             "est.mean_budget",
         )
     try:
-        cfg.build_rule(estimator or cfg.build_estimator()).validate()
+        estimator = estimator or cfg.build_estimator()
+    except PolicyError as exc:
+        # The estimator's own checks name its knobs as the config does: est.<knob>.
+        raise ConfigError(str(exc), f"est.{exc.field}" if exc.field else "est") from exc
+    try:
+        cfg.build_rule(estimator).validate()
     except PolicyError as exc:
         raise ConfigError(str(exc), exc.field) from exc
     if cfg.batch_groups > cfg.max_buffered_groups:

@@ -31,9 +31,10 @@ class PolicyError(ValueError):
 
 
 class Params(BaseModel):
-    """Base of every parameter model: unknown keys and ill-typed values are errors."""
+    """Base of every parameter model: unknown keys, ill-typed values and non-finite floats
+    are errors."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class NoParams(Params):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Generator
@@ -35,6 +36,9 @@ from trainer_client.client import SamplerClient
 from trainer_client.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
+
+# Seconds between progress lines when stderr is not a terminal.
+PIPED_PROGRESS_INTERVAL_S = 30.0
 
 
 # -- the algorithm ------------------------------------------------------------------------
@@ -177,6 +181,8 @@ class GRPOTrainer:
             unit="step",
             disable=not cfg.progress,
             dynamic_ncols=True,
+            # Piped to a file, a bar redrawn 10 times a second is tens of KB of log lines.
+            mininterval=0.1 if sys.stderr.isatty() else PIPED_PROGRESS_INTERVAL_S,
         )
         deadline = time.monotonic() + cfg.time_limit_s if cfg.time_limit_s else math.inf
         with (cfg.out_dir / "train_log.jsonl").open("a") as log_file:

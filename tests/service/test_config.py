@@ -13,3 +13,19 @@ def test_frame_larger_than_the_buffer_is_refused() -> None:
         check_consistency(SamplerConfig(batch_groups=512, max_buffered_groups=256), ["a", "b"])
     assert info.value.field == "batch_groups"
     check_consistency(SamplerConfig(batch_groups=256, max_buffered_groups=256), ["a", "b"])
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        # under est, the config's own check
+        {"rule": "est", "n_max": 16, "est": {"mean_budget": 20.0}},
+        # under another rule the estimator still learns, and its own check fires
+        {"rule": "balanced", "est": {"n_min": 10, "mean_budget": 8.0}},
+    ],
+)
+def test_the_est_budget_check_names_one_field_whichever_check_fires(knobs) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_consistency(SamplerConfig(**knobs), ["a"])
+    assert info.value.field == "est.mean_budget"
+    assert "n_min <= mean_budget <= n_max" in str(info.value)

@@ -54,3 +54,12 @@ def test_every_policy_declares_its_scope():
         "token",
     ]
     assert mixing.build("tscl", domains=["a"]).scope == "domain"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_policy_parameters_are_refused(value):
+    """A NaN temperature would make every softmax weight NaN; it is a 422, not a run."""
+    with pytest.raises(PolicyError) as info:
+        reweighting.REWEIGHTINGS.build("softmax", temperature=value)
+    assert info.value.field == "temperature"
+    assert "finite" in str(info.value)
