@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -50,6 +51,10 @@ from sampler_service.backends.weights import (
 )
 
 log = logging.getLogger(__name__)
+
+#: Fault hook for tests (off unless set): a path; while that file exists every `generate`
+#: call fails, as an engine that keeps erroring would. The file's removal ends the fault.
+FAULT_ENGINE_ERRORS_ENV = "ADAPTIVE_ROLLOUT_FAULT_ENGINE_ERRORS"
 
 _T = TypeVar("_T")
 
@@ -289,6 +294,8 @@ class HFBackend(Backend):
     ) -> list[Completion]:
         self._require_running()
         check_request(prompt_token_ids, n, sampling, vocab_size=self._vocab_size)
+        if (hook := os.environ.get(FAULT_ENGINE_ERRORS_ENV)) and Path(hook).exists():
+            raise RuntimeError(f"fault hook: {FAULT_ENGINE_ERRORS_ENV} file {hook} exists")
         future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
         self._queue.append(_Request(list(prompt_token_ids), n, sampling, future))
         self._wakeup.set()

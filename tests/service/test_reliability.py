@@ -251,3 +251,36 @@ def test_a_hanging_verifier_is_cut_off_and_crashes_are_counted(make_server, toy,
         _wait_for(lambda: c.get("/v1/stats").json()["verifiers"]["crashes"] > 0, "a counted crash")
         text = c.get("/metrics").text
         assert re.search(r'verifier_errors_total\{kind="crash"\} [1-9]', text), text
+
+
+def test_engine_errors_warn_in_health_and_stats_until_they_stop(
+    make_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine failing most calls once left /health `ok` with no word of it: a persistent
+    error rate is a warning in /health and /v1/stats (the server stays ready, the engine
+    is alive) and the warning clears once calls succeed again."""
+    fault = tmp_path / "engine-errors"
+    fault.touch()
+    monkeypatch.setenv("ADAPTIVE_ROLLOUT_FAULT_ENGINE_ERRORS", str(fault))
+    server = make_server(FIXED)
+    with server.client() as c:
+
+        def engine_warnings(body: dict[str, Any]) -> list[str]:
+            return [w for w in body["warnings"] if w.startswith("engine:")]
+
+        _wait_for(lambda: engine_warnings(c.get("/health").json()), "an engine warning")
+        assert "fault hook" in engine_warnings(c.get("/health").json())[0]
+        assert engine_warnings(c.get("/v1/stats").json())
+        assert c.get("/ready").status_code == 200
+        fault.unlink()
+
+        def cleared() -> bool:
+            # Acking keeps admission open, so successful engine calls keep coming.
+            got = _lease(c, 64, consumer="t", wait_s=0.0)
+            if got:
+                c.post("/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in got]})
+            return not engine_warnings(c.get("/health").json())
+
+        _wait_for(cleared, "the engine warning to clear", timeout_s=3 * 60 + 30)
+        assert not engine_warnings(c.get("/v1/stats").json())
+        assert c.get("/health").json()["status"] == "ok"
