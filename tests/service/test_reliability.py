@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -284,3 +286,53 @@ def test_engine_errors_warn_in_health_and_stats_until_they_stop(
         _wait_for(cleared, "the engine warning to clear", timeout_s=3 * 60 + 30)
         assert not engine_warnings(c.get("/v1/stats").json())
         assert c.get("/health").json()["status"] == "ok"
+
+
+def test_a_stalled_stream_is_dropped_and_its_groups_redelivered(make_server) -> None:
+    """A consumer that stops reading without closing its connection would hold its name
+    (409 to its own reconnect) and its groups until their leases expire: once its socket
+    has taken no message for 2 heartbeats the server drops the stream, frees the name and
+    makes its groups READY again."""
+    heartbeat_s = 0.5
+    # Large groups and room for many: the stalled socket's buffers fill quickly.
+    server = make_server(
+        {**FIXED, "group_size": 8, "n_max": 8, "wave_size": 8, "max_buffered_groups": 4096}
+    )
+    params = {"consumer": "stalled", "max_unacked": 100_000, "heartbeat_s": heartbeat_s}
+    url = httpx.URL(server.url)
+    with socket.socket() as stalled, server.client() as c:
+        # A small receive buffer, never read: the server's writes soon block.
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        stalled.connect((url.host, url.port))
+        query = httpx.QueryParams(params)
+        stalled.sendall(
+            f"GET /v1/groups/stream?{query} HTTP/1.1\r\nHost: {url.host}\r\n\r\n".encode()
+        )
+
+        def backed_up() -> bool:  # groups wait READY while the stream holds others
+            queue = c.get("/v1/stats").json()["queue"]
+            return queue["leased"] > 0 and queue["ready"] > 0
+
+        _wait_for(backed_up, "the stalled stream's buffers to fill", timeout_s=120)
+        deadline = time.monotonic() + 3 * (2 * heartbeat_s) + 30
+        while True:
+            with c.stream("GET", "/v1/groups/stream", params=params) as second:
+                if second.status_code == 200:
+                    stalled.setblocking(False)
+                    received = b""
+                    with contextlib.suppress(BlockingIOError):
+                        while chunk := stalled.recv(65536):
+                            received += chunk
+                    held = set(re.findall(rb'"group_id":"([^"]+)"', received))
+                    assert held, received[:2000]
+                    for line in second.iter_lines():
+                        msg = orjson.loads(line)
+                        if msg["type"] == "group":
+                            held.discard(msg["group"]["group_id"].encode())
+                            if not held:
+                                break
+                    break
+                second.read()
+                assert _error(second, 409)["code"] == "consumer_busy"
+            assert time.monotonic() < deadline, "the stalled stream still holds its name"
+            time.sleep(0.2)
