@@ -32,6 +32,7 @@ from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.metrics import Metrics
 from sampler_service.verifiers.base import Verdict
 from strategies import mixing
+from strategies.estimator import Estimator
 from strategies.stopping import StoppingRule
 from trainer_client.protocol import Group
 
@@ -157,6 +158,9 @@ class Scheduler:
         self.config_version = config_version
         self.estimator = config.build_estimator()
         self.estimator.set_prompts(dataset.prompt_ids())
+        #: Set while a new estimator is built off the loop: (prompt, answers, correct) of
+        #: the groups finished meanwhile, folded into whichever estimator is installed.
+        self._estimator_updates: list[tuple[str, int, int]] | None = None
         self.mixer = mixing.build(
             config.mixing.name, domains=dataset.domains, **config.mixing.params
         )
@@ -238,23 +242,51 @@ class Scheduler:
         return not self._gate.is_set()
 
     # -- configuration ----------------------------------------------------------------
-    def apply_config(self, cfg: SamplerConfig, version: int) -> None:
-        """Install a validated config: admission knobs apply now, prompt knobs on admission."""
+    async def apply_config(self, cfg: SamplerConfig, version: int) -> None:
+        """Install a validated config: admission knobs apply now, prompt knobs on admission.
+
+        A new estimator (est, n_max or rule changed) is built off the event loop, since
+        its cost grows with the number of prompts; everything is installed at once after.
+        """
         old = self.config
+        estimator = self.estimator
+        if cfg.est != old.est or cfg.n_max != old.n_max or cfg.rule != old.rule:
+            estimator = await self._rebuilt_estimator(cfg)
         self.config, self.config_version = cfg, version
+        self.estimator = estimator
         if cfg.mixing != old.mixing:
             self.mixer = mixing.build(
                 cfg.mixing.name, domains=self.dataset.domains, **cfg.mixing.params
             )
         if cfg.admission_policies != old.admission_policies:
             self._admission = cfg.admission_policy_objects()
-        if cfg.est != old.est or cfg.n_max != old.n_max or cfg.rule != old.rule:
-            state = self.estimator.state_dict()
-            self.estimator = cfg.build_estimator()
-            self.estimator.set_prompts(self.dataset.prompt_ids())
-            self.estimator.load_state_dict(state)
         self.metrics.config_version.set(version)
         self.poke()
+
+    async def _rebuilt_estimator(self, cfg: SamplerConfig) -> Estimator:
+        """The learned state of the live estimator under `cfg`'s parameters.
+
+        The worker thread reads the live estimator, so while it runs the groups that
+        finish are only logged; they are folded into the new estimator (or, should the
+        build fail, back into the live one) before it is installed: none is lost.
+        """
+        live = self.estimator
+
+        def build() -> Estimator:
+            new = cfg.build_estimator()
+            new.set_prompts(self.dataset.prompt_ids())
+            new.load_state_dict(live.state_dict())
+            return new
+
+        self._estimator_updates = []
+        target = live
+        try:
+            target = await asyncio.to_thread(build)
+            return target
+        finally:
+            updates, self._estimator_updates = self._estimator_updates, None
+            for update in updates:
+                target.update(*update)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -498,7 +530,10 @@ class Scheduler:
         self.metrics.stop_reasons.labels(stop_reason).inc()
         self.metrics.pass_rate.observe(run.n_pos / n_gen)
         self.stats.domains[row.domain].recent_pass_rates.append(run.n_pos / n_gen)
-        self.estimator.update(row.id, n_gen, run.n_pos)
+        if self._estimator_updates is None:
+            self.estimator.update(row.id, n_gen, run.n_pos)
+        else:  # a new estimator is being built from the live one's state
+            self._estimator_updates.append((row.id, n_gen, run.n_pos))
 
         result = grouping.build_group(
             row=row,

@@ -562,7 +562,7 @@ class SamplerService:
             {"config": record},
         )
         self._schedule_applied = applied
-        self.scheduler.apply_config(cfg, version)
+        await self.scheduler.apply_config(cfg, version)
         await self.scheduler.form_frames()
         log.info("config v%d (%s): %s", version, source, diff)
 

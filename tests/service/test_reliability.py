@@ -336,3 +336,45 @@ def test_a_stalled_stream_is_dropped_and_its_groups_redelivered(make_server) -> 
                 assert _error(second, 409)["code"] == "consumer_busy"
             assert time.monotonic() < deadline, "the stalled stream still holds its name"
             time.sleep(0.2)
+
+
+def test_heartbeats_keep_flowing_through_a_patch_to_the_bounds(make_server) -> None:
+    """A PATCH that raised admission past what the machine could honour once stopped the
+    event loop: streams went silent and /health stopped answering. Raising admission and
+    the buffer to their bounds (and rebuilding the estimator for a new n_max) leaves
+    heartbeats flowing and /health answering."""
+    heartbeat_s = 0.5
+    server = make_server(FIXED)
+    beats: list[float] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        params = {"consumer": "watch", "max_unacked": 1, "heartbeat_s": heartbeat_s}
+        with server.client() as c, c.stream("GET", "/v1/groups/stream", params=params) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():  # never acked: after one group, only heartbeats
+                if orjson.loads(line)["type"] == "heartbeat":
+                    beats.append(time.monotonic())
+                if stop.is_set():
+                    return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    with server.client() as c:
+        _wait_for(lambda: len(beats) >= 2, "the stream's first heartbeats")
+        bound = 65_536
+        patch = {"max_active_prompts": bound, "max_buffered_groups": bound, "n_max": 4}
+        sent = time.monotonic()
+        r = c.patch("/v1/config", json=patch)
+        assert r.status_code == 200, r.text
+        answered = time.monotonic()
+        for _ in range(5):  # and right after it, while admission fills the window
+            assert c.get("/health", timeout=3 * heartbeat_s + 30).json()["status"] == "ok"
+            time.sleep(heartbeat_s)
+        _wait_for(lambda: beats[-1] > answered + 2 * heartbeat_s, "heartbeats after the PATCH")
+    stop.set()
+    reader.join(timeout=3 * heartbeat_s + 30)
+    during = [t for t in beats if t >= sent]
+    assert during and during[0] - sent < 3 * heartbeat_s + 30
+    gaps = [b - a for a, b in zip(beats, beats[1:], strict=False)]
+    assert max(gaps) < 3 * heartbeat_s + 30, gaps

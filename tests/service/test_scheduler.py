@@ -345,3 +345,26 @@ async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(toy, 
     assert scheduler._finalizing == 0
     finished = sum(scheduler.stats.stop_reasons.values())
     assert finished >= 8 and len(sink.groups()) + len(scheduler._unframed) == finished
+
+
+async def test_an_estimator_rebuilt_off_the_loop_keeps_every_finished_group(toy, backend) -> None:
+    """A change of n_max rebuilds the estimator in a worker thread while prompts keep
+    finishing: each finished group is counted once by whichever estimator serves after."""
+    scheduler, sink = make_scheduler(
+        toy, backend, rule="est", group_size=0, downsample="none", n_max=8, wave_size=4
+    )
+    scheduler.start()
+    try:
+        async with asyncio.timeout(300):
+            for version in range(2, 12):  # n_max 8, 12, 8, ... while groups finish
+                while len(sink.groups()) < version * 2:
+                    await asyncio.sleep(0.05)
+                n_max = 12 if version % 2 else 8
+                cfg = scheduler.config.model_copy(update={"n_max": n_max})
+                await scheduler.apply_config(cfg, version)
+                assert scheduler.estimator.params.n_max == n_max
+    finally:
+        await scheduler.stop()
+    finished = sum(scheduler.stats.samples_per_group.values())
+    assert finished >= 22
+    assert scheduler.estimator.state_dict()["finalized"] == finished
