@@ -211,14 +211,17 @@ class GRPOTrainer:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
                 self.history.append(record)
-                bar.update(1)
+                # The postfix rides on the bar's next timed draw: a refresh here would draw
+                # every step, whatever the interval.
                 bar.set_postfix(
+                    refresh=False,
                     reward=f"{record['reward_mean']:.2f}",
                     pass_rate=f"{record['pass_rate']:.2f}",
                     loss=f"{record['loss']:+.3f}",
                     kl=f"{record['approx_kl']:.4f}",
                     v=self.version,
                 )
+                bar.update(1)
         bar.close()
         batches.close()  # ends the stream: prefetched, unused groups go back to the sampler
         if cfg.eval_files:
