@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from support import drain
 
 from trainer_client.launch import SamplerProcess
 
@@ -57,7 +59,22 @@ def sampler(toy: Any, tmp_path: Path) -> Iterator[SamplerProcess]:
         extra=["--api-key", KEY],
     )
     server.start()
+    # A trainer that acks what it is given, so the run stays live: without one the sampler
+    # stops at max_buffered_groups, on a fast machine before the page is looked at.
+    stop = threading.Event()
+
+    def train() -> None:
+        with httpx.Client(
+            base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60.0
+        ) as client:
+            while not stop.wait(1.0):
+                drain(client, consumer="dashboard-test-trainer")
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
     yield server
+    stop.set()
+    trainer.join(timeout=90)
     server.stop()
 
 

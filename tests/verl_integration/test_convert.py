@@ -74,7 +74,10 @@ def _group(gid: str, prompt: list[int], samples: list[Sample]) -> Group:
 
 @pytest.fixture(scope="module")
 def real_groups(sampler) -> list[Group]:
-    return lease_groups(sampler.url, 6)[:6]
+    # Six groups with at least one whose answers differ (an all-right or all-wrong group has
+    # zero advantages, and six of those would leave the advantage checks nothing to compare).
+    groups = lease_groups(sampler.url, 24)
+    return sorted(groups, key=lambda g: all(s.advantage == 0 for s in g.samples))[:6]
 
 
 def test_verl_grpo_equals_service_grpo(real_groups: list[Group]) -> None:

@@ -55,6 +55,7 @@ class StubService:
         self.backend = StubBackend()
         self.metrics = Metrics()
         self.paused = 0
+        self.installed: list[tuple[int, str]] = []
         service = self
 
         class Scheduler:
@@ -64,6 +65,11 @@ class StubService:
                 yield
 
         self.scheduler = Scheduler()
+
+    async def weights_installed(
+        self, version: int, transport: str, seconds: float, paused_s: float
+    ) -> None:
+        self.installed.append((version, transport))
 
     def check_version(self, version: int) -> None:
         from sampler_service.service import ServiceError
@@ -182,6 +188,7 @@ def test_http_round_versions_and_refusals() -> None:
     client.update_weights(update)
     client.finish_weight_update()
     assert service.backend.calls[-1] == ("update", (update, 3)) and service.paused == 1
+    assert service.installed == [(3, "nccl")]  # logged, and schedule steps may fire
     assert client.info()["policy_version"] == 3
     with pytest.raises(NCCLTransferError, match="409"):
         client.update_weights(update)  # version 3 again
