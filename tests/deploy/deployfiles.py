@@ -58,10 +58,6 @@ def serve_parser() -> argparse.ArgumentParser:
     return sub.choices["serve"]
 
 
-def serve_has_replicas() -> bool:
-    return "--replicas" in serve_parser()._option_string_actions
-
-
 def yaml_documents(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 

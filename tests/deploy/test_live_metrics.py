@@ -4,6 +4,7 @@ sampler's /metrics, after one group was delivered and one weight push was served
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,6 @@ from deployfiles import (
     alert_queries,
     dashboard_queries,
     selectors,
-    serve_has_replicas,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -133,7 +133,9 @@ def test_the_checker_finds_a_missing_metric_and_a_wrong_label() -> None:
     ]
 
 
-def test_dashboard_and_alert_metrics_exist_on_a_live_sampler(start_sampler, toy) -> None:
+def test_dashboard_and_alert_metrics_exist_on_a_live_sampler(
+    start_sampler, toy, promtool: str
+) -> None:
     queries = dashboard_queries() + alert_queries()
     server = start_sampler([])
     series = _one_group_and_one_weight_push(server, toy.model_dir)
@@ -150,11 +152,14 @@ def test_dashboard_and_alert_metrics_exist_on_a_live_sampler(start_sampler, toy)
     assert f'{failures}{{reason="stale_version"}} 1.0' in r.text
     assert f'{failures}{{reason="rejected"}} 0.0' in r.text
     assert "adaptive_rollout_engine_failed 0.0" in r.text
+    # The exposition itself passes Prometheus' own linter.
+    lint = subprocess.run(
+        [promtool, "check", "metrics"], input=r.text, capture_output=True, text=True
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
 def test_replica_metrics_exist_on_a_live_sampler_with_two_replicas(start_sampler, toy) -> None:
-    if not serve_has_replicas():
-        pytest.skip("serve has no --replicas option")
     queries = dashboard_queries() + alert_queries()
     series = _one_group_and_one_weight_push(start_sampler(["--replicas", "2"]), toy.model_dir)
     missing = _missing(queries, series, replicas=True)

@@ -27,7 +27,6 @@ from deployfiles import (
     pod_templates,
     pyproject_ray_pin,
     ray_cluster,
-    serve_has_replicas,
     serve_parser,
     vllm_pin,
     yaml_documents,
@@ -90,8 +89,6 @@ def test_command_lines_parse_with_the_real_parser() -> None:
 def test_replica_command_lines_parse_with_the_real_parser() -> None:
     lines = [line for line in command_lines() if _uses_ray_flags(line)]
     assert any("workerGroup front" in line.where for line in lines), "the front runs no replicas"
-    if not serve_has_replicas():
-        pytest.skip("serve has no --replicas option")
     assert not _parse_errors(lines), "\n".join(_parse_errors(lines))
 
 
