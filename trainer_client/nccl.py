@@ -144,11 +144,19 @@ class NCCLWeightSender:
         `torch.nn.Module` (its `named_parameters()` use checkpoint names, as a Hugging
         Face model's do) or a vLLM `WeightSource`."""
         import torch
-        from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
-        from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerInitInfo,
-            NCCLTrainerWeightTransferEngine,
-        )
+
+        try:  # an optional trainer-side dependency: the core install has no vLLM
+            from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
+            from vllm.distributed.weight_transfer.nccl_engine import (
+                NCCLTrainerInitInfo,
+                NCCLTrainerWeightTransferEngine,
+            )
+        except ImportError as exc:
+            raise NCCLTransferError(
+                "NCCL weight transfer drives vLLM's trainer-side NCCL engine: install "
+                "vLLM on the trainer (pip install 'adaptive-rollout[vllm]'), or push "
+                f"weights as files instead ({exc})"
+            ) from exc
 
         if not torch.cuda.is_available():
             raise NCCLTransferError("NCCL weight transfer needs a CUDA GPU on the trainer")

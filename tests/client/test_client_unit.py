@@ -341,3 +341,12 @@ def test_push_whose_reply_was_lost_is_not_an_error_on_retry() -> None:
         assert client.push_weights(b"weights", version=3).policy_version == 3
         with pytest.raises(ConflictError):  # a first attempt that is refused stays an error
             client.push_weights(b"weights", version=2)
+
+
+def test_nccl_sender_without_vllm_says_what_to_install() -> None:
+    """The core install has no vLLM: connecting names it before any request is sent."""
+    from trainer_client.nccl import NCCLTransferError, NCCLWeightSender
+
+    sender = NCCLWeightSender("http://127.0.0.1:9", master_address="127.0.0.1", master_port=1)
+    with pytest.raises(NCCLTransferError, match=r"adaptive-rollout\[vllm\]"):
+        sender.connect(None)
