@@ -209,6 +209,24 @@ def _informative(group: Group) -> bool:
     return len(rewards) >= 2 and max(rewards) > min(rewards)
 
 
+def simulated_dataset(dataset_file: Path, n_prompts: int, seed: int) -> Dataset:
+    """The simulated prompts with log-normal prompt lengths (median 150 tokens, 16-2048);
+    a prompt's first token is its index, which is how the simulated engine finds its
+    pass rate."""
+    prompt_lens = np.clip(
+        np.round(np.exp(np.random.default_rng(seed + 7).normal(math.log(150), 0.4, n_prompts))),
+        16,
+        2048,
+    )
+
+    def tokenize(row: PromptRow) -> None:
+        index = int(row.id[1:])
+        row.text = row.prompt if isinstance(row.prompt, str) else ""
+        row.token_ids = [index] + [0] * (int(prompt_lens[index]) - 1)
+
+    return Dataset([dataset_file], tokenize, seed=seed)
+
+
 def load_history(scheduler: Scheduler, pass_rates: np.ndarray, epochs: int, seed: int) -> None:
     """Put a run past its first epoch: the estimator has seen every prompt in `epochs`
     earlier epochs, 8 answers each (Est budgets, adaptive first waves and history
@@ -257,20 +275,7 @@ async def simulate(
 ) -> dict[str, Any]:
     """Run one method until warmup + batches frames of `batch` groups have formed."""
     loop = asyncio.get_running_loop()
-    prompt_lens = np.clip(
-        np.round(
-            np.exp(np.random.default_rng(seed + 7).normal(math.log(150), 0.4, len(pass_rates)))
-        ),
-        16,
-        2048,
-    )
-
-    def tokenize(row: PromptRow) -> None:
-        index = int(row.id[1:])
-        row.text = row.prompt if isinstance(row.prompt, str) else ""
-        row.token_ids = [index] + [0] * (int(prompt_lens[index]) - 1)
-
-    dataset = Dataset([dataset_file], tokenize, seed=seed)
+    dataset = simulated_dataset(dataset_file, len(pass_rates), seed)
     cfg = SamplerConfig(
         **{
             "batch_groups": batch,

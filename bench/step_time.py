@@ -70,7 +70,6 @@ from bench import adaptive_sim, virtual_clock
 from bench.common import table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
 from sampler_service.config import SamplerConfig, check_consistency
-from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.scheduler import Scheduler
 from trainer_client.protocol import Group
 
@@ -288,20 +287,7 @@ async def simulate(
     history_epochs: int,
 ) -> dict[str, Any]:
     """Run one method on one pipeline for warmup + steps training steps."""
-    prompt_lens = np.clip(
-        np.round(
-            np.exp(np.random.default_rng(seed + 7).normal(math.log(150), 0.4, len(pass_rates)))
-        ),
-        16,
-        2048,
-    )
-
-    def tokenize(row: PromptRow) -> None:
-        index = int(row.id[1:])
-        row.text = row.prompt if isinstance(row.prompt, str) else ""
-        row.token_ids = [index] + [0] * (int(prompt_lens[index]) - 1)
-
-    dataset = Dataset([dataset_file], tokenize, seed=seed)
+    dataset = adaptive_sim.simulated_dataset(dataset_file, len(pass_rates), seed)
     cfg = SamplerConfig(**config)
     check_consistency(cfg, dataset.domains)
     engine = SimBackend(pass_rates, spec, seed=seed + 1)
