@@ -49,6 +49,18 @@ COMMON: dict[str, Any] = {
     "max_staleness": 0,
     "mixing": {"name": "static", "params": {}},
 }
+# Seq-Balance K=2/2, n_max 16, n=4 with adaptive waves; the rows differ in the advantage.
+SEQ_BALANCE: dict[str, Any] = {
+    "rule": "balanced",
+    "k_pos": 2,
+    "k_neg": 2,
+    "n_max": 16,
+    "wave": "adaptive",
+    "wave_size": 8,
+    "group_size": 4,
+    "downsample": "balanced",
+}
+
 METHODS: dict[str, dict[str, Any]] = {
     "grpo4": {
         "label": "GRPO n=4",
@@ -74,31 +86,11 @@ METHODS: dict[str, dict[str, Any]] = {
     },
     "seqbal_grpo": {
         "label": "Seq-Balance, GRPO advantages",
-        "config": {
-            "rule": "balanced",
-            "k_pos": 2,
-            "k_neg": 2,
-            "n_max": 16,
-            "wave": "adaptive",
-            "wave_size": 8,
-            "group_size": 4,
-            "downsample": "balanced",
-            "advantage": "grpo",
-        },
+        "config": {**SEQ_BALANCE, "advantage": "grpo"},
     },
     "seqbal": {
         "label": "Seq-Balance (K=2/2, n_max 16, n=4)",
-        "config": {
-            "rule": "balanced",
-            "k_pos": 2,
-            "k_neg": 2,
-            "n_max": 16,
-            "wave": "adaptive",
-            "wave_size": 8,
-            "group_size": 4,
-            "downsample": "balanced",
-            "advantage": "global",
-        },
+        "config": {**SEQ_BALANCE, "advantage": "global"},
     },
 }
 
