@@ -25,10 +25,9 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from strategies.estimator import EstimatorParams
 from strategies.stopping import StoppingParams
@@ -40,6 +39,8 @@ MODE = "adaptive_rollout"
 SUBSET_GROUP_POLICIES = frozenset({"maxvar", "gfpo"})
 #: Batch-scope policies that drop samples from a frame.
 SAMPLE_DROPPING_BATCH_POLICIES = frozenset({"topk"})
+#: Keys verl itself puts in our section (its checkpoint-engine plumbing), not ours to read.
+_VERL_OWNED_KEYS = frozenset({"parameter_sync_step"})
 
 
 class IncompatibleSamplerConfig(ValueError):
@@ -56,13 +57,16 @@ class IncompatibleSamplerConfig(ValueError):
         )
 
 
-@dataclass
-class SamplerSettings:
-    """The ``trainer.v1.adaptive_rollout`` section of a verl config."""
+class SamplerSettings(BaseModel):
+    """The ``trainer.v1.adaptive_rollout`` section of a verl config: strict (unknown keys
+    and wrong types are refused with the key's name) so a typo cannot silently fall back
+    to a default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     url: str = ""
     api_key: str | None = None
-    consumer: str = "verl"
+    consumer: str = Field("verl", min_length=1)
     #: How weights reach the sampler at the end of each step: ``upload`` (PUT /v1/weights,
     #: any set-up), ``path`` (write a safetensors file under `weights_dir`, a directory the
     #: sampler can read too, then POST /v1/weights/load) or ``none``.
@@ -73,7 +77,7 @@ class SamplerSettings:
     #: upload limit); the cast happens on the trainer's GPU before the host copy.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     #: Keep only the newest file in `weights_dir` (path mode writes one per step).
-    keep_weight_files: int = 1
+    keep_weight_files: int = Field(1, ge=1)
     #: ``sampler``: train on the service's advantages (e.g. Reinforce-Ada's global
     #: baseline); ``verl``: let verl's estimator compute them from the rewards; ``auto``:
     #: the service's unless its estimator is ``grpo`` (then both are the same numbers).
@@ -85,28 +89,29 @@ class SamplerSettings:
     #: PATCH the sampler's batch_groups to the trainer's train_batch_size at start-up.
     configure_sampler: bool = True
     #: Seconds one lease call waits for groups; the manager keeps asking until it has enough.
-    lease_wait_s: float = 10.0
+    lease_wait_s: float = Field(10.0, gt=0.0)
     #: Give up (with a message saying what the sampler reported) when no group arrived
     #: for this long. 0 waits forever.
-    group_timeout_s: float = 1800.0
+    group_timeout_s: float = Field(1800.0, ge=0.0)
     #: The client's watchdog: a sampler that stops answering raises after this long.
-    watchdog_s: float = 120.0
+    watchdog_s: float = Field(120.0, gt=0.0)
     #: Push the trainer's weights once before the first step (``auto``: only when verl
     #: resumed from a checkpoint, since a fresh run starts from the sampler's own model).
     push_initial_weights: Literal["auto", "always", "never"] = "auto"
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any] | None) -> SamplerSettings:
-        data = dict(section or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {"parameter_sync_step"})
-        if unknown:
-            raise ValueError(
-                f"unknown key(s) in trainer.v1.{MODE}: {', '.join(unknown)} "
-                f"(known: {', '.join(sorted(known))})"
+        """From the config section; the URL and key fall back to the environment."""
+        data = {k: v for k, v in dict(section or {}).items() if k not in _VERL_OWNED_KEYS}
+        try:
+            settings = cls(**data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"trainer.v1.{MODE}.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                for e in exc.errors()
             )
-        settings = cls(**{k: v for k, v in data.items() if k in known})
+            raise ValueError(f"{problems} (known keys: {', '.join(cls.model_fields)})") from None
         settings.url = (settings.url or os.environ.get("ADAPTIVE_ROLLOUT_URL", "")).rstrip("/")
         settings.api_key = settings.api_key or os.environ.get("ADAPTIVE_ROLLOUT_API_KEY") or None
         if not settings.url:
@@ -114,17 +119,9 @@ class SamplerSettings:
                 f"no sampler URL: set +trainer.v1.{MODE}.url=http://HOST:PORT in the verl config "
                 "or the ADAPTIVE_ROLLOUT_URL environment variable"
             )
-        if settings.weight_sync not in ("upload", "path", "none"):
-            raise ValueError(
-                f"trainer.v1.{MODE}.weight_sync must be upload, path or none, not {settings.weight_sync!r}"
-            )
         if settings.weight_sync == "path" and not settings.weights_dir:
             raise ValueError(
                 f"trainer.v1.{MODE}.weight_sync=path needs weights_dir (shared storage)"
-            )
-        if settings.advantages not in ("auto", "sampler", "verl"):
-            raise ValueError(
-                f"trainer.v1.{MODE}.advantages must be auto, sampler or verl, not {settings.advantages!r}"
             )
         return settings
 
@@ -139,7 +136,7 @@ class SamplerSettings:
         return cls.from_mapping(section)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump()
 
     def client_kwargs(self) -> dict[str, Any]:
         return {"api_key": self.api_key, "consumer": self.consumer, "watchdog_s": self.watchdog_s}
@@ -147,7 +144,8 @@ class SamplerSettings:
     def sampler_advantages(self, sampler_config: Mapping[str, Any]) -> bool:
         """Whether verl should train on the service's advantages (see `advantages`)."""
         if self.advantages == "auto":
-            return sampler_config.get("advantage", "global") != "grpo"
+            # GET /v1/config always names the estimator; only GRPO's equals verl's own.
+            return sampler_config.get("advantage") != "grpo"
         return self.advantages == "sampler"
 
 
