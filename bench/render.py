@@ -150,7 +150,75 @@ def _learning_paired() -> str:
     )
 
 
+def _scaleout_run() -> str:
+    data = _load("scaleout")
+    env = data["environment"]
+    load = ", ".join(f"{x:.1f}" for x in data["load_average"])
+    minutes, seconds = divmod(round(data["wall_s"]), 60)
+    return (
+        f"{'Quick' if data['quick'] else 'Full'} run ({minutes} min {seconds} s, "
+        f"{env['cpus']} CPUs, {env['time']}); load average at the end "
+        f"(1, 5, 15 min): {load}.\n"
+    )
+
+
+def _scaleout_routing() -> str:
+    return table(
+        _load("scaleout")["routing"],
+        [
+            ("replicas", "replicas"),
+            ("groups_per_s", "groups/s"),
+            ("speedup", "x of 1"),
+            ("of_ideal", "of N x 1"),
+            ("sticky_share", "sticky"),
+        ],
+    )
+
+
+def _scaleout_kill() -> str:
+    kill = _load("scaleout")["kill"]
+    rows = [
+        {**r, "run": i + 1, "over": r["all_reissued_done_s"] - r["detect_s"] - r["median_wave_s"]}
+        for i, r in enumerate(kill["runs"])
+    ]
+    rows.append(
+        {
+            "run": "median",
+            "detect_s": kill["detect_s"],
+            "all_reissued_done_s": kill["all_reissued_done_s"],
+            "median_wave_s": kill["median_wave_s"],
+            "over": kill["over_target_s"],
+        }
+    )
+    return table(
+        rows,
+        [
+            ("run", "kill"),
+            ("inflight_samples_at_kill", "samples in flight"),
+            ("reissued_waves", "waves re-issued"),
+            ("detect_s", "detected (s)"),
+            ("all_reissued_done_s", "all done (s)"),
+            ("median_wave_s", "median wave (s)"),
+            ("over", "done - detected - one wave (s)"),
+        ],
+    )
+
+
+def _scaleout_hop() -> str:
+    hop = _load("scaleout")["ray_hop"]
+    ratios = ", ".join(fmt(r, 2) for r in hop["pair_ratios"])
+    return (
+        f"{hop['pairs']} pairs: {fmt(hop['pool_groups_per_s'])} groups/s through the pool vs "
+        f"{fmt(hop['process_groups_per_s'])} in the engine process (medians); pair ratios "
+        f"{ratios}; median **{fmt(hop['ratio'], 2)}**.\n"
+    )
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "scaleout.run": _scaleout_run,
+    "scaleout.routing": _scaleout_routing,
+    "scaleout.kill": _scaleout_kill,
+    "scaleout.hop": _scaleout_hop,
     "learning.summary": _learning_summary,
     "learning.paired": _learning_paired,
     "step_time.settings": _step_settings,

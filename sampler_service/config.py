@@ -474,6 +474,22 @@ class ServeSettings(_Strict):
         "kill",
         description="on a clean exit, kill the replicas or keep them warm for the next sampler",
     )
+    replica_orphan_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="a replica that hears from no sampler (no call, no probe) this long exits "
+        "for good, freeing its GPUs; probes keep it alive, so a restarted sampler must "
+        "re-attach within this window (at least 2 x --replica-probe-s)",
+    )
+
+    @model_validator(mode="after")
+    def _orphan_window_spans_probes(self) -> ServeSettings:
+        if self.replica_orphan_s < 2 * self.replica_probe_s:
+            raise ValueError(
+                f"replica_orphan_s ({self.replica_orphan_s:g}) must be at least twice "
+                f"replica_probe_s ({self.replica_probe_s:g}): probes keep replicas alive"
+            )
+        return self
 
     @property
     def uses_ray(self) -> bool:

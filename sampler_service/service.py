@@ -171,6 +171,7 @@ def build_replica_pool(
         probe_timeout_s=settings.replica_probe_timeout_s,
         wait_s=settings.replica_wait_s,
         on_exit=settings.replicas_on_exit,
+        orphan_s=settings.replica_orphan_s,
         torch_threads=settings.torch_threads,
     )
     return RayPoolBackend(_engine_factory(settings), pool, metrics, on_state_change)

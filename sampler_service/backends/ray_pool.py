@@ -11,6 +11,10 @@ unchanged backend. Everything the scheduler relies on holds across replicas:
   `max_inflight` samples (a larger wave still goes to an idle one); waves wait in one
   FIFO, a prompt's wave for its own replica while loads are about even. Waves are never
   split.
+- Re-issued waves (their replica failed) go first: they enter the FIFO ahead of every
+  fresh wave (behind earlier re-issued ones), and one may take a replica below its cap
+  even if it ends up over it by that wave: a failure costs detection plus about one wave
+  where a replica has room, never a wait behind the fresh work that queued meanwhile.
 - A replica fault never reaches the scheduler. A dead process makes its pending calls
   raise; a hang fails the periodic health probe and the actor is killed. Either way its
   waves are re-issued whole on another replica (their partial answers never reach the
@@ -103,6 +107,8 @@ class PoolSettings:
     wait_s: float = 300.0
     on_exit: Literal["keep", "kill"] = "kill"
     torch_threads: int = 1
+    #: A replica that hears from no sampler this long exits (replica.py); probes keep it.
+    orphan_s: float = 600.0
     start_timeout_s: float = 600.0
 
 
@@ -125,6 +131,9 @@ class _Replica:
     reissued: int = 0
     attached: bool = False
     probing: bool = False
+    #: Its per-wave metric series (in-flight gauge, wave seconds, generated tokens), looked
+    #: up once: a toy model's waves take milliseconds, so per-wave lookups add up.
+    series: tuple[Any, Any, Any] | None = None
 
     def detail(self) -> dict[str, Any]:
         return {
@@ -138,6 +147,17 @@ class _Replica:
             "reissued_waves": self.reissued,
             "error": self.error,
         }
+
+
+@dataclass(eq=False)
+class _Wait:
+    """A wave waiting in the FIFO for a replica."""
+
+    key: int
+    n: int
+    future: asyncio.Future[_Replica]
+    #: Re-issued after its replica failed: queued ahead of fresh waves, may overshoot a cap.
+    reissue: bool = False
 
 
 class _NoReplica(RuntimeError):
@@ -162,7 +182,7 @@ class RayPoolBackend(Backend):
         # Told every replica state change (its detail plus `previous`), for the event log.
         self._on_state_change = on_state_change
         self._replicas: list[_Replica] = []
-        self._queue: deque[tuple[int, int, asyncio.Future[_Replica]]] = deque()
+        self._queue: deque[_Wait] = deque()
         self._affinity: OrderedDict[int, int] = OrderedDict()
         self._committed_version = 0
         self._committed_ref: Any = None  # ObjectRef of the committed tensors (None: base)
@@ -219,7 +239,7 @@ class RayPoolBackend(Backend):
                 max_concurrency=1000,
                 num_cpus=s.replica_cpus,
                 num_gpus=s.replica_gpus,
-            ).remote(self._factory, i, s.torch_threads)
+            ).remote(self._factory, i, s.torch_threads, s.orphan_s)
             self._replicas.append(_Replica(i, self.actor_name(i), handle))
             self._precreate_metrics(str(i))
         # No weights yet: the sampler restores the committed ones next (load_weights),
@@ -251,7 +271,9 @@ class RayPoolBackend(Backend):
             m.route_decisions.labels(kind)
 
     async def _start_replica(self, rep: _Replica, sync: bool = True) -> None:
-        info = await asyncio.wait_for(rep.handle.start.remote(), self.settings.start_timeout_s)
+        info = await asyncio.wait_for(
+            rep.handle.start.remote(self.settings.orphan_s), self.settings.start_timeout_s
+        )
         if info["attached"]:
             # A new sampler takes over a warm replica: whatever the old one asked of it
             # is nobody's any more.
@@ -271,8 +293,8 @@ class RayPoolBackend(Backend):
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for _, _, future in self._queue:
-            future.cancel()
+        for wait in self._queue:
+            wait.future.cancel()
         if self.settings.on_exit == "kill":
             for rep in self._replicas:
                 with contextlib.suppress(Exception):
@@ -324,18 +346,26 @@ class RayPoolBackend(Backend):
 
     # -- routing ----------------------------------------------------------------------
     def _choose(
-        self, key: int, n: int, routable: list[_Replica], blocked: set[int]
+        self,
+        key: int,
+        n: int,
+        routable: list[_Replica],
+        blocked: set[int],
+        reissue: bool = False,
     ) -> tuple[_Replica | None, str, _Replica | None]:
         """(replica to run the wave now or None, decision kind, replica it waits for).
 
         A prompt that ran before waits for its replica while that one is full but not
         overloaded (loads about even: moving would only lose the cached prefix); an
         overloaded, gone or unknown one gives way to the least-loaded replica with room.
+        A re-issued wave has room on any replica below the cap (over it by one wave at most).
         """
         cap = self.settings.max_inflight
 
         def room(r: _Replica) -> bool:
-            return r.index not in blocked and (r.inflight + n <= cap or r.inflight == 0)
+            if r.index in blocked:
+                return False
+            return r.inflight + n <= cap or r.inflight == 0 or (reissue and r.inflight < cap)
 
         last_index = self._affinity.get(key)
         if self.settings.route == "sticky" and last_index is not None:
@@ -364,13 +394,13 @@ class RayPoolBackend(Backend):
         if not routable:
             return
         blocked: set[int] = set()
-        waiting: deque[tuple[int, int, asyncio.Future[_Replica]]] = deque()
+        waiting: deque[_Wait] = deque()
         while self._queue:
             item = self._queue.popleft()
-            key, n, future = item
+            key, n, future = item.key, item.n, item.future
             if future.done():  # its caller gave up
                 continue
-            rep, kind, wanted = self._choose(key, n, routable, blocked)
+            rep, kind, wanted = self._choose(key, n, routable, blocked, item.reissue)
             if rep is None:
                 waiting.append(item)
                 if wanted is None:  # fits nowhere: nothing after it may overtake it
@@ -388,19 +418,40 @@ class RayPoolBackend(Backend):
             future.set_result(rep)
         self._queue = waiting
 
+    def _series(self, rep: _Replica) -> tuple[Any, Any, Any]:
+        if rep.series is None:
+            m, label = self.metrics, str(rep.index)
+            rep.series = (
+                m.replica_inflight_samples.labels(label),
+                m.replica_wave_seconds.labels(label),
+                m.replica_generated_tokens.labels(label),
+            )
+        return rep.series
+
     def _charge(self, rep: _Replica, n: int) -> None:
         rep.inflight += n
-        self.metrics.replica_inflight_samples.labels(str(rep.index)).set(rep.inflight)
+        self._series(rep)[0].set(rep.inflight)
 
     def _release(self, rep: _Replica, n: int) -> None:
         self._charge(rep, -n)
         self._dispatch()
 
-    async def _acquire(self, key: int, n: int) -> _Replica:
-        """A replica for a wave of n, charged with it; waits in the FIFO if none has room."""
+    async def _acquire(self, key: int, n: int, reissue: bool = False) -> _Replica:
+        """A replica for a wave of n, charged with it; waits in the FIFO if none has room.
+
+        A re-issued wave queues ahead of every fresh one, behind the re-issued ones
+        already waiting (they keep their order).
+        """
         future: asyncio.Future[_Replica] = asyncio.get_running_loop().create_future()
-        self._queue.append((key, n, future))
+        wait = _Wait(key, n, future, reissue)
+        if reissue:
+            at = sum(1 for w in self._queue if w.reissue)  # re-issued ones are at the front
+            self._queue.insert(at, wait)
+        else:
+            self._queue.append(wait)
         self._dispatch()
+        if future.done():  # a replica had room: no wait (most waves)
+            return future.result()
         parked_since = time.monotonic()
         try:
             while True:
@@ -425,8 +476,9 @@ class RayPoolBackend(Backend):
         self._serving = True  # the sampler restored its weights before the first wave
         prompt = list(prompt_token_ids)
         key = hash(tuple(prompt))
+        reissue = False
         while True:
-            rep = await self._acquire(key, n)
+            rep = await self._acquire(key, n, reissue)
             epoch, started = rep.epoch, time.monotonic()
             try:
                 out: list[Completion] = await rep.handle.generate.remote(prompt, n, sampling)
@@ -435,19 +487,19 @@ class RayPoolBackend(Backend):
             except RayActorError as exc:
                 self._fail(rep, epoch, "died", repr(exc), kill=False)
                 self._count_reissue(rep, n)
+                reissue = True
                 continue
             except NotStarted as exc:  # Ray restarted it before a probe noticed
                 self._fail(rep, epoch, "restarted", repr(exc), kill=False)
                 self._count_reissue(rep, n)
+                reissue = True
                 continue
             finally:
                 self._release(rep, n)
-            label = str(rep.index)
             rep.last_ok = time.monotonic()
-            self.metrics.replica_wave_seconds.labels(label).observe(rep.last_ok - started)
-            self.metrics.replica_generated_tokens.labels(label).inc(
-                sum(len(c.token_ids) for c in out)
-            )
+            _, wave_seconds, generated_tokens = self._series(rep)
+            wave_seconds.observe(rep.last_ok - started)
+            generated_tokens.inc(sum(len(c.token_ids) for c in out))
             return out
 
     def _count_reissue(self, rep: _Replica, n: int) -> None:

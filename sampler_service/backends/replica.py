@@ -9,6 +9,13 @@ test without a cluster.
 
 A Ray restart runs `__init__` again on a fresh process: the new incarnation reports
 `started: False` until the pool calls `start()` and loads the committed weights into it.
+
+Orphans exit: a detached replica outlives its sampler on purpose (a restarted one
+re-attaches), but one that has heard from no sampler (no call, no probe) for `orphan_s`
+seconds closes its engine and exits for good (`ray.actor.exit_actor`: no restart, the name
+is freed), so a sampler that never comes back does not hold its GPUs forever. A watchdog
+thread started in `__init__` covers every incarnation, including one Ray restarted after
+the sampler died.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,6 +37,9 @@ log = logging.getLogger(__name__)
 #: weights while that file exists removes it and exits at once, as a replica killed in the
 #: middle of a weight load would.
 FAULT_EXIT_IN_LOAD_ENV = "ADAPTIVE_ROLLOUT_FAULT_EXIT_IN_LOAD"
+#: An orphan whose graceful exit has not ended the process this long after it began is
+#: killed through Ray (a call stuck in the engine keeps `exit_actor` waiting).
+ORPHAN_EXIT_GRACE_S = 60.0
 
 
 class NotStarted(RuntimeError):
@@ -38,7 +49,13 @@ class NotStarted(RuntimeError):
 class Replica:
     """Actor body wrapping one backend; see the module docstring."""
 
-    def __init__(self, factory: Callable[[], Backend], index: int, torch_threads: int = 1) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], Backend],
+        index: int,
+        torch_threads: int = 1,
+        orphan_s: float | None = None,
+    ) -> None:
         self._factory = factory
         self._index = index
         self._torch_threads = torch_threads
@@ -46,6 +63,87 @@ class Replica:
         self._starting: asyncio.Lock | None = None
         self._inflight = 0
         self._generated_tokens = 0
+        # Orphan watch (module docstring): when a sampler last called, and whether an
+        # engine load (which may outlast the window) is under way.
+        self._orphan_s = orphan_s
+        self._last_heard = time.monotonic()
+        self._loading_engine = False
+        self._watching = False
+        self._watch(orphan_s)
+
+    # -- orphan exit --------------------------------------------------------------------
+    def _watch(self, orphan_s: float | None) -> None:
+        """Set the window (the latest sampler's wins) and start the watchdog once."""
+        if orphan_s is None:
+            return
+        self._orphan_s = orphan_s
+        if not self._watching:
+            self._watching = True
+            threading.Thread(target=self._watch_orphan, name="orphan-watch", daemon=True).start()
+
+    def _heard(self) -> None:
+        self._last_heard = time.monotonic()
+
+    def _silent_s(self) -> float:
+        """Seconds since a sampler last called (0 while the engine is being loaded)."""
+        if self._loading_engine:
+            return 0.0
+        return time.monotonic() - self._last_heard
+
+    def _watch_orphan(self) -> None:
+        asked_at: float | None = None
+        while True:
+            window = self._orphan_s
+            assert window is not None
+            time.sleep(min(1.0, window / 5))
+            if self._silent_s() <= window:
+                asked_at = None  # a sampler called (the exit, if asked, was called off)
+                continue
+            if asked_at is None:
+                asked_at = time.monotonic()
+                self._request_exit()
+            elif time.monotonic() - asked_at > ORPHAN_EXIT_GRACE_S:
+                # exit_actor waits for the calls still running; one stuck in the engine
+                # would keep the orphan alive, so it is killed (no restart) instead.
+                log.warning("replica %d: orphan exit did not finish; killing it", self._index)
+                self._kill_self()
+                return
+
+    def _request_exit(self) -> None:
+        """Run `orphan_exit` as an actor task (exit_actor works only inside one)."""
+        import ray
+
+        ray.get_runtime_context().current_actor.orphan_exit.remote()
+
+    def _kill_self(self) -> None:
+        import ray
+
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    async def orphan_exit(self) -> bool:
+        """Close the engine and exit for good, unless a sampler called meanwhile (False)."""
+        window = self._orphan_s
+        silent = self._silent_s()
+        if window is None or silent <= window:
+            return False
+        log.warning(
+            "replica %d (pid %d) heard from no sampler (no call, no probe) for %.0fs "
+            "(--replica-orphan-s %g): closing its engine and exiting",
+            self._index,
+            os.getpid(),
+            silent,
+            window,
+        )
+        if self._backend is not None:
+            try:
+                await asyncio.wait_for(self._backend.close(), ORPHAN_EXIT_GRACE_S / 2)
+            except Exception as exc:  # noqa: BLE001 - exiting anyway
+                log.warning("replica %d: engine close failed: %r", self._index, exc)
+            self._backend = None
+        import ray
+
+        ray.actor.exit_actor()
+        return True  # not reached
 
     def _info(self, attached: bool) -> dict[str, Any]:
         assert self._backend is not None
@@ -58,12 +156,15 @@ class Replica:
             "attached": attached,
         }
 
-    async def start(self) -> dict[str, Any]:
+    async def start(self, orphan_s: float | None = None) -> dict[str, Any]:
         """Load the engine once; later calls (a re-attaching sampler) report what runs.
 
         `attached` is True when the engine was already running: the caller is a new
-        sampler taking over a warm replica.
+        sampler taking over a warm replica. `orphan_s` replaces the orphan window the
+        replica was created with (a re-attaching sampler's own setting applies).
         """
+        self._heard()
+        self._watch(orphan_s)
         if self._starting is None:
             self._starting = asyncio.Lock()
         async with self._starting:
@@ -73,13 +174,19 @@ class Replica:
                 import torch
 
                 torch.set_num_threads(self._torch_threads)
-            backend = self._factory()
-            await backend.start()
+            self._loading_engine = True
+            try:
+                backend = self._factory()
+                await backend.start()
+            finally:
+                self._loading_engine = False
+                self._heard()
             self._backend = backend
             log.info("replica %d (pid %d) serving %s", self._index, os.getpid(), backend.model_name)
             return self._info(attached=False)
 
     def _engine(self) -> Backend:
+        self._heard()  # every sampler call but start and health comes through here
         if self._backend is None:
             raise NotStarted(f"replica {self._index} (pid {os.getpid()}) has no engine loaded")
         return self._backend
@@ -93,6 +200,7 @@ class Replica:
             out = await engine.generate(prompt_token_ids, n, sampling)
         finally:
             self._inflight -= n
+            self._heard()
         self._generated_tokens += sum(len(c.token_ids) for c in out)
         return out
 
@@ -113,14 +221,17 @@ class Replica:
         return time.monotonic() - started
 
     async def abort_all(self) -> int:
+        self._heard()
         return await self._engine().abort_all() if self._backend is not None else 0
 
     async def health(self) -> dict[str, Any]:
         """The probe: the backend's own health, plus a 1-token generate when idle.
 
         An idle engine that hangs would otherwise look healthy until the next wave
-        reached it; while waves run, their progress is the evidence.
+        reached it; while waves run, their progress is the evidence. A probe is also what
+        keeps an idle replica from counting as an orphan.
         """
+        self._heard()
         if self._backend is None:
             return {"started": False, "ok": False, "pid": os.getpid()}
         health = self._backend.health()

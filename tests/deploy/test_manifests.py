@@ -51,6 +51,7 @@ RAY_FLAGS = {
     "--replica-probe-timeout-s",
     "--replica-wait-s",
     "--replicas-on-exit",
+    "--replica-orphan-s",
 }
 # How long the sampler may take to shut down when its default is not a serve option.
 SHUTDOWN_BOUND_S = 30.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,7 @@ def test_restarted_sampler_reattaches_to_its_replicas(ray_cluster, make_sampler,
         unacked = {g["group_id"] for g in r.json()["groups"]}
         assert unacked
     sampler.kill()  # kill -9: the replicas live on in the cluster
+    # ...for --replica-orphan-s (default 600 s), far longer than the restart below takes.
 
     again = make_sampler(_args(ray_cluster), name="front")
     reps = _at_version(again, 1)
@@ -153,6 +155,61 @@ def test_restarted_sampler_reattaches_to_its_replicas(ray_cluster, make_sampler,
         consumer = Consumer(client)
         consumer.take(len(unacked) + 4)
     assert unacked <= set(consumer.groups)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return "\nState:\tZ" in status  # exited, not yet reaped
+
+
+def test_orphaned_replicas_exit_when_no_sampler_comes_back(ray_cluster, make_sampler) -> None:
+    orphan_s = 8.0
+    sampler = make_sampler(
+        [*_args(ray_cluster), "--replica-orphan-s", str(orphan_s), "--replicas-on-exit", "keep"],
+        name="orphan",
+    )
+    names = [r["name"] for r in sampler.replicas()]
+    pids = [r["pid"] for r in sampler.replicas()]
+    with sampler.client() as client:
+        Consumer(client).take(2)
+    # The sampler's probes (every second) keep its replicas alive past the window.
+    time.sleep(3 * orphan_s)
+    assert [(r["pid"], r["restarts"], r["state"]) for r in sampler.replicas()] == [
+        (pid, 0, "ok") for pid in pids
+    ]
+    assert not any(_gone(pid) for pid in pids)
+
+    sampler.kill()  # kill -9: nobody will call them again
+    killed = time.monotonic()
+    ceiling_s = 3 * orphan_s + 30
+    wait_for("the orphaned replicas to exit", lambda: all(map(_gone, pids)), ceiling_s, 0.2)
+    assert time.monotonic() - killed <= ceiling_s
+
+    def unnamed() -> bool:
+        for name in names:
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                continue
+            return False
+        return True
+
+    # Exited for good: Ray neither restarts them nor keeps their names.
+    wait_for("the replica names to be freed", unnamed, 30)
+    time.sleep(2 * orphan_s)
+    assert unnamed()
+
+    # Each said why, in its worker log.
+    def said_why(pid: int) -> bool:
+        for path in ray_cluster.temp_dir.glob(f"session_*/logs/worker-*{pid}.err"):
+            if f"(pid {pid}) heard from no sampler" in path.read_text(errors="replace"):
+                return True
+        return False
+
+    wait_for("each orphan's log line", lambda: all(map(said_why, pids)), 30)
 
 
 def test_health_degraded_while_no_replica_serves_failed_when_restarts_are_used_up(
