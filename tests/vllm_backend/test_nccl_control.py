@@ -24,7 +24,12 @@ from sampler_service.backends.vllm_nccl import (
     nccl_replica_init_infos,
     vet_update_info,
 )
-from trainer_client.nccl import NCCLTransferError, ServiceWeightSyncClient, check_metadata
+from trainer_client.nccl import (
+    NCCLTransferError,
+    NCCLWeightSender,
+    ServiceWeightSyncClient,
+    check_metadata,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -271,3 +276,9 @@ def test_http_round_with_replicas_and_the_stale_group() -> None:
     with pytest.raises(NCCLTransferError, match="409 nccl_group_stale"):
         client.update_weights(update)
     assert service.paused == 1 and pool.calls[-1] == ("update", 1)  # refused before pausing
+    # The trainer's sender asks first and refuses before it would broadcast.
+    sender = NCCLWeightSender("http://sampler", master_address="127.0.0.1", master_port=1)
+    sender.client = client
+    sender._engine = object()  # connected (no GPU here: nothing is sent)
+    with pytest.raises(NCCLTransferError, match="stale.*connect"):
+        sender.send(version=2)
