@@ -306,7 +306,7 @@ def create_app(service: SamplerService) -> FastAPI:
             )
         service.check_version(version)
         limit = service.weights_size_limit()
-        incoming = settings.state_dir / "weights" / f"incoming-{uuid.uuid4().hex}.safetensors"
+        incoming = service.upload_dir() / f"incoming-{uuid.uuid4().hex}.safetensors.part"
         incoming.parent.mkdir(parents=True, exist_ok=True)
         try:
             await _stream_to_file(request, incoming, limit)

@@ -444,6 +444,23 @@ class ServeSettings(_Strict):
         description="Ray cluster to run the replicas on (auto, or host:port); replicas outlive "
         "the sampler there, so a restarted sampler re-attaches to them",
     )
+    weights_dir: Path | None = Field(
+        None,
+        description="with replicas: a directory every replica can read (shared storage); an "
+        "uploaded weight file is written there atomically and each replica reads weight "
+        "files itself (uploads and POST /v1/weights/load paths) instead of receiving the "
+        "tensors through Ray's object store",
+    )
+
+    @model_validator(mode="after")
+    def _weights_dir_needs_replicas(self) -> ServeSettings:
+        if self.weights_dir is not None and not self.uses_ray:
+            raise ValueError(
+                "weights_dir is for engine replicas (--replicas > 1 or --ray-address); a "
+                "single engine loads uploads from the state dir"
+            )
+        return self
+
     replica_gpus: float = Field(0.0, ge=0.0, description="GPUs per replica")
     replica_cpus: float = Field(1.0, ge=0.0, description="CPUs per replica")
     replica_max_restarts: int = Field(

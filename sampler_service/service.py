@@ -746,14 +746,43 @@ class SamplerService:
                 "version",
             )
 
-    async def _install(self, files: list[Path], version: int, transport: str) -> WeightsResponse:
-        from sampler_service.backends.weights import vet_weight_files
+    @property
+    def shared_weights(self) -> bool:
+        """Engine replicas read weight files themselves from a shared path (`--weights-dir`)."""
+        return self.settings.weights_dir is not None and hasattr(self.backend, "load_weight_files")
+
+    def upload_dir(self) -> Path:
+        """Where an upload is spooled: the shared weights dir, or the state dir."""
+        if self.settings.weights_dir is not None:
+            return self.settings.weights_dir
+        return self.settings.state_dir / "weights"
+
+    async def _install(
+        self, files: list[Path], version: int, transport: str, *, vetted: bool = False
+    ) -> WeightsResponse:
+        """Vet weight files and have the engine serve them as `version`.
+
+        In the shared mode (`--weights-dir`) the replicas read the files themselves: the
+        front checks the headers (and, for an upload it wrote, every tensor's values:
+        `vetted`) and sends only the paths; each replica vets the tensors again.
+        """
+        from sampler_service.backends.weights import (
+            vet_weight_files,
+            vet_weight_files_streaming,
+            vet_weight_headers,
+        )
 
         specs = self.backend.weight_specs()
         loop = asyncio.get_running_loop()
         received = time.monotonic()
+        shared = self.shared_weights
         try:
-            tensors = await loop.run_in_executor(None, vet_weight_files, files, specs)
+            if shared:
+                vet = vet_weight_files_streaming if vetted else vet_weight_headers
+                names = await loop.run_in_executor(None, vet, files, specs)
+            else:
+                tensors = await loop.run_in_executor(None, vet_weight_files, files, specs)
+                names = list(tensors)
         except WeightsRejected as exc:
             self.metrics.weight_update_failures.labels("rejected").inc()
             raise ServiceError(422, "weights_rejected", str(exc)) from exc
@@ -761,7 +790,12 @@ class SamplerService:
         async with self.scheduler.paused_for_weights():
             self.check_version(version)
             try:
-                await self.backend.load_weights(tensors, version)
+                if shared:
+                    await self.backend.load_weight_files(  # type: ignore[attr-defined]
+                        [str(f) for f in files], version, names
+                    )
+                else:
+                    await self.backend.load_weights(tensors, version)
             except WeightsRejected as exc:
                 self.metrics.weight_update_failures.labels("rejected").inc()
                 raise ServiceError(422, "weights_rejected", str(exc)) from exc
@@ -778,9 +812,9 @@ class SamplerService:
         elapsed = time.monotonic() - started
         self.metrics.weight_updates.inc()
         self.metrics.weight_update_seconds.observe(elapsed)
-        log.info("serving weights v%d (%d tensors, %.3fs paused)", version, len(tensors), elapsed)
+        log.info("serving weights v%d (%d tensors, %.3fs paused)", version, len(names), elapsed)
         await self.weights_installed(version, transport, time.monotonic() - received, elapsed)
-        return WeightsResponse(policy_version=version, tensors=len(tensors), load_s=elapsed)
+        return WeightsResponse(policy_version=version, tensors=len(names), load_s=elapsed)
 
     async def weights_installed(
         self, version: int, transport: str, seconds: float, paused_s: float
@@ -792,6 +826,8 @@ class SamplerService:
 
     async def put_weights(self, upload: Path, version: int) -> WeightsResponse:
         """Install an uploaded safetensors file, then keep it as the restart weights."""
+        if self.shared_weights:
+            return await self._put_shared_weights(upload, version)
         result = await self._install([upload], version, "upload")
         keep = self.settings.state_dir / "weights" / "current.safetensors"
         keep.parent.mkdir(parents=True, exist_ok=True)
@@ -799,6 +835,28 @@ class SamplerService:
         await self.store.call(
             self.store.sync.put, {"weights": {"files": [str(keep)], "version": version}}
         )
+        return result
+
+    async def _put_shared_weights(self, upload: Path, version: int) -> WeightsResponse:
+        """`--weights-dir`: the upload (spooled in the dir) is vetted, renamed into place
+        atomically, and read by every replica from there; it stays as the committed
+        weights (restarted replicas load it) until a newer upload replaces it."""
+        assert self.settings.weights_dir is not None
+        with upload.open("rb") as fh:  # on shared storage: durable before any replica reads
+            os.fsync(fh.fileno())
+        final = self.settings.weights_dir / f"weights-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
+        os.replace(upload, final)
+        try:
+            result = await self._install([final], version, "upload", vetted=True)
+        except BaseException:
+            final.unlink(missing_ok=True)
+            raise
+        saved = await self.store.call(self.store.sync.get, "weights")
+        await self.store.call(
+            self.store.sync.put,
+            {"weights": {"files": [str(final)], "version": version, "uploaded": True}},
+        )
+        self._drop_replaced_upload(saved, [final])
         return result
 
     async def load_weights(self, path: str, version: int) -> WeightsResponse:
@@ -810,15 +868,24 @@ class SamplerService:
         except WeightsRejected as exc:
             self.metrics.weight_update_failures.labels("rejected").inc()
             raise ServiceError(422, "weights_rejected", str(exc), "path") from exc
+        saved = await self.store.call(self.store.sync.get, "weights")
         result = await self._install(files, version, "path")
         await self.store.call(
             self.store.sync.put, {"weights": {"files": [str(f) for f in files], "version": version}}
         )
+        self._drop_replaced_upload(saved, files)
         return result
+
+    def _drop_replaced_upload(self, saved: dict[str, Any] | None, kept: list[Path]) -> None:
+        """Delete the shared-dir upload (`--weights-dir`) newer weights replaced."""
+        if saved and saved.get("uploaded"):
+            for old in saved["files"]:
+                if Path(old) not in kept:
+                    Path(old).unlink(missing_ok=True)
 
     async def _restore_weights(self) -> None:
         """Serve the last accepted weights again after a restart, before /ready."""
-        from sampler_service.backends.weights import vet_weight_files
+        from sampler_service.backends.weights import vet_weight_files, vet_weight_headers
 
         saved = await self.store.call(self.store.sync.get, "weights")
         if not saved:
@@ -832,6 +899,15 @@ class SamplerService:
             )
             return
         loop = asyncio.get_running_loop()
+        if self.shared_weights:  # each replica reads them from the shared path again
+            names = await loop.run_in_executor(
+                None, vet_weight_headers, files, self.backend.weight_specs()
+            )
+            await self.backend.load_weight_files(  # type: ignore[attr-defined]
+                [str(f) for f in files], int(saved["version"]), names
+            )
+            log.info("restored weights v%s (replicas read %s)", saved["version"], files)
+            return
         tensors = await loop.run_in_executor(
             None, vet_weight_files, files, self.backend.weight_specs()
         )

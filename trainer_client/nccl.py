@@ -184,7 +184,13 @@ class NCCLWeightSender:
         """Broadcast every parameter; returns once the sampler serves them as `version`."""
         if self._engine is None:
             raise NCCLTransferError("call connect() first")
-        current = int(self.client.info()["policy_version"])
+        info = self.client.info()
+        if info.get("group") == "stale":  # a sampler with engine replicas, one restarted
+            raise NCCLTransferError(
+                "the sampler's NCCL group is stale (an engine replica restarted or joined "
+                "since it was formed): call close() and connect() again"
+            )
+        current = int(info["policy_version"])
         if version <= current:
             raise NCCLTransferError(f"version {version} must be greater than the served {current}")
         self._check()

@@ -28,6 +28,15 @@ class WeightsNotServed(RuntimeError):
     """No engine could install the new weights; the old version stays (maps to HTTP 503)."""
 
 
+class NCCLUnavailable(RuntimeError):
+    """The engine cannot take weights over NCCL (not vLLM, or transfer not configured)."""
+
+
+class NCCLGroupStale(RuntimeError):
+    """The NCCL group no longer spans every engine replica (one restarted, or one came
+    up after the group was formed): the trainer must form it again (maps to HTTP 409)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling knobs. Requests are only batched with equal params."""

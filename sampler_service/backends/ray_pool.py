@@ -36,8 +36,8 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
@@ -48,12 +48,15 @@ from sampler_service.backends.base import (
     BackendHealth,
     Completion,
     GenerationAborted,
+    NCCLGroupStale,
+    NCCLUnavailable,
     SamplingParams,
     TensorSpec,
     WeightsNotServed,
     WeightsRejected,
 )
 from sampler_service.backends.replica import NotStarted, Replica
+from sampler_service.backends.vllm_nccl import nccl_rank_offsets, nccl_replica_init_infos
 from sampler_service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -160,6 +163,17 @@ class _Wait:
     reissue: bool = False
 
 
+#: Where committed weights can be loaded from again: ("ref", ObjectRef) or ("files", paths).
+_Source = tuple[Literal["ref", "files"], Any]
+
+
+@dataclass
+class _NCCLGroup:
+    #: replica index -> (pid, epoch) when it joined: a restart changes both
+    members: dict[int, tuple[int | None, int]]
+    workers: list[int] = field(default_factory=list)
+
+
 class _NoReplica(RuntimeError):
     """No replica became routable within the wait (the scheduler retries the wave)."""
 
@@ -185,7 +199,14 @@ class RayPoolBackend(Backend):
         self._queue: deque[_Wait] = deque()
         self._affinity: OrderedDict[int, int] = OrderedDict()
         self._committed_version = 0
-        self._committed_ref: Any = None  # ObjectRef of the committed tensors (None: base)
+        # Where the committed weights can be loaded from again (a restarted replica, a
+        # rollback): ("ref", ObjectRef of the tensors) or ("files", paths every replica
+        # reads); None: the base model. `_source_version` is its version: below the
+        # committed one once an NCCL round committed weights that exist only in engines.
+        self._source: _Source | None = None
+        self._source_version = 0
+        self._source_names: frozenset[str] = frozenset()
+        self._nccl: _NCCLGroup | None = None
         self._loading = False
         self._serving = False
         self._owns_ray = False
@@ -570,15 +591,22 @@ class RayPoolBackend(Backend):
             return
 
     async def _sync_weights(self, rep: _Replica) -> None:
-        """Bring a replica to the committed version; re-checked, as a commit may land meanwhile."""
+        """Bring a replica to the committed version; re-checked, as a commit may land meanwhile.
+
+        Weights committed over NCCL exist only in the engines: a replica that missed them
+        loads the last file or object-store weights and waits for the trainer's next NCCL
+        round (it is not routed to meanwhile).
+        """
         while rep.version != self._committed_version:
-            version, ref = self._committed_version, self._committed_ref
-            if ref is None:
+            version, source = self._source_version, self._source
+            if rep.version == version:
+                return  # only the next NCCL round brings the committed version
+            if source is None:
                 raise RuntimeError(
                     f"replica {rep.index} serves v{rep.version} and the committed v{version} "
                     "is the base model: it must be restarted"
                 )
-            seconds = await rep.handle.load_weights.remote(ref, version)
+            seconds = await self._load_source(rep, source, version)
             self.metrics.replica_weight_load_seconds.labels(str(rep.index)).observe(seconds)
             rep.version = version
 
@@ -618,6 +646,7 @@ class RayPoolBackend(Backend):
             self._serving
             and rep.version != self._committed_version
             and not self._weights_lock.locked()
+            and not self._awaits_nccl(rep)
         ):
             # A re-attached replica at a version the sampler no longer has: start afresh.
             self._fail(rep, epoch, "stale_version", f"serves v{rep.version}", kill=True)
@@ -626,24 +655,39 @@ class RayPoolBackend(Backend):
 
     # -- weights ----------------------------------------------------------------------
     async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        """Ship vetted tensors to every replica once, through Ray's object store."""
+        ref = await asyncio.to_thread(ray.put, dict(tensors))
+        await self._load_all(("ref", ref), version, frozenset(tensors))
+
+    async def load_weight_files(
+        self, files: Sequence[str], version: int, names: Sequence[str]
+    ) -> None:
+        """Have every replica read weight files itself (a path each one can read: `serve
+        --weights-dir`, or POST /v1/weights/load); `names` are the tensors they hold."""
+        await self._load_all(("files", [str(f) for f in files]), version, frozenset(names))
+
+    async def _load_all(self, source: _Source, version: int, names: frozenset[str]) -> None:
         async with self._weights_lock:
             targets = [r for r in self._replicas if r.state == "ok"]
             if not targets:
                 raise WeightsNotServed("no engine replica is up to load the weights")
-            ref = await asyncio.to_thread(ray.put, dict(tensors))
             self._loading = True
             try:
                 results = await asyncio.gather(
-                    *(self._load_one(r, ref, version) for r in targets), return_exceptions=True
+                    *(self._load_one(r, source, version) for r in targets), return_exceptions=True
                 )
             finally:
                 self._loading = False
-            rejected = [r for r in results if isinstance(r, WeightsRejected)]
+            rejected = [
+                WeightsRejected(f"replica {rep.index}: {getattr(r, 'cause', None) or r}")
+                for rep, r in zip(targets, results, strict=True)
+                if isinstance(r, WeightsRejected)
+            ]
+            if rejected:
+                # Every replica that installed it goes back to the committed weights.
+                await self._roll_back([r for r in targets if r.version == version], names)
             for rep, result in zip(targets, results, strict=True):
-                if rejected and rep.version == version:
-                    # Roll back: the replica restarts and loads the committed weights.
-                    self._fail(rep, rep.epoch, "rollback", "rolled back", kill=True)
-                elif isinstance(result, BaseException) and not isinstance(result, WeightsRejected):
+                if isinstance(result, BaseException) and not isinstance(result, WeightsRejected):
                     # A dead replica is being restarted by Ray already; a live one that
                     # failed is recycled so that it comes back clean.
                     dead = isinstance(result, RayActorError)
@@ -658,13 +702,40 @@ class RayPoolBackend(Backend):
                     f"no engine replica installed v{version}: "
                     + "; ".join(f"replica {r.index}: {r.error}" for r in targets)
                 )
-            self._committed_version, self._committed_ref = version, ref
+            self._committed_version = version
+            self._source, self._source_version, self._source_names = source, version, names
             for rep in self._replicas:
                 self.metrics.replica_policy_version.labels(str(rep.index)).set(rep.version)
                 if rep.state == "ok" and rep.version != version:
                     # Came back from a restart during the load, at the old version.
                     self._spawn(self._resync(rep), f"resync-replica-{rep.index}")
             self._dispatch()
+
+    async def _roll_back(self, installed: list[_Replica], names: frozenset[str]) -> None:
+        """Return replicas that installed refused weights to the committed ones.
+
+        In place when the committed source names every tensor the refused update changed
+        (loading it restores them all); otherwise (the base model, or a partial source)
+        the replica is restarted, which loads the base model and then the committed
+        weights. Replicas at another version than the committed one are not routed to,
+        so no sample comes from the refused weights either way.
+        """
+
+        async def one(rep: _Replica) -> None:
+            epoch, source = rep.epoch, self._source
+            if source is not None and names <= self._source_names:
+                try:
+                    seconds = await self._load_source(rep, source, self._source_version)
+                except Exception as exc:  # noqa: BLE001 - falls back to a restart
+                    log.warning("replica %d: in-place rollback failed: %r", rep.index, exc)
+                else:
+                    rep.version = self._source_version
+                    self.metrics.replica_weight_load_seconds.labels(str(rep.index)).observe(seconds)
+                    log.info("replica %d rolled back to v%d in place", rep.index, rep.version)
+                    return
+            self._fail(rep, epoch, "rollback", "rolled back (restart)", kill=True)
+
+        await asyncio.gather(*(one(r) for r in installed))
 
     async def _resync(self, rep: _Replica) -> None:
         epoch = rep.epoch
@@ -677,12 +748,172 @@ class RayPoolBackend(Backend):
         if rep.epoch == epoch:
             self._set_state(rep, "ok")
 
-    async def _load_one(self, rep: _Replica, ref: Any, version: int) -> None:
+    async def _load_one(self, rep: _Replica, source: _Source, version: int) -> None:
         if rep.version == version:  # a re-attached replica already serving it
             return
-        seconds = await rep.handle.load_weights.remote(ref, version)
+        seconds = await self._load_source(rep, source, version)
         rep.version = version
         self.metrics.replica_weight_load_seconds.labels(str(rep.index)).observe(seconds)
+
+    async def _load_source(self, rep: _Replica, source: _Source, version: int) -> float:
+        kind, payload = source
+        if kind == "files":
+            return float(await rep.handle.load_weight_files.remote(payload, version))
+        return float(await rep.handle.load_weights.remote(payload, version))
+
+    def _awaits_nccl(self, rep: _Replica) -> bool:
+        """A replica at the last file weights while newer ones came over NCCL: it waits
+        for the trainer's next NCCL round."""
+        return self._source_version != self._committed_version and rep.version == (
+            self._source_version
+        )
+
+    # -- NCCL fan-out (vLLM replicas) ---------------------------------------------------
+    async def _nccl_infos(self) -> list[tuple[_Replica, dict[str, Any]]]:
+        """(replica, its NCCL info) for every replica up now; NCCLUnavailable unless each
+        one's engine can take weights over NCCL."""
+        reps = [r for r in self._replicas if r.state == "ok"]
+        if not reps:
+            raise NCCLUnavailable("no engine replica is up")
+        infos = await asyncio.gather(*(r.handle.nccl_info.remote() for r in reps))
+        if any(info is None for info in infos):
+            raise NCCLUnavailable("NCCL weight transfer needs --backend vllm")
+        return list(zip(reps, infos, strict=True))
+
+    async def nccl_info(self) -> dict[str, Any]:
+        """What GET /v1/weights/nccl reports: ranks summed over the replicas up now."""
+        pairs = await self._nccl_infos()
+        specs, required = await pairs[0][0].handle.nccl_specs.remote()
+        return {
+            "enabled": all(info["enabled"] for _, info in pairs),
+            "inference_ranks": sum(int(info["workers"]) for _, info in pairs),
+            "specs": specs,
+            "required": set(required),
+            "group": self.nccl_group_state(),
+            "replicas": [
+                {"replica": rep.index, "workers": int(info["workers"]), "rank_offset": offset}
+                for (rep, info), offset in zip(
+                    pairs, nccl_rank_offsets([int(i["workers"]) for _, i in pairs]), strict=True
+                )
+            ],
+        }
+
+    def nccl_group_state(self) -> str:
+        """none (no group formed), ok, or stale (a replica restarted or joined since)."""
+        if self._nccl is None:
+            return "none"
+        return "stale" if self._nccl_stale_reason() else "ok"
+
+    async def nccl_check_group(self) -> None:
+        """NCCLGroupStale unless the group spans every replica as it did when formed."""
+        reason = self._nccl_stale_reason()
+        if reason is not None:
+            raise NCCLGroupStale(reason)
+
+    def _nccl_stale_reason(self) -> str | None:
+        group = self._nccl
+        if group is None:
+            return "no NCCL group is formed: POST /v1/weights/nccl/init first"
+        for rep in self._replicas:
+            member = group.members.get(rep.index)
+            if member is None:
+                if rep.state == "ok":
+                    return f"replica {rep.index} came up after the NCCL group was formed"
+                continue
+            if rep.state != "ok" or (rep.pid, rep.epoch) != member:
+                return f"replica {rep.index} restarted or failed since the NCCL group was formed"
+        return None
+
+    async def nccl_init(self, init_info: dict[str, Any]) -> None:
+        """Form the group: every replica up joins at its own rank offset (trainer = 0)."""
+        self._nccl = None
+        pairs = await self._nccl_infos()
+        if not all(info["enabled"] for _, info in pairs):
+            raise NCCLUnavailable(
+                "NCCL weight transfer is off (vLLM weight_transfer_config not set)"
+            )
+        workers = [int(info["workers"]) for _, info in pairs]
+        per_replica = nccl_replica_init_infos(init_info, workers)
+        members = {rep.index: (rep.pid, rep.epoch) for rep, _ in pairs}
+        results = await asyncio.gather(
+            *(
+                rep.handle.nccl_init.remote(info)
+                for (rep, _), info in zip(pairs, per_replica, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        self._nccl = _NCCLGroup(members, workers)
+        log.info(
+            "NCCL group formed: trainer + %s replica ranks at offsets %s",
+            workers,
+            nccl_rank_offsets(workers),
+        )
+
+    async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:
+        """Every member receives the trainer's broadcast and serves it as `version`.
+
+        Refused with NCCLGroupStale before any transfer when the group no longer spans
+        the replicas. A round that fails on some replica leaves the group unusable (the
+        trainer forms it again); the version is committed if any replica installed it,
+        and the others wait for the next round.
+        """
+        async with self._weights_lock:
+            reason = self._nccl_stale_reason()
+            if reason is not None:
+                raise NCCLGroupStale(reason)
+            assert self._nccl is not None
+            targets = [self._replicas[i] for i in self._nccl.members]
+            self._loading = True
+            try:
+                results = await asyncio.gather(
+                    *(r.handle.nccl_update.remote(update_info, version) for r in targets),
+                    return_exceptions=True,
+                )
+            finally:
+                self._loading = False
+            failures = []
+            for rep, result in zip(targets, results, strict=True):
+                if not isinstance(result, BaseException):
+                    rep.version = version
+                    self.metrics.replica_weight_load_seconds.labels(str(rep.index)).observe(
+                        float(result)
+                    )
+                    continue
+                failures.append(f"replica {rep.index}: {result}")
+                if isinstance(result, RayActorError):
+                    self._fail(rep, rep.epoch, "weights", repr(result), kill=False)
+                else:
+                    with contextlib.suppress(Exception):  # what its engine serves now
+                        health = await rep.handle.health.remote()
+                        rep.version = int(health["policy_version"])
+            if failures:
+                self._nccl = None
+            if any(r.version == version for r in targets):
+                self._committed_version = version
+                for rep in self._replicas:
+                    self.metrics.replica_policy_version.labels(str(rep.index)).set(rep.version)
+            self._dispatch()
+            if failures:
+                served = self._committed_version
+                raise RuntimeError(
+                    f"NCCL weight update to version {version} failed on "
+                    + "; ".join(failures)
+                    + f"; serving v{served}; form the NCCL group again"
+                )
+
+    async def nccl_shutdown(self) -> None:
+        group, self._nccl = self._nccl, None
+        if group is None:
+            return
+        calls = [
+            self._replicas[i].handle.nccl_shutdown.remote()
+            for i in group.members
+            if self._replicas[i].state == "ok"
+        ]
+        await asyncio.gather(*calls, return_exceptions=True)
 
     async def abort_all(self) -> int:
         calls = [r.handle.abort_all.remote() for r in self._replicas if r.state == "ok"]

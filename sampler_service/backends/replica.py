@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sampler_service.backends.base import Backend, Completion, SamplingParams
+from sampler_service.backends.base import Backend, Completion, SamplingParams, WeightsRejected
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,20 @@ FAULT_EXIT_IN_LOAD_ENV = "ADAPTIVE_ROLLOUT_FAULT_EXIT_IN_LOAD"
 #: An orphan whose graceful exit has not ended the process this long after it began is
 #: killed through Ray (a call stuck in the engine keeps `exit_actor` waiting).
 ORPHAN_EXIT_GRACE_S = 60.0
+#: Fault hook for tests (off unless set): comma-separated `<replica index>` or
+#: `<replica index>:<version>` entries; a replica named there refuses to load weights
+#: (every version, or that version) with WeightsRejected, as a replica whose own vetting
+#: refuses a file would, after the others may have installed it.
+FAULT_REJECT_WEIGHTS_ENV = "ADAPTIVE_ROLLOUT_FAULT_REJECT_WEIGHTS"
+
+
+def fault_rejects(spec: str | None, index: int, version: int) -> bool:
+    """Whether the reject hook `spec` (FAULT_REJECT_WEIGHTS_ENV) names this load."""
+    for entry in (spec or "").split(","):
+        replica, _, only = entry.strip().partition(":")
+        if replica.strip() == str(index) and (not only or only.strip() == str(version)):
+            return True
+    return False
 
 
 class NotStarted(RuntimeError):
@@ -216,9 +230,61 @@ class Replica:
             else:
                 log.warning("fault hook: replica %d exits during a weight load", self._index)
                 os._exit(1)
+        self._fault_reject(version)
         started = time.monotonic()
         await engine.load_weights(tensors, version)
         return time.monotonic() - started
+
+    def _fault_reject(self, version: int) -> None:
+        if fault_rejects(os.environ.get(FAULT_REJECT_WEIGHTS_ENV), self._index, version):
+            log.warning("fault hook: replica %d rejects weights v%d", self._index, version)
+            raise WeightsRejected(f"fault hook: replica {self._index} rejects weights v{version}")
+
+    async def load_weight_files(self, files: list[str], version: int) -> float:
+        """Read and install weight files every replica can read (`serve --weights-dir`, or
+        a path given to POST /v1/weights/load) as `version`; returns the seconds it took.
+
+        The replica vets the files itself (headers, then every tensor: a path the front
+        only checked the headers of may still hold NaN); a refusal raises WeightsRejected
+        and changes nothing here.
+        """
+        from sampler_service.backends.weights import vet_weight_files
+
+        engine = self._engine()
+        started = time.monotonic()
+        tensors = await asyncio.to_thread(
+            vet_weight_files, [Path(f) for f in files], engine.weight_specs()
+        )
+        await self.load_weights(tensors, version)
+        return time.monotonic() - started
+
+    # -- NCCL weight transfer (vLLM engines; the pool fans the trainer's calls out) -------
+    def nccl_info(self) -> dict[str, Any] | None:
+        """This replica's ranks in an NCCL transfer group and whether its engine has the
+        transfer configured, or None: its engine cannot take weights over NCCL (only the
+        vLLM backend can)."""
+        engine = self._engine()
+        workers = getattr(engine, "nccl_workers", None)
+        if workers is None:
+            return None
+        return {
+            "workers": int(workers()),
+            "enabled": bool(engine.health().detail.get("nccl_weight_transfer")),
+        }
+
+    def nccl_specs(self) -> tuple[dict[str, Any], set[str]]:
+        return self._engine().nccl_specs()  # type: ignore[attr-defined, no-any-return]
+
+    async def nccl_init(self, init_info: dict[str, Any]) -> None:
+        await self._engine().nccl_init(init_info)  # type: ignore[attr-defined]
+
+    async def nccl_update(self, update_info: dict[str, Any], version: int) -> float:
+        started = time.monotonic()
+        await self._engine().nccl_update(update_info, version)  # type: ignore[attr-defined]
+        return time.monotonic() - started
+
+    async def nccl_shutdown(self) -> None:
+        await self._engine().nccl_shutdown()  # type: ignore[attr-defined]
 
     async def abort_all(self) -> int:
         self._heard()

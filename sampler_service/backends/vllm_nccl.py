@@ -20,6 +20,17 @@ would leave the trainer blocked in NCCL; the trainer client runs the same checks
 Weights received this way exist only in the engine: after a restart the sampler serves
 the last file-based weights (and version) again until the trainer sends a newer version.
 
+With engine replicas (`serve --replicas N`, vLLM on each) the group spans every replica:
+world size = 1 (the trainer) + the sum of the replicas' workers, which GET reports as
+`inference_ranks` (with each replica's `rank_offset` under `replicas`). The trainer sends
+one init as for a single engine (rank offset 1); the pool gives each replica its own
+offset (`nccl_replica_init_infos` below) and fans init, update and shutdown out to all
+of them. A replica that restarts (or comes up) after the group was formed makes it
+stale (`"group": "stale"` in GET): the next update answers 409 `nccl_group_stale` before
+any transfer, and the trainer forms the group again (`NCCLWeightSender.connect`); the
+restarted replica serves the last file weights, is not routed to, and joins at that init.
+hf replicas answer 409 `nccl_unavailable`, as a single hf engine does.
+
 Mounting (sampler_service/app.py, inside the authenticated /v1 router):
     `v1.include_router(create_nccl_router(service))`
 """
@@ -27,6 +38,7 @@ Mounting (sampler_service/app.py, inside the authenticated /v1 router):
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -84,6 +96,38 @@ def vet_update_info(info: NCCLUpdateInfo, specs: dict[str, Any], required: set[s
     return None
 
 
+def nccl_rank_offsets(workers: Sequence[int]) -> list[int]:
+    """Each replica's first rank in the trainer's NCCL group: the trainer is rank 0, then
+    each replica's workers in replica order (world size = 1 + sum(workers))."""
+    offsets, rank = [], 1
+    for count in workers:
+        if count < 1:
+            raise ValueError(f"a replica needs at least one NCCL rank, got {count}")
+        offsets.append(rank)
+        rank += count
+    return offsets
+
+
+def nccl_replica_init_infos(init_info: Mapping[str, Any], workers: Sequence[int]) -> list[dict]:
+    """The trainer's worker init info (vLLM `NCCLWeightTransferInitInfo` fields, written
+    for one engine at rank offset 1) as each replica must get it: its own rank offset,
+    the whole group's world size. ValueError when the trainer sized the group otherwise.
+    """
+    world = 1 + sum(workers)
+    if init_info.get("world_size") != world:
+        raise ValueError(
+            f"world_size {init_info.get('world_size')!r} does not match the sampler's group: "
+            f"1 trainer rank + {sum(workers)} replica ranks = {world} (GET /v1/weights/nccl "
+            "again: a replica may have restarted)"
+        )
+    if init_info.get("rank_offset", 1) != 1:
+        raise ValueError(
+            f"rank_offset must be 1 (the trainer is rank 0 and the sampler lays out its "
+            f"replicas' ranks after it), got {init_info.get('rank_offset')!r}"
+        )
+    return [{**init_info, "rank_offset": offset} for offset in nccl_rank_offsets(workers)]
+
+
 def create_nccl_router(service: SamplerService) -> APIRouter:
     """Routes under /weights/nccl; include them in the service's authenticated /v1 router."""
     from sampler_service.service import ServiceError
@@ -94,9 +138,33 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
         from sampler_service.backends.vllm import VLLMBackend
 
         engine = service.backend
-        if not isinstance(engine, VLLMBackend):
+        if not (isinstance(engine, VLLMBackend) or fans_out(engine)):
             raise ServiceError(409, "nccl_unavailable", "NCCL weight transfer needs --backend vllm")
         return engine
+
+    def fans_out(engine: Any) -> bool:
+        """A pool of engine replicas (`RayPoolBackend`): every call goes to each replica."""
+        return hasattr(engine, "nccl_group_state")
+
+    async def pool_call(call: Any) -> Any:
+        from sampler_service.backends.base import NCCLGroupStale, NCCLUnavailable
+
+        try:
+            return await call
+        except NCCLUnavailable as exc:
+            raise ServiceError(409, "nccl_unavailable", str(exc)) from exc
+        except NCCLGroupStale as exc:
+            raise ServiceError(409, "nccl_group_stale", str(exc)) from exc
+
+    async def specs_of(engine: Any) -> tuple[dict[str, Any], set[str]]:
+        if fans_out(engine):
+            info = await pool_call(engine.nccl_info())
+            return info["specs"], info["required"]
+        return engine.nccl_specs()  # type: ignore[no-any-return]
+
+    def cause(exc: BaseException) -> str:
+        """The message of an error raised in a replica actor, without Ray's traceback."""
+        return str(getattr(exc, "cause", None) or exc)
 
     async def body(request: Request, model: type[BaseModel]) -> Any:
         raw = await request.body()
@@ -119,6 +187,19 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
     @router.get("")
     async def info() -> Response:
         engine = backend()
+        if fans_out(engine):
+            pool = await pool_call(engine.nccl_info())
+            return json(
+                {
+                    "enabled": pool["enabled"],
+                    "inference_ranks": pool["inference_ranks"],
+                    "policy_version": engine.policy_version,
+                    "tensors": {n: [list(s.shape), s.dtype] for n, s in pool["specs"].items()},
+                    "required": sorted(pool["required"]),
+                    "group": pool["group"],
+                    "replicas": pool["replicas"],
+                }
+            )
         specs, required = engine.nccl_specs()
         return json(
             {
@@ -135,18 +216,27 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
         engine = backend()
         req = await body(request, NCCLInitRequest)
         try:
-            await engine.nccl_init(req.init_info)
+            if fans_out(engine):
+                await pool_call(engine.nccl_init(req.init_info))
+                ranks = (await pool_call(engine.nccl_info()))["inference_ranks"]
+            else:
+                await engine.nccl_init(req.init_info)
+                ranks = engine.nccl_workers()
         except (ValueError, TypeError) as exc:
-            raise ServiceError(422, "invalid_init_info", str(exc), "init_info") from exc
+            raise ServiceError(422, "invalid_init_info", cause(exc), "init_info") from exc
         except RuntimeError as exc:
-            raise ServiceError(409, "nccl_unavailable", str(exc)) from exc
-        return json({"status": "connected", "inference_ranks": engine.nccl_workers()})
+            raise ServiceError(409, "nccl_unavailable", cause(exc)) from exc
+        return json({"status": "connected", "inference_ranks": ranks})
 
     @router.post("/update")
     async def update(request: Request) -> Response:
         engine = backend()
         req = await body(request, NCCLUpdateRequest)
-        specs, required = engine.nccl_specs()
+        specs, required = await specs_of(engine)
+        if fans_out(engine):
+            # a stale group is refused before the pause and any transfer (and checked
+            # again, under the pool's weights lock, before the replicas receive)
+            await pool_call(engine.nccl_check_group())
         problem = vet_update_info(req.update_info, specs, required)
         if problem is not None:
             raise ServiceError(422, "weights_rejected", problem, "update_info")
@@ -155,10 +245,10 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
         async with service.scheduler.paused_for_weights():
             service.check_version(req.version)
             try:
-                await engine.nccl_update(req.update_info.model_dump(), req.version)
+                await pool_call(engine.nccl_update(req.update_info.model_dump(), req.version))
             except RuntimeError as exc:
                 # the engine reloaded whole weights; the message says which version it serves
-                raise ServiceError(409, "nccl_update_failed", str(exc), "update_info") from exc
+                raise ServiceError(409, "nccl_update_failed", cause(exc), "update_info") from exc
         elapsed = time.monotonic() - started
         service.metrics.weight_updates.inc()
         service.metrics.weight_update_seconds.observe(elapsed)
@@ -173,7 +263,8 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
 
     @router.post("/shutdown")
     async def shutdown() -> Response:
-        await backend().nccl_shutdown()
+        engine = backend()
+        await (pool_call(engine.nccl_shutdown()) if fans_out(engine) else engine.nccl_shutdown())
         return json({"status": "closed"})
 
     return router

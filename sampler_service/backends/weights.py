@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import safetensors.torch
 import torch
 from safetensors import SafetensorError
@@ -137,16 +138,43 @@ def vet_weight_files(
 ) -> dict[str, torch.Tensor]:
     """`vet_weight_file` for the shards of one checkpoint: every header is checked (and no
     tensor may appear twice) before any tensor data is read."""
+    vet_weight_headers(files, specs)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(_load(lambda f=file: safetensors.torch.load_file(f), str(file)))
+    return _nonempty(tensors)
+
+
+def vet_weight_headers(files: Sequence[Path], specs: Mapping[str, TensorSpec]) -> list[str]:
+    """The tensor names of a checkpoint's shards, after checking every header against
+    `specs` (names, shapes, dtypes, byte ranges within the file, no tensor twice, at
+    least one tensor); no tensor data is read."""
     seen: dict[str, Path] = {}
     for file in files:
         for name in _check_header(_read_header(file), specs):
             if name in seen:
                 raise WeightsRejected(f"tensor {name!r}: present in both {seen[name]} and {file}")
             seen[name] = file
-    tensors: dict[str, torch.Tensor] = {}
+    if not seen:
+        raise WeightsRejected("the weight file holds no tensors")
+    return list(seen)
+
+
+def vet_weight_files_streaming(files: Sequence[Path], specs: Mapping[str, TensorSpec]) -> list[str]:
+    """`vet_weight_files` without keeping the tensors: headers first, then each tensor read
+    alone and checked for NaN and infinities; returns the tensor names. For a front that
+    only vets a file its engines will read themselves (`serve --weights-dir`)."""
+    names = vet_weight_headers(files, specs)
     for file in files:
-        tensors.update(_load(lambda f=file: safetensors.torch.load_file(f), str(file)))
-    return _nonempty(tensors)
+        try:
+            with safetensors.safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    _nonempty({name: handle.get_tensor(name)})
+        except WeightsRejected:
+            raise
+        except (SafetensorError, ValueError, OSError) as exc:
+            raise WeightsRejected(f"{file}: invalid safetensors data ({exc})") from exc
+    return names
 
 
 def _nonempty(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -68,8 +68,11 @@ class RayCluster:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[RayCluster]:
-    """A Ray head of our own (see the module docstring); the test process joins as a driver."""
+def ray_cluster(request: pytest.FixtureRequest) -> Iterator[RayCluster]:
+    """A Ray head of our own (see the module docstring); the test process joins as a driver.
+
+    Its actors inherit the test module's `RAY_HEAD_ENV` (a dict, e.g. a fault hook), if any.
+    """
     import ray
 
     # Short: Ray puts unix sockets under it, and their paths are limited to ~100 bytes.
@@ -99,7 +102,8 @@ def ray_cluster() -> Iterator[RayCluster]:
         "--disable-usage-stats",
         *(f"{k}={v}" for k, v in ports.items()),
     ]
-    env = {**os.environ, **ENV, FAULT_EXIT_IN_LOAD_ENV: str(fault_file)}
+    extra_env = getattr(request.module, "RAY_HEAD_ENV", {})
+    env = {**os.environ, **ENV, FAULT_EXIT_IN_LOAD_ENV: str(fault_file), **extra_env}
     log = (temp / "ray-start.log").open("w")
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

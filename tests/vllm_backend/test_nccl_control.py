@@ -18,8 +18,18 @@ from fastapi.responses import JSONResponse
 
 from sampler_service.backends.base import TensorSpec
 from sampler_service.backends.vllm import VLLMBackend
-from sampler_service.backends.vllm_nccl import NCCLUpdateInfo, create_nccl_router, vet_update_info
-from trainer_client.nccl import NCCLTransferError, ServiceWeightSyncClient, check_metadata
+from sampler_service.backends.vllm_nccl import (
+    NCCLUpdateInfo,
+    create_nccl_router,
+    nccl_replica_init_infos,
+    vet_update_info,
+)
+from trainer_client.nccl import (
+    NCCLTransferError,
+    NCCLWeightSender,
+    ServiceWeightSyncClient,
+    check_metadata,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -196,3 +206,79 @@ def test_http_round_versions_and_refusals() -> None:
     with pytest.raises(NCCLTransferError, match="422"):
         client.update_weights({**update, "shapes": [[4, 2], [5]]})
     assert service.paused == 1 and len(service.backend.calls) == 2  # refused before pausing
+
+
+class StubPool:
+    """What the routes ask of a pool of engine replicas (`RayPoolBackend`)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.policy_version = 0
+        self.group = "none"
+
+    def nccl_group_state(self) -> str:
+        return self.group
+
+    async def nccl_check_group(self) -> None:
+        from sampler_service.backends.base import NCCLGroupStale
+
+        if self.group != "ok":
+            raise NCCLGroupStale("replica 1 restarted or failed since the NCCL group was formed")
+
+    async def nccl_info(self) -> dict[str, Any]:
+        return {
+            "enabled": True,
+            "inference_ranks": 4,
+            "specs": dict(SPECS),
+            "required": set(SPECS),
+            "group": self.group,
+            "replicas": [
+                {"replica": 0, "workers": 2, "rank_offset": 1},
+                {"replica": 1, "workers": 2, "rank_offset": 3},
+            ],
+        }
+
+    async def nccl_init(self, init_info: dict[str, Any]) -> None:
+        self.calls.append(("init", nccl_replica_init_infos(init_info, [2, 2])))
+        self.group = "ok"
+
+    async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:
+        await self.nccl_check_group()
+        self.calls.append(("update", version))
+        self.policy_version = version
+
+
+def test_http_round_with_replicas_and_the_stale_group() -> None:
+    service = StubService()
+    service.backend = StubPool()  # type: ignore[assignment]
+    pool = service.backend
+    client = _client(_app(service))
+    info = client.info()
+    assert info["inference_ranks"] == 4 and info["group"] == "none"
+    assert info["replicas"][1] == {"replica": 1, "workers": 2, "rank_offset": 3}
+    update = {
+        "names": ["a.weight", "b.weight"],
+        "dtype_names": ["float32", "float32"],
+        "shapes": [[4, 2], [3]],
+    }
+    client.version = 1
+    with pytest.raises(NCCLTransferError, match="409 nccl_group_stale"):
+        client.update_weights(update)  # no group yet
+    with pytest.raises(NCCLTransferError, match="422 invalid_init_info.*world_size 3"):
+        client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 3})
+    client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 5})
+    assert [i["rank_offset"] for i in pool.calls[0][1]] == [1, 3]
+    client.update_weights(update)
+    assert pool.calls[-1] == ("update", 1) and service.installed == [(1, "nccl")]
+    pool.group = "stale"  # a replica restarted
+    assert client.info()["group"] == "stale"
+    client.version = 2
+    with pytest.raises(NCCLTransferError, match="409 nccl_group_stale"):
+        client.update_weights(update)
+    assert service.paused == 1 and pool.calls[-1] == ("update", 1)  # refused before pausing
+    # The trainer's sender asks first and refuses before it would broadcast.
+    sender = NCCLWeightSender("http://sampler", master_address="127.0.0.1", master_port=1)
+    sender.client = client
+    sender._engine = object()  # connected (no GPU here: nothing is sent)
+    with pytest.raises(NCCLTransferError, match="stale.*connect"):
+        sender.send(version=2)
