@@ -617,8 +617,11 @@ def _plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [*domains, "mean"]
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.8), sharey=False)
+    names = domains if len(domains) == 1 else [*domains, "mean"]
+    fig, axes = plt.subplots(
+        1, len(names), figsize=(4.2 * len(names) + 1, 3.8), sharey=False, squeeze=False
+    )
+    axes = axes[0]
     for ax, d in zip(axes, names, strict=True):
         for method, c in curves.items():
             (line,) = ax.plot(grid, c[d]["mean"], "o-", label=METHODS[method]["label"])
