@@ -106,46 +106,62 @@ def _step_settings() -> str:
 def _learning_summary() -> str:
     data = _load("learning")
     domains = [d for d in data["curves"][next(iter(data["curves"]))] if d != "mean"]
+    names = domains if len(domains) == 1 else [*domains, "mean"]
     rows = []
     for row in data["summary"]:
         cells = {"method": row["method"], "steps": row["steps"], "aps": row["answers_per_step"]}
-        for d in [*domains, "mean"]:
+        for d in names:
             cells[d] = f"{row[f'{d}_start']:.3f} -> {row[d]:.3f} ({row[f'{d}_spread']})"
+        cells["t1"] = f"{row['t1_start']:.3f} -> {row['t1']:.3f} ({row['t1_spread']})"
         rows.append(cells)
     return table(
         rows,
         [("method", "method"), ("steps", "optimizer steps"), ("aps", "answers/step")]
-        + [(d, d) for d in [*domains, "mean"]],
+        + [(d, f"{d} greedy accuracy") for d in names]
+        + [("t1", "T=1 pass rate")],
     )
+
+
+def _ci(pr: dict[str, Any]) -> str:
+    lo_hi = pr.get("ci95")
+    return "-" if lo_hi is None else f"{lo_hi[0]:+.3f} .. {lo_hi[1]:+.3f}"
 
 
 def _learning_paired() -> str:
     data = _load("learning")
     labels = {m: spec["label"] for m, spec in data["settings"]["methods"].items()}
     rows = []
-    for axis, name in (("answers", "equal answers"), ("wall_s", "equal wall-clock")):
-        for method, pr in data["paired_by_seed"][axis].items():
-            rows.append(
-                {
-                    "axis": name,
-                    "method": labels[method],
-                    "diffs": ", ".join(f"{d:+.3f}" for d in pr["diffs"]),
-                    "mean": pr["mean"],
-                    "sd": pr["sd"],
-                    "t": pr["t"],
-                    "wins": f"{pr['wins']} of {len(pr['diffs'])}",
-                }
-            )
+    for metric, src in (("greedy", data), ("T=1 pass", data["t1"])):
+        blocks = [("gains", "answers", "own start, equal answers")]
+        blocks += [("paired_by_seed", "answers", "GRPO n=4, equal answers")]
+        blocks += [("paired_by_seed", "wall_s", "GRPO n=4, equal wall-clock")]
+        for key, axis, name in blocks:
+            for method, pr in src[key].get(axis, {}).items():
+                rows.append(
+                    {
+                        "metric": metric,
+                        "axis": name,
+                        "method": labels[method],
+                        "diffs": ", ".join(f"{d:+.3f}" for d in pr["diffs"]),
+                        "mean": f"{pr['mean']:+.3f}",
+                        "ci": _ci(pr),
+                        "t": pr["t"],
+                        "wins": f"{pr['wins']} of {pr['n']}",
+                        "p": pr["sign_p"],
+                    }
+                )
     return table(
         rows,
         [
-            ("axis", "axis"),
-            ("method", "minus GRPO n=4"),
+            ("metric", "metric"),
+            ("method", "method"),
+            ("axis", "minus"),
             ("diffs", "per seed"),
             ("mean", "mean"),
-            ("sd", "sd"),
+            ("ci", "95% CI (t)"),
             ("t", "paired t"),
             ("wins", "seeds > 0"),
+            ("p", "sign test p"),
         ],
     )
 

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from bench import adaptive_sim, virtual_clock
 from bench.common import table, write_json
@@ -455,7 +456,7 @@ def self_check(
     return out
 
 
-def run_checks(args: argparse.Namespace, spec: EngineSpec) -> list[dict[str, Any]]:
+def run_checks(args: argparse.Namespace, spec: EngineSpec, bar: Any = None) -> list[dict[str, Any]]:
     """Each checked rule on the sync pipeline over `args.draws` prompt draws."""
     by_key = {r.key: r for r in rows()}
     small = argparse.Namespace(**{**vars(args), "batch": args.check_batch, "steps": 1, "warmup": 0})
@@ -468,12 +469,16 @@ def run_checks(args: argparse.Namespace, spec: EngineSpec) -> list[dict[str, Any
                 "hard", args.check_batch * 2, np.random.default_rng(seed)
             )
             groups += run_one(by_key[key], "sync", rates, small, spec, seed=seed)["groups"]
+            if bar is not None:
+                bar.update(1)
         out += self_check(key, groups, spec)
     return out
 
 
 # -- the tables -----------------------------------------------------------------------
-def measure(args: argparse.Namespace, spec: EngineSpec, log: Any) -> list[dict[str, Any]]:
+def measure(
+    args: argparse.Namespace, spec: EngineSpec, log: Any, bar: Any = None
+) -> list[dict[str, Any]]:
     """Every row on every pipeline; step times per r (module docstring)."""
     rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
     table_rows = []
@@ -508,6 +513,8 @@ def measure(args: argparse.Namespace, spec: EngineSpec, log: Any) -> list[dict[s
             res.update(method=row.key, label=row.label, pipeline=pipeline, extra=row.extra)
             table_rows.append(res)
             log(f"  {row.label} / {pipeline}: {time.monotonic() - started:.1f}s real")
+            if bar is not None:
+                bar.update(1)
     base = next(r for r in table_rows if r["method"] == "grpo4" and r["pipeline"] == "sync")
     for r in table_rows:
         r["ratio_by_r"] = {k: v / base["step_s_by_r"][k] for k, v in r["step_s_by_r"].items()}
@@ -592,19 +599,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.off_policy_r = (0.7,) if args.quick else RATIOS
     started = time.monotonic()
 
-    def log(msg: str) -> None:
-        print(msg, flush=True)
+    # One tick per self-check draw and per (row, pipeline) run, on stderr.
+    bar = tqdm(
+        total=len(CHECKED) * args.draws + len(rows()) * len(PIPELINES) * (1 if args.no_flat else 2),
+        desc="step_time",
+        unit="run",
+        dynamic_ncols=True,
+    )
 
-    checks = run_checks(args, ENGINE)
+    def log(msg: str) -> None:
+        tqdm.write(msg)
+
+    checks = run_checks(args, ENGINE, bar)
     log("\n== self-checks against closed forms (sync pipeline) ==")
     for c in checks:
         log(
             f"[{'met' if c['met'] else 'MISSED'}] {c['rule']} {c['quantity']}: measured "
             f"{c['measured']:.4f}, closed form {c['expected']:.4f}, z {c['z']:+.2f}"
         )
-    tables = {"difficulty": measure(args, ENGINE, log)}
+    tables = {"difficulty": measure(args, ENGINE, log, bar)}
     if not args.no_flat:
-        tables["flat"] = measure(args, ENGINE_FLAT, log)
+        tables["flat"] = measure(args, ENGINE_FLAT, log, bar)
+    bar.close()
     for name, tr in tables.items():
         log(
             f"\n== step time, lengths {'by difficulty and correctness' if name == 'difficulty' else 'independent of difficulty'} =="
