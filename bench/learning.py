@@ -12,17 +12,18 @@ trains the toy model against a real sampler process (`adaptive-rollout serve`) w
   estimator are compared one at a time;
 
 with everything else equal (batch of 32 groups, AdamW lr 2e-4, temperature 1, one weight
-push per step, `max_staleness` 0 so the sampler runs at most one batch ahead of the
-trainer). Cost is counted in answers generated for the groups the trainer trained on
-(`GroupStats.n_generated`); every run stops at the same answer budget and is evaluated at
-checkpoints along the way on 256 held-out prompts: greedy exact-match accuracy (the
-headline metric) and, second, the T=1 pass rate (8 samples per prompt, the quantity the
-RL objective raises). Curves are interpolated onto a common answers grid and averaged
-over seeds, with the spread (min..max over seeds) shown. The same is done on a
-wall-clock axis (training time, evaluations excluded). Statistics are paired by seed:
-each run's gain over its own start (did it learn?), and each method minus GRPO n=4 at
-equal answers and at equal wall-clock time (mean, 95% t interval, paired t, sign count
-with its exact sign-test p).
+push per step, `max_staleness` 0: the trainer pushes a step's weights before it acks the
+step's groups, so the sampler starts the next batch on those weights and every step
+trains on-policy, `version_lag` 0). Cost is counted in answers generated for the groups
+the trainer trained on (`GroupStats.n_generated`); every run stops at the same answer
+budget and is evaluated at checkpoints along the way on 256 held-out prompts: greedy
+exact-match accuracy (the headline metric) and, second, the T=1 pass rate (8 samples per
+prompt, the quantity the RL objective raises). Curves are interpolated onto a common
+answers grid and averaged over seeds, with the spread (min..max over seeds) shown. The
+same is done on a wall-clock axis (training time, evaluations excluded). Statistics are
+paired by seed: each run's gain over its own start (did it learn?), and each method
+minus GRPO n=4 at equal answers and at equal wall-clock time (mean, 95% t interval,
+paired t, sign count with its exact sign-test p).
 
 The budget, and why the earlier one showed nothing. The shipped toy model starts at T=1
 pass rates of about 0.9 (add1), 0.3 (add2) and 0.09 (mul) and greedy held-out accuracy
@@ -30,14 +31,16 @@ pass rates of about 0.9 (add1), 0.3 (add2) and 0.09 (mul) and greedy held-out ac
 accuracy by 0.056) and is nearly saturated, mul's groups are nearly all wrong. So the
 benchmark trains and evaluates on `add2` only (`--domain` picks others): the domain with
 headroom and a held-out split large enough for 256 prompts. Learning rate, measured on
-GRPO n=4 against the sampler: at 5e-4 the train reward falls (0.45 -> 0.2 within 20
-steps; a bare in-process GRPO loop does the same), at 3e-4 greedy accuracy dips to
-0.17-0.25 after 20 steps and ends at 0.35-0.46 (from 0.43-0.45) at step 80, at 2e-4 with
-batches of 32 groups the T=1 train reward rises steadily over 80 steps (0.30 -> 0.40 and
-0.30 -> 0.44 on two seeds). Training on the whole add2 train split instead of 512 prompts
-did not help (at 3e-4, two seeds). The quick budget is 10,240 answers (80 GRPO n=4
-steps); what it shows on the held-out metrics is in BENCHMARKS.md section 4: GRPO n=4
-raises the T=1 pass rate on every seed but not, beyond noise, its greedy accuracy.
+GRPO n=4 against the sampler while the trainer still acked before pushing (every step
+one policy version off, no importance correction): at 5e-4 the train reward falls (0.45
+-> 0.2 within 20 steps; a bare in-process GRPO loop does the same), at 3e-4 greedy
+accuracy dips to 0.17-0.25 after 20 steps and ends at 0.35-0.46 (from 0.43-0.45) at step
+80, at 2e-4 with batches of 32 groups the T=1 train reward rises steadily over 80 steps
+(0.30 -> 0.40 and 0.30 -> 0.44 on two seeds). Training on the whole add2 train split
+instead of 512 prompts did not help (at 3e-4, two seeds). The quick budget is 10,240
+answers (80 GRPO n=4 steps); what it showed on the held-out metrics with that trainer is
+in BENCHMARKS.md section 4: GRPO n=4 raises the T=1 pass rate on every seed but not,
+beyond noise, its greedy accuracy.
 
     .venv/bin/python -m bench.learning --quick  # 3 seeds x 3 methods, 10,240 answers each
     .venv/bin/python -m bench.learning          # 5 seeds x 4 methods, 20,480 answers each

@@ -192,12 +192,15 @@ class GRPOTrainer:
                 t1 = time.monotonic()
                 metrics = self.train_step(batch)
                 self.step += 1
-                acked = self.client.ack(batch.groups)  # used: the sampler may delete them
                 t2 = time.monotonic()
                 last = self.step == cfg.steps or time.monotonic() >= deadline
                 if self.step % cfg.sync_every == 0 or last:
                     self.version += 1
                     self.client.push_weights(self.model.state_dict(), self.version)
+                # Ack only once the new weights are served: `max_staleness` counts unacked
+                # groups, so an ack before the push would let the sampler start the next
+                # batch on the weights this step just replaced (one step off-policy).
+                acked = self.client.ack(batch.groups)  # used: the sampler may delete them
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save(cfg.out_dir / f"checkpoint-{self.step}")
                 record = self._record(
