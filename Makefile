@@ -48,10 +48,8 @@ test:
 	printf "suite wall times:$$times\n"; \
 	if [ -n "$$failed" ]; then echo "failed suites:$$failed"; exit 1; fi
 
-# Two workers: most of the suite's time is sampler cold starts and subprocesses, one core
-# each; tests on a module's shared sampler stay on one worker (tests/conftest.py).
 test-core: venv
-	$(BIN)/python -m pytest tests -m "$(CORE_EXPR)" -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest tests -m "$(CORE_EXPR)" -q
 
 lint: venv
 	$(BIN)/ruff check $(LINT_PATHS)
