@@ -68,15 +68,8 @@ def make_module_server(
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Warnings are errors in the core suite (tests without a suite marker): a warning
     there is ours to fix or to ignore by name. The other suites run third-party stacks
-    (vLLM, verl, Ray, a browser) whose conftests list the warnings they tolerate.
-    Tests on a module's shared server form one xdist group."""
+    (vLLM, verl, Ray, a browser) whose conftests list the warnings they tolerate."""
     suites = {line.split(":")[0].strip() for line in config.getini("markers")}
-    # Under pytest-xdist (`-n 2 --dist loadgroup`, make test-core) the tests that share a
-    # module's server go to one worker, so it starts once; every other test goes to
-    # whichever worker is free.
-    group = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if not any(item.get_closest_marker(name) for name in suites):
             item.add_marker(pytest.mark.filterwarnings("error"))
-        if group and "make_module_server" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
