@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
@@ -41,8 +41,17 @@ def start_server(
     data: list[Path] | None = None,
     model: Path | None = None,
     base: dict[str, Any] | None = None,
+    engine: Literal["process", "thread"] = "thread",
 ) -> Server:
-    """Start a sampler on the toy model with `config` over `base` (BASE_CONFIG)."""
+    """Start a sampler on the toy model with `config` over `base` (BASE_CONFIG).
+
+    `engine` is the server's `--hf-engine`. Tests run the engine on a thread of the
+    server unless the engine process is what they check (killing it, the shared
+    servers that stand for the default set-up): spawning it imports torch and loads the
+    model a second time, which more than doubles a cold start (measured 11 s vs 26-44 s
+    on the loaded 2-core box). The engine process itself is tested in
+    tests/service/test_engine_process.py and by the end-to-end training test.
+    """
     # The misbehaving verifiers of tests/service/flaky_verifiers.py are imported by the server.
     env = {"PYTHONPATH": os.pathsep.join([str(HERE / "service"), os.environ.get("PYTHONPATH", "")])}
     server = Server(
@@ -52,7 +61,7 @@ def start_server(
         {**(BASE_CONFIG if base is None else base), **(config or {})},
         where / f"{name}.log",
         heartbeat_s=0.5,
-        extra=extra,
+        extra=["--hf-engine", engine, *(extra or [])],
         env=env,
     )
     server.start()

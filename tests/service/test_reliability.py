@@ -161,7 +161,7 @@ def _toy_weights(toy: Any, scale: float | None) -> bytes:
 def test_non_finite_weights_and_a_dead_engine(make_server, toy) -> None:
     """All-NaN weights were accepted (200); with a dead engine weight calls answered 500
     and reset the connection; EngineFailed waited for other consumers' leases to expire."""
-    server = make_server({**FIXED, "lease_ttl_s": 600.0})
+    server = make_server({**FIXED, "lease_ttl_s": 600.0}, engine="process")
     with server.client() as c:
         err = _error(c.put("/v1/weights?version=1", content=_toy_weights(toy, None)), 422)
         assert err["code"] == "weights_rejected" and "NaN" in err["message"]

@@ -72,10 +72,11 @@ def _chat_parquet(toy, where: Path) -> Path:
 @pytest.fixture(scope="module")
 def shared(make_module_server, toy, tmp_path_factory) -> Server:
     """One balanced sampler over the toy domains, a domain no answer can be right for
-    (so both stop reasons always occur), and a chat-message domain read from Parquet."""
+    (so both stop reasons always occur), and a chat-message domain read from Parquet;
+    its engine runs in its own process, as it does by default."""
     where = tmp_path_factory.mktemp("shared_data")
     data = [*toy.data_files, unanswerable(toy, where), _chat_parquet(toy, where)]
-    return make_module_server(BALANCED, data=data, model=_chat_model(toy, where))
+    return make_module_server(BALANCED, data=data, model=_chat_model(toy, where), engine="process")
 
 
 def test_balanced_groups_obey_rule_and_stats(shared) -> None:
@@ -160,9 +161,14 @@ def test_an_oversized_weight_upload_is_refused_with_413(shared, toy) -> None:
         assert c.get("/health").json()["policy_version"] == 0
 
 
-def test_patch_config_applies_validates_and_persists(make_server) -> None:
+def test_config_weights_and_unacked_groups_survive_one_kill9(make_server, toy) -> None:
+    """PATCH /v1/config (applied, validated), weight uploads (versions, garbage) and
+    stream redelivery after a disconnect, then one SIGKILL and restart (no clean
+    shutdown) that finds all three as they were: the saved config, the policy version,
+    and the unacked groups offered again ahead of anything else."""
     server = make_server({"rule": "balanced", "n_max": 16})
     with server.client() as c:
+        # The config: applied to groups admitted after it, refused with the field named.
         before = c.get("/v1/config").json()
         r = c.patch(
             "/v1/config", json={"rule": "fixed", "group_size": 3, "n_max": 8, "wave_size": 8}
@@ -189,22 +195,26 @@ def test_patch_config_applies_validates_and_persists(make_server) -> None:
             assert r.status_code == 422, (patch, r.text)
             assert any(f in r.json()["error"]["field"] for f in fields), (patch, r.json())
         assert c.patch("/v1/config", content=b"{not json").status_code == 400
-    server.kill()
-    server.start()
-    with server.client() as c:
-        cfg = c.get("/v1/config").json()
-        assert (
-            cfg["config_version"] == version and cfg["rule"] == "fixed" and cfg["group_size"] == 3
-        )
-    # The saved config won over the command line's --config, and the log says which knobs.
-    log = server.log_path.read_text()
-    assert "overrides the command line's rule='balanced' (saved: 'fixed')" in log
-    assert "overrides the command line's n_max=16 (saved: 8)" in log
 
+        # The weights: versions rise, a repeated version is a conflict, garbage is refused.
+        assert c.get("/health").json()["policy_version"] == 0
+        r = c.put("/v1/weights", params={"version": 1}, content=perturbed_file(toy.model_dir, 0.05))
+        assert r.status_code == 200, r.text
+        assert r.json()["policy_version"] == 1
+        assert c.get("/health").json()["policy_version"] == 1
+        # Up to max_buffered_groups + max_active_prompts (64 + 16) groups may predate the upload.
+        later = [g for g in collect(c, 100) if g["policy_version_min"] >= 1]
+        assert later, "no samples from the new weights"
+        assert c.put("/v1/weights", params={"version": 1}, content=b"x").status_code == 409
+        r = c.put("/v1/weights", params={"version": 2}, content=b"garbage bytes, not safetensors")
+        assert r.status_code == 422 and r.json()["error"]["code"] == "weights_rejected", r.text
+        assert c.get("/health").json()["policy_version"] == 1
+        assert collect(c, 2)
+        r = c.post("/v1/weights/load", json={"path": "/nonexistent/weights", "version": 3})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "weights_rejected", r.text
+        assert r.json()["error"]["field"] == "path"
 
-def test_redelivery_after_disconnect_and_kill9(make_server) -> None:
-    server = make_server({"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2})
-    with server.client() as c:
+        # The stream: a dropped connection's groups go to the next consumer, acks are idempotent.
         first = stream_groups(c, 3, consumer="a", max_unacked=3)
         again = stream_groups(c, 3, consumer="b", max_unacked=3)
         assert [g["group_id"] for g in again] == [g["group_id"] for g in first]
@@ -224,9 +234,18 @@ def test_redelivery_after_disconnect_and_kill9(make_server) -> None:
     server.kill()  # SIGKILL: no clean shutdown
     server.start()
     with server.client() as c:
+        cfg = c.get("/v1/config").json()
+        assert (
+            cfg["config_version"] == version and cfg["rule"] == "fixed" and cfg["group_size"] == 3
+        )
+        assert c.get("/health").json()["policy_version"] == 1
         redelivered = stream_groups(c, 4, consumer="d", max_unacked=4)
         assert [g["group_id"] for g in redelivered] == [g["group_id"] for g in unacked]
         assert acked.isdisjoint(g["group_id"] for g in redelivered)
+    # The saved config won over the command line's --config, and the log says which knobs.
+    log = server.log_path.read_text()
+    assert "overrides the command line's rule='balanced' (saved: 'fixed')" in log
+    assert "overrides the command line's n_max=16 (saved: 8)" in log
 
 
 def test_msgpack_and_json_deliver_the_same_groups(shared) -> None:
@@ -253,31 +272,6 @@ def test_msgpack_and_json_deliver_the_same_groups(shared) -> None:
         assert [g.group_id for g in leased.groups] == [g["group_id"] for g in packed]
         assert leased.groups[0].samples[0].logprobs == packed[0]["samples"][0]["logprobs"]
         c.post("/v1/groups/ack", json={"delivery_ids": [g.delivery_id for g in leased.groups]})
-
-
-def test_weight_upload_versions_and_garbage(make_server, toy) -> None:
-    server = make_server({"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2})
-    with server.client() as c:
-        assert c.get("/health").json()["policy_version"] == 0
-        r = c.put("/v1/weights", params={"version": 1}, content=perturbed_file(toy.model_dir, 0.05))
-        assert r.status_code == 200, r.text
-        assert r.json()["policy_version"] == 1
-        assert c.get("/health").json()["policy_version"] == 1
-        # Up to max_buffered_groups + max_active_prompts (64 + 16) groups may predate the upload.
-        later = [g for g in collect(c, 100) if g["policy_version_min"] >= 1]
-        assert later, "no samples from the new weights"
-        assert c.put("/v1/weights", params={"version": 1}, content=b"x").status_code == 409
-        r = c.put("/v1/weights", params={"version": 2}, content=b"garbage bytes, not safetensors")
-        assert r.status_code == 422 and r.json()["error"]["code"] == "weights_rejected", r.text
-        assert c.get("/health").json()["policy_version"] == 1
-        assert collect(c, 2)
-        r = c.post("/v1/weights/load", json={"path": "/nonexistent/weights", "version": 3})
-        assert r.status_code == 422 and r.json()["error"]["code"] == "weights_rejected", r.text
-        assert r.json()["error"]["field"] == "path"
-    server.kill()
-    server.start()
-    with server.client() as c:
-        assert c.get("/health").json()["policy_version"] == 1
 
 
 def test_auth_and_bad_requests(make_server) -> None:
@@ -389,7 +383,9 @@ def test_a_dead_engine_is_reported_not_a_silent_hang(make_server) -> None:
     from trainer_client.verl.settings import SamplerSettings
     from trainer_client.verl.source import GroupSource
 
-    server = make_server({"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2})
+    server = make_server(
+        {"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2}, engine="process"
+    )
     with server.client() as c:
         collect(c, 4)
         pid = c.get("/v1/stats").json()["engine"]["engine_pid"]
