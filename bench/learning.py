@@ -38,9 +38,9 @@ accuracy dips to 0.17-0.25 after 20 steps and ends at 0.35-0.46 (from 0.43-0.45)
 80, at 2e-4 with batches of 32 groups the T=1 train reward rises steadily over 80 steps
 (0.30 -> 0.40 and 0.30 -> 0.44 on two seeds). Training on the whole add2 train split
 instead of 512 prompts did not help (at 3e-4, two seeds). The quick budget is 10,240
-answers (80 GRPO n=4 steps); what it showed on the held-out metrics with that trainer is
-in BENCHMARKS.md section 4: GRPO n=4 raises the T=1 pass rate on every seed but not,
-beyond noise, its greedy accuracy.
+answers (80 GRPO n=4 steps); on the trainer that pushes before it acks, GRPO n=4 raises
+held-out greedy accuracy and the T=1 pass rate on every seed at that budget (BENCHMARKS.md
+section 4).
 
     .venv/bin/python -m bench.learning --quick  # 3 seeds x 3 methods, 10,240 answers each
     .venv/bin/python -m bench.learning          # 5 seeds x 4 methods, 20,480 answers each
