@@ -44,6 +44,10 @@ async def _verify(row: PromptRow, completion: Completion) -> Verdict:
     return Verdict(exact.verify(completion.text, row.answer, row.metadata))
 
 
+#: A run over `with_never` data must show both: the rule firing and n_max cutting a prompt off.
+BOTH_REASONS = frozenset({"rule", "n_max"})
+
+
 @pytest.fixture
 def with_never(toy, tmp_path: Path) -> list[Path]:
     """add1 (mostly right), add2 (about 40% right) and a domain never answered right:
@@ -70,17 +74,30 @@ def make_scheduler(
 
 
 async def run_until(
-    scheduler: Scheduler, sink: MemorySink, n_groups: int, timeout: float = 300
+    scheduler: Scheduler,
+    sink: MemorySink,
+    n_groups: int,
+    timeout: float = 300,
+    reasons: frozenset[str] = frozenset(),
 ) -> list:
+    """Run until `n_groups` groups are emitted and every stop reason in `reasons` was seen
+    (prompts that run to n_max finish after the quick ones, so a count alone may end the
+    run before any of them)."""
     scheduler.start()
+
+    def done() -> bool:
+        groups = sink.groups()
+        return len(groups) >= n_groups and reasons <= {g.stop_reason for g in groups}
+
     try:
         async with asyncio.timeout(timeout):
-            while len(sink.groups()) < n_groups:
+            while not done():
                 await asyncio.sleep(0.05)
     except TimeoutError:
         # Say what we waited for: progress so far and where every task is parked.
         print(
-            f"waited for {n_groups} groups, got {len(sink.groups())}:",
+            f"waited for {n_groups} groups with stop reasons {sorted(reasons)}, got",
+            len(sink.groups()),
             scheduler.stats.to_dict(),
             scheduler.last_error,
             file=sys.stderr,
@@ -105,8 +122,8 @@ async def test_positive_rule_stops_at_first_correct_answer(toy, backend, with_ne
         group_size=0,
         downsample="none",
     )
-    groups = await run_until(scheduler, sink, 12)
-    assert {g.stop_reason for g in groups} == {"rule", "n_max"}
+    groups = await run_until(scheduler, sink, 12, reasons=BOTH_REASONS)
+    assert {g.stop_reason for g in groups} == BOTH_REASONS
     for g in groups:
         rewards = [s.reward for s in g.samples]
         assert len(rewards) == g.stats.n_generated  # group_size 0 keeps everything
@@ -128,8 +145,8 @@ async def test_rounds_mode_uses_whole_waves(toy, backend, with_never) -> None:
         n_max=16,
         wave_size=4,
     )
-    groups = await run_until(scheduler, sink, 12)
-    assert {g.stop_reason for g in groups} == {"rule", "n_max"}
+    groups = await run_until(scheduler, sink, 12, reasons=BOTH_REASONS)
+    assert {g.stop_reason for g in groups} == BOTH_REASONS
     for g in groups:
         assert g.stats.n_generated % 4 == 0 and g.stats.n_generated <= 16
         if g.stop_reason == "rule":
@@ -140,8 +157,8 @@ async def test_adaptive_waves_respect_budget_and_rule(toy, backend, with_never) 
     scheduler, sink = make_scheduler(
         toy, backend, with_never, rule="balanced", wave="adaptive", n_max=12, wave_size=8
     )
-    groups = await run_until(scheduler, sink, 20)
-    assert {g.stop_reason for g in groups} == {"rule", "n_max"}
+    groups = await run_until(scheduler, sink, 20, reasons=BOTH_REASONS)
+    assert {g.stop_reason for g in groups} == BOTH_REASONS
     sizes = {g.stats.n_generated for g in groups}
     assert max(sizes) <= 12
     assert any(n % 8 for n in sizes), f"adaptive waves never cut a wave short: {sizes}"
