@@ -1,7 +1,8 @@
 """The sampler service end to end over loopback HTTP with the toy model.
 
-Tests that only read from a sampler share one per module (`shared`); a test that kills,
-restarts or needs start-up flags of its own starts its own.
+Tests that only read from a sampler share one per module (`shared`, whose engine the
+last test kills; `guarded` for the API key and the misbehaving verifiers); a test that
+restarts a sampler or needs start-up flags of its own starts its own.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _chat_parquet(toy, where: Path) -> Path:
 def shared(make_module_server, toy, tmp_path_factory) -> Server:
     """One balanced sampler over the toy domains, a domain no answer can be right for
     (so both stop reasons always occur), and a chat-message domain read from Parquet;
-    its engine runs in its own process, as it does by default."""
+    its engine runs in its own process, as it does by default (until the last test kills it)."""
     where = tmp_path_factory.mktemp("shared_data")
     data = [*toy.data_files, unanswerable(toy, where), _chat_parquet(toy, where)]
     return make_module_server(BALANCED, data=data, model=_chat_model(toy, where), engine="process")
@@ -274,18 +275,42 @@ def test_msgpack_and_json_deliver_the_same_groups(shared) -> None:
         c.post("/v1/groups/ack", json={"delivery_ids": [g.delivery_id for g in leased.groups]})
 
 
-def test_auth_and_bad_requests(make_server) -> None:
-    server = make_server(
-        {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2},
-        extra=["--api-key", "s3cret"],
+#: The key of the `guarded` sampler.
+API_KEY = "s3cret"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def guarded(make_module_server, toy, tmp_path_factory) -> Server:
+    """A sampler behind an API key whose verifiers misbehave. Rows without a verifier of
+    their own get the server's default (--verifier), which raises on a right answer; the
+    `hang` domain names a verifier that hangs on one."""
+    where = tmp_path_factory.mktemp("guarded_data")
+    raises = write_jsonl(where / "add1.jsonl", rows_with(toy.data_files[0], verifier=None))
+    hangs = write_jsonl(
+        where / "hang.jsonl",
+        rows_with(toy.data_files[0], domain="hang", verifier="python:flaky_verifiers:hangs"),
     )
+    return make_module_server(
+        {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2},
+        extra=[
+            *("--api-key", API_KEY),
+            *("--verifier", "python:flaky_verifiers:raises", "--verifier-timeout-s", "1"),
+        ],
+        data=[raises, hangs],
+        name="guarded",  # a state directory of its own, apart from `shared`'s
+    )
+
+
+def test_auth_and_bad_requests(guarded) -> None:
+    server = guarded
     with server.client() as c:
         assert c.get("/health").status_code == 200
         for path in ("/v1/config", "/v1/stats"):
             r = c.get(path)
             assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
         assert c.get("/v1/config", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    with server.client(headers={"Authorization": "Bearer s3cret"}) as c:
+    with server.client(headers=AUTH) as c:
         assert c.get("/v1/config").status_code == 200
         assert c.post("/v1/groups/ack", json={"delivery_ids": "nope"}).status_code == 422
         assert c.post("/v1/groups/lease", json={"max_groups": -1}).status_code == 422
@@ -295,20 +320,8 @@ def test_auth_and_bad_requests(make_server) -> None:
         assert c.get("/v1/nope").status_code == 404
 
 
-def test_misbehaving_verifiers_do_not_stop_the_stream(make_server, toy, tmp_path) -> None:
-    # Rows without a verifier of their own get the server's default (--verifier), which
-    # raises on a right answer; the `hang` domain names a verifier that hangs on one.
-    raises = write_jsonl(tmp_path / "add1.jsonl", rows_with(toy.data_files[0], verifier=None))
-    hangs = write_jsonl(
-        tmp_path / "hang.jsonl",
-        rows_with(toy.data_files[0], domain="hang", verifier="python:flaky_verifiers:hangs"),
-    )
-    server = make_server(
-        {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2},
-        extra=["--verifier", "python:flaky_verifiers:raises", "--verifier-timeout-s", "1"],
-        data=[raises, hangs],
-    )
-    with server.client() as c:
+def test_misbehaving_verifiers_do_not_stop_the_stream(guarded) -> None:
+    with guarded.client(headers=AUTH) as c:
         errors: dict[str, list[str]] = {"add1": [], "hang": []}
         while not all(errors.values()):
             for g in collect(c, 6):
@@ -373,9 +386,11 @@ def test_reward_gap_mixing_favours_hardest_domain(make_server) -> None:
         assert after[name]["target_share"] == pytest.approx(d["target_share"], abs=1e-9)
 
 
-def test_a_dead_engine_is_reported_not_a_silent_hang(make_server) -> None:
+def test_a_dead_engine_is_reported_not_a_silent_hang(shared) -> None:
     """SIGKILL the engine process: health and readiness say so, admission stops, and the
-    client raises EngineFailed once the groups already finished are delivered."""
+    client raises EngineFailed once the groups already finished are delivered.
+
+    It kills the engine of the module's `shared` sampler, so it is the module's last test."""
     import os
     import signal
 
@@ -383,11 +398,15 @@ def test_a_dead_engine_is_reported_not_a_silent_hang(make_server) -> None:
     from trainer_client.verl.settings import SamplerSettings
     from trainer_client.verl.source import GroupSource
 
-    server = make_server(
-        {"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2}, engine="process"
-    )
+    server = shared
     with server.client() as c:
         collect(c, 4)
+        # Finished groups wait in the buffer when the engine dies (run alone, the sampler
+        # is new): the client must get them before it hears of the failure.
+        deadline = time.monotonic() + 120
+        while not c.get("/v1/stats").json()["queue"]["ready"]:
+            assert time.monotonic() < deadline, "the sampler finished no group to deliver"
+            time.sleep(0.2)
         pid = c.get("/v1/stats").json()["engine"]["engine_pid"]
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
