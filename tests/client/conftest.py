@@ -18,12 +18,12 @@ BASE_CONFIG = {"max_tokens": 6, "max_active_prompts": 16, "max_buffered_groups":
 
 @pytest.fixture(scope="module")
 def sampler(make_module_server: Callable[..., Server]) -> Server:
-    """Fast fixed-rule groups in frames of 2, from the engine process (the default set-up
-    a client meets)."""
+    """Fast fixed-rule groups in frames of 2. The engine runs on a server thread: where it
+    runs is invisible over HTTP, and the engine process has its own tests (and serves the
+    service API tests' shared sampler), so these skip its second model load."""
     return make_module_server(
         {"rule": "fixed", "group_size": 2, "n_max": 4, "wave_size": 2, "batch_groups": 2},
         base=BASE_CONFIG,
-        engine="process",
     )
 
 
