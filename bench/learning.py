@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import RESULTS, table, write_json
+from trainer_client.demo import SEQ_BALANCE  # the rows below differ in the advantage
 
 COMMON: dict[str, Any] = {
     "temperature": 1.0,
@@ -87,18 +88,6 @@ FULL_BUDGET = 20480
 QUICK_METHODS = ("grpo4", "seqbal_grpo", "seqbal")
 # Samples per held-out prompt for the second metric, the T=1 pass rate.
 T1_SAMPLES = 8
-# Seq-Balance K=2/2, n_max 16, n=4 with adaptive waves; the rows differ in the advantage.
-SEQ_BALANCE: dict[str, Any] = {
-    "rule": "balanced",
-    "k_pos": 2,
-    "k_neg": 2,
-    "n_max": 16,
-    "wave": "adaptive",
-    "wave_size": 8,
-    "group_size": 4,
-    "downsample": "balanced",
-}
-
 METHODS: dict[str, dict[str, Any]] = {
     "grpo4": {
         "label": "GRPO n=4",

@@ -27,6 +27,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainer_client.launch import SamplerProcess, build_toy
 
+#: Reinforce-Ada's Seq-Balance: K_pos = K_neg = 2, n_max 16, adaptive waves of up to 8,
+#: balanced down-sampling to n = 4 (the demo's rule, and the learning benchmark's).
+SEQ_BALANCE: dict[str, Any] = {
+    "rule": "balanced",
+    "k_pos": 2,
+    "k_neg": 2,
+    "n_max": 16,
+    "wave": "adaptive",
+    "wave_size": 8,
+    "group_size": 4,
+    "downsample": "balanced",
+}
+
 
 class DemoSettings(BaseModel):
     """Settings of `adaptive-rollout demo` (its flags are generated from these fields)."""
@@ -56,14 +69,7 @@ class DemoSettings(BaseModel):
     # uniform domain mixing, and at most one policy version of lag.
     sampler: dict[str, Any] = Field(
         default_factory=lambda: {
-            "rule": "balanced",
-            "k_pos": 2,
-            "k_neg": 2,
-            "n_max": 16,
-            "wave": "adaptive",
-            "wave_size": 8,
-            "group_size": 4,
-            "downsample": "balanced",
+            **SEQ_BALANCE,
             "advantage": "global",
             "temperature": 1.0,
             "max_tokens": 6,
