@@ -8,6 +8,7 @@ fixtures in `tests/conftest.py`.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -176,3 +177,13 @@ def perturbed_file(model_dir: Path, scale: float, seed: int = 0) -> bytes:
     from safetensors.torch import save
 
     return save(perturbed_state(model_dir, scale, seed))
+
+
+def train_command(url: str, model: Path, out: Path, steps: int, *flags: str) -> list[str]:
+    """`adaptive-rollout train` as its own process against the sampler at `url`, with
+    4-group batches, a push every step and a 60 s watchdog; `flags` add to or follow them."""
+    return [
+        sys.executable, "-m", "sampler_service", "train",
+        "--url", url, "--model", str(model), "--out", str(out), "--steps", str(steps),
+        "--batch-groups", "4", "--sync-every", "1", "--watchdog-s", "60", *flags,
+    ]  # fmt: skip

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from support import train_command
 from transformers import AutoModelForCausalLM
 
 from trainer_client.batch import collate
@@ -81,31 +81,10 @@ def test_trainer_process_pushes_weights_the_sampler_serves_and_acks_what_it_used
 
         def train(model, out, steps: int) -> None:
             """`adaptive-rollout train` as its own process, against the sampler."""
-            cmd = [
-                sys.executable,
-                "-m",
-                "sampler_service",
-                "train",
-                "--url",
-                sampler.url,
-                "--model",
-                str(model),
-                "--out",
-                str(out),
-                "--steps",
-                str(steps),
-                "--batch-groups",
-                "4",
-                "--lr",
-                "3e-3",
-                "--sync-every",
-                "1",
-                "--consumer",
-                "e2e-trainer",
-                "--watchdog-s",
-                "60",
-                "--no-progress",
-            ]
+            cmd = train_command(
+                sampler.url, model, out, steps,
+                "--lr", "3e-3", "--consumer", "e2e-trainer", "--no-progress",
+            )  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
             assert done.returncode == 0, done.stdout + done.stderr
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import sys
 import time
 
 import pytest
+from support import train_command
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,26 +24,7 @@ def test_a_piped_progress_bar_draws_a_few_frames_not_one_per_step(
     config = {"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2, "max_tokens": 4}
     server = make_server(config)
     stderr = tmp_path / "train.err"
-    cmd = [
-        sys.executable,
-        "-m",
-        "sampler_service",
-        "train",
-        "--url",
-        server.url,
-        "--model",
-        str(toy.model_dir),
-        "--out",
-        str(tmp_path / "run"),
-        "--steps",
-        str(STEPS),
-        "--batch-groups",
-        "4",
-        "--sync-every",
-        "1",
-        "--watchdog-s",
-        "60",
-    ]
+    cmd = train_command(server.url, toy.model_dir, tmp_path / "run", STEPS)
     started = time.monotonic()
     with stderr.open("w") as err:
         done = subprocess.run(
