@@ -43,7 +43,7 @@ class EngineProcessDied(RuntimeError):
     """The engine's child process exited; nothing it was doing will finish."""
 
 
-def _picklable(exc: BaseException) -> BaseException:
+def picklable(exc: BaseException) -> BaseException:
     """`exc` if it survives a round trip through pickle, else a RuntimeError naming it."""
     try:
         pickle.loads(pickle.dumps(exc))
@@ -66,7 +66,7 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
     closed = asyncio.Event()
 
     def reply(call_id: int, ok: bool, value: Any) -> None:
-        conn.send((call_id, ok, value if ok else _picklable(value)))
+        conn.send((call_id, ok, value if ok else picklable(value)))
 
     async def run(call_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:

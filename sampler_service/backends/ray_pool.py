@@ -15,6 +15,9 @@ unchanged backend. Everything the scheduler relies on holds across replicas:
   fresh wave (behind earlier re-issued ones), and one may take a replica below its cap
   even if it ends up over it by that wave: a failure costs detection plus about one wave
   where a replica has room, never a wait behind the fresh work that queued meanwhile.
+- Waves reach a replica through its channel (`replica_channel.py`): those asked for in
+  one event-loop turn share one Ray call, and finished ones come back together, each
+  with its own result, as soon as it is done.
 - A replica fault never reaches the scheduler. A dead process makes its pending calls
   raise; a hang fails the periodic health probe and the actor is killed. Either way its
   waves are re-issued whole on another replica (their partial answers never reach the
@@ -56,6 +59,7 @@ from sampler_service.backends.base import (
     WeightsRejected,
 )
 from sampler_service.backends.replica import NotStarted, Replica
+from sampler_service.backends.replica_channel import ReplicaChannel
 from sampler_service.backends.vllm_nccl import nccl_rank_offsets, nccl_replica_init_infos
 from sampler_service.metrics import Metrics
 
@@ -137,6 +141,11 @@ class _Replica:
     #: Its per-wave metric series (in-flight gauge, wave seconds, generated tokens), looked
     #: up once: a toy model's waves take milliseconds, so per-wave lookups add up.
     series: tuple[Any, Any, Any] | None = None
+    #: Its waves go through this (batched Ray calls).
+    channel: ReplicaChannel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = ReplicaChannel(self.handle)
 
     def detail(self) -> dict[str, Any]:
         return {
@@ -172,6 +181,10 @@ class _NCCLGroup:
     #: replica index -> (pid, epoch) when it joined: a restart changes both
     members: dict[int, tuple[int | None, int]]
     workers: list[int] = field(default_factory=list)
+
+
+class _ReplicaFailed(RuntimeError):
+    """The wave's replica was found failed while the wave ran (the pool re-issues it)."""
 
 
 class _NoReplica(RuntimeError):
@@ -293,7 +306,8 @@ class RayPoolBackend(Backend):
 
     async def _start_replica(self, rep: _Replica, sync: bool = True) -> None:
         info = await asyncio.wait_for(
-            rep.handle.start.remote(self.settings.orphan_s), self.settings.start_timeout_s
+            rep.handle.start.remote(self.settings.orphan_s, rep.channel.session),
+            self.settings.start_timeout_s,
         )
         if info["attached"]:
             # A new sampler takes over a warm replica: whatever the old one asked of it
@@ -314,6 +328,8 @@ class RayPoolBackend(Backend):
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for rep in self._replicas:
+            await rep.channel.close()
         for wait in self._queue:
             wait.future.cancel()
         if self.settings.on_exit == "kill":
@@ -502,11 +518,15 @@ class RayPoolBackend(Backend):
             rep = await self._acquire(key, n, reissue)
             epoch, started = rep.epoch, time.monotonic()
             try:
-                out: list[Completion] = await rep.handle.generate.remote(prompt, n, sampling)
+                out = await rep.channel.generate(prompt, n, sampling)
             except GenerationAborted:
                 raise  # a weight update's abort: the scheduler re-issues it after the update
             except RayActorError as exc:
                 self._fail(rep, epoch, "died", repr(exc), kill=False)
+                self._count_reissue(rep, n)
+                reissue = True
+                continue
+            except _ReplicaFailed:  # found failed by a probe or another wave's call
                 self._count_reissue(rep, n)
                 reissue = True
                 continue
@@ -536,6 +556,7 @@ class RayPoolBackend(Backend):
             return
         rep.epoch += 1
         rep.reason, rep.error = reason, error
+        rep.channel.fail_all(_ReplicaFailed(f"replica {rep.index} failed ({reason}): {error}"))
         log.warning("replica %d (pid %s) failed (%s): %s", rep.index, rep.pid, reason, error)
         if kill:
             with contextlib.suppress(Exception):

@@ -2,9 +2,9 @@
 
 The pool (`ray_pool.py`) creates this class as a detached, named Ray actor, so a sampler
 that restarts finds its replicas still warm. The actor holds no scheduling logic: it
-builds its backend from a picklable factory, serves `generate` calls concurrently on its
-event loop (so the backend batches them as it does in-process), loads weights, and
-answers health probes. It imports nothing of Ray itself, so the same class runs in a
+builds its backend from a picklable factory, runs waves concurrently on its event loop
+(so the backend batches them as it does in-process; the pool sends and collects them in
+batched calls, `replica_channel.py`), loads weights, and answers health probes. It imports nothing of Ray itself, so the same class runs in a
 test without a cluster.
 
 A Ray restart runs `__init__` again on a fresh process: the new incarnation reports
@@ -21,6 +21,7 @@ the sampler died.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from sampler_service.backends.base import Backend, Completion, SamplingParams, WeightsRejected
+from sampler_service.backends.engine_process import picklable
+from sampler_service.backends.replica_channel import Finished, Wave
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,13 @@ class Replica:
         self._starting: asyncio.Lock | None = None
         self._inflight = 0
         self._generated_tokens = 0
+        # The pool's batched calls: its session, and waves finished but not collected.
+        self._session = ""
+        self._finished: list[Finished] = []
+        self._has_finished = asyncio.Event()
+        self._wave_tasks: set[asyncio.Task[None]] = set()
+        self._submit_calls = 0  # with _submitted_waves: how well the pool's batching works
+        self._submitted_waves = 0
         # Orphan watch (module docstring): when a sampler last called, and whether an
         # engine load (which may outlast the window) is under way.
         self._orphan_s = orphan_s
@@ -170,15 +180,18 @@ class Replica:
             "attached": attached,
         }
 
-    async def start(self, orphan_s: float | None = None) -> dict[str, Any]:
+    async def start(self, orphan_s: float | None = None, session: str = "") -> dict[str, Any]:
         """Load the engine once; later calls (a re-attaching sampler) report what runs.
 
         `attached` is True when the engine was already running: the caller is a new
         sampler taking over a warm replica. `orphan_s` replaces the orphan window the
         replica was created with (a re-attaching sampler's own setting applies).
+        `session` is the caller's channel: finished waves are kept for it alone from now.
         """
         self._heard()
         self._watch(orphan_s)
+        if session != self._session:
+            self._session, self._finished = session, []
         if self._starting is None:
             self._starting = asyncio.Lock()
         async with self._starting:
@@ -208,7 +221,14 @@ class Replica:
     async def generate(
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Completion]:
+        """One wave in one call: for a second driver asking a replica directly (the pool
+        sends its waves through `submit_waves` and `collect_waves`)."""
         engine = self._engine()
+        return await self._run(engine, prompt_token_ids, n, sampling)
+
+    async def _run(
+        self, engine: Backend, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
         self._inflight += n
         try:
             out = await engine.generate(prompt_token_ids, n, sampling)
@@ -217,6 +237,59 @@ class Replica:
             self._heard()
         self._generated_tokens += sum(len(c.token_ids) for c in out)
         return out
+
+    # -- the pool's batched calls (replica_channel.py) -----------------------------------
+    def _check_session(self, session: str) -> None:
+        if session != self._session:
+            raise NotStarted(
+                f"replica {self._index} (pid {os.getpid()}) serves another sampler session"
+                if self._session
+                else f"replica {self._index} (pid {os.getpid()}) has no engine loaded"
+            )
+
+    async def submit_waves(self, session: str, waves: list[Wave]) -> None:
+        """Start each wave; its result goes to the session's next `collect_waves`."""
+        engine = self._engine()
+        self._check_session(session)
+        self._submit_calls += 1
+        self._submitted_waves += len(waves)
+        for call_id, prompt_token_ids, n, sampling in waves:
+            task = asyncio.create_task(
+                self._run_wave(engine, session, call_id, prompt_token_ids, n, sampling)
+            )
+            self._wave_tasks.add(task)
+            task.add_done_callback(self._wave_tasks.discard)
+
+    async def _run_wave(
+        self,
+        engine: Backend,
+        session: str,
+        call_id: int,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+    ) -> None:
+        finished: Finished
+        try:
+            finished = (call_id, True, await self._run(engine, prompt_token_ids, n, sampling))
+        except Exception as exc:  # noqa: BLE001 - the wave's caller gets it
+            finished = (call_id, False, picklable(exc))
+        if session == self._session:
+            self._finished.append(finished)
+            self._has_finished.set()
+
+    async def collect_waves(self, session: str, timeout_s: float) -> list[Finished]:
+        """Every wave of `session` finished since the last call; waits up to `timeout_s`
+        for one."""
+        self._heard()
+        self._check_session(session)
+        if not self._finished:
+            self._has_finished.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._has_finished.wait(), timeout_s)
+            self._check_session(session)  # another sampler may have taken over meanwhile
+        finished, self._finished = self._finished, []
+        return finished
 
     async def load_weights(self, tensors: Mapping[str, Any], version: int) -> float:
         """Install weights as `version`; returns the seconds the load took."""
@@ -310,6 +383,8 @@ class Replica:
             "policy_version": self._backend.policy_version,
             "inflight": self._inflight,
             "generated_tokens": self._generated_tokens,
+            "submit_calls": self._submit_calls,
+            "submitted_waves": self._submitted_waves,
             "detail": health.detail,
         }
 

@@ -1,0 +1,114 @@
+"""The pool's waves to a replica: batched Ray calls, each wave still answered on its own.
+
+The pool runs in this process against a real Ray head; the replica is a real actor whose
+engine is `gated_engine.GatedEngine` (the toy hf model, holding back waves for one prompt
+until the test opens a file gate), so which wave is done when is decided by the test,
+not by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+from gated_engine import GATED_TOKEN, GatedEngine
+from ray_helpers import ROOT
+
+from sampler_service.backends.base import GenerationAborted, SamplingParams
+from sampler_service.backends.ray_pool import PoolSettings, RayPoolBackend
+from sampler_service.backends.replica import NotStarted, Replica
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+#: The replica actor imports `gated_engine` from this directory.
+RAY_HEAD_ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'ray'}"}
+
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=4)
+
+
+async def _settle() -> None:
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+
+
+def test_waves_of_one_loop_turn_share_a_call_and_each_returns_when_done(
+    ray_cluster, toy, tmp_path: Path
+) -> None:
+    gate = tmp_path / "gate"
+    factory = functools.partial(GatedEngine, toy.model_dir, gate)
+    settings = PoolSettings(replicas=1, instance_id=uuid.uuid4().hex[:8], probe_s=60.0)
+
+    async def run() -> None:
+        pool = RayPoolBackend(factory, settings)
+        await pool.start()
+        try:
+            actor = ray.get_actor(pool.actor_name(0), namespace="adaptive-rollout")
+            before = await actor.health.remote()
+
+            # Eight waves asked for in one loop turn: one submit call carries them all.
+            waves = [
+                asyncio.ensure_future(pool.generate([GATED_TOKEN, 1, 2], 2, SAMPLING)),
+                *(
+                    asyncio.ensure_future(pool.generate([8 + i, 1, 2], 2, SAMPLING))
+                    for i in range(7)
+                ),
+            ]
+            held, free = waves[0], waves[1:]
+            # The seven free waves come back while the held one (same call) cannot finish.
+            for out in await asyncio.wait_for(asyncio.gather(*free), 300):
+                assert len(out) == 2 and all(c.token_ids for c in out)
+            await _settle()
+            assert not held.done()
+            after = await actor.health.remote()
+            assert after["submit_calls"] - before["submit_calls"] == 1
+            assert after["submitted_waves"] - before["submitted_waves"] == 8
+
+            gate.touch()
+            assert len(await held) == 2
+
+            # An abort reaches the held wave's own caller as GenerationAborted; the free
+            # wave sent with it in the same call is answered normally.
+            gate.unlink()
+            held = asyncio.ensure_future(pool.generate([GATED_TOKEN, 3], 1, SAMPLING))
+            free_one = asyncio.ensure_future(pool.generate([12, 3], 1, SAMPLING))
+            assert len(await asyncio.wait_for(free_one, 300)) == 1
+            await _settle()
+            assert await pool.abort_all() >= 0
+            with pytest.raises(GenerationAborted, match="held at the gate"):
+                await held
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
+
+
+def test_finished_waves_are_kept_for_the_session_that_started_the_replica(
+    ray_cluster, toy, tmp_path: Path
+) -> None:
+    """A collect call of a sampler whose replica was taken over gets an error, not waves."""
+    actor = (
+        ray.remote(max_concurrency=100)(Replica)
+        .options(namespace="adaptive-rollout")
+        .remote(functools.partial(GatedEngine, toy.model_dir, tmp_path / "gate"), 0)
+    )
+    try:
+        with pytest.raises(NotStarted, match="no engine loaded"):
+            ray.get(actor.submit_waves.remote("first", [(0, [1, 2], 1, SAMPLING)]), timeout=60)
+        ray.get(actor.start.remote(None, "first"), timeout=300)
+        ray.get(actor.submit_waves.remote("first", [(0, [1, 2], 1, SAMPLING)]), timeout=60)
+        finished = ray.get(actor.collect_waves.remote("first", 60.0), timeout=120)
+        assert [(call_id, ok) for call_id, ok, _ in finished] == [(0, True)]
+
+        ray.get(actor.start.remote(None, "second"), timeout=60)  # another sampler attaches
+        with pytest.raises(NotStarted, match="another sampler session"):
+            ray.get(actor.collect_waves.remote("first", 0.1), timeout=60)
+        ray.get(actor.submit_waves.remote("second", [(5, [1, 2], 1, SAMPLING)]), timeout=60)
+        finished = ray.get(actor.collect_waves.remote("second", 60.0), timeout=120)
+        assert [(call_id, ok) for call_id, ok, _ in finished] == [(5, True)]
+    finally:
+        ray.kill(actor)
