@@ -221,12 +221,25 @@ def _scaleout_kill() -> str:
 
 
 def _scaleout_hop() -> str:
-    hop = _load("scaleout")["ray_hop"]
-    ratios = ", ".join(fmt(r, 2) for r in hop["pair_ratios"])
-    return (
-        f"{hop['pairs']} pairs: {fmt(hop['pool_groups_per_s'])} groups/s through the pool vs "
-        f"{fmt(hop['process_groups_per_s'])} in the engine process (medians); pair ratios "
-        f"{ratios}; median **{fmt(hop['ratio'], 2)}**.\n"
+    levels = _load("scaleout")["ray_hop"]
+    rows = [
+        {
+            **level,
+            "ratios": ", ".join(f"{r:.2f}" for r in level["pair_ratios"]),
+            "median": f"**{level['ratio']:.2f}**",
+        }
+        for level in levels
+    ]
+    return table(
+        rows,
+        [
+            ("active_prompts", "active prompts"),
+            ("pool_groups_per_s", "pool groups/s"),
+            ("process_groups_per_s", "engine process groups/s"),
+            ("ratios", "pair ratios"),
+            ("median", "median ratio"),
+            ("waves_per_call", "waves per submit call"),
+        ],
     )
 
 

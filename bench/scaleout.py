@@ -6,16 +6,18 @@ Three measurements, each side by side in one run on one local Ray:
    engine (`bench/sim_backend.py`, real time, each in its own Ray actor) through the
    real pool; groups/s at N against N x the groups/s of one replica (target >= 0.9).
    The simulated engine sleeps instead of computing, so this measures what the front and
-   Ray add (routing, one Ray call per wave), not the machine's compute.
+   Ray add (routing, the Ray calls that carry the waves), not the machine's compute.
 2. **Ray hop**: one hf replica of the toy model through the pool against the same engine
-   in a child process (the default `--hf-engine process`); groups/s ratio (target >= 0.95).
+   in a child process (the default `--hf-engine process`); groups/s ratio (target >= 0.95)
+   at the service's default admission (64 active prompts) and at 16, where the engine
+   waits on every wave's round trip, so Ray's per-call latency shows in full.
 3. **Kill to re-issue**: two simulated replicas; one is killed with SIGKILL while it has
    waves in flight; the time until every wave in flight at the kill has finished
    (re-issued on the survivor), next to the median wave time. Repeated `--kills` times
    (a fresh pool each), as one kill lands at a random point of the waves.
 
-    .venv/bin/python -m bench.scaleout --quick     # ~8 minutes on 2 cores
-    .venv/bin/python -m bench.scaleout --quick --pairs 5   # more Ray-hop pairs
+    .venv/bin/python -m bench.scaleout --quick     # the default 3 Ray-hop pairs per level
+    .venv/bin/python -m bench.scaleout --quick --pairs 5   # 11 minutes on 2 idle cores
     .venv/bin/python -m bench.scaleout --quick --only kill # one part, results not written
 """
 
@@ -291,8 +293,16 @@ async def failover(
     }
 
 
-async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> dict[str, Any]:
-    """One hf replica via the pool vs the same engine in a child process (toy model)."""
+#: Active prompts of the Ray-hop runs: the service's default admission, then a quarter of
+#: it, where the engine waits on each wave's round trip (latency-bound).
+def _hop_levels() -> list[int]:
+    default = SamplerConfig.model_fields["max_active_prompts"].default
+    return [default, default // 4]
+
+
+async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> list[dict[str, Any]]:
+    """One hf replica via the pool vs the same engine in a child process (toy model), at
+    each admission level of `_hop_levels`, pairs alternating which runs first."""
     from transformers import AutoTokenizer
 
     from sampler_service.backends.engine_process import EngineProcess
@@ -309,42 +319,59 @@ async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> dict[str, An
     async def verify(row: PromptRow, completion: Completion) -> Verdict:
         return Verdict(1.0 if completion.text.strip() == row.answer else 0.0)
 
-    cfg = SamplerConfig(
-        rule="balanced",
-        n_max=16,
-        wave_size=8,
-        group_size=4,
-        max_tokens=8,
-        max_active_prompts=16,
-        max_buffered_groups=100_000,
-    )
     factory = functools.partial(HFBackend, toy.model_dir)
-    rates: dict[str, list[float]] = {"pool": [], "process": []}
+    levels = _hop_levels()
+    rates = {level: {"pool": [], "process": []} for level in levels}
+    calls = {level: [0, 0] for level in levels}  # pool runs: submit calls, waves submitted
     for i in range(pairs):
-        for kind in ("pool", "process") if i % 2 == 0 else ("process", "pool"):
-            dataset = Dataset(toy.data_files, tokenize, seed=i)
-            if kind == "pool":
-                # The hf engine has no sequence limit: the cap must not be what differs.
-                backend: Backend = _pool(factory, 1, f"hf{i}", torch_threads=1, max_inflight=10_000)
-            else:
-                backend = EngineProcess(factory, torch_threads=1)
-            await backend.start()
-            try:
-                rate, _ = await _drive(backend, dataset, verify, cfg, warmup_s, measure_s)
-            finally:
-                await backend.close()
-            rates[kind].append(rate)
-            print(kind, rate, flush=True)
-    ratios = [p / q for p, q in zip(rates["pool"], rates["process"], strict=True)]
-    return {
-        "pool_groups_per_s": statistics.median(rates["pool"]),
-        "process_groups_per_s": statistics.median(rates["process"]),
-        "pool_rates": rates["pool"],
-        "process_rates": rates["process"],
-        "pair_ratios": ratios,
-        "ratio": statistics.median(ratios),
-        "pairs": pairs,
-    }
+        for level in levels:
+            cfg = SamplerConfig(
+                rule="balanced",
+                n_max=16,
+                wave_size=8,
+                group_size=4,
+                max_tokens=8,
+                max_active_prompts=level,
+                max_buffered_groups=100_000,
+            )
+            for kind in ("pool", "process") if i % 2 == 0 else ("process", "pool"):
+                dataset = Dataset(toy.data_files, tokenize, seed=i)
+                if kind == "pool":
+                    # The hf engine has no sequence limit: the cap must not be what differs.
+                    backend: Any = _pool(
+                        factory, 1, f"hf{i}-{level}", torch_threads=1, max_inflight=10_000
+                    )
+                else:
+                    backend = EngineProcess(factory, torch_threads=1)
+                await backend.start()
+                try:
+                    rate, _ = await _drive(backend, dataset, verify, cfg, warmup_s, measure_s)
+                    if kind == "pool":
+                        health = await backend.replica_health(0)
+                        calls[level][0] += health["submit_calls"]
+                        calls[level][1] += health["submitted_waves"]
+                finally:
+                    await backend.close()
+                rates[level][kind].append(rate)
+                print(f"{level} active prompts: {kind} {rate:.1f} groups/s", flush=True)
+    out = []
+    for level in levels:
+        pool, process = rates[level]["pool"], rates[level]["process"]
+        ratios = [p / q for p, q in zip(pool, process, strict=True)]
+        out.append(
+            {
+                "active_prompts": level,
+                "pool_groups_per_s": statistics.median(pool),
+                "process_groups_per_s": statistics.median(process),
+                "pool_rates": pool,
+                "process_rates": process,
+                "pair_ratios": ratios,
+                "ratio": statistics.median(ratios),
+                "pairs": pairs,
+                "waves_per_call": calls[level][1] / max(1, calls[level][0]),
+            }
+        )
+    return out
 
 
 PARTS = ("routing", "kill", "hop")
@@ -382,7 +409,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     scale: list[dict] = []
     kill: dict[str, Any] = {}
-    hop: dict[str, Any] = {}
+    hop: list[dict[str, Any]] = []
     started = time.monotonic()
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -944,3 +944,7 @@ class RayPoolBackend(Backend):
     # -- introspection (tests, benchmarks, /v1/stats) -----------------------------------
     def replica_pids(self) -> list[int | None]:
         return [r.pid for r in self._replicas]
+
+    async def replica_health(self, index: int) -> dict[str, Any]:
+        """Replica `index`'s own answer to a health probe (with its call counters)."""
+        return dict(await self._replicas[index].handle.health.remote())
