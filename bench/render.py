@@ -220,6 +220,16 @@ def _scaleout_kill() -> str:
     )
 
 
+def _scaleout_affinity() -> str:
+    a = _load("scaleout")["affinity"]
+    slow, fast = a["waves"]
+    return (
+        f"Replica 0 slowed {fmt(a['slowed_by'])}x: it ran {slow} of {slow + fast} waves "
+        f"(share **{a['slow_share']:.2f}**, target < 1/{a['replicas']}); "
+        f"{fmt(a['groups_per_s'])} groups/s.\n"
+    )
+
+
 def _scaleout_hop() -> str:
     levels = _load("scaleout")["ray_hop"]
     rows = [
@@ -248,6 +258,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "scaleout.routing": _scaleout_routing,
     "scaleout.kill": _scaleout_kill,
     "scaleout.hop": _scaleout_hop,
+    "scaleout.affinity": _scaleout_affinity,
     "learning.summary": _learning_summary,
     "learning.paired": _learning_paired,
     "step_time.settings": _step_settings,

@@ -1,6 +1,6 @@
 """Scale-out with engine replicas as Ray actors: routing, the Ray hop, and failover time.
 
-Three measurements, each side by side in one run on one local Ray:
+Four measurements, each side by side in one run on one local Ray:
 
 1. **Routing scales**: the real scheduler drives N = 1, 2, 4, 8 replicas of the simulated
    engine (`bench/sim_backend.py`, real time, each in its own Ray actor) through the
@@ -11,7 +11,9 @@ Three measurements, each side by side in one run on one local Ray:
    in a child process (the default `--hf-engine process`); groups/s ratio (target >= 0.95)
    at the service's default admission (64 active prompts) and at 16, where the engine
    waits on every wave's round trip, so Ray's per-call latency shows in full.
-3. **Kill to re-issue**: two simulated replicas; one is killed with SIGKILL while it has
+3. **Affinity under a slow replica**: two simulated replicas, one decoding 5x slower;
+   its share of the waves (sticky routing must give way: target < 1/2).
+4. **Kill to re-issue**: two simulated replicas; one is killed with SIGKILL while it has
    waves in flight; the time until every wave in flight at the kill has finished
    (re-issued on the survivor), next to the median wave time. Repeated `--kills` times
    (a fresh pool each), as one kill lands at a random point of the waves.
@@ -231,6 +233,49 @@ async def routing(work: Path, counts: list[int], warmup_s: float, measure_s: flo
     return rows
 
 
+@dataclasses.dataclass(frozen=True)
+class _SlowedFirst:
+    """Factory of the simulated engine whose replica 0 decodes `factor` x slower.
+
+    The pool builds every replica's engine with one factory; this one asks Ray which
+    replica it is building for.
+    """
+
+    rates: list[float]
+    factor: float
+
+    def __call__(self) -> SimBackend:
+        import ray
+
+        name = ray.get_runtime_context().get_actor_name() or ""
+        slow = name.endswith("/replica-0")
+        step = SIM_SPEC.step_base_s * (self.factor if slow else 1.0)
+        return SimBackend(self.rates, dataclasses.replace(SIM_SPEC, step_base_s=step))
+
+
+async def affinity(work: Path, warmup_s: float, measure_s: float, factor: float) -> dict:
+    """Two simulated replicas, replica 0 `factor` x slower: the waves it gets, the groups/s."""
+    dataset, rates = _sim_dataset(work)
+    pool = _pool(_SlowedFirst(rates.tolist(), factor), 2, "slowed")
+    await pool.start()
+    try:
+        rate, _ = await _drive(
+            pool, dataset, verify_reward_text, _sim_config(2), warmup_s, measure_s
+        )
+        waves = [(await pool.replica_health(i))["submitted_waves"] for i in range(2)]
+    finally:
+        await pool.close()
+    result = {
+        "replicas": 2,
+        "slowed_by": factor,
+        "groups_per_s": rate,
+        "waves": waves,
+        "slow_share": waves[0] / max(1, sum(waves)),
+    }
+    print(result, flush=True)
+    return result
+
+
 async def failovers(work: Path, warmup_s: float, measure_s: float, kills: int) -> dict[str, Any]:
     runs = []
     for i in range(kills):
@@ -374,7 +419,7 @@ async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> list[dict[st
     return out
 
 
-PARTS = ("routing", "kill", "hop")
+PARTS = ("routing", "affinity", "kill", "hop")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -410,12 +455,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scale: list[dict] = []
     kill: dict[str, Any] = {}
     hop: list[dict[str, Any]] = []
+    slowed: dict[str, Any] = {}
     started = time.monotonic()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             if "routing" in parts:
                 scale = asyncio.run(routing(work, [1, 2, 4, 8], warmup_s, measure_s))
+            if "affinity" in parts:
+                slowed = asyncio.run(affinity(work, warmup_s, measure_s, factor=5.0))
             if "kill" in parts:
                 kill = asyncio.run(failovers(work, warmup_s, measure_s, kills))
         if "hop" in parts:
@@ -428,6 +476,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average": list(os.getloadavg()),
         "sim_spec": dataclasses.asdict(SIM_SPEC),
         "routing": scale,
+        "affinity": slowed,
         "kill": kill,
         "ray_hop": hop,
     }
