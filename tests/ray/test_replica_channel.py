@@ -78,7 +78,7 @@ def test_waves_of_one_loop_turn_share_a_call_and_each_returns_when_done(
             free_one = asyncio.ensure_future(pool.generate([12, 3], 1, SAMPLING))
             assert len(await asyncio.wait_for(free_one, 300)) == 1
             await _settle()
-            assert await pool.abort_all() >= 0
+            await pool.abort_all()
             with pytest.raises(GenerationAborted, match="held at the gate"):
                 await held
         finally:
