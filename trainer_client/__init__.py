@@ -8,8 +8,12 @@
 - `trainer_client.protocol`: the wire models shared with the server, and
   `trainer_client.wire` their msgpack encoding.
 
-Nothing here imports the server or its dependencies (FastAPI, uvicorn, vLLM). Names are
-loaded lazily, so `import trainer_client` stays cheap:
+Nothing here imports the server or its dependencies (FastAPI, uvicorn, vLLM). Two opt-in
+paths need more on the trainer, and import it only when used: `trainer_client.verl`
+(verl) and `trainer_client.nccl`, the NCCL weight sender, which drives vLLM's own
+trainer-side NCCL helpers (the sampler's vLLM workers speak vLLM's rendezvous) and so
+imports vLLM when it connects. Names are loaded lazily, so `import trainer_client` stays
+cheap:
 
     from trainer_client import SamplerClient
 """
