@@ -1,6 +1,6 @@
 """Scale-out with engine replicas as Ray actors: routing, the Ray hop, and failover time.
 
-Four measurements, each side by side in one run on one local Ray:
+Five measurements, each side by side in one run on one local Ray:
 
 1. **Routing scales**: the real scheduler drives N = 1, 2, 4, 8 replicas of the simulated
    engine (`bench/sim_backend.py`, real time, each in its own Ray actor) through the
@@ -17,6 +17,9 @@ Four measurements, each side by side in one run on one local Ray:
    waves in flight; the time until every wave in flight at the kill has finished
    (re-issued on the survivor), next to the median wave time. Repeated `--kills` times
    (a fresh pool each), as one kill lands at a random point of the waves.
+5. **Call costs**: one hf replica, waves sent one Ray call each vs through the pool's
+   channel (driver CPU per burst), and one wave's latency through the pool, the engine
+   process and an empty Ray call.
 
     .venv/bin/python -m bench.scaleout --quick     # the default 3 Ray-hop pairs per level
     .venv/bin/python -m bench.scaleout --quick --pairs 5   # 11 minutes on 2 idle cores
@@ -419,7 +422,71 @@ async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> list[dict[st
     return out
 
 
-PARTS = ("routing", "affinity", "kill", "hop")
+async def call_costs(bursts: int, waves: int) -> dict[str, Any]:
+    """What a wave costs in Ray calls, one hf replica of the toy model (no batch wait):
+
+    - a burst of 16 concurrent waves (8 answers of 8 tokens each), sent as one Ray call
+      per wave (the replica's direct `generate`) or through the pool's channel: wall time
+      and this process's (the driver's) CPU per burst;
+    - one wave at a time (1-token answers): median latency through the pool, through the
+      engine process, and of an empty `collect_waves` call (a Ray round trip alone).
+    """
+    from sampler_service.backends.engine_process import EngineProcess
+    from sampler_service.backends.hf import HFBackend
+    from sampler_service.toy import build_toy
+
+    toy = build_toy(Path(tempfile.mkdtemp(prefix="scaleout-toy-")), seed=0)
+    factory = functools.partial(HFBackend, toy.model_dir, max_batch_wait_s=0.0)
+    burst = SamplingParams(max_tokens=8)
+    single = SamplingParams(max_tokens=1)
+
+    async def per_burst(send: Any) -> dict[str, float]:
+        await asyncio.gather(*(send(i) for i in range(16)))  # warm
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(bursts):
+            await asyncio.gather(*(send(i) for i in range(16)))
+        return {
+            "wall_ms": (time.perf_counter() - wall) / bursts * 1e3,
+            "driver_cpu_ms": (time.process_time() - cpu) / bursts * 1e3,
+        }
+
+    async def latency_ms(call: Any) -> float:
+        for _ in range(10):
+            await call()
+        times = []
+        for _ in range(waves):
+            start = time.perf_counter()
+            await call()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    pool = _pool(factory, 1, "calls", torch_threads=1, max_inflight=10_000)
+    await pool.start()
+    try:
+        actor = pool._replicas[0]
+        result = {
+            "burst_per_wave_calls": await per_burst(
+                lambda i: actor.handle.generate.remote([1, 2, i % 8], 8, burst)
+            ),
+            "burst_channel": await per_burst(lambda i: pool.generate([1, 2, i % 8], 8, burst)),
+            "wave_pool_ms": await latency_ms(lambda: pool.generate([1, 2, 3], 1, single)),
+            "empty_call_ms": await latency_ms(
+                lambda: actor.handle.collect_waves.remote(actor.channel.session, 0.0)
+            ),
+        }
+    finally:
+        await pool.close()
+    process = EngineProcess(factory, torch_threads=1)
+    await process.start()
+    try:
+        result["wave_process_ms"] = await latency_ms(lambda: process.generate([1, 2, 3], 1, single))
+    finally:
+        await process.close()
+    print(result, flush=True)
+    return result
+
+
+PARTS = ("routing", "affinity", "kill", "hop", "calls")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -456,6 +523,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kill: dict[str, Any] = {}
     hop: list[dict[str, Any]] = []
     slowed: dict[str, Any] = {}
+    calls: dict[str, Any] = {}
     started = time.monotonic()
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -468,6 +536,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 kill = asyncio.run(failovers(work, warmup_s, measure_s, kills))
         if "hop" in parts:
             hop = asyncio.run(ray_hop(warmup_s, measure_s, pairs))
+        if "calls" in parts:
+            calls = asyncio.run(call_costs(bursts=50, waves=300))
     finally:
         ray.shutdown()
     result = {
@@ -479,6 +549,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "affinity": slowed,
         "kill": kill,
         "ray_hop": hop,
+        "calls": calls,
     }
     if parts == set(PARTS):
         path = write_json("scaleout", result)

@@ -1,10 +1,11 @@
 """Waves to one replica actor in batched Ray calls, each wave still answered on its own.
 
-A Ray actor call costs the driver (the sampler's front) about 0.5-1 ms of CPU, and that
-CPU is what also verifies answers and schedules waves. On 2 cores, 16 concurrent
-one-wave calls took 21 ms of driver CPU where one call submitting the 16 waves plus one
-call collecting their results took 3.8 ms. A toy model's wave lasts a few milliseconds, so
-one call per wave cost the front a sixth of its throughput.
+A Ray actor call costs the driver (the sampler's front) about 1 ms of CPU, and that CPU
+is what also verifies answers and schedules waves. On 2 cores, a burst of 16 concurrent
+waves of the toy model cost the driver 16-17 ms of CPU as one Ray call per wave and 5 ms
+through this channel (`python -m bench.scaleout --quick --only calls`). A toy model's
+wave lasts a few milliseconds, so one call per wave cost the front about a sixth of its
+throughput.
 
 So the channel sends every wave asked for in one event-loop turn as one `submit_waves`
 call, and keeps one long-poll `collect_waves` call open that returns every wave finished
