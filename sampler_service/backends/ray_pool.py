@@ -521,17 +521,11 @@ class RayPoolBackend(Backend):
                 out = await rep.channel.generate(prompt, n, sampling)
             except GenerationAborted:
                 raise  # a weight update's abort: the scheduler re-issues it after the update
-            except RayActorError as exc:
-                self._fail(rep, epoch, "died", repr(exc), kill=False)
-                self._count_reissue(rep, n)
-                reissue = True
-                continue
-            except _ReplicaFailed:  # found failed by a probe or another wave's call
-                self._count_reissue(rep, n)
-                reissue = True
-                continue
-            except NotStarted as exc:  # Ray restarted it before a probe noticed
-                self._fail(rep, epoch, "restarted", repr(exc), kill=False)
+            except (RayActorError, NotStarted, _ReplicaFailed) as exc:
+                # The replica died, was restarted by Ray before a probe noticed, or was
+                # found failed meanwhile (then its epoch moved on and this fails nothing).
+                reason = "died" if isinstance(exc, RayActorError) else "restarted"
+                self._fail(rep, epoch, reason, repr(exc), kill=False)
                 self._count_reissue(rep, n)
                 reissue = True
                 continue

@@ -47,8 +47,7 @@ def test_waves_of_one_loop_turn_share_a_call_and_each_returns_when_done(
         pool = RayPoolBackend(factory, settings)
         await pool.start()
         try:
-            actor = ray.get_actor(pool.actor_name(0), namespace="adaptive-rollout")
-            before = await actor.health.remote()
+            before = await pool.replica_health(0)
 
             # Eight waves asked for in one loop turn: one submit call carries them all.
             waves = [
@@ -64,7 +63,7 @@ def test_waves_of_one_loop_turn_share_a_call_and_each_returns_when_done(
                 assert len(out) == 2 and all(c.token_ids for c in out)
             await _settle()
             assert not held.done()
-            after = await actor.health.remote()
+            after = await pool.replica_health(0)
             assert after["submit_calls"] - before["submit_calls"] == 1
             assert after["submitted_waves"] - before["submitted_waves"] == 8
 
