@@ -22,7 +22,7 @@ Five measurements, each side by side in one run on one local Ray:
    process and an empty Ray call.
 
     .venv/bin/python -m bench.scaleout --quick     # the default 3 Ray-hop pairs per level
-    .venv/bin/python -m bench.scaleout --quick --pairs 5   # 11 minutes on 2 idle cores
+    .venv/bin/python -m bench.scaleout --quick --pairs 5   # 5 Ray-hop pairs per level
     .venv/bin/python -m bench.scaleout --quick --only kill # one part, results not written
 """
 
