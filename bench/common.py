@@ -96,11 +96,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
 
 
-def tree_cpu_s(pid: int) -> float:
+def tree_cpu_s(pid: int, include_root: bool = True) -> float:
     """CPU seconds (user + system) of a process and all its live descendants (Linux /proc).
 
     Engines such as vLLM run their engine core in a child process, so a process's own
-    CPU time would miss most of the work.
+    CPU time would miss most of the work. `include_root=False`: the descendants alone.
     """
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
@@ -120,7 +120,8 @@ def tree_cpu_s(pid: int) -> float:
         children.setdefault(parent, []).append(child)
     while frontier:
         p = frontier.pop()
-        total += cpu.get(p, 0.0)
+        if include_root or p != pid:
+            total += cpu.get(p, 0.0)
         frontier.extend(children.get(p, []))
     return total
 

@@ -20,7 +20,9 @@ It models what decides a rollout's wall time on an engine with continuous batchi
 Rewards are Bernoulli draws from a per-prompt pass rate. The prompt is identified by its
 first token id (the benchmark's tokenizer puts the prompt's index there), and the drawn
 reward is written into the completion text (`REWARD_TEXT`), so the benchmark's verify fn
-only reads it back: the scheduler, rules and policies are the project's real code.
+only reads it back: the scheduler, rules and policies are the project's real code. A
+benchmark that runs a real verifier passes its own `text` function instead (an answer
+text that the verifier scores as drawn).
 
 The engine is event-driven, not token-stepped: between two events (an arrival, a
 finishing sequence) the batch size is constant, so every running sequence advances at
@@ -77,6 +79,11 @@ class EngineSpec:
     difficulty_length: float = 0.0
     #: Seconds per decode step per token of context held by the running sequences.
     kv_token_s: float = 0.0
+    #: While sequences run, the engine looks at its batch at most once per `tick_s`
+    #: seconds: sequences that finished meanwhile are reported together and requests that
+    #: arrived meanwhile join then, as a real engine does at its step boundaries. 0: the
+    #: moment anything happens (exact; costs a wake-up per finished sequence).
+    tick_s: float = 0.0
 
     def step_s(self, running: int) -> float:
         return self.step_base_s + self.step_per_seq_s * running
@@ -127,6 +134,7 @@ class SimBackend(Backend):
         seed: int = 0,
         record_timeline: bool = False,
         payload: Callable[[np.random.Generator, int], tuple[list[int], list[float]]] | None = None,
+        text: Callable[[np.random.Generator, int, bool], str] | None = None,
     ) -> None:
         self.pass_rates = np.asarray(pass_rates, dtype=np.float64)
         self.spec = spec or EngineSpec()
@@ -134,6 +142,7 @@ class SimBackend(Backend):
         self._rng = np.random.default_rng(seed)
         self._record = record_timeline
         self._payload = payload or _cheap_payload
+        self._text = text or _reward_text
         self._queue: deque[_Seq] = deque()
         self._running: list[tuple[float, int, _Seq]] = []  # (finish step, tiebreak, seq)
         self._tiebreak = itertools.count()
@@ -229,7 +238,7 @@ class SimBackend(Backend):
         request.completions[seq.index] = Completion(
             token_ids=token_ids,
             logprobs=logprobs,
-            text=REWARD_TEXT[seq.correct],
+            text=self._text(self._rng, seq.length, seq.correct),
             finish_reason=seq.finish_reason,  # type: ignore[arg-type]
             policy_version=self._version,
         )
@@ -262,7 +271,9 @@ class SimBackend(Backend):
             to_finish = max(0.0, self._running[0][0] - self._steps)
             horizon = self._stall_s + to_finish * step + slope * to_finish**2 / 2
             started = loop.time()
-            await wait_event(self._arrival, horizon)
+            await wait_event(self._arrival, max(horizon, self.spec.tick_s))
+            if (rest := started + self.spec.tick_s - loop.time()) > 0:
+                await asyncio.sleep(rest)  # woken early by an arrival: it joins at the tick
             elapsed = loop.time() - started
             stalled = min(elapsed, self._stall_s)
             self._stall_s -= stalled
@@ -274,6 +285,11 @@ class SimBackend(Backend):
             while self._running and self._running[0][0] <= self._steps + _EPS_STEPS:
                 _, _, seq = heapq.heappop(self._running)
                 self._finish(seq)
+
+
+def _reward_text(rng: np.random.Generator, length: int, correct: bool) -> str:
+    """The drawn reward as the whole text (`verify_reward_text` reads it back)."""
+    return REWARD_TEXT[correct]
 
 
 def _cheap_payload(rng: np.random.Generator, length: int) -> tuple[list[int], list[float]]:

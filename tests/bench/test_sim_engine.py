@@ -5,6 +5,7 @@ exactly; nothing here depends on how fast this machine is."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -73,6 +74,38 @@ def test_a_lone_sequence_decodes_faster_per_step() -> None:
     assert t1 == t2 == pytest.approx(100 * FLAT.step_s(2))
     (_,), (t_alone,), _ = _generate(FLAT, [(0, 1)], [0.5])
     assert t_alone == pytest.approx(100 * FLAT.step_s(1))
+
+
+def _finish_times(spec: EngineSpec, arrivals: list[tuple[float, int]]) -> list[float]:
+    """When each one-answer request (arrival time, max_tokens) gets its answer."""
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        engine = SimBackend([0.5], spec, seed=0)
+        await engine.start()
+
+        async def one(at: float, max_tokens: int) -> float:
+            await asyncio.sleep(at)
+            await engine.generate([0], 1, SamplingParams(max_tokens=max_tokens))
+            return loop.time()
+
+        try:
+            return list(await asyncio.gather(*(one(at, m) for at, m in arrivals)))
+        finally:
+            await engine.close()
+
+    return virtual_clock.run(main())
+
+
+def test_a_tick_reports_answers_at_its_boundaries_never_before_they_are_done() -> None:
+    spec = dataclasses.replace(FLAT, max_num_seqs=4, step_per_seq_s=0.0)  # 10 ms per step
+    # 30 and 100 tokens from t=0; 10 tokens arriving at t=0.1.
+    arrivals = [(0.0, 30), (0.0, 1000), (0.1, 10)]
+    assert _finish_times(spec, arrivals) == pytest.approx([0.3, 1.0, 0.2])
+    # Looking once per 0.25 s: the late request joins at 0.25, and each answer is reported
+    # at the first look after it is done.
+    ticked = dataclasses.replace(spec, tick_s=0.25)
+    assert _finish_times(ticked, arrivals) == pytest.approx([0.5, 1.0, 0.5])
 
 
 def test_prefill_is_paid_once_per_request() -> None:

@@ -1,0 +1,1062 @@
+"""One front at real answer sizes: its CPU per answer, and the rate at which it stops.
+
+Every answer of every engine passes through one `serve` process. This benchmark drives
+the real service (`bench/front_service.py`: API, scheduler, verifier pool, SQLite store,
+outbox, the stream route) with the simulated engine of the step-time benchmark on a
+thread of its own, at a chosen answer rate: answers log-normal with mean 700 tokens
+(log-sd 0.6), a float32 logprob per token, a reasoning text of ~4 characters per token;
+rule `fixed`, 4 answers per prompt (one wave, one group), frames of one group. A real
+`trainer_client.SamplerClient` in another process reads the stream (msgpack) and acks
+every 16 groups. The engine costs the front nothing but a future resolved from another
+thread, so every CPU second on the front's event loop is the front's.
+
+Measured per answer and per group, in a window after a warm-up: the event loop's CPU
+(its own thread clock), the verifier's CPU (inline `exact`, or `math` in the worker
+processes), the bytes handed to SQLite and the time of its writes (store thread), the
+bytes on the stream and the time spent framing them, the client's CPU; and from the
+answers' own time stamps, the delay from a group's last answer to the client holding it.
+
+Parts (each row of a part alternates between the checkouts measured):
+
+- `sweep`: offered answers/s stepped up (exact verifier) until the delivered rate stops
+  rising; the knee is the highest delivered rate. On a machine whose cores are shared,
+  this measures the machine as much as the front; CPU seconds per answer it can measure.
+- `latency`: p50/p99 from last answer to delivery at 80% of the knee; its CPU figures
+  are the ones the targets use (the front is not saturated there).
+- `profile`: py-spy (from the `[ray]` extra) on the server at the knee's offered rate;
+  the event-loop thread's samples by function (self and inclusive).
+- `math`: math-verify in the verifier pool at a moderate rate: the verifier's CPU per
+  answer and what handing answers to the pool costs the loop.
+- `workers`: answers/s with 1, 2 and 4 verifier workers (math-verify) at an offered rate
+  above what verification can take.
+- `parse`: what an HTTP engine's response costs to parse, from vLLM-shaped responses of
+  4 x 700 tokens with logprobs (`bench/engine_responses.py`), beside the front's cost.
+
+Two checkouts side by side (`--checkout NAME=REF`, a directory or a git revision, which
+is checked out into a temporary worktree): each measurement runs in the checkout's own
+`python -m bench.front --worker SPEC` (this venv's Python, the checkout first on
+`sys.path`), so every variant measures its own code with its own probes; the rows of a
+part alternate between them, so a change in the machine's load hits both. A revision
+must contain this benchmark. The worker reads SPEC (a JSON object) and prints one line
+`RESULT {json}`; keys it does not know it ignores.
+
+    .venv/bin/python -m bench.front --quick                 # this checkout, < 10 minutes
+    .venv/bin/python -m bench.front                          # full windows and steps
+    .venv/bin/python -m bench.front --checkout before=REV --checkout after=.
+    .venv/bin/python -m bench.front --quick --only parse     # one part; results not written
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import ROOT, fmt, percentile, table, write_json
+
+PARTS = ("sweep", "latency", "profile", "math", "workers", "parse")
+#: Keys of a worker's SPEC, with their defaults.
+SPEC_DEFAULTS: dict[str, Any] = {
+    "part": "load",
+    "rate": 500.0,
+    "verifier": "exact",
+    "verifier_workers": 2,
+    "n": 4,
+    "slots": 256,
+    "length_mean": 700.0,
+    "length_sigma": 0.6,
+    "max_tokens": 4096,
+    "engine_tick_s": 0.002,
+    "warmup_s": 4.0,
+    "measure_s": 8.0,
+    "ack_every": 16,
+    "max_unacked": 64,
+    "profile": False,
+    "profile_rate": 200,
+    "seed": 0,
+}
+#: Answers of the HTTP-engine responses parsed per answer's cost: 4 x 700 tokens.
+TARGET_TOKENS = 700.0
+LATENCY_AT = 0.8
+
+
+def _env(root: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    }
+
+
+# -- the worker: one measurement, in the checkout under test -------------------------------
+
+
+class CountingTransport(httpx.HTTPTransport):
+    """Counts the body bytes of every stream response the client reads (the wire)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stream_bytes = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if not request.url.path.endswith("/groups/stream"):
+            return response
+        return httpx.Response(
+            status_code=response.status_code,
+            headers=response.headers,
+            stream=_Counted(response.stream, self),  # type: ignore[arg-type]
+            extensions=response.extensions,
+        )
+
+
+class _Counted(httpx.SyncByteStream):
+    def __init__(self, inner: Any, counter: CountingTransport) -> None:
+        self._inner = inner
+        self._counter = counter
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._inner:
+            self._counter.stream_bytes += len(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+@contextlib.contextmanager
+def _server(spec: dict[str, Any], work: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """The front (`bench.front_service`) as its own process; yields its URL and process."""
+    server_spec = {
+        **{k: spec[k] for k in SPEC_DEFAULTS if k in spec},
+        "model": spec["model"],
+        "data": spec["data"],
+        "state_dir": str(work / "state"),
+        "epoch": spec["epoch"],
+        "max_active_prompts": math.ceil(2 * spec["slots"] / spec["n"]),
+    }
+    log = (work / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.front_service", json.dumps(server_spec)],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=ROOT,
+        env=_env(ROOT),
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("listening on "):
+            proc.wait(10)
+            raise RuntimeError(
+                f"front did not start ({line!r}):\n{(work / 'server.log').read_text()[-3000:]}"
+            )
+        url = line.split()[-1]
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/ready").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("front not ready within 120 s")
+            time.sleep(0.1)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _delta(a: Any, b: Any) -> Any:
+    """b - a for numbers, recursively for dicts of numbers (missing keys count as 0)."""
+    if isinstance(b, dict):
+        return {k: _delta(a.get(k, 0) if isinstance(a, dict) else 0, v) for k, v in b.items()}
+    if isinstance(b, int | float) and not isinstance(b, bool):
+        return b - (a or 0)
+    return b
+
+
+def _py_spy() -> str:
+    local = Path(sys.executable).parent / "py-spy"
+    return str(local) if local.exists() else "py-spy"
+
+
+def measure_load(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """One window of the front at `spec['rate']` offered answers/s (see the module docstring)."""
+    from bench.front_service import stamped_time
+    from trainer_client.client import SamplerClient
+
+    epoch = spec["epoch"]
+    with _server(spec, work) as (url, proc):
+        http = httpx.Client(base_url=url, timeout=60)
+        transport = CountingTransport()
+        client = SamplerClient(url, consumer="front-bench", watchdog_s=120.0, transport=transport)
+
+        def snapshot() -> dict[str, Any]:
+            server = http.get("/bench/counters").json()
+            return {
+                "server": server,
+                "client_cpu_s": time.process_time(),
+                "wire_bytes": transport.stream_bytes,
+                "t": time.monotonic(),
+            }
+
+        opens = time.monotonic() + spec["warmup_s"]
+        first: dict[str, Any] | None = None
+        last: dict[str, Any] = {}
+        delays: list[float] = []
+        answers = groups = 0
+        pending: list[Any] = []
+        spy: subprocess.Popen[bytes] | None = None
+        spy_out = work / "profile.txt"
+        try:
+            for group in client.groups(max_unacked=spec["max_unacked"]):
+                held = time.time()
+                if first is not None:
+                    groups += 1
+                    answers += len(group.samples)
+                    stamps = [
+                        stamped_time(list(s.response_token_ids[:2]), epoch)
+                        for s in group.samples
+                        if len(s.response_token_ids) >= 2
+                    ]
+                    if stamps:
+                        delays.append(held - max(stamps))
+                pending.append(group)
+                if len(pending) >= spec["ack_every"]:
+                    client.ack(pending)
+                    pending = []
+                now = time.monotonic()
+                if first is None and now >= opens:
+                    first = snapshot()
+                    if spec["profile"]:
+                        spy = subprocess.Popen(
+                            [
+                                _py_spy(),
+                                "record",
+                                "--pid",
+                                str(proc.pid),
+                                "--duration",
+                                str(int(spec["measure_s"])),
+                                "--rate",
+                                str(spec["profile_rate"]),
+                                "--format",
+                                "raw",
+                                "--threads",
+                                "--output",
+                                str(spy_out),
+                            ],
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                        )
+                elif first is not None and now >= first["t"] + spec["measure_s"]:
+                    last = snapshot()
+                    break
+            if spy is not None:
+                spy.wait(60)
+        finally:
+            client.close()
+            http.close()
+    assert first is not None
+    result = _load_result(spec, first, last, answers, groups, delays)
+    if spec["profile"]:
+        result["profile"] = loop_profile(spy_out.read_text()) if spy_out.exists() else None
+    return result
+
+
+def _per(value: float | None, count: int, scale: float = 1000.0) -> float | None:
+    return None if value is None or not count else scale * value / count
+
+
+def _load_result(
+    spec: dict[str, Any],
+    first: dict[str, Any],
+    last: dict[str, Any],
+    answers: int,
+    groups: int,
+    delays: list[float],
+) -> dict[str, Any]:
+    d = _delta(first, last)
+    server = d["server"]
+    seconds = d["t"]
+    threads = server["threads_cpu_s"]
+    probes = server["probes"]
+    inline_verify = probes.get("verify_inline", {}).get("cpu_s", 0.0)
+    engine_answers = server["engine_answers"]
+    encode = probes.get("encode_for_store", {})
+    store_bytes = sum(
+        probes.get(k, {}).get("bytes", 0) for k in ("store.add_pending", "store.frame")
+    )
+    store_wall = sum(
+        probes.get(k, {}).get("wall_s", 0.0)
+        for k in ("store.add_pending", "store.frame", "store.delete")
+    )
+    one_payload = encode.get("bytes", 0) / encode["calls"] if encode.get("calls") else None
+    return {
+        "rate": spec["rate"],
+        "verifier": spec["verifier"],
+        "verifier_workers": spec["verifier_workers"],
+        "seconds": seconds,
+        "answers": answers,
+        "groups": groups,
+        "delivered_answers_per_s": answers / seconds,
+        "generated_answers_per_s": engine_answers / seconds,
+        "tokens_per_answer": server["engine_tokens"] / engine_answers if engine_answers else None,
+        "loop_cpu_s": server["loop_cpu_s"],
+        "loop_utilization": server["loop_cpu_s"] / seconds,
+        # Share of the window the loop was runnable but had no core (machine too busy).
+        "loop_runqueue_share": server["loop_runqueue_wait_s"] / seconds
+        if server.get("loop_runqueue_wait_s") is not None
+        else None,
+        "loop_ms_per_answer": _per(server["loop_cpu_s"], answers),
+        "loop_ms_per_group": _per(server["loop_cpu_s"], groups),
+        "loop_ms_per_answer_without_verify": _per(server["loop_cpu_s"] - inline_verify, answers),
+        "threads_ms_per_answer": {k: _per(v, answers) for k, v in threads.items()},
+        "process_ms_per_answer": _per(server["process_cpu_s"], answers),
+        "verifier_ms_per_answer": _per(
+            server["children_cpu_s"] + threads.get("verifier_threads", 0.0) + inline_verify,
+            server["verifier_calls"] or answers,
+        ),
+        "verifier_workers_ms_per_answer": _per(
+            server["children_cpu_s"], server["verifier_calls"] or answers
+        ),
+        "client_ms_per_answer": _per(d["client_cpu_s"], answers),
+        "wire_bytes_per_answer": _per(d["wire_bytes"], answers, 1.0),
+        "store_bytes_per_answer": _per(store_bytes, answers, 1.0) if store_bytes else None,
+        "store_write_ms_per_group": _per(store_wall, groups) if store_wall else None,
+        # Bytes handed to SQLite per group over one encoding of the group: 1 = stored once.
+        "store_copies": store_bytes / groups / one_payload if store_bytes and one_payload else None,
+        "probes_per_group": {
+            name: {
+                "calls": p["calls"] / groups,
+                "cpu_ms": 1000 * p["cpu_s"] / groups,
+                "wall_ms": 1000 * p["wall_s"] / groups,
+                "bytes": p["bytes"] / groups,
+            }
+            for name, p in probes.items()
+            if groups
+        },
+        "probes_missing": last["server"]["probes_missing"],
+        "latency_ms": {
+            "count": len(delays),
+            "p50": 1000 * percentile(delays, 50),
+            "p90": 1000 * percentile(delays, 90),
+            "p99": 1000 * percentile(delays, 99),
+            "max": 1000 * max(delays) if delays else None,
+        },
+        # Today's stream has no way for a consumer to decline the answers' text.
+        "text_declined": False,
+        "queue_end": last["server"]["queue"],
+        "code_root": last["server"]["code_root"],
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def loop_profile(raw: str, top: int = 15) -> dict[str, Any]:
+    """The event-loop thread's py-spy samples (raw format, `--threads`) by function.
+
+    py-spy drops samples of idle threads, so sample counts are CPU shares. `self` is where
+    a sample's Python stack ends (C code it calls counts there); `inclusive` counts each
+    function of this project once per sample it is on, wrappers of the benchmark left out.
+    """
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack.startswith("thread (") or ": MainThread;" not in stack:
+            continue
+        count = int(count_text)
+        frames = [f for f in stack.split(";")[1:] if "front_service.py" not in f]
+        if not frames:
+            continue
+        total += count
+        own[_frame_name(frames[-1])] += count
+        for name in {_frame_name(f) for f in frames if _is_project(f)}:
+            inclusive[name] += count
+    return {
+        "samples": total,
+        "self": [{"function": f, "share": c / total} for f, c in own.most_common(top)],
+        "inclusive": [{"function": f, "share": c / total} for f, c in inclusive.most_common(top)],
+    }
+
+
+def _frame_name(frame: str) -> str:
+    """'func (path/to/module.py:123)' -> 'func (module.py)'."""
+    name, _, where = frame.partition(" (")
+    file = where.rsplit(":", 1)[0].rsplit("/", 1)[-1]
+    return f"{name} ({file})" if file else name
+
+
+def _is_project(frame: str) -> bool:
+    return any(f"{pkg}/" in frame for pkg in ("sampler_service", "trainer_client", "strategies"))
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    spec = {**SPEC_DEFAULTS, **spec}
+    work = Path(tempfile.mkdtemp(prefix="front-", dir=spec["work_dir"]))
+    if spec["part"] == "parse":
+        from bench.engine_responses import measure_parsing
+
+        return measure_parsing(spec)
+    return measure_load(spec, work)
+
+
+# -- the orchestrator: checkouts, parts, targets -------------------------------------------------
+
+
+@dataclass
+class Checkout:
+    name: str
+    root: Path
+    worktree: bool = False
+
+    def run(self, spec: dict[str, Any]) -> dict[str, Any]:
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.front", "--worker", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            env=_env(self.root),
+            cwd=self.root,
+            check=False,
+        )
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(
+                f"[{self.name}] worker failed ({done.returncode}):\n"
+                f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+            )
+        result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+        result["worker_wall_s"] = time.monotonic() - started
+        return result
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def checkouts(specs: list[str], work: Path) -> list[Checkout]:
+    """NAME=REF: REF a directory holding a checkout, or a git revision of this repository."""
+    out = []
+    for item in specs or ["current=."]:
+        name, _, ref = item.partition("=")
+        if not name or not ref:
+            raise SystemExit(f"--checkout {item!r}: expected NAME=REF")
+        path = (ROOT / ref).resolve() if not Path(ref).is_absolute() else Path(ref)
+        if path.is_dir():
+            out.append(Checkout(name, path))
+            continue
+        rev = _git("rev-parse", "--verify", f"{ref}^{{commit}}")
+        tree = work / f"checkout-{name}"
+        _git("worktree", "add", "--detach", str(tree), rev)
+        out.append(Checkout(name, tree, worktree=True))
+    for c in out:
+        if not (c.root / "bench" / "front.py").exists():
+            raise SystemExit(f"checkout {c.name} ({c.root}) has no bench/front.py to measure with")
+    return out
+
+
+def _rotated(items: list[Checkout], i: int) -> list[Checkout]:
+    k = i % len(items)
+    return items[k:] + items[:k]
+
+
+def _saturated(rows: list[dict[str, Any]]) -> bool:
+    """The last step delivered less than 90% of its offer and no more than 5% above the best
+    earlier step: the delivered rate has stopped rising."""
+    if len(rows) < 2:
+        return False
+    last = rows[-1]["delivered_answers_per_s"]
+    best = max(r["delivered_answers_per_s"] for r in rows[:-1])
+    return last < 0.9 * rows[-1]["rate"] and last < 1.05 * best
+
+
+def _knee(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    best = max(rows, key=lambda r: r["delivered_answers_per_s"])
+    return {
+        "answers_per_s": best["delivered_answers_per_s"],
+        "offered": best["rate"],
+        "loop_utilization": best["loop_utilization"],
+    }
+
+
+def _other_load(procs_before: dict[int, float], own: set[int], seconds: float) -> float:
+    """Cores used on average by processes outside this benchmark while it ran."""
+    after = _all_cpu()
+    used = sum(
+        cpu - procs_before.get(pid, 0.0)
+        for pid, cpu in after.items()
+        if pid not in own and pid in procs_before
+    )
+    return used / seconds
+
+
+def _all_cpu() -> dict[int, float]:
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                parents[int(entry)] = int(fields[1])
+    out, frontier = {pid}, [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in out:
+                out.add(child)
+                frontier.append(child)
+    return out
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    quick = args.quick
+    return {
+        "quick": quick,
+        "rates": args.rates
+        or (
+            [250, 500, 1000, 2000, 4000] if quick else [250, 500, 750, 1000, 1500, 2000, 3000, 4000]
+        ),
+        "warmup_s": 4.0 if quick else 6.0,
+        "measure_s": 8.0 if quick else 20.0,
+        "latency_measure_s": 12.0 if quick else 30.0,
+        "math_rate": args.math_rate,
+        "worker_counts": [1, 2, 4],
+        "workers_rate": 4000.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true", help="short windows, 5 rate steps (< 10 min)")
+    p.add_argument(
+        "--checkout",
+        action="append",
+        default=[],
+        metavar="NAME=REF",
+        help="a checkout to measure (a directory, or a git revision put in a temporary "
+        "worktree); repeat for side by side; default: current=.",
+    )
+    p.add_argument("--rates", type=float, nargs="+", help="offered answers/s of the sweep")
+    p.add_argument(
+        "--math-rate", type=float, default=200.0, help="offered answers/s of the math part"
+    )
+    p.add_argument(
+        "--only", choices=PARTS, action="append", help="run only this part (results not written)"
+    )
+    args = p.parse_args(argv)
+    if args.worker:
+        result = run_worker(json.loads(args.worker))
+        print("RESULT " + json.dumps(result), flush=True)
+        return result
+    return orchestrate(args)
+
+
+def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
+    from sampler_service.toy import build_toy
+
+    cfg = settings(args)
+    parts = set(args.only or PARTS)
+    started = time.monotonic()
+    others_before = _all_cpu()
+    work = Path(tempfile.mkdtemp(prefix="bench-front-"))
+    variants = checkouts(args.checkout, work)
+    try:
+        toy = build_toy(work / "toy", seed=0)
+        data = work / "front.jsonl"
+        data.write_text(
+            "".join(
+                json.dumps({"id": f"p{i}", "prompt": _prompt(i), "answer": "42"}) + "\n"
+                for i in range(512)
+            )
+        )
+        base = {
+            "model": str(toy.model_dir),
+            "data": [str(data)],
+            "work_dir": str(work),
+            "epoch": time.time(),
+            "warmup_s": cfg["warmup_s"],
+            "measure_s": cfg["measure_s"],
+        }
+        results = run_parts(variants, parts, base, cfg)
+        own = _descendants(os.getpid())
+        out = {
+            "settings": cfg,
+            "wall_s": time.monotonic() - started,
+            "load_average_end": list(os.getloadavg()),
+            # Cores that processes outside this benchmark used meanwhile, on average.
+            "other_processes_cores": _other_load(others_before, own, time.monotonic() - started),
+            "checkouts": {v.name: {"git": _rev(v.root)} for v in variants},
+            "variants": results,
+            "targets": compare_targets(results, variants),
+        }
+    finally:
+        for v in variants:
+            if v.worktree:
+                _git("worktree", "remove", "--force", str(v.root))
+        shutil.rmtree(work, ignore_errors=True)
+    print_tables(out)
+    if not args.only:
+        path = write_json("front", out)
+        print(f"wrote {path.relative_to(ROOT)}; {time.monotonic() - started:.0f}s")
+    return out
+
+
+def _rev(root: Path) -> str | None:
+    done = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or None
+
+
+def _prompt(i: int) -> str:
+    """~150 characters (tokens for the toy's character tokenizer), different per prompt."""
+    digits = "0123456789"
+    return (f"{i} + " + " + ".join(digits[(i + k) % 10] * 3 for k in range(40)))[:150]
+
+
+def run_parts(
+    variants: list[Checkout], parts: set[str], base: dict[str, Any], cfg: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {v.name: {} for v in variants}
+
+    def run(v: Checkout, **spec: Any) -> dict[str, Any]:
+        r = v.run({**base, **spec})
+        show = {k: r.get(k) for k in ("rate", "delivered_answers_per_s", "loop_ms_per_answer")}
+        print(f"  [{v.name}] {spec.get('part', 'load')} {show}", flush=True)
+        return r
+
+    if parts & {"sweep", "latency", "profile"}:
+        rows: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
+        done: set[str] = set()
+        for i, rate in enumerate(cfg["rates"]):
+            stepping = [v for v in variants if v.name not in done]
+            if not stepping:
+                break
+            for v in _rotated(stepping, i):
+                rows[v.name].append(run(v, rate=rate))
+                if _saturated(rows[v.name]):
+                    done.add(v.name)
+        for v in variants:
+            out[v.name]["sweep"] = rows[v.name]
+            out[v.name]["knee"] = _knee(rows[v.name])
+    if "latency" in parts:
+        for v in variants:
+            rate = LATENCY_AT * out[v.name]["knee"]["answers_per_s"]
+            out[v.name]["latency"] = run(v, rate=rate, measure_s=cfg["latency_measure_s"])
+    if "profile" in parts:
+        for v in variants:
+            out[v.name]["profile"] = run(v, rate=out[v.name]["knee"]["offered"], profile=True)
+    if "math" in parts:
+        for v in variants:
+            out[v.name]["math"] = run(v, rate=cfg["math_rate"], verifier="math")
+    if "workers" in parts:
+        for i, workers in enumerate(cfg["worker_counts"]):
+            for v in _rotated(variants, i):
+                out[v.name].setdefault("workers", []).append(
+                    run(v, rate=cfg["workers_rate"], verifier="math", verifier_workers=workers)
+                )
+    if "parse" in parts:
+        for v in variants:
+            out[v.name]["parse"] = run(v, part="parse")
+    return out
+
+
+# -- targets ----------------------------------------------------------------------------------
+
+
+def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The issue's targets from one checkout's results (None where a part did not run)."""
+    lat = result.get("latency") or {}
+    parse = (result.get("parse") or {}).get("endpoints", {}).get("generate-tokens", {})
+    loop = lat.get("loop_ms_per_answer_without_verify")
+    parse_ms = parse.get("ms_per_answer")
+    with_parse = loop + parse_ms if loop is not None and parse_ms is not None else None
+    wire = lat.get("wire_bytes_per_answer")
+    copies = lat.get("store_copies")
+    p99 = (lat.get("latency_ms") or {}).get("p99")
+
+    def entry(measured: float | None, goal: float, text: str, unit: str, **extra: Any) -> dict:
+        return {
+            "measured": measured,
+            "goal": goal,
+            "goal_text": text,
+            "unit": unit,
+            "met": None if measured is None else measured <= goal,
+            **extra,
+        }
+
+    return {
+        "loop_ms_per_answer": entry(
+            loop,
+            0.2,
+            "<= 0.2 ms of event-loop CPU per 700-token answer (verification excluded)",
+            "ms",
+            tokens_per_answer=lat.get("tokens_per_answer"),
+        ),
+        "loop_with_http_parse_ms_per_answer": entry(
+            with_parse,
+            0.5,
+            "<= 0.5 ms with the HTTP engine's response parsing",
+            "ms",
+            parse_ms=parse_ms,
+        ),
+        "wire_bytes_per_answer_no_text": entry(
+            wire,
+            6500.0,
+            "<= 6.5 KB on the wire per 700-token answer with logprobs, consumer taking no text",
+            "bytes",
+            text_declined=lat.get("text_declined", False),
+        ),
+        "stored_once": entry(copies, 1.0, "each group's bytes written to SQLite once", "copies"),
+        "p99_last_answer_to_delivery_ms": entry(
+            p99,
+            50.0,
+            "p99 from a group's last answer to its delivery < 50 ms at 80% of the knee",
+            "ms",
+        ),
+    }
+
+
+def overhead_rows(root: Path) -> dict[str, dict[str, float]]:
+    """A checkout's committed section-2 rows: service/raw tokens/s and event-loop ms/group."""
+    path = root / "bench" / "results" / "overhead.json"
+    if not path.exists():
+        return {}
+    return {
+        r["backend"]: {"ratio": r["ratio"], "loop_ms_per_group": r["service_main_ms_per_group"]}
+        for r in json.loads(path.read_text())["results"]
+    }
+
+
+def overhead_target(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Each hf and vLLM row of `after` no worse than `before`'s: service/raw at least 0.95x
+    and event-loop CPU per group at most 1.05x (the pair scatter of that benchmark)."""
+    keys = [k for k in ("hf", "vllm") if k in after]
+    met = None
+    if before is not after and keys:
+        met = all(
+            k in before
+            and after[k]["ratio"] >= 0.95 * before[k]["ratio"]
+            and after[k]["loop_ms_per_group"] <= 1.05 * before[k]["loop_ms_per_group"]
+            for k in keys
+        )
+    return {
+        "measured": {k: after[k] for k in keys},
+        "goal": "no worse than the baseline checkout",
+        "goal_text": "bench/overhead.py hf and vLLM rows not worse than before "
+        "(service/raw >= 0.95x, event-loop ms/group <= 1.05x)",
+        "unit": "rows",
+        "met": met,
+        "before": {k: before[k] for k in keys if k in before} if before is not after else None,
+    }
+
+
+def compare_targets(results: dict[str, dict[str, Any]], variants: list[Checkout]) -> dict[str, Any]:
+    """The last checkout's targets; with two or more, the first one's values as `before`.
+
+    The overhead rows come from each checkout's committed `bench/results/overhead.json`
+    (measured by `bench/overhead.py`); with one checkout there is no baseline to hold
+    them to (`met` is None).
+    """
+    current = targets(results[variants[-1].name])
+    if len(variants) > 1:
+        before = targets(results[variants[0].name])
+        for key, value in current.items():
+            value["before"] = before[key]["measured"]
+            value["before_checkout"] = variants[0].name
+    after_rows = overhead_rows(variants[-1].root)
+    before_rows = overhead_rows(variants[0].root) if len(variants) > 1 else after_rows
+    current["overhead_rows_not_worse"] = overhead_target(before_rows, after_rows)
+    return current
+
+
+# -- tables (printed here, rendered into BENCHMARKS.md by bench/render.py) ----------------------
+
+
+def _fmt_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        return ", ".join(
+            f"{k} {v['ratio']:.2f} / {v['loop_ms_per_group']:.2f} ms" for k, v in value.items()
+        )
+    return value
+
+
+def targets_table(data: dict[str, Any]) -> str:
+    rows = [
+        {
+            "target": t["goal_text"],
+            "before": _fmt_value(t.get("before")),
+            "measured": _fmt_value(t["measured"]),
+            "status": "-" if t["met"] is None else "met" if t["met"] else "**missed**",
+        }
+        for t in data["targets"].values()
+    ]
+    columns = [("target", "target"), ("measured", "measured"), ("status", "met")]
+    if any(t.get("before") is not None for t in data["targets"].values()):
+        columns.insert(1, ("before", "before"))
+    return table(rows, columns)
+
+
+def sweep_table(data: dict[str, Any]) -> str:
+    rows = []
+    for name, res in data["variants"].items():
+        knee = res.get("knee", {}).get("answers_per_s")
+        for r in res.get("sweep", []):
+            rows.append(
+                {
+                    **r,
+                    "checkout": name,
+                    "p50": r["latency_ms"]["p50"],
+                    "p99": r["latency_ms"]["p99"],
+                    "knee": "knee" if r["delivered_answers_per_s"] == knee else "",
+                }
+            )
+    return table(
+        rows,
+        [
+            ("checkout", "checkout"),
+            ("rate", "offered answers/s"),
+            ("generated_answers_per_s", "generated"),
+            ("delivered_answers_per_s", "delivered"),
+            ("knee", ""),
+            ("loop_utilization", "loop busy"),
+            ("loop_runqueue_share", "loop waiting for a core"),
+            ("loop_ms_per_answer", "loop CPU ms/answer"),
+            ("p50", "p50 ms"),
+            ("p99", "p99 ms"),
+        ],
+    )
+
+
+#: (label, probe) of the event-loop probes, in the order a group meets them.
+LOOP_PROBES = [
+    ("verification, inline (exact)", "verify_inline"),
+    ("building the group (grouping.build_group)", "build_group"),
+    ("msgpack encoding for the store (both writes)", "encode_for_store"),
+    ("frame policies (grouping.apply_batch_policies)", "frame_policies"),
+    ("outbox take", "outbox_take"),
+    ("stream framing of stored bytes", "stream_frame"),
+]
+
+
+def cost_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """What one answer and one group cost, from the latency run (and the math and parse runs)."""
+    lat = res.get("latency")
+    if not lat:
+        return []
+    per_group = lat["answers"] / lat["groups"]
+    probes = lat["probes_per_group"]
+    threads = lat["threads_ms_per_answer"]
+
+    def ms(label: str, per_answer: float | None) -> dict[str, Any]:
+        group = None if per_answer is None else per_answer * per_group
+        return {"cost": label, "answer": per_answer, "group": group}
+
+    rows = [ms("event loop CPU, all of it (ms)", lat["loop_ms_per_answer"])]
+    probed = 0.0
+    for label, name in LOOP_PROBES:
+        if name in probes:
+            probed += probes[name]["cpu_ms"]
+            rows.append(ms(f"- {label} (ms)", probes[name]["cpu_ms"] / per_group))
+    rows.append(
+        ms(
+            "- the rest: scheduler, engine hand-off, HTTP, acks, asyncio (ms)",
+            lat["loop_ms_per_answer"] - probed / per_group,
+        )
+    )
+    rows += [
+        ms("store thread CPU (ms)", threads.get("store")),
+        ms("WAL checkpoint thread CPU (ms)", threads.get("checkpoint")),
+        {
+            "cost": "SQLite write time, wall (ms)",
+            "answer": None
+            if lat["store_write_ms_per_group"] is None
+            else lat["store_write_ms_per_group"] / per_group,
+            "group": lat["store_write_ms_per_group"],
+        },
+        {
+            "cost": "bytes handed to SQLite",
+            "answer": lat["store_bytes_per_answer"],
+            "group": None
+            if lat["store_bytes_per_answer"] is None
+            else lat["store_bytes_per_answer"] * per_group,
+        },
+        {"cost": "copies of each group written", "answer": None, "group": lat["store_copies"]},
+        {
+            "cost": "bytes on the stream (msgpack, with text)",
+            "answer": lat["wire_bytes_per_answer"],
+            "group": lat["wire_bytes_per_answer"] * per_group,
+        },
+        ms("client (SamplerClient: decode, pydantic, acks) CPU (ms)", lat["client_ms_per_answer"]),
+        ms("engine thread CPU, not the front's (ms)", threads.get("engine")),
+    ]
+    math_run = res.get("math")
+    if math_run:
+        rows += [
+            ms(
+                "math-verify: worker processes CPU (ms)", math_run["verifier_workers_ms_per_answer"]
+            ),
+            ms(
+                "math-verify: pool threads in the server CPU (ms)",
+                math_run["threads_ms_per_answer"].get("verifier_threads"),
+            ),
+            ms("event loop CPU with math-verify in the pool (ms)", math_run["loop_ms_per_answer"]),
+        ]
+    parse = (res.get("parse") or {}).get("endpoints", {}).get("generate-tokens")
+    if parse:
+        rows.append(
+            ms("HTTP engine: parsing a vLLM generate response (ms)", parse["ms_per_answer"])
+        )
+    return rows
+
+
+def costs_table(data: dict[str, Any]) -> str:
+    names = list(data["variants"])
+    by_name = {name: cost_rows(data["variants"][name]) for name in names}
+    labels = [r["cost"] for r in by_name[names[-1]]]
+    rows = []
+    for label in labels:
+        row: dict[str, Any] = {"cost": label}
+        for name in names:
+            found = next((r for r in by_name[name] if r["cost"] == label), {})
+            row[f"{name}/answer"] = found.get("answer")
+            row[f"{name}/group"] = found.get("group")
+        rows.append(row)
+    columns = [("cost", "cost")]
+    for name in names:
+        prefix = f"{name}: " if len(names) > 1 else ""
+        columns += [
+            (f"{name}/answer", f"{prefix}per answer"),
+            (f"{name}/group", f"{prefix}per group"),
+        ]
+    return table(rows, columns)
+
+
+def profile_table(data: dict[str, Any], kind: str, top: int = 10) -> str:
+    rows = []
+    for name, res in data["variants"].items():
+        profile = (res.get("profile") or {}).get("profile") or {}
+        for i, r in enumerate(profile.get(kind, [])[:top]):
+            rows.append({"checkout": name, "rank": i + 1, **r})
+    return table(
+        rows,
+        [
+            ("checkout", "checkout"),
+            ("rank", "#"),
+            ("function", "function"),
+            ("share", "share of loop CPU"),
+        ],
+    )
+
+
+def workers_table(data: dict[str, Any]) -> str:
+    rows = [
+        {
+            "checkout": name,
+            **r,
+            "verifier_cpu": r["verifier_workers_ms_per_answer"],
+        }
+        for name, res in data["variants"].items()
+        for r in res.get("workers", [])
+    ]
+    return table(
+        rows,
+        [
+            ("checkout", "checkout"),
+            ("verifier_workers", "verifier workers"),
+            ("rate", "offered answers/s"),
+            ("delivered_answers_per_s", "delivered answers/s"),
+            ("verifier_cpu", "worker CPU ms/answer"),
+            ("loop_ms_per_answer", "loop CPU ms/answer"),
+            ("loop_runqueue_share", "loop waiting for a core"),
+        ],
+    )
+
+
+def parse_table(data: dict[str, Any]) -> str:
+    rows = []
+    for name, res in data["variants"].items():
+        for endpoint, e in (res.get("parse") or {}).get("endpoints", {}).items():
+            rows.append({"checkout": name, "endpoint": endpoint, **e, "kb": e["bytes"] / 1000})
+    return table(
+        rows,
+        [
+            ("checkout", "checkout"),
+            ("endpoint", "response"),
+            ("path", "route"),
+            ("kb", "KB for 4 x 700 tokens"),
+            ("ms_per_answer", "ms/answer (orjson)"),
+            ("ms_per_answer_json", "ms/answer (json)"),
+        ],
+    )
+
+
+def run_line(data: dict[str, Any]) -> str:
+    env, cfg = data["environment"], data["settings"]
+    minutes, seconds = divmod(round(data["wall_s"]), 60)
+    names = ", ".join(f"{n} ({c['git']})" for n, c in data["checkouts"].items())
+    load = ", ".join(f"{x:.1f}" for x in data["load_average_end"])
+    return (
+        f"{'Quick' if cfg['quick'] else 'Full'} run of {names}: {minutes} min {seconds} s, "
+        f"{env['cpus']} CPUs, {env['time']}; windows of {fmt(cfg['measure_s'])} s after "
+        f"{fmt(cfg['warmup_s'])} s (latency: {fmt(cfg['latency_measure_s'])} s); other "
+        f"processes used {data['other_processes_cores']:.2f} cores on average meanwhile; "
+        f"load average at the end (1, 5, 15 min): {load}.\n"
+    )
+
+
+def print_tables(out: dict[str, Any]) -> None:
+    for title, text in (
+        ("offered vs delivered answers/s (exact verifier)", sweep_table(out)),
+        ("cost per answer and per group (at 80% of the knee)", costs_table(out)),
+        ("event-loop profile, self", profile_table(out, "self")),
+        ("event-loop profile, inclusive (project functions)", profile_table(out, "inclusive")),
+        ("verifier workers (math-verify)", workers_table(out)),
+        ("HTTP engine responses", parse_table(out)),
+        ("targets", targets_table(out)),
+    ):
+        print(f"\n== {title} ==\n{text}")
+
+
+if __name__ == "__main__":
+    main()
