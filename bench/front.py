@@ -184,6 +184,8 @@ def _server(spec: dict[str, Any], work: Path) -> Iterator[tuple[str, subprocess.
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
         log.close()
 
 

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from bench import front
 from bench.common import RESULTS, ROOT, fmt, table
 from bench.step_time import COLUMNS, flat_rows
 
@@ -253,7 +254,19 @@ def _scaleout_hop() -> str:
     )
 
 
+def _front(render: Callable[[dict[str, Any]], str]) -> Callable[[], str]:
+    return lambda: render(_load("front"))
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "front.run": _front(front.run_line),
+    "front.targets": _front(front.targets_table),
+    "front.sweep": _front(front.sweep_table),
+    "front.costs": _front(front.costs_table),
+    "front.profile_self": _front(lambda d: front.profile_table(d, "self")),
+    "front.profile_inclusive": _front(lambda d: front.profile_table(d, "inclusive")),
+    "front.workers": _front(front.workers_table),
+    "front.parse": _front(front.parse_table),
     "scaleout.run": _scaleout_run,
     "scaleout.routing": _scaleout_routing,
     "scaleout.kill": _scaleout_kill,

@@ -1,0 +1,165 @@
+"""The front benchmark (bench/front.py, bench/front_service.py): its simulated answers, the
+sums behind its tables and targets, and one short measurement of the real front."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import front
+from bench.front_service import Answers, stamp, stamped_time
+from sampler_service.toy import build_toy
+from sampler_service.verifiers import exact
+from sampler_service.verifiers import math as math_verifier
+
+
+def test_an_answers_stamp_reads_back_as_the_time_it_was_made() -> None:
+    epoch = time.time() - 3600.0
+    before = time.time()
+    ids = stamp(epoch)
+    after = time.time()
+    assert all(0 <= t < 151_000 for t in ids)
+    assert before - 1e-6 <= stamped_time(ids, epoch) <= after + 1e-6
+
+
+def test_simulated_answers_have_their_length_float32_logprobs_and_the_drawn_verdict() -> None:
+    answers = Answers(seed=1, epoch=time.time())
+    rng = np.random.default_rng(0)
+    for length in (2, 700, 4096):
+        ids, logprobs = answers.payload(rng, length)
+        assert len(ids) == len(logprobs) == length
+        assert np.array_equal(np.float32(logprobs), logprobs)
+    right = answers.answer_text(rng, 700, True)
+    wrong = answers.answer_text(rng, 700, False)
+    assert 2000 < len(right) <= 4 * 700
+    assert math_verifier.verify(right, "42") == 1.0
+    assert math_verifier.verify(wrong, "42") == 0.0
+    assert exact.verify(right, "42") == 0.0  # exact wants the bare answer: a long text is wrong
+
+
+def test_the_loop_profile_counts_only_the_event_loop_thread() -> None:
+    raw = "\n".join(
+        [
+            "thread (1): MainThread;<module> (a.py:1);Scheduler._finalize "
+            "(/x/sampler_service/scheduler.py:9);pack_group (/x/trainer_client/wire.py:3) 6",
+            "thread (1): MainThread;<module> (a.py:1);timed (/x/bench/front_service.py:2);"
+            "Outbox.take (/x/sampler_service/outbox.py:5) 2",
+            "thread (1): MainThread;<module> (a.py:1);Runner.run (runners.py:4) 2",
+            "thread (2): store_0;Store.frame (/x/sampler_service/store.py:7) 50",
+        ]
+    )
+    profile = front.loop_profile(raw)
+    assert profile["samples"] == 10
+    assert profile["self"] == [
+        {"function": "pack_group (wire.py)", "share": 0.6},
+        {"function": "Outbox.take (outbox.py)", "share": 0.2},
+        {"function": "Runner.run (runners.py)", "share": 0.2},
+    ]
+    inclusive = {r["function"]: r["share"] for r in profile["inclusive"]}
+    assert inclusive == {
+        "Scheduler._finalize (scheduler.py)": 0.6,
+        "pack_group (wire.py)": 0.6,
+        "Outbox.take (outbox.py)": 0.2,
+    }
+
+
+def _row(rate: float, delivered: float) -> dict:
+    return {"rate": rate, "delivered_answers_per_s": delivered, "loop_utilization": 0.5}
+
+
+def test_the_sweep_stops_once_the_delivered_rate_stops_rising() -> None:
+    rows = [_row(250, 248), _row(500, 495)]
+    assert not front._saturated(rows)  # delivered what was offered
+    rows.append(_row(1000, 700))
+    assert not front._saturated(rows)  # fell short of the offer, but still rose
+    rows.append(_row(2000, 720))
+    assert front._saturated(rows)  # short of the offer and less than 5% above the best
+    assert front._knee(rows) == {"answers_per_s": 720, "offered": 2000, "loop_utilization": 0.5}
+
+
+def _result(loop: float, p99: float, copies: float, wire: float, parse: float) -> dict:
+    return {
+        "latency": {
+            "loop_ms_per_answer_without_verify": loop,
+            "wire_bytes_per_answer": wire,
+            "store_copies": copies,
+            "latency_ms": {"p99": p99},
+            "tokens_per_answer": 700.0,
+        },
+        "parse": {"endpoints": {"generate-tokens": {"ms_per_answer": parse}}},
+    }
+
+
+def test_targets_are_met_at_their_goals_and_missed_above() -> None:
+    met = front.targets(_result(loop=0.2, p99=49.0, copies=1.0, wire=6500.0, parse=0.3))
+    assert {k: t["met"] for k, t in met.items()} == {
+        "loop_ms_per_answer": True,
+        "loop_with_http_parse_ms_per_answer": True,
+        "wire_bytes_per_answer_no_text": True,
+        "stored_once": True,
+        "p99_last_answer_to_delivery_ms": True,
+    }
+    assert met["loop_with_http_parse_ms_per_answer"]["measured"] == pytest.approx(0.5)
+    missed = front.targets(_result(loop=0.21, p99=51.0, copies=2.0, wire=6501.0, parse=0.3))
+    assert not any(t["met"] for t in missed.values())
+    assert all(t["met"] is None for t in front.targets({}).values())
+
+
+def test_two_checkouts_carry_the_first_ones_values_as_before(tmp_path: Path) -> None:
+    results = {
+        "before": _result(loop=0.7, p99=900.0, copies=2.0, wire=8900.0, parse=0.9),
+        "after": _result(loop=0.15, p99=20.0, copies=1.0, wire=6000.0, parse=0.3),
+    }
+    for name, ratio, ms in (("before", 1.0, 2.6), ("after", 0.99, 2.0)):
+        rows = [{"backend": "hf", "ratio": ratio, "service_main_ms_per_group": ms}]
+        (tmp_path / name / "bench" / "results").mkdir(parents=True)
+        (tmp_path / name / "bench" / "results" / "overhead.json").write_text(
+            json.dumps({"results": rows})
+        )
+    checkouts = [front.Checkout(n, tmp_path / n) for n in ("before", "after")]
+    got = front.compare_targets(results, checkouts)
+    assert got["loop_ms_per_answer"]["before"] == 0.7
+    assert got["loop_ms_per_answer"]["measured"] == 0.15
+    assert got["overhead_rows_not_worse"]["met"] is True
+    one = front.compare_targets(results, checkouts[1:])
+    assert one["overhead_rows_not_worse"]["met"] is None  # no baseline to hold it to
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    work = tmp_path_factory.mktemp("front")
+    toy = build_toy(work / "toy", seed=0)
+    data = work / "front.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": front._prompt(i), "answer": "42"}) + "\n"
+            for i in range(64)
+        )
+    )
+    return {"model": str(toy.model_dir), "data": [str(data)], "work_dir": str(work)}
+
+
+def test_a_short_window_of_the_real_front_adds_up(inputs: dict) -> None:
+    spec = {**inputs, "epoch": time.time(), "rate": 200.0, "warmup_s": 1.0, "measure_s": 2.0}
+    r = front.run_worker(spec)
+    assert r["groups"] > 0 and r["answers"] == 4 * r["groups"]
+    assert r["latency_ms"]["count"] == r["groups"]
+    assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["max"] < 60_000
+    assert r["code_root"] == str(front.ROOT)
+    assert r["probes_missing"] == []  # every probe found its function in this checkout
+    tokens = r["tokens_per_answer"]
+    assert 300 < tokens < 1500
+    # token ids and logprobs travel as 4-byte arrays, the text as ~4 characters per token
+    assert 8 * tokens < r["wire_bytes_per_answer"] < 8 * tokens + 4 * tokens + 2000
+    assert r["store_copies"] >= 1.0 and r["store_bytes_per_answer"] >= 8 * tokens
+    assert r["loop_ms_per_answer"] > 0 and r["client_ms_per_answer"] > 0
+
+
+def test_the_worker_runs_in_the_checkout_it_is_started_in(inputs: dict) -> None:
+    checkout = front.Checkout("current", front.ROOT)
+    result = checkout.run({**inputs, "part": "parse", "parse_seconds": 0.05, "parse_tokens": 50})
+    assert set(result["endpoints"]) == {"generate-tokens", "generate-text", "completions"}
