@@ -633,10 +633,10 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
             if v.worktree:
                 _git("worktree", "remove", "--force", str(v.root))
         shutil.rmtree(work, ignore_errors=True)
-    print_tables(out)
     if not args.only:
         path = write_json("front", out)
         print(f"wrote {path.relative_to(ROOT)}; {time.monotonic() - started:.0f}s")
+    print_tables(out)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Scale-out with engine replicas as Ray actors: routing, the Ray hop, and failover time.
+"""Scale-out with engine replicas as Ray actors: routing, the Ray hop, and failover time;
+and several fronts sharing one prompt set and one trainer, in simulation.
 
 Five measurements, each side by side in one run on one local Ray:
 
@@ -21,17 +22,31 @@ Five measurements, each side by side in one run on one local Ray:
    channel (driver CPU per burst), and one wave's latency through the pool, the engine
    process and an empty Ray call.
 
+6. **Several fronts** (no Ray; simulated time, `bench/virtual_clock.py`): S fronts, each
+   the real scheduler on its shard of the prompts (a stable hash of the prompt id modulo
+   S) with its own simulated engine, and one trainer that takes B groups per step, the
+   oldest frames first from whichever front formed them, trains, pushes each version to
+   every front through its weight barrier and acks. With `max_staleness` 1 on every
+   front: the samples' lag when each front frames B groups (as one front does today) or
+   B / S, groups trained per hour, and with one front's engine 3x slower, that front's
+   share of the groups and how often its shard's prompts are visited. Its results go to
+   `bench/results/scaleout_fronts.json` whenever it runs (they do not depend on the
+   machine).
+
     .venv/bin/python -m bench.scaleout --quick     # the default 3 Ray-hop pairs per level
     .venv/bin/python -m bench.scaleout --quick --pairs 5   # 5 Ray-hop pairs per level
     .venv/bin/python -m bench.scaleout --quick --only kill # one part, results not written
+    .venv/bin/python -m bench.scaleout --only fronts       # the fronts simulation (~20 s)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import signal
@@ -44,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import virtual_clock
 from bench.common import ROOT, environment, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
 from sampler_service.backends.base import Backend, Completion, SamplingParams, TensorSpec
@@ -486,7 +502,212 @@ async def call_costs(bursts: int, waves: int) -> dict[str, Any]:
     return result
 
 
-PARTS = ("routing", "affinity", "kill", "hop", "calls")
+# -- several fronts sharing one prompt set and one trainer (simulated time) ------------------
+
+#: Each front's engine in the fronts simulation: a ~1.5B model on one GPU (the step-time
+#: benchmark's decode step), 64 sequences, answers log-normal around 700 tokens.
+FRONT_ENGINE = EngineSpec(
+    max_num_seqs=64,
+    step_base_s=0.012,
+    step_per_seq_s=0.00005,
+    prefill_per_token_s=0.00002,
+    length_median=700.0,
+    length_sigma=0.6,
+)
+FRONT_PROMPTS = 1024
+FRONT_BATCH = 64
+#: Simulated seconds the trainer spends on a step's batch, then weights go to every front.
+FRONT_TRAIN_S = 20.0
+
+
+def shard_of(prompt_id: str, shards: int) -> int:
+    """The front that owns a prompt: a stable hash of its id modulo the number of fronts."""
+    return int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:8], "big") % shards
+
+
+class ShardSink:
+    """One front's frames, READY until the trainer takes them and LEASED until it acks."""
+
+    def __init__(self, arrived: asyncio.Event) -> None:
+        #: (when it formed, its groups), oldest first.
+        self.frames: collections.deque[tuple[float, list[Group]]] = collections.deque()
+        self.leased = 0
+        self._arrived = arrived
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        return None
+
+    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+        if groups:
+            self.frames.append((asyncio.get_running_loop().time(), groups))
+            self._arrived.set()
+
+    def buffered(self) -> int:
+        return sum(len(f) for _, f in self.frames) + self.leased
+
+
+@dataclasses.dataclass
+class SimFront:
+    scheduler: Scheduler
+    engine: SimBackend
+    sink: ShardSink
+    prompts: int
+
+
+async def _push(front: SimFront, version: int) -> None:
+    """A weight update through the front's own barrier (the simulated engine loads nothing)."""
+    async with front.scheduler.paused_for_weights():
+        await front.engine.load_weights({}, version)
+
+
+async def _merging_trainer(
+    fronts: list[SimFront], arrived: asyncio.Event, steps: int, warmup: int
+) -> dict[str, Any]:
+    """Takes B groups per step, the oldest frames first whichever front formed them, trains,
+    pushes the next version to every front, then acks what it took."""
+    loop = asyncio.get_running_loop()
+    version = 0
+    lags: collections.Counter[int] = collections.Counter()
+    per_front = [0] * len(fronts)
+    domains: collections.Counter[str] = collections.Counter()
+    started = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            started = loop.time()
+        taken: list[tuple[SimFront, list[Group]]] = []
+        while sum(len(frame) for _, frame in taken) < FRONT_BATCH:
+            ready = [f for f in fronts if f.sink.frames]
+            if not ready:
+                arrived.clear()
+                await arrived.wait()
+                continue
+            front = min(ready, key=lambda f: f.sink.frames[0][0])
+            _, frame = front.sink.frames.popleft()
+            front.sink.leased += len(frame)
+            taken.append((front, frame))
+        if step >= warmup:
+            for front, frame in taken:
+                per_front[fronts.index(front)] += len(frame)
+                domains.update(g.domain for g in frame)
+                lags.update(version - s.policy_version for g in frame for s in g.samples)
+        await asyncio.sleep(FRONT_TRAIN_S)
+        version += 1
+        await asyncio.gather(*(_push(f, version) for f in fronts))
+        for front, frame in taken:
+            front.sink.leased -= len(frame)
+            front.scheduler.poke()
+    seconds = loop.time() - started
+    samples = sum(lags.values())
+    trained = sum(per_front)
+    visits = [
+        n / max(1, f.prompts) / seconds * 3600 for n, f in zip(per_front, fronts, strict=True)
+    ]
+    return {
+        "groups_per_hour": 3600 * trained / seconds,
+        "mean_lag": sum(k * v for k, v in lags.items()) / samples,
+        "max_lag": max(lags),
+        "beyond_bound_share": sum(v for k, v in lags.items() if k > 1) / samples,
+        "front_shares": [n / trained for n in per_front],
+        "front0_share": per_front[0] / trained,
+        "domain_shares": {d: n / trained for d, n in sorted(domains.items())},
+        # Groups per prompt per hour, least-visited shard over most-visited one.
+        "visit_ratio": min(visits) / max(visits),
+    }
+
+
+async def simulate_fronts(
+    work: Path, fronts: int, batch_groups: int, slowed: float, steps: int, warmup: int
+) -> dict[str, Any]:
+    """S fronts, each a real scheduler on its shard with its own engine, one trainer."""
+    rng = np.random.default_rng(0)
+    rates = rng.uniform(0.1, 0.9, FRONT_PROMPTS)
+    ids = [f"p{i}" for i in range(FRONT_PROMPTS)]
+    arrived = asyncio.Event()
+    out: list[SimFront] = []
+    for i in range(fronts):
+        shard = work / f"fronts-{fronts}-{batch_groups}-{slowed}" / f"front-{i}"
+        shard.mkdir(parents=True, exist_ok=True)
+        mine = [pid for pid in ids if shard_of(pid, fronts) == i]
+        for domain, parity in (("a", 0), ("b", 1)):
+            (shard / f"{domain}.jsonl").write_text(
+                "".join(
+                    json.dumps({"id": pid, "prompt": pid, "answer": ""}) + "\n"
+                    for pid in mine
+                    if int(pid[1:]) % 2 == parity
+                )
+            )
+
+        def tokenize(row: PromptRow) -> None:  # the simulated engine reads the prompt index
+            row.text = str(row.prompt)
+            row.token_ids = [int(row.id[1:])] + [0] * 149
+
+        dataset = Dataset(sorted(shard.glob("*.jsonl")), tokenize, seed=i)
+        spec = FRONT_ENGINE
+        if i == 0 and slowed > 1:
+            spec = dataclasses.replace(spec, step_base_s=spec.step_base_s * slowed)
+        engine = SimBackend(rates.tolist(), spec, seed=i)
+        sink = ShardSink(arrived)
+        cfg = SamplerConfig(
+            rule="fixed",
+            n_max=4,
+            wave_size=4,
+            group_size=4,
+            advantage="grpo",
+            downsample="none",
+            max_tokens=4096,
+            max_staleness=1,
+            batch_groups=batch_groups,
+            max_active_prompts=32,
+        )
+        scheduler = Scheduler(
+            backend=engine,
+            dataset=dataset,
+            verify=verify_reward_text,
+            sink=sink,
+            config=cfg,
+            clock=asyncio.get_running_loop().time,
+            seed=i,
+        )
+        out.append(SimFront(scheduler, engine, sink, len(mine)))
+    for front in out:
+        await front.engine.start()
+        front.scheduler.start()
+    try:
+        async with asyncio.timeout(1e7):  # simulated seconds: a stuck simulation fails loudly
+            result = await _merging_trainer(out, arrived, steps, warmup)
+    finally:
+        for front in out:
+            await front.scheduler.stop(drain_timeout_s=1.0)
+            await front.engine.close()
+    return {"fronts": fronts, "batch_groups": batch_groups, "slowed": slowed, **result}
+
+
+#: (fronts, batch_groups per front, first front's engine slowed by) of the fronts part.
+FRONT_CASES = [
+    (1, FRONT_BATCH, 1.0),
+    (2, FRONT_BATCH, 1.0),
+    (2, FRONT_BATCH // 2, 1.0),
+    (4, FRONT_BATCH, 1.0),
+    (4, FRONT_BATCH // 4, 1.0),
+    (4, FRONT_BATCH, 3.0),
+    (4, FRONT_BATCH // 4, 3.0),
+]
+
+
+def fronts_part(steps: int, warmup: int) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fronts, batch_groups, slowed in FRONT_CASES:
+            row = virtual_clock.run(
+                simulate_fronts(Path(tmp), fronts, batch_groups, slowed, steps, warmup)
+            )
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+PARTS = ("routing", "affinity", "kill", "hop", "calls", "fronts")
+RAY_PARTS = {"routing", "affinity", "kill", "hop", "calls"}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -509,6 +730,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parts = set(args.only or PARTS)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    scale: list[dict] = []
+    kill: dict[str, Any] = {}
+    hop: list[dict[str, Any]] = []
+    slowed: dict[str, Any] = {}
+    calls: dict[str, Any] = {}
+    started = time.monotonic()
+    if "fronts" in parts:  # simulated time: the same figures on any machine, written apart
+        steps, warmup = (8, 2) if args.quick else (20, 3)
+        fronts = fronts_part(steps, warmup)
+        write_json("scaleout_fronts", {"steps": steps, "warmup": warmup, "cases": fronts})
+        print(table(fronts, FRONT_COLUMNS))
+    if not parts & RAY_PARTS:
+        return {"fronts": fronts}
     import ray
 
     ray.init(
@@ -519,12 +753,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         configure_logging=False,
         log_to_driver=False,
     )
-    scale: list[dict] = []
-    kill: dict[str, Any] = {}
-    hop: list[dict[str, Any]] = []
-    slowed: dict[str, Any] = {}
-    calls: dict[str, Any] = {}
-    started = time.monotonic()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
@@ -551,7 +779,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ray_hop": hop,
         "calls": calls,
     }
-    if parts == set(PARTS):
+    if parts >= RAY_PARTS:
         path = write_json("scaleout", result)
         print(f"wrote {path.relative_to(ROOT)}; {environment()['cpus']} CPUs")
     print(
@@ -568,6 +796,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(json.dumps({"kill": kill, "ray_hop": hop}, indent=1))
     return result
+
+
+FRONT_COLUMNS = [
+    ("fronts", "fronts"),
+    ("batch_groups", "batch_groups per front"),
+    ("slowed", "front 0 slowed"),
+    ("groups_per_hour", "groups trained/hour"),
+    ("mean_lag", "mean lag (versions)"),
+    ("max_lag", "max lag"),
+    ("beyond_bound_share", "samples beyond max_staleness 1"),
+    ("front0_share", "front 0's share of the groups"),
+    ("visit_ratio", "visits/prompt, least/most visited shard"),
+]
 
 
 if __name__ == "__main__":
