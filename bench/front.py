@@ -505,45 +505,18 @@ def _knee(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _other_load(procs_before: dict[int, float], own: set[int], seconds: float) -> float:
-    """Cores used on average by processes outside this benchmark while it ran."""
-    after = _all_cpu()
-    used = sum(
-        cpu - procs_before.get(pid, 0.0)
-        for pid, cpu in after.items()
-        if pid not in own and pid in procs_before
-    )
-    return used / seconds
+def _machine_busy_s() -> float:
+    """CPU seconds all cores have been busy since boot (/proc/stat), whoever ran."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _all_cpu() -> dict[int, float]:
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def _descendants(pid: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                parents[int(entry)] = int(fields[1])
-    out, frontier = {pid}, [pid]
-    while frontier:
-        p = frontier.pop()
-        for child, parent in parents.items():
-            if parent == p and child not in out:
-                out.add(child)
-                frontier.append(child)
-    return out
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and every descendant it has waited for (workers, their
+    servers and verifier processes)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -596,7 +569,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     cfg = settings(args)
     parts = set(args.only or PARTS)
     started = time.monotonic()
-    others_before = _all_cpu()
+    busy_before, own_before = _machine_busy_s(), _own_cpu_s()
     work = Path(tempfile.mkdtemp(prefix="bench-front-"))
     variants = checkouts(args.checkout, work)
     try:
@@ -617,13 +590,13 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
             "measure_s": cfg["measure_s"],
         }
         results = run_parts(variants, parts, base, cfg)
-        own = _descendants(os.getpid())
+        others = (_machine_busy_s() - busy_before) - (_own_cpu_s() - own_before)
         out = {
             "settings": cfg,
             "wall_s": time.monotonic() - started,
             "load_average_end": list(os.getloadavg()),
             # Cores that processes outside this benchmark used meanwhile, on average.
-            "other_processes_cores": _other_load(others_before, own, time.monotonic() - started),
+            "other_processes_cores": max(0.0, others) / (time.monotonic() - started),
             "checkouts": {v.name: {"git": _rev(v.root)} for v in variants},
             "variants": results,
             "targets": compare_targets(results, variants),

@@ -254,6 +254,12 @@ def _scaleout_hop() -> str:
     )
 
 
+def _scaleout_fronts() -> str:
+    from bench.scaleout import FRONT_COLUMNS
+
+    return table(_load("scaleout_fronts")["cases"], FRONT_COLUMNS)
+
+
 def _front(render: Callable[[dict[str, Any]], str]) -> Callable[[], str]:
     return lambda: render(_load("front"))
 
@@ -272,6 +278,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "scaleout.kill": _scaleout_kill,
     "scaleout.hop": _scaleout_hop,
     "scaleout.affinity": _scaleout_affinity,
+    "scaleout.fronts": _scaleout_fronts,
     "learning.summary": _learning_summary,
     "learning.paired": _learning_paired,
     "step_time.settings": _step_settings,
