@@ -89,8 +89,7 @@ SPEC_DEFAULTS: dict[str, Any] = {
     "profile_rate": 200,
     "seed": 0,
 }
-#: Answers of the HTTP-engine responses parsed per answer's cost: 4 x 700 tokens.
-TARGET_TOKENS = 700.0
+#: The latency row runs at this share of the knee (the front is not saturated there).
 LATENCY_AT = 0.8
 
 
@@ -374,15 +373,42 @@ def _load_result(
     }
 
 
-def loop_profile(raw: str, top: int = 15) -> dict[str, Any]:
+#: Where on a group's path an event-loop sample is: the first stage one of whose markers
+#: is on the sample's stack (a function name, a file); samples matching none are the
+#: event loop's own work (callbacks, task switches, epoll) and anything else.
+STAGES: list[tuple[str, tuple[str, ...]]] = [
+    ("encoding groups for the store (wire.pack_group)", ("pack_group (",)),
+    ("building groups (grouping.build_group)", ("build_group (",)),
+    ("frame policies (grouping.apply_batch_policies)", ("apply_batch_policies (",)),
+    ("verification (inline) and the pool's bookkeeping", ("VerifierPool.verify (",)),
+    ("the stream: framing and socket writes", ("SamplerService._stream (", "Cycle.send (")),
+    ("acks", ("SamplerService.ack (",)),
+    ("hand-offs to the store thread", ("AsyncStore.call (",)),
+    ("the engine's results (futures from its thread)", ("EngineThread.", "futures.py")),
+    ("the rest of the scheduler (admission, waves, bookkeeping)", ("scheduler.py",)),
+    ("HTTP requests (parsing, routing)", ("httptools_impl.py", "starlette/", "fastapi/")),
+]
+OTHER_STAGE = "the event loop itself and the rest"
+
+
+def _stage(frames: list[str]) -> str:
+    for stage, markers in STAGES:
+        if any(marker in frame for frame in frames for marker in markers):
+            return stage
+    return OTHER_STAGE
+
+
+def loop_profile(raw: str, top: int = 20) -> dict[str, Any]:
     """The event-loop thread's py-spy samples (raw format, `--threads`) by function.
 
     py-spy drops samples of idle threads, so sample counts are CPU shares. `self` is where
     a sample's Python stack ends (C code it calls counts there); `inclusive` counts each
-    function of this project once per sample it is on, wrappers of the benchmark left out.
+    function of this project once per sample it is on, wrappers of the benchmark left
+    out; `stages` puts each sample on the first stage of `STAGES` its stack is in.
     """
     own: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
+    stages: Counter[str] = Counter()
     total = 0
     for line in raw.splitlines():
         stack, _, count_text = line.rpartition(" ")
@@ -394,12 +420,14 @@ def loop_profile(raw: str, top: int = 15) -> dict[str, Any]:
             continue
         total += count
         own[_frame_name(frames[-1])] += count
+        stages[_stage(frames)] += count
         for name in {_frame_name(f) for f in frames if _is_project(f)}:
             inclusive[name] += count
     return {
         "samples": total,
         "self": [{"function": f, "share": c / total} for f, c in own.most_common(top)],
         "inclusive": [{"function": f, "share": c / total} for f, c in inclusive.most_common(top)],
+        "stages": [{"stage": st, "share": c / total} for st, c in stages.most_common()],
     }
 
 
@@ -416,12 +444,11 @@ def _is_project(frame: str) -> bool:
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     spec = {**SPEC_DEFAULTS, **spec}
-    work = Path(tempfile.mkdtemp(prefix="front-", dir=spec["work_dir"]))
     if spec["part"] == "parse":
         from bench.engine_responses import measure_parsing
 
         return measure_parsing(spec)
-    return measure_load(spec, work)
+    return measure_load(spec, Path(tempfile.mkdtemp(prefix="front-", dir=spec["work_dir"])))
 
 
 # -- the orchestrator: checkouts, parts, targets -------------------------------------------------
@@ -964,6 +991,17 @@ def profile_table(data: dict[str, Any], kind: str, top: int = 10) -> str:
     )
 
 
+def stages_table(data: dict[str, Any]) -> str:
+    rows = [
+        {"checkout": name, **r}
+        for name, res in data["variants"].items()
+        for r in ((res.get("profile") or {}).get("profile") or {}).get("stages", [])
+    ]
+    return table(
+        rows, [("checkout", "checkout"), ("stage", "stage"), ("share", "share of loop CPU")]
+    )
+
+
 def workers_table(data: dict[str, Any]) -> str:
     rows = [
         {
@@ -1024,6 +1062,7 @@ def print_tables(out: dict[str, Any]) -> None:
     for title, text in (
         ("offered vs delivered answers/s (exact verifier)", sweep_table(out)),
         ("cost per answer and per group (at 80% of the knee)", costs_table(out)),
+        ("event-loop profile, by stage", stages_table(out)),
         ("event-loop profile, self", profile_table(out, "self")),
         ("event-loop profile, inclusive (project functions)", profile_table(out, "inclusive")),
         ("verifier workers (math-verify)", workers_table(out)),

@@ -59,6 +59,11 @@ def test_the_loop_profile_counts_only_the_event_loop_thread() -> None:
         {"function": "Outbox.take (outbox.py)", "share": 0.2},
         {"function": "Runner.run (runners.py)", "share": 0.2},
     ]
+    # pack_group is under the scheduler's finalizer: the first stage that matches counts
+    assert profile["stages"] == [
+        {"stage": "encoding groups for the store (wire.pack_group)", "share": 0.6},
+        {"stage": front.OTHER_STAGE, "share": 0.4},
+    ]
     inclusive = {r["function"]: r["share"] for r in profile["inclusive"]}
     assert inclusive == {
         "Scheduler._finalize (scheduler.py)": 0.6,
