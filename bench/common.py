@@ -130,3 +130,22 @@ def thread_cpu_s(pid: int, tid: int | None = None) -> float:
     """CPU seconds of one thread (default: the process's main thread, whose id is the pid)."""
     fields = Path(f"/proc/{pid}/task/{tid or pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serve_app(app: Any) -> None:
+    """Run a bench server's ASGI app on a free loopback port, as `serve` runs the sampler's,
+    and print `listening on URL` once it listens (the line the starting process waits for)."""
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    )
+    original_startup = server.startup
+
+    async def startup(sockets: Any = None) -> None:
+        await original_startup(sockets=sockets)
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        print(f"listening on http://{host}:{port}", flush=True)
+
+    server.startup = startup  # type: ignore[method-assign]
+    server.run()

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import tree_cpu_s
+from bench.common import serve_app, tree_cpu_s
 from bench.sim_backend import EngineSpec, SimBackend
 from sampler_service.backends.base import (
     Backend,
@@ -322,7 +322,6 @@ def thread_cpu() -> dict[str, float]:
 
 
 def serve(spec: dict[str, Any]) -> None:
-    import uvicorn
     from fastapi.responses import Response
 
     from sampler_service.app import create_app
@@ -392,18 +391,7 @@ def serve(spec: dict[str, Any]) -> None:
         }
         return Response(json.dumps(body), media_type="application/json")
 
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    )
-    original_startup = server.startup
-
-    async def startup(sockets: Any = None) -> None:
-        await original_startup(sockets=sockets)
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
-        print(f"listening on http://{host}:{port}", flush=True)
-
-    server.startup = startup  # type: ignore[method-assign]
-    server.run()
+    serve_app(app)
 
 
 if __name__ == "__main__":

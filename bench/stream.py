@@ -54,7 +54,7 @@ import orjson
 from fastapi import Request  # module level: FastAPI resolves route annotations from globals
 from fastapi.responses import Response
 
-from bench.common import ROOT, percentile, table, tree_cpu_s, write_json
+from bench.common import ROOT, percentile, serve_app, table, tree_cpu_s, write_json
 from trainer_client import wire
 from trainer_client.client import SamplerClient
 from trainer_client.protocol import MSGPACK_MEDIA_TYPE
@@ -110,8 +110,6 @@ def _synthetic_group(
 
 def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -> None:
     """Run the service with an idle engine plus the bench routes; prints where it listens."""
-    import uvicorn
-
     from sampler_service.app import create_app
     from sampler_service.backends.base import Backend, Completion, SamplingParams
     from sampler_service.config import SamplerConfig, ServeSettings
@@ -204,18 +202,7 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
             media_type="application/json",
         )
 
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    )
-    original_startup = server.startup
-
-    async def startup(sockets: Any = None) -> None:
-        await original_startup(sockets=sockets)
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
-        print(f"listening on http://{host}:{port}", flush=True)
-
-    server.startup = startup  # type: ignore[method-assign]
-    server.run()
+    serve_app(app)
 
 
 # -- the client side ------------------------------------------------------------------------------------
