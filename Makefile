@@ -18,20 +18,22 @@ export DO_NOT_TRACK := 1
 # Suites: make/*.mk add their own environments and append their test targets here, and
 # their pytest marker to SUITE_MARKERS so that test-core leaves their tests out.
 SUITES := test-core
-SUITE_MARKERS := vllm verl gpu ray browser api deploy gpu_bundle
+SUITE_MARKERS := vllm verl gpu ray browser api deploy gpu_bundle install
 empty :=
 space := $(empty) $(empty)
 CORE_EXPR = not $(subst $(space), and not ,$(strip $(SUITE_MARKERS)))
 LINT_PATHS := strategies sampler_service trainer_client tests bench
 
-.PHONY: venv test test-core lint format demo clean
+.PHONY: venv test test-core test-unit lint format demo clean
 
 venv: $(STAMP)
 
+# Every part of the project and what its suites need: the sampler, the reference
+# trainer, the ops CLI's tables, Ray and the test tools.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(if $(HAS_GPU),,$(BIN)/pip install --progress-bar off $(CPU_TORCH))
-	$(BIN)/pip install --progress-bar off -e '.[dev,ray]'
+	$(BIN)/pip install --progress-bar off -e '.[dev,server,trainer,ops,ray]'
 	touch $@
 
 include $(wildcard make/*.mk)
@@ -50,6 +52,11 @@ test:
 
 test-core: venv
 	$(BIN)/python -m pytest tests -m "$(CORE_EXPR)" -q
+
+# The pure suite (no server, no engine): a quick check while editing. It is
+# part of test-core too, so `make test` does not list it apart.
+test-unit: venv
+	$(BIN)/python -m pytest tests/unit -q
 
 lint: venv
 	$(BIN)/ruff check $(LINT_PATHS)

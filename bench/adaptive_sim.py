@@ -39,7 +39,7 @@ from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.scheduler import MemorySink, Scheduler
-from trainer_client.protocol import Group
+from trainer_client.contract.protocol import Group
 
 #: Difficulty mixes: (share of prompts, (low, high] pass-rate interval).
 MIXES: dict[str, list[tuple[float, tuple[float, float]]]] = {
@@ -282,6 +282,7 @@ async def simulate(
             "max_active_prompts": batch,
             "max_buffered_groups": 8 * batch,
             "max_tokens": 4096,
+            "max_staleness": None,  # frames are consumed as they form: nothing to bound
             **method.config,
         }
     )

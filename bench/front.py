@@ -590,8 +590,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return orchestrate(args)
 
 
+def widen_context(model_dir: Path, tokens: int = 1 << 16) -> Path:
+    """The toy model's directory with a context that holds real answer lengths.
+
+    The simulated engine never runs the model; the front uses its tokenizer and holds
+    every request to the context its config states (64 tokens for the toy), which 700-token
+    answers would exceed at start-up.
+    """
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = tokens
+    config_path.write_text(json.dumps(config))
+    return model_dir
+
+
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
-    from sampler_service.toy import build_toy
+    from trainer_client.toy import build_toy
 
     cfg = settings(args)
     parts = set(args.only or PARTS)
@@ -609,7 +623,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
             )
         )
         base = {
-            "model": str(toy.model_dir),
+            "model": str(widen_context(toy.model_dir)),
             "data": [str(data)],
             "work_dir": str(work),
             "epoch": time.time(),

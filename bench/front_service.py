@@ -363,6 +363,7 @@ def serve(spec: dict[str, Any]) -> None:
         # are taken at once while their siblings decode.
         max_active_prompts=int(spec["max_active_prompts"]),
         batch_groups=1,
+        max_staleness=None,  # the offered load is the bound: no trainer pushes weights
     )
     service = SamplerService(settings, initial_config=config, backend=backend)
     app = create_app(service)

@@ -140,10 +140,10 @@ def run_one(
     (`on_checkpoint()` is called after each, for a progress bar)."""
     import torch
 
-    from sampler_service.toy import build_toy
     from trainer_client.evaluate import greedy_accuracy_of, pass_rates_of, read_rows
     from trainer_client.grpo import GRPOTrainer, TrainConfig
     from trainer_client.launch import SamplerProcess
+    from trainer_client.toy import build_toy
 
     toy = build_toy(work / f"toy-{method}-{seed}", seed=seed, n_train=n_train, n_eval=eval_n)
     data_files = [f for f in toy.data_files if domains is None or f.stem in domains]

@@ -186,6 +186,7 @@ def run_service(spec: dict[str, Any], work: Path, hf_engine: str = "process") ->
         "max_active_prompts": spec["concurrency"],
         "max_buffered_groups": 4 * spec["concurrency"],
         "batch_groups": 1,
+        "max_staleness": None,  # no trainer: the same concurrency raw and through the service
     }
     state = work / f"state-{spec['backend']}-{time.monotonic_ns()}"
     proc = SamplerProcess(
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("RESULT " + json.dumps(result), flush=True)
         return result
 
-    from sampler_service.toy import build_toy
+    from trainer_client.toy import build_toy
 
     if args.max_tokens is None:
         args.max_tokens = 48 if args.answers == "long" else 16

@@ -67,7 +67,7 @@ from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.scheduler import Scheduler
 from sampler_service.verifiers.base import Verdict
-from trainer_client.protocol import Group
+from trainer_client.contract.protocol import Group
 
 #: A replica of the simulated engine: 64 sequences, 50 ms per decode step, short answers
 #: (~16 tokens): about 80 answers/s each, so 8 replicas stay within what one front core
@@ -212,6 +212,7 @@ def _sim_config(replicas: int) -> SamplerConfig:
         max_tokens=64,
         max_active_prompts=16 * replicas,
         max_buffered_groups=100_000,
+        max_staleness=None,  # no trainer: engine throughput alone
     )
 
 
@@ -371,7 +372,7 @@ async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> list[dict[st
 
     from sampler_service.backends.engine_process import EngineProcess
     from sampler_service.backends.hf import HFBackend
-    from sampler_service.toy import build_toy
+    from trainer_client.toy import build_toy
 
     toy = build_toy(Path(tempfile.mkdtemp(prefix="scaleout-toy-")), seed=0)
     tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
@@ -397,6 +398,7 @@ async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> list[dict[st
                 max_tokens=8,
                 max_active_prompts=level,
                 max_buffered_groups=100_000,
+                max_staleness=None,
             )
             for kind in ("pool", "process") if i % 2 == 0 else ("process", "pool"):
                 dataset = Dataset(toy.data_files, tokenize, seed=i)
@@ -449,7 +451,7 @@ async def call_costs(bursts: int, waves: int) -> dict[str, Any]:
     """
     from sampler_service.backends.engine_process import EngineProcess
     from sampler_service.backends.hf import HFBackend
-    from sampler_service.toy import build_toy
+    from trainer_client.toy import build_toy
 
     toy = build_toy(Path(tempfile.mkdtemp(prefix="scaleout-toy-")), seed=0)
     factory = functools.partial(HFBackend, toy.model_dir, max_batch_wait_s=0.0)

@@ -27,10 +27,17 @@ from typing import Any
 import httpx
 
 from bench.common import table, write_json
-from trainer_client.client import SamplerClient, SamplerError
+from trainer_client.client import SamplerClient
+from trainer_client.exceptions import SamplerError
 from trainer_client.launch import SamplerProcess
 
-CONFIG = {"max_tokens": 8, "max_active_prompts": 16, "max_buffered_groups": 64}
+# Consumers ack without training or pushing weights: nothing to bound.
+CONFIG = {
+    "max_tokens": 8,
+    "max_active_prompts": 16,
+    "max_buffered_groups": 64,
+    "max_staleness": None,
+}
 PATCHES = [
     {"temperature": 0.9},
     {"max_active_prompts": 24},
@@ -142,7 +149,7 @@ def _weights(model_dir: Path, step: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from sampler_service.toy import build_toy
+    from trainer_client.toy import build_toy
 
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     toy = build_toy(work / "toy", seed=0)

@@ -72,7 +72,7 @@ from bench.common import table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.scheduler import Scheduler
-from trainer_client.protocol import Group
+from trainer_client.contract.protocol import Group
 
 ENGINE = EngineSpec(
     max_num_seqs=256,
@@ -185,6 +185,7 @@ def pipeline_config(row: Row, pipeline: str, batch: int) -> dict[str, Any]:
             "cohort_size": batch,
             "max_active_prompts": batch,
             "max_buffered_groups": batch,
+            "max_staleness": None,  # rounds: the cohort is the bound
         }
     staleness = {"on_policy": 0, "off_policy": 1}[pipeline]
     return {

@@ -21,7 +21,7 @@ Readers (the same groups, the same server):
 - `json`: `/v1/groups/stream` without an Accept header: NDJSON, converted from the stored
   msgpack per send; this process splits lines and decodes them with orjson;
 - `msgpack`: the same route with `Accept: application/x-msgpack`: the stored bytes with
-  the delivery id spliced in; decoded with `trainer_client.wire.stream_decoder`;
+  the delivery id spliced in; decoded with `trainer_client.contract.wire.stream_decoder`;
 - `client json` / `client msgpack`: `trainer_client.SamplerClient.groups()` with
   `encoding="json"` / its default `"msgpack"`, i.e. pydantic `Group`s, what a trainer gets.
 
@@ -55,9 +55,9 @@ from fastapi import Request  # module level: FastAPI resolves route annotations 
 from fastapi.responses import Response
 
 from bench.common import ROOT, percentile, serve_app, table, tree_cpu_s, write_json
-from trainer_client import wire
 from trainer_client.client import SamplerClient
-from trainer_client.protocol import MSGPACK_MEDIA_TYPE
+from trainer_client.contract import wire
+from trainer_client.contract.protocol import MSGPACK_MEDIA_TYPE
 
 # -- the server side (a separate process) -------------------------------------------------------
 
@@ -65,7 +65,7 @@ from trainer_client.protocol import MSGPACK_MEDIA_TYPE
 def _synthetic_group(
     rng: np.random.Generator, answers: int, tokens: int, pool: list[tuple[list[int], list[float]]]
 ) -> Any:
-    from trainer_client.protocol import Group, GroupStats, Sample
+    from trainer_client.contract.protocol import Group, GroupStats, Sample
 
     samples = []
     for i in range(answers):
@@ -145,7 +145,9 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
         heartbeat_s=1.0,
         store_checkpoint_s=checkpoint_s,
     )
-    config = SamplerConfig(max_active_prompts=1, max_buffered_groups=100_000, batch_groups=1)
+    config = SamplerConfig(
+        max_active_prompts=1, max_buffered_groups=100_000, batch_groups=1, max_staleness=None
+    )
     service = SamplerService(settings, initial_config=config, backend=IdleBackend())
     app = create_app(service)
     rng = np.random.default_rng(0)
@@ -210,7 +212,7 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
 
 class Server:
     def __init__(self, work: Path, checkpoint_s: float = 0.5) -> None:
-        from sampler_service.toy import build_toy
+        from trainer_client.toy import build_toy
 
         toy = build_toy(work / "toy", seed=0)
         self.log = (work / f"server-{checkpoint_s}.log").open("w")

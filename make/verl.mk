@@ -3,8 +3,9 @@
 # On CPU-only machines the CPU torch build is installed first so resolving verl's torch
 # requirement keeps it (pip finds the local torch==2.13.0+cpu wheel); GPU hosts let verl
 # bring its CUDA torch. verl[verl-core]==0.9.1 pins transformers>=5.5.3,<5.11, which the
-# project's range admits. The project is then installed on top with verl's torch,
-# transformers and verl held by a constraints file (the same trick as make/vllm.mk), and
+# project's range admits. The project is then installed on top (with the [server] extra:
+# the suite starts toy samplers) with verl's torch, transformers and verl held by a
+# constraints file (the same trick as make/vllm.mk), and
 # the last step fails the build if torch is not the CPU build there. Rebuilt when
 # pyproject.toml or this file changes; a no-op otherwise.
 VERL_VENV := .venv-verl
@@ -24,7 +25,7 @@ $(VERL_STAMP): pyproject.toml make/verl.mk
 	$(if $(HAS_GPU),,$(VERL_BIN)/pip install --progress-bar off $(CPU_TORCH))
 	$(VERL_BIN)/pip install --progress-bar off '$(VERL_PKG)'
 	$(VERL_BIN)/pip freeze | grep -iE '^(torch|transformers|verl|ray|numpy)==' > $(VERL_VENV)/held.txt
-	$(VERL_BIN)/pip install --progress-bar off -c $(VERL_VENV)/held.txt -e '.[dev]'
+	$(VERL_BIN)/pip install --progress-bar off -c $(VERL_VENV)/held.txt -e '.[dev,server]'
 	$(VERL_BIN)/python -c "import sys, torch, transformers, verl; \
 	  print('torch', torch.__version__, 'transformers', transformers.__version__, 'verl', verl.__version__); \
 	  sys.exit(0 if $(VERL_TORCH_CHECK) else 'torch is not the CPU build: ' + torch.__version__)"

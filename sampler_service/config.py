@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -26,8 +27,9 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from strategies import admission, mixing, reweighting, selection, stopping
-from strategies.estimator import MAX_ANSWERS, Estimator, EstKnobs
-from strategies.registry import PolicyError
+from strategies.estimator import Estimator, EstKnobs
+from strategies.registry import Policy, PolicyError
+from trainer_client.contract.dtypes import ServingDType
 
 
 class ConfigError(ValueError):
@@ -111,12 +113,12 @@ class SamplerConfig(_Live):
     mode: Literal["continuous", "rounds"] = "continuous"
     cohort_size: int = Field(64, ge=1, le=MAX_PROMPTS)
     rule: Literal["fixed", "positive", "balanced", "est"] = "balanced"
-    k_pos: int = Field(2, ge=0, le=MAX_ANSWERS)
-    k_neg: int = Field(2, ge=0, le=MAX_ANSWERS)
-    n_max: int = Field(32, ge=1, le=MAX_ANSWERS)
-    wave: Literal["fixed", "adaptive"] = "fixed"
-    wave_size: int = Field(8, ge=1, le=MAX_ANSWERS)
-    group_size: int = Field(4, ge=0, le=MAX_ANSWERS, description="0 keeps every sample")
+    k_pos: stopping.KPos = 2
+    k_neg: stopping.KNeg = 2
+    n_max: stopping.NMax = 32
+    wave: stopping.Wave = "fixed"
+    wave_size: stopping.WaveSize = 8
+    group_size: stopping.GroupSize = 4
     positive_threshold: float = Field(0.5, ge=-1e9, le=1e9)
     downsample: Literal["balanced", "max_variance", "none"] = "balanced"
     advantage: Literal["grpo", "global", "est"] = "global"
@@ -126,7 +128,11 @@ class SamplerConfig(_Live):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1, le=10_000_000)
     max_tokens: int = Field(
-        1024, ge=1, le=10_000_000, description="at most the model's context length"
+        1024,
+        ge=1,
+        le=10_000_000,
+        description="at most the model's context length; unless set, at most what the "
+        "context leaves after the longest prompt",
     )
     group_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
     # Applied to every prompt about to be admitted (e.g. history_skip).
@@ -138,7 +144,16 @@ class SamplerConfig(_Live):
     mixing: MixingSpec = Field(default_factory=MixingSpec)
     max_active_prompts: int = Field(64, ge=1, le=MAX_PROMPTS)
     max_buffered_groups: int = Field(256, ge=1, le=1_000_000)
-    max_staleness: int | None = Field(None, ge=0, le=1_000_000)
+    max_staleness: int | None = Field(
+        1,
+        ge=0,
+        le=1_000_000,
+        description="policy versions a delivered group may lag the served weights: admission "
+        "keeps at most (s + 1) training steps of groups ahead of the trainer (a step is the "
+        "consumers' declared groups_per_step, at least batch_groups), and READY frames that "
+        "fall further behind at a weight update are dropped (`stale`) and their prompts "
+        "served again; null: no bound",
+    )
     lease_ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
     weight_update_mode: Literal["wait", "abort"] = "wait"
     weight_drain_timeout_s: float = Field(
@@ -232,6 +247,7 @@ def _policy_field(where: str, field: str | None) -> str:
 
 def _build_policy(spec: PolicySpec, scope: str, where: str) -> Any:
     """Build one policy to validate it; errors name `where.params.<param>`."""
+    policy: Policy
     try:
         if scope == "group" or spec.name in selection.SELECTIONS.names():
             policy = selection.build(spec.name, **spec.params)
@@ -383,14 +399,32 @@ class ServeSettings(_Strict):
         "spin against the verifier and HTTP work on few cores; 0 leaves torch's default)",
     )
     device: str = Field("cpu", description="torch device for the hf backend")
-    dtype: str = Field("float32", description="engine dtype (float32, bfloat16, float16)")
+    dtype: ServingDType = Field("float32", description="engine dtype of the hf backend")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0 picks a free one)")
     state_dir: Path = Field(
         Path("sampler_state"),
         description="directory for the SQLite store (groups, config, mixer state) and "
-        "accepted weights",
+        "accepted weights; one sampler at a time, and it records the model, data and "
+        "backend it was created for",
     )
+    resume: bool = Field(
+        False,
+        description="continue the run stored in --state-dir as it is (its weights, groups "
+        "and config) although the model, data or backend differ from those it recorded",
+    )
+    fresh: bool = Field(
+        False,
+        description="move an existing --state-dir aside (renamed to <dir>.<time>, never "
+        "deleted) and start a new run in it",
+    )
+
+    @model_validator(mode="after")
+    def _resume_or_fresh(self) -> ServeSettings:
+        if self.resume and self.fresh:
+            raise ValueError("give --resume (continue the stored run) or --fresh (a new one)")
+        return self
+
     api_key: str | None = Field(
         default_factory=lambda: os.environ.get("ADAPTIVE_ROLLOUT_API_KEY") or None,
         description="require 'Authorization: Bearer KEY' on /v1/* (default: env "
@@ -514,7 +548,7 @@ class ServeSettings(_Strict):
 
 
 def overridden_by_saved(
-    given: dict[str, Any], initial: SamplerConfig, saved: SamplerConfig
+    given: Iterable[str], initial: SamplerConfig, saved: SamplerConfig
 ) -> list[str]:
     """The knobs set on the command line (`given`: top-level keys) whose value the
     config saved by an earlier run replaces; the saved config wins so that a restart

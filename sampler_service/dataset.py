@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,25 +39,42 @@ def _stable_id(row: dict[str, Any]) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
+def _read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(where, record) for every record of a data file; `where` is `file:line` (JSONL) or
+    `file:row N` (Parquet), for error messages."""
+    if not path.exists():
+        raise DatasetError(f"{path}: no such data file")
+    if not path.is_file():
+        raise DatasetError(f"{path}: not a file")
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise DatasetError(f"{path}: reading Parquet needs pyarrow installed") from exc
-        return pq.read_table(path).to_pylist()
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
+            raise DatasetError(f"{path}: not a readable Parquet file ({exc})") from exc
+        return [(f"{path}:row {i}", row) for i, row in enumerate(rows, 1)]
     records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
-            if not isinstance(record, dict):
-                raise DatasetError(f"{path}:{lineno}: expected a JSON object")
-            records.append(record)
+    try:
+        with path.open("rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DatasetError(f"{path}:{lineno}: not UTF-8 text ({exc.reason})") from exc
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DatasetError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
+                if not isinstance(record, dict):
+                    raise DatasetError(f"{path}:{lineno}: expected a JSON object")
+                records.append((f"{path}:{lineno}", record))
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     return records
 
 
@@ -85,19 +103,40 @@ class Dataset:
         self._tokenize = tokenize
         self.rows: dict[str, list[PromptRow]] = {}
         for path in paths:
-            if not path.exists():
-                raise DatasetError(f"{path}: no such data file")
-            for i, record in enumerate(_read_records(path)):
-                row = _to_row(record, path.stem, f"{path}:{i + 1}")
+            for where, record in _read_records(path):
+                row = _to_row(record, path.stem, where)
                 self.rows.setdefault(row.domain, []).append(row)
         if not self.rows:
             raise DatasetError("the data files hold no prompts")
         self.domains = sorted(self.rows)
         self._cursor = {d: [0, 0] for d in self.domains}  # domain -> [epoch, position]
         self._orders: dict[str, tuple[int, np.ndarray]] = {}
+        # Prompts to serve again before the cursor moves on (their group was dropped
+        # after it was finished, e.g. too stale to train on), per domain, oldest first.
+        self._again: dict[str, deque[PromptRow]] = {d: deque() for d in self.domains}
+        self._by_id: dict[tuple[str, str], PromptRow] | None = None
 
     def prompt_ids(self) -> list[str]:
         return [row.id for rows in self.rows.values() for row in rows]
+
+    def longest_prompt(self) -> tuple[int, str]:
+        """(tokens, prompt id) of the longest prompt; tokenizes every row (each row keeps its
+        tokens, as the first epoch would)."""
+        longest, which = 0, ""
+        for rows in self.rows.values():
+            for row in rows:
+                if not row.token_ids:
+                    self._tokenize(row)
+                if len(row.token_ids) > longest:
+                    longest, which = len(row.token_ids), row.id
+        return longest, which
+
+    def serve_again(self, domain: str, prompt_id: str) -> None:
+        """Have `next(domain)` return this prompt before any other."""
+        if self._by_id is None:  # built on first use: most runs never serve a prompt again
+            self._by_id = {(r.domain, r.id): r for rows in self.rows.values() for r in rows}
+        if (row := self._by_id.get((domain, prompt_id))) is not None:
+            self._again[domain].append(row)
 
     def _order(self, domain: str, epoch: int) -> np.ndarray:
         cached = self._orders.get(domain)
@@ -109,6 +148,8 @@ class Dataset:
 
     def next(self, domain: str) -> PromptRow:
         """The domain's next prompt, tokenized on first use; wraps into a new epoch."""
+        if self._again[domain]:
+            return self._again[domain].popleft()
         epoch, pos = self._cursor[domain]
         rows = self.rows[domain]
         row = rows[int(self._order(domain, epoch)[pos])]
@@ -121,9 +162,15 @@ class Dataset:
         return row
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self._cursor}
+        again = {d: [r.id for r in rows] for d, rows in self._again.items() if rows}
+        return {"cursor": self._cursor, "again": again}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for domain, (epoch, pos) in state.get("cursor", {}).items():
             if domain in self._cursor and 0 <= pos < len(self.rows[domain]):
                 self._cursor[domain] = [int(epoch), int(pos)]
+        for domain, ids in state.get("again", {}).items():
+            if domain in self._again:
+                self._again[domain].clear()
+                for prompt_id in ids:
+                    self.serve_again(domain, prompt_id)

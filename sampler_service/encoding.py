@@ -1,6 +1,6 @@
 """How stream and lease responses look in each media type a client can ask for.
 
-Groups are stored once, as msgpack (`trainer_client.wire`). A client that sends
+Groups are stored once, as msgpack (`trainer_client.contract.wire`). A client that sends
 `Accept: application/x-msgpack` (ours do) gets those bytes as they are, with only its
 delivery id added; anyone else (curl, a trainer in another language) gets NDJSON on the
 stream and JSON from lease, converted per send. Both carry the same values.
@@ -14,8 +14,8 @@ import msgpack
 import orjson
 
 from sampler_service.outbox import Delivered
-from trainer_client import wire
-from trainer_client.protocol import MSGPACK_MEDIA_TYPE, NDJSON_MEDIA_TYPE
+from trainer_client.contract import wire
+from trainer_client.contract.protocol import MSGPACK_MEDIA_TYPE, NDJSON_MEDIA_TYPE
 
 
 class JSONEncoding:

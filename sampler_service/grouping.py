@@ -26,7 +26,7 @@ from sampler_service.config import SamplerConfig
 from sampler_service.dataset import PromptRow
 from sampler_service.verifiers.base import Verdict
 from strategies import advantage, downsample, reweighting, views
-from trainer_client.protocol import Group, GroupStats, Sample
+from trainer_client.contract.protocol import Group, GroupStats, Sample
 
 #: Reason a group is dropped when group policies leave it with a single sample: a
 #: singleton carries no comparison, so its advantage would be meaningless.

@@ -35,7 +35,14 @@ STOP_REASONS = get_args(StopReason)
 VERIFIER_ERROR_KINDS = ("timeout", "error", "crash", "unavailable")
 # The scheduler's own reasons to drop a finalized group; selection policies drop under
 # their names.
-DROP_REASONS = ("engine_error", "verifier_unavailable", "too_few_samples", *SELECTIONS.names())
+# stale: a READY frame that fell more than max_staleness versions behind the weights.
+DROP_REASONS = (
+    "engine_error",
+    "verifier_unavailable",
+    "too_few_samples",
+    "stale",
+    *SELECTIONS.names(),
+)
 # stale_version: the version did not increase (409); rejected: the file failed vetting
 # (422); error: the engine failed while loading vetted weights.
 WEIGHT_FAILURE_REASONS = ("stale_version", "rejected", "error")
@@ -85,8 +92,18 @@ class Metrics:
         self.config_version = Gauge(PREFIX + "config_version", "Sampler config version", registry=r)
         self.staleness = Gauge(
             PREFIX + "staleness",
-            "Policy versions between the served weights and the oldest sample of the last group",
+            "Policy versions between the weights served when the last group was delivered and "
+            "that group's oldest sample",
             registry=r,
+        )
+        self.delivered_staleness = Histogram(
+            PREFIX + "delivered_staleness",
+            "Per delivered group: served policy version at delivery minus its oldest sample's",
+            buckets=(0, 1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 1024),
+            registry=r,
+        )
+        self.groups_acked = Counter(
+            PREFIX + "groups_acked", "Groups acked by a trainer (deleted)", registry=r
         )
         self.wave_latency = Histogram(
             PREFIX + "wave_latency_seconds", "Time to generate and verify one wave", registry=r

@@ -47,6 +47,10 @@ class _Frame:
     consumer: str | None = None  # None while READY
     deadline: float = 0.0
 
+    @property
+    def policy_version_min(self) -> int:
+        return min(m.policy_version_min for m in self.members)
+
 
 @dataclass(frozen=True)
 class Delivered:
@@ -87,11 +91,15 @@ class Outbox:
         heapq.heappush(self._ready, (0 if redelivery else 1, seq, frame.batch_id))
         self._notify()
 
-    async def restore(self) -> int:
-        """After a restart every stored frame is READY again; returns how many groups."""
+    async def restore(self, describe: Callable[[StoredGroup], StoredGroup]) -> int:
+        """After a restart every stored frame is READY again; returns how many groups.
+
+        `describe` fills in what the store does not keep beside the payload (its version
+        and prompt), read from the payload itself.
+        """
         frames = await self._store.call(self._store.sync.frames)
         for frame in frames:
-            self.offer(frame)
+            self.offer(StoredFrame(frame.batch_id, [describe(m) for m in frame.members]))
         return sum(len(f.members) for f in frames)
 
     @property
@@ -138,6 +146,28 @@ class Outbox:
             if max_groups is None:
                 break
         return out
+
+    def drop_stale(self, served_version: int, max_staleness: int) -> list[StoredFrame]:
+        """Take out every READY frame whose oldest sample is more than `max_staleness`
+        versions behind `served_version`; the caller deletes them from the store.
+
+        Whole frames only: a trainer's batch assembler waits for every member of a frame,
+        and a redelivered frame must stay the frame it was. Leased frames stay with their
+        consumer (it may be training on them); they are checked again if they come back.
+        """
+        stale = [
+            f
+            for f in self._frames.values()
+            if f.consumer is None and served_version - f.policy_version_min > max_staleness
+        ]
+        for frame in stale:
+            del self._frames[frame.batch_id]
+            for member in frame.members:
+                for delivery_id in self._delivery_ids.pop(member.group_id, []):
+                    self._by_delivery.pop(delivery_id, None)
+        if stale:
+            self._notify()
+        return [StoredFrame(f.batch_id, f.members) for f in stale]
 
     def _release(self, frame: _Frame) -> None:
         frame.consumer = None

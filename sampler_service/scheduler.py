@@ -34,7 +34,7 @@ from sampler_service.verifiers.base import Verdict
 from strategies import mixing
 from strategies.estimator import Estimator
 from strategies.stopping import StoppingRule
-from trainer_client.protocol import Group
+from trainer_client.contract.protocol import Group
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,9 @@ class Scheduler:
         self._drained.set()
         self._wakeup = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
+        #: Groups per training step declared by the consumers (the service keeps it
+        #: current): without it a bound of s steps would count in single frames.
+        self.consumer_step_groups = 0
         self._state_saved_at = clock()
         self.last_error: str | None = None
         #: Recent engine calls: the time of each failure, None for each success.
@@ -325,9 +328,15 @@ class Scheduler:
         cap = cfg.max_active_prompts - len(self._active)
         if cfg.max_staleness is not None:
             cap = min(
-                cap, (cfg.max_staleness + 1) * cfg.batch_groups - (buffered + len(self._active))
+                cap, (cfg.max_staleness + 1) * self.step_groups - (buffered + len(self._active))
             )
         return max(cap, 0)
+
+    @property
+    def step_groups(self) -> int:
+        """Groups the trainer takes per step, what `max_staleness` counts in: the most any
+        consumer declared, and at least a frame (`batch_groups`)."""
+        return max(self.config.batch_groups, self.consumer_step_groups)
 
     def _admit(self) -> PromptRun:
         cfg = self.config
@@ -515,8 +524,12 @@ class Scheduler:
     # -- finalization -----------------------------------------------------------------
     def _drop(self, run: PromptRun, reason: str) -> None:
         run.done = True
-        self.stats.dropped[reason] += 1
-        self.metrics.groups_dropped.labels(reason).inc()
+        self.count_dropped(reason)
+
+    def count_dropped(self, reason: str, groups: int = 1) -> None:
+        """Count groups not delivered, by reason (here or, once stored, by the service)."""
+        self.stats.dropped[reason] += groups
+        self.metrics.groups_dropped.labels(reason).inc(groups)
 
     async def _finalize(self, run: PromptRun) -> None:
         """Account for a finished prompt, build its group (`grouping`) and store it."""
@@ -550,7 +563,6 @@ class Scheduler:
         if group is None:
             self._drop(run, str(result.drop_reason))
             return
-        self.metrics.staleness.set(self.backend.policy_version - group.policy_version_min)
         async with self._frame_lock:
             state = None
             if self.clock() - self._state_saved_at >= _STATE_EVERY_S:
@@ -573,8 +585,7 @@ class Scheduler:
                 members, selections, weightings, batch_id=grouping.new_id()
             )
             for _, reason in frame.dropped:
-                self.stats.dropped[reason] += 1
-                self.metrics.groups_dropped.labels(reason).inc()
+                self.count_dropped(reason)
             for group in frame.kept:
                 self.stats.groups_emitted += 1
                 self.stats.domains[group.domain].emitted += 1

@@ -15,8 +15,8 @@ import math
 import os
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,21 +39,27 @@ from sampler_service.config import (
     overridden_by_saved,
     validate_config,
 )
-from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.dataset import Dataset, DatasetError, PromptRow
 from sampler_service.encoding import Encoding
 from sampler_service.metrics import Metrics
-from sampler_service.outbox import Outbox, lease_consumer, stream_consumer
+from sampler_service.outbox import Delivered, Outbox, lease_consumer, stream_consumer
 from sampler_service.scheduler import Scheduler
+from sampler_service.state_dir import StateDirError, fingerprint, open_state_dir
 from sampler_service.store import ACKED_KEY, AsyncStore, Store, StoredFrame, StoredGroup
 from sampler_service.verifiers.base import Verdict
 from sampler_service.verifiers.pool import VerifierPool
-from trainer_client.protocol import AckResponse, Group, Health, Heartbeat, WeightsResponse
-from trainer_client.wire import pack_group, unpack_group
+from trainer_client.contract.protocol import AckResponse, Group, Health, Heartbeat, WeightsResponse
+from trainer_client.contract.wire import pack_group, unpack_group
 
 log = logging.getLogger(__name__)
 
 #: /v1/stats `rates` are averaged over this window.
 RATE_WINDOW_S = 60.0
+#: How a refusal names an uploaded weight file (the server's spool path means nothing to
+#: the user, who sent the bytes).
+UPLOAD_NAME = "the uploaded file"
+#: /v1/stats `staleness` covers this many of the last delivered groups.
+STALENESS_WINDOW = 100
 
 
 class ServiceError(Exception):
@@ -66,6 +72,10 @@ class ServiceError(Exception):
 
 class VerifierSpecError(RuntimeError):
     """A verifier named by --verifier or by a data row cannot be loaded."""
+
+
+class StartupError(RuntimeError):
+    """The sampler cannot start with what it was given; the message says why, for the user."""
 
 
 class StoreSink:
@@ -93,7 +103,10 @@ class StoreSink:
         batch_id = groups[0].batch_id if groups else uuid.uuid4().hex
         await self._store.call(self._store.sync.frame, batch_id, members, dropped)
         self.pending -= len(dropped) + len(groups)
-        stored = [StoredGroup(self._seq.pop(gid), gid, payload) for gid, payload in members]
+        stored = [
+            _stored(self._seq.pop(g.group_id), g, payload)
+            for g, (_, payload) in zip(groups, members, strict=True)
+        ]
         for gid in dropped:
             self._seq.pop(gid, None)
         if stored:
@@ -101,6 +114,17 @@ class StoreSink:
 
     def buffered(self) -> int:
         return self._outbox.ready_groups + self._outbox.leased_groups
+
+
+def _stored(seq: int, group: Group, payload: bytes) -> StoredGroup:
+    return StoredGroup(
+        seq, group.group_id, payload, group.policy_version_min, group.prompt_id, group.domain
+    )
+
+
+def _described(stored: StoredGroup) -> StoredGroup:
+    """A stored group with its version and prompt read back from its payload (a restart)."""
+    return _stored(stored.seq, unpack_group(stored.payload), stored.payload)
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
@@ -146,6 +170,11 @@ def build_replica_pool(
     on_state_change: Callable[[dict[str, Any]], None] | None = None,
 ) -> Backend:
     """Engine replicas as Ray actors; the only place the service imports Ray."""
+    # Ray's C++ core would print a stack dump on every SIGTERM ("*** SIGTERM received ...
+    # PC: @ epoll_pwait"), which reads as a crash: the sampler handles SIGTERM itself, as
+    # a clean shutdown. Ray reads this when it is imported (and a local Ray's processes
+    # inherit it).
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
         from sampler_service.backends.ray_pool import (
             DEFAULT_MAX_INFLIGHT,
@@ -224,43 +253,120 @@ class SamplerService:
         #: Steps of the live schedule already applied (or skipped); they never run again.
         self._schedule_applied = 0
         self._engine_failure_logged = False
+        self._prepared = False
+        #: One line on what this process delivered, set when it stops (the CLI prints it).
+        self.shutdown_summary: str | None = None
+        self._acked_at_start = 0
         self._event_tasks: set[asyncio.Task[Any]] = set()
+        #: Each recently delivered group's lag: served version at delivery minus its oldest
+        #: sample's (last, mean, max and histogram in /v1/stats).
+        self._lags: deque[int] = deque(maxlen=STALENESS_WINDOW)
+        self.groups_delivered = 0
+        #: Groups per training step declared by consumers (`groups_per_step`): consumer ->
+        #: (groups, until when). A stream's holds while it lives; a lease caller's for a
+        #: lease TTL after its last call.
+        self._declared_steps: dict[str, tuple[int, float]] = {}
         #: (monotonic time, groups emitted, answers, tokens, groups acked), once a second.
         self._rate_samples: deque[tuple[float, int, int, int, int]] = deque(
             maxlen=int(RATE_WINDOW_S) + 1
         )
 
     # -- life cycle -------------------------------------------------------------------
-    async def start(self) -> None:
+    def prepare(self) -> None:
+        """Check what the sampler was given and claim its state dir, before any engine or
+        tokenizer loads: a bad data file, a config the model cannot serve, a state dir
+        held by another sampler or made for another run is a `StartupError` (one message,
+        for the command line), and a data or config error leaves nothing created."""
+        if self._prepared:
+            return
         s = self.settings
-        s.state_dir.mkdir(parents=True, exist_ok=True)
-        self.store = AsyncStore(Store(s.state_dir / "sampler.sqlite", s.store_checkpoint_s or None))
-        self.outbox = Outbox(self.store)
-        self.sink = StoreSink(self.store, self.outbox)
-        loop = asyncio.get_running_loop()
-        self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, s.model)
-        self.dataset = Dataset(s.data, self._tokenize, seed=s.seed)
-        self.metrics.precreate(self.dataset.domains)
-        saved = await self.store.call(self.store.sync.get, "config")
-        if saved is not None:
-            cfg, version = validate_config(saved["config"]), int(saved["version"])
+        try:
+            self.dataset = Dataset(s.data, self._tokenize, seed=s.seed)
+        except DatasetError as exc:
+            raise StartupError(str(exc)) from exc
+        self.context_length = _context_length(s.model)
+        try:
+            if "max_tokens" in self._given:
+                self._check_context(self._initial_config)
+            check_consistency(self._initial_config, self.dataset.domains)
+        except ConfigError as exc:
+            hint = (
+                f"; start with --set max_tokens=N, N <= {self.context_length}"
+                if exc.field == "max_tokens"
+                else ""
+            )
+            raise StartupError(f"--config/--set: {exc}{hint}") from exc
+        try:
+            self.state_dir = open_state_dir(
+                s.state_dir,
+                fingerprint(s.model, s.data, s.backend),
+                resume=s.resume,
+                fresh=s.fresh,
+            )
+        except StateDirError as exc:
+            raise StartupError(str(exc)) from exc
+        store = Store(s.state_dir / "sampler.sqlite", s.store_checkpoint_s or None)
+        self.store = AsyncStore(store)
+        self._config, self._config_version = self._initial_config, 0
+        # Unless someone chose max_tokens, answers get what the context leaves (start()).
+        self._fit_max_tokens = "max_tokens" not in self._given
+        if (saved := store.get("config")) is not None:
+            self._fit_max_tokens = False
+            try:
+                cfg = validate_config(saved["config"])
+                check_consistency(cfg, self.dataset.domains)
+                self._check_context(cfg)
+            except ConfigError as exc:
+                raise StartupError(
+                    f"the config saved in {s.state_dir} cannot be served: {exc}; start a new "
+                    "run with --fresh or another --state-dir"
+                ) from exc
+            self._config, self._config_version = cfg, int(saved["version"])
             self._schedule_applied = int(saved.get("schedule_applied", 0))
             for knob in overridden_by_saved(self._given, self._initial_config, cfg):
                 log.warning(
                     "the config saved in %s (v%d) overrides the command line's %s; "
                     "PATCH /v1/config to change it",
                     s.state_dir,
-                    version,
+                    self._config_version,
                     knob,
                 )
-        else:
-            cfg, version = self._initial_config, 0
-        check_consistency(cfg, self.dataset.domains)
-        self.context_length = _context_length(s.model)
-        try:
-            self._check_context(cfg)
-        except ConfigError as exc:  # a start-up config is served; PATCHes are held to it
-            log.warning("%s: answers end at the context", exc)
+        self._prepared = True
+
+    async def _fitted(self, cfg: SamplerConfig) -> SamplerConfig:
+        """`cfg` with max_tokens cut to what the context leaves after the longest prompt."""
+        if not self._fit_max_tokens or self.context_length is None:
+            return cfg
+        longest, prompt_id = await asyncio.get_running_loop().run_in_executor(
+            None, self.dataset.longest_prompt
+        )
+        room = self.context_length - longest
+        if room < 1:
+            raise ConfigError(
+                f"prompt {prompt_id!r} has {longest} tokens: no room for an answer in the "
+                f"model's context ({self.context_length} tokens)",
+                "max_tokens",
+            )
+        if cfg.max_tokens <= room:
+            return cfg
+        log.info(
+            "max_tokens %d: what the model's context (%d tokens) leaves after the longest "
+            "prompt (%d tokens); --set max_tokens=N chooses another",
+            room,
+            self.context_length,
+            longest,
+        )
+        return cfg.model_copy(update={"max_tokens": room})
+
+    async def start(self) -> None:
+        self.prepare()
+        s = self.settings
+        self.outbox = Outbox(self.store)
+        self.sink = StoreSink(self.store, self.outbox)
+        loop = asyncio.get_running_loop()
+        self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, s.model)
+        self.metrics.precreate(self.dataset.domains)
+        cfg, version = await self._fitted(self._config), self._config_version
         self.verifiers = VerifierPool(
             max_workers=s.verifier_workers, timeout_s=s.verifier_timeout_s
         )
@@ -286,7 +392,7 @@ class SamplerService:
         state = await self.store.call(self.store.sync.get, "scheduler_state")
         if state:
             self.scheduler.load_state_dict(state)
-        restored = await self.outbox.restore()
+        restored = await self.outbox.restore(_described)
         pending = await self.store.call(self.store.sync.pending)
         for stored in pending:
             self.sink.remember(stored.group_id, stored.seq)
@@ -295,6 +401,9 @@ class SamplerService:
         self.metrics.config_version.set(version)
         self.metrics.policy_version.set(self.backend.policy_version)
         self.trained_groups = int(await self.store.call(self.store.sync.get, ACKED_KEY, 0))
+        self._acked_at_start = self.trained_groups
+        # Frames stored under older weights than those restored may be too stale now.
+        await self._drop_stale_frames()
         # Steps whose condition was met just before a crash apply now.
         await self._advance_schedule()
         self.scheduler.start()
@@ -351,7 +460,15 @@ class SamplerService:
         if hasattr(self, "backend"):
             await self.backend.close()
         if hasattr(self, "store"):
+            stored = await self.store.call(self.store.sync.count)
+            self.shutdown_summary = (
+                f"adaptive-rollout sampler stopped: {self.groups_delivered} groups delivered "
+                f"and {self.trained_groups - self._acked_at_start} acked since it started; "
+                f"{stored} groups stored in {self.settings.state_dir} for the next start"
+            )
             await self.store.close()
+        if hasattr(self, "state_dir"):
+            self.state_dir.release()
 
     async def _housekeeping(self) -> None:
         """Expire stale leases, keep the queue gauges and rate window current, log a failed
@@ -360,6 +477,7 @@ class SamplerService:
             if self.outbox.expire():
                 self.scheduler.poke()
             self._drop_stalled_streams()
+            self._update_step_groups()
             self._update_gauges()
             self._rate_samples.append(self._counters())
             if not self._engine_failure_logged and (error := self.engine_error()):
@@ -403,13 +521,10 @@ class SamplerService:
         """Append to the persisted event log (with `state` written in the same transaction)."""
         return await self.store.call(self.store.sync.add_event, kind, source, data, state)
 
-    async def events(self, since: int, limit: int) -> dict[str, Any]:
-        """Events after `since`, oldest first; `last_seq` is where the next poll starts."""
-        events = await self.store.call(self.store.sync.events, since, limit)
-        last = (
-            events[-1]["seq"] if events else await self.store.call(self.store.sync.last_event_seq)
-        )
-        return {"events": events, "last_seq": last}
+    async def events(self, since: int, limit: int, kinds: Sequence[str] = ()) -> dict[str, Any]:
+        """Events after `since` (of `kinds`, when given), oldest first; `last_seq` is where
+        the next poll starts."""
+        return await self.store.call(self.store.sync.event_page, since, limit, kinds)
 
     def _update_gauges(self) -> None:
         m = self.metrics
@@ -462,6 +577,13 @@ class SamplerService:
             return None
         return self.backend.health().detail.get("replicas")
 
+    def backend_name(self) -> str:
+        """The engine as the start-up log names it: `ray` for replicas of an hf or vLLM
+        engine (which one is the `--backend` flag)."""
+        if (backend := getattr(self, "backend", None)) is not None:
+            return str(backend.name)
+        return "ray" if self.settings.uses_ray else self.settings.backend
+
     def health(self) -> Health:
         backend = getattr(self, "backend", None)
         error = self.engine_error()
@@ -473,7 +595,7 @@ class SamplerService:
         return Health(
             status=status,
             replicas=self.replicas(),
-            backend=self.settings.backend,
+            backend=self.backend_name(),
             model=str(self.settings.model),
             policy_version=backend.policy_version if backend and self.ready else 0,
             uptime_s=time.time() - self.started_at,
@@ -521,10 +643,13 @@ class SamplerService:
                 )
             old = self.scheduler.config
             merged = merge_patch(old.model_dump(), patch)
+            # Judged on what it changes (a knob it does not name is not held against it)
+            # and on whether the result is consistent, as the start-up config is.
             try:
                 cfg = validate_config(merged)
                 check_consistency(cfg, self.dataset.domains)
-                self._check_context(cfg)
+                if "max_tokens" in patch:
+                    self._check_context(cfg)
             except ConfigError as exc:
                 raise ServiceError(422, "invalid_config", str(exc), exc.field) from exc
             # A new schedule starts from its first step; steps already due apply below.
@@ -566,6 +691,7 @@ class SamplerService:
         await self.scheduler.apply_config(cfg, version)
         await self.scheduler.form_frames()
         log.info("config v%d (%s): %s", version, source, diff)
+        await self._drop_stale_frames()  # a lowered max_staleness applies to what is READY
 
     def _schedule_due(self) -> bool:
         schedule = self.scheduler.config.schedule
@@ -625,10 +751,77 @@ class SamplerService:
             engine_state=self.backend.health().state,
         ).model_dump()
 
+    def _check_step(self, groups_per_step: int | None) -> None:
+        limit = self.scheduler.config.max_buffered_groups
+        if groups_per_step is not None and groups_per_step > limit:
+            raise ServiceError(
+                422,
+                "invalid_request",
+                f"groups_per_step ({groups_per_step}) exceeds max_buffered_groups ({limit}): "
+                "such a step could never fill; raise max_buffered_groups",
+                "groups_per_step",
+            )
+
+    def _declare_step(self, consumer: str, groups_per_step: int | None, until: float) -> None:
+        """Note the step size a consumer trains on (admission under max_staleness counts
+        steps); without a declaration a step is one frame (`batch_groups`)."""
+        if groups_per_step is not None:
+            self._declared_steps[consumer] = (groups_per_step, until)
+            self._update_step_groups()
+
+    def _update_step_groups(self) -> None:
+        now = time.monotonic()
+        self._declared_steps = {c: d for c, d in self._declared_steps.items() if d[1] > now}
+        step = max((groups for groups, _ in self._declared_steps.values()), default=0)
+        if step != self.scheduler.consumer_step_groups:
+            self.scheduler.consumer_step_groups = step
+            self.scheduler.poke()
+
+    def _delivered(self, delivered: list[Delivered]) -> list[Delivered]:
+        """Record each delivered group's lag behind the served weights."""
+        served = self.backend.policy_version
+        for item in delivered:
+            lag = served - item.group.policy_version_min
+            self._lags.append(lag)
+            self.metrics.delivered_staleness.observe(lag)
+            self.metrics.staleness.set(lag)
+        self.groups_delivered += len(delivered)
+        return delivered
+
+    async def _drop_stale_frames(self) -> None:
+        """Drop READY frames more than max_staleness versions behind the served weights;
+        their prompts are served again. Checked at every weight commit and config change."""
+        bound = self.scheduler.config.max_staleness
+        if bound is None:
+            return
+        frames = self.outbox.drop_stale(self.backend.policy_version, bound)
+        members = [m for f in frames for m in f.members]
+        if not members:
+            return
+        await self.store.call(self.store.sync.discard, [m.group_id for m in members])
+        for member in members:
+            self.dataset.serve_again(member.domain, member.prompt_id)
+        self.scheduler.count_dropped("stale", len(members))
+        self.scheduler.poke()
+        log.info(
+            "dropped %d READY groups (%d frames) more than %d versions behind v%d; their "
+            "prompts are served again",
+            len(members),
+            len(frames),
+            bound,
+            self.backend.policy_version,
+        )
+
     def open_stream(
-        self, name: str, max_unacked: int, heartbeat_s: float, encoding: Encoding
+        self,
+        name: str,
+        max_unacked: int,
+        heartbeat_s: float,
+        encoding: Encoding,
+        groups_per_step: int | None = None,
     ) -> AsyncIterator[bytes]:
         """Claim the stream name `name` (409 while another live stream holds it)."""
+        self._check_step(groups_per_step)
         consumer = stream_consumer(name)
         token = self.outbox.connect(consumer)
         if token is None:
@@ -639,6 +832,7 @@ class SamplerService:
                 "consumer",
             )
         self._streams[token] = (consumer, heartbeat_s, time.monotonic())
+        self._declare_step(consumer, groups_per_step, math.inf)
         return self._stream(consumer, token, max_unacked, heartbeat_s, encoding)
 
     async def _stream(
@@ -666,7 +860,8 @@ class SamplerService:
                 if size is not None and (unacked + size <= max_unacked or unacked == 0):
                     ttl = self.scheduler.config.lease_ttl_s
                     sending()
-                    yield b"".join(map(encoding.group_message, self.outbox.take(consumer, ttl)))
+                    delivered = self._delivered(self.outbox.take(consumer, ttl))
+                    yield b"".join(map(encoding.group_message, delivered))
                     continue
                 now = time.monotonic()
                 if now >= next_beat:
@@ -679,6 +874,8 @@ class SamplerService:
         finally:
             self._streams.pop(token, None)
             self.outbox.disconnect(consumer, token)
+            if self._declared_steps.pop(consumer, None) is not None:
+                self._update_step_groups()
             self.scheduler.poke()
 
     def _drop_stalled_streams(self) -> None:
@@ -698,14 +895,23 @@ class SamplerService:
     async def ack(self, delivery_ids: list[str]) -> AckResponse:
         acked, unknown = await self.outbox.ack(delivery_ids)
         self.trained_groups += acked
+        self.metrics.groups_acked.inc(acked)
         self.scheduler.poke()
         await self._advance_schedule()
         return AckResponse(acked=acked, unknown=unknown)
 
     async def lease(
-        self, consumer: str, max_groups: int, wait_s: float, encoding: Encoding
+        self,
+        consumer: str,
+        max_groups: int,
+        wait_s: float,
+        encoding: Encoding,
+        groups_per_step: int | None = None,
     ) -> bytes:
         """An encoded LeaseResponse, built from the stored group bytes."""
+        self._check_step(groups_per_step)
+        ttl = self.scheduler.config.lease_ttl_s
+        self._declare_step(lease_consumer(consumer), groups_per_step, time.monotonic() + ttl)
         deadline = time.monotonic() + min(wait_s, self.settings.max_lease_wait_s)
         while (
             self.outbox.next_frame_size() is None
@@ -714,7 +920,9 @@ class SamplerService:
         ):
             await wait_event(self.outbox.changed(), deadline - time.monotonic())
         ttl = self.scheduler.config.lease_ttl_s
-        delivered = self.outbox.take(lease_consumer(consumer), ttl, max_groups=max_groups)
+        delivered = self._delivered(
+            self.outbox.take(lease_consumer(consumer), ttl, max_groups=max_groups)
+        )
         return encoding.lease(
             {"lease_id": uuid.uuid4().hex, "expires_at": time.time() + ttl}, delivered
         )
@@ -758,14 +966,30 @@ class SamplerService:
         return self.settings.state_dir / "weights"
 
     async def _install(
-        self, files: list[Path], version: int, transport: str, *, vetted: bool = False
+        self,
+        files: list[Path],
+        version: int,
+        transport: str,
+        *,
+        vetted: bool = False,
+        shown_as: str | None = None,
     ) -> WeightsResponse:
         """Vet weight files and have the engine serve them as `version`.
 
         In the shared mode (`--weights-dir`) the replicas read the files themselves: the
         front checks the headers (and, for an upload it wrote, every tensor's values:
-        `vetted`) and sends only the paths; each replica vets the tensors again.
+        `vetted`) and sends only the paths; each replica vets the tensors again. A refusal
+        names the files as `shown_as` when they are ours (an upload spooled to disk), not
+        the user's.
         """
+
+        def refused(exc: WeightsRejected) -> ServiceError:
+            self.metrics.weight_update_failures.labels("rejected").inc()
+            message = str(exc)
+            for file in files if shown_as else ():
+                message = message.replace(str(file), str(shown_as))
+            return ServiceError(422, "weights_rejected", message)
+
         from sampler_service.backends.weights import (
             vet_weight_files,
             vet_weight_files_streaming,
@@ -784,8 +1008,7 @@ class SamplerService:
                 tensors = await loop.run_in_executor(None, vet_weight_files, files, specs)
                 names = list(tensors)
         except WeightsRejected as exc:
-            self.metrics.weight_update_failures.labels("rejected").inc()
-            raise ServiceError(422, "weights_rejected", str(exc)) from exc
+            raise refused(exc) from exc
         started = time.monotonic()
         async with self.scheduler.paused_for_weights():
             self.check_version(version)
@@ -797,8 +1020,7 @@ class SamplerService:
                 else:
                     await self.backend.load_weights(tensors, version)
             except WeightsRejected as exc:
-                self.metrics.weight_update_failures.labels("rejected").inc()
-                raise ServiceError(422, "weights_rejected", str(exc)) from exc
+                raise refused(exc) from exc
             except WeightsNotServed as exc:
                 self.metrics.weight_update_failures.labels("error").inc()
                 raise ServiceError(503, "weights_not_served", str(exc)) from exc
@@ -822,13 +1044,14 @@ class SamplerService:
         """Log a weight update and apply schedule steps keyed on the new policy version."""
         data = {"version": version, "transport": transport, "seconds": seconds}
         await self.record_event("weights", "api", {**data, "paused_s": paused_s})
+        await self._drop_stale_frames()
         await self._advance_schedule()
 
     async def put_weights(self, upload: Path, version: int) -> WeightsResponse:
         """Install an uploaded safetensors file, then keep it as the restart weights."""
         if self.shared_weights:
             return await self._put_shared_weights(upload, version)
-        result = await self._install([upload], version, "upload")
+        result = await self._install([upload], version, "upload", shown_as=UPLOAD_NAME)
         keep = self.settings.state_dir / "weights" / "current.safetensors"
         keep.parent.mkdir(parents=True, exist_ok=True)
         os.replace(upload, keep)
@@ -847,7 +1070,9 @@ class SamplerService:
         final = self.settings.weights_dir / f"weights-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
         os.replace(upload, final)
         try:
-            result = await self._install([final], version, "upload", vetted=True)
+            result = await self._install(
+                [final], version, "upload", vetted=True, shown_as=UPLOAD_NAME
+            )
         except BaseException:
             final.unlink(missing_ok=True)
             raise
@@ -954,15 +1179,27 @@ class SamplerService:
             "domains": self._domain_shares(),
             **self.scheduler.stats.to_dict(),
             "rates": self._rates(),
-            "staleness": {
-                "last_group": self.metrics.registry.get_sample_value("adaptive_rollout_staleness"),
-                "max_staleness": self.scheduler.config.max_staleness,
-            },
+            "staleness": self._staleness(),
             "trained_groups": self.trained_groups,
             "schedule": {
                 "steps": len(self.scheduler.config.schedule),
                 "applied": self._schedule_applied,
             },
+        }
+
+    def _staleness(self) -> dict[str, Any]:
+        """Delivered groups' lag behind the served weights (over the last ones delivered)
+        and what bounds it."""
+        lags = self._lags
+        return {
+            "last": lags[-1] if lags else None,
+            "mean": sum(lags) / len(lags) if lags else None,
+            "max": max(lags) if lags else None,
+            "window": len(lags),
+            "histogram": {str(lag): n for lag, n in sorted(Counter(lags).items())},
+            "max_staleness": self.scheduler.config.max_staleness,
+            "step_groups": self.scheduler.step_groups,
+            "dropped_stale": self.scheduler.stats.dropped.get("stale", 0),
         }
 
     def metrics_text(self) -> bytes:

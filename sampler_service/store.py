@@ -20,11 +20,11 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
 _WAL_LIMIT_BYTES = 8 << 20
@@ -35,7 +35,7 @@ CREATE TABLE IF NOT EXISTS groups (
     group_id    TEXT NOT NULL UNIQUE,
     batch_id    TEXT,             -- NULL while the group waits for its batch frame
     batch_index INTEGER,
-    payload     BLOB NOT NULL,    -- the msgpack Group (trainer_client.wire), without delivery_id
+    payload     BLOB NOT NULL,    -- the msgpack Group (trainer_client.contract.wire), without delivery_id
     created_at  REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS groups_batch ON groups(batch_id);
@@ -50,11 +50,16 @@ CREATE TABLE IF NOT EXISTS events (
     source TEXT NOT NULL,   -- who caused it: api | schedule | engine | ...
     data   TEXT NOT NULL    -- JSON object
 );
+CREATE INDEX IF NOT EXISTS events_kind ON events(kind, seq);
 """
 
-#: The event log keeps this many of the newest events; older ones are deleted as new ones
-#: arrive, so a long run's log stays small.
+#: The event log keeps this many of the newest events of each kind; older ones are deleted
+#: as new ones arrive, so a long run's log stays small, and a weight update every step
+#: never pushes out the config history.
 EVENTS_KEPT = 10_000
+#: What the event log records: config changes, weight updates, schedule steps skipped,
+#: an engine failure, replica state changes.
+EventKind = Literal["config", "weights", "schedule_skipped", "engine_failed", "replica"]
 #: kv key of the number of groups acked since the state dir was created.
 ACKED_KEY = "acked_groups"
 
@@ -64,6 +69,11 @@ class StoredGroup:
     seq: int
     group_id: str
     payload: bytes
+    # What delivery needs to know without decoding the payload: the oldest sample's policy
+    # version (staleness) and the prompt it came from (to serve it again if it is dropped).
+    policy_version_min: int = 0
+    prompt_id: str = ""
+    domain: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,8 @@ class Store:
                 (group_id, payload, time.time()),
             )
             self._put_many(db, state or {})
-            return int(cur.lastrowid)
+            assert cur.lastrowid is not None  # set by every INSERT
+            return cur.lastrowid
 
         return self._tx(run)
 
@@ -193,6 +204,14 @@ class Store:
             return deleted
 
         return self._tx(run)
+
+    def discard(self, group_ids: Iterable[str]) -> None:
+        """Delete groups that will not be delivered (not acks: the counter stays)."""
+        self._tx(
+            lambda db: db.executemany(
+                "DELETE FROM groups WHERE group_id = ?", [(g,) for g in group_ids]
+            )
+        )
 
     def pending(self) -> list[StoredGroup]:
         rows = self._db.execute(
@@ -248,19 +267,28 @@ class Store:
                 "INSERT INTO events (time, kind, source, data) VALUES (?, ?, ?, ?)",
                 (when, kind, source, json.dumps(data)),
             )
-            seq = int(cur.lastrowid)
-            db.execute("DELETE FROM events WHERE seq <= ?", (seq - EVENTS_KEPT,))
+            assert cur.lastrowid is not None  # set by every INSERT
+            seq = cur.lastrowid
+            db.execute(
+                "DELETE FROM events WHERE kind = ? AND seq <= (SELECT seq FROM events "
+                "WHERE kind = ? ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+                (kind, kind, EVENTS_KEPT),
+            )
             self._put_many(db, state or {})
             return seq
 
         seq = self._tx(run)
         return {"seq": seq, "time": when, "kind": kind, "source": source, "data": data}
 
-    def events(self, since: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
-        """Events with seq > `since`, oldest first, at most `limit`."""
+    def events(
+        self, since: int = 0, limit: int = 1000, kinds: Sequence[str] = ()
+    ) -> list[dict[str, Any]]:
+        """Events with seq > `since` (of `kinds`, when given), oldest first, at most `limit`."""
+        where = f" AND kind IN ({', '.join('?' * len(kinds))})" if kinds else ""
         rows = self._db.execute(
-            "SELECT seq, time, kind, source, data FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
-            (since, limit),
+            f"SELECT seq, time, kind, source, data FROM events WHERE seq > ?{where} "
+            "ORDER BY seq LIMIT ?",
+            (since, *kinds, limit),
         ).fetchall()
         return [
             {"seq": seq, "time": t, "kind": kind, "source": source, "data": json.loads(data)}
@@ -269,6 +297,14 @@ class Store:
 
     def last_event_seq(self) -> int:
         return int(self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
+
+    def event_page(self, since: int, limit: int, kinds: Sequence[str] = ()) -> dict[str, Any]:
+        """`events(...)` and `last_seq`, where the next page starts: past every event seen
+        when the page is short (the kinds left out included), else after its last event.
+        One call, so no event added meanwhile is skipped."""
+        events = self.events(since, limit, kinds)
+        last = events[-1]["seq"] if len(events) == limit else self.last_event_seq()
+        return {"events": events, "last_seq": last}
 
 
 class AsyncStore:

@@ -16,14 +16,26 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from strategies.estimator import Estimator
+from strategies.estimator import MAX_ANSWERS, Estimator
 from strategies.registry import Params, Policy, PolicyError, Registry
 
 StopReason = Literal["fixed", "budget", "rule", "n_max"]
+
+# The stopping knobs' types with their bounds, the one definition of them: the rules'
+# parameters below and the sampler's live config (so its API document) both use these,
+# so no value is advertised that a rule then refuses.
+KPos = Annotated[int, Field(ge=1, le=MAX_ANSWERS, description="correct answers to stop at")]
+KNeg = Annotated[int, Field(ge=1, le=MAX_ANSWERS, description="incorrect answers to stop at")]
+NMax = Annotated[int, Field(ge=1, le=MAX_ANSWERS, description="answers per prompt at most")]
+WaveSize = Annotated[int, Field(ge=1, le=MAX_ANSWERS, description="answers per wave at most")]
+GroupSize = Annotated[
+    int, Field(ge=0, le=MAX_ANSWERS, description="answers kept per group; 0 keeps every sample")
+]
+Wave = Literal["fixed", "adaptive"]
 
 
 class StoppingParams(Params):
@@ -32,12 +44,12 @@ class StoppingParams(Params):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    k_pos: int = Field(2, ge=1)
-    k_neg: int = Field(2, ge=1)
-    n_max: int = Field(32, ge=1)
-    wave_size: int = Field(8, ge=1)
-    group_size: int = Field(4, ge=0)
-    wave: Literal["fixed", "adaptive"] = "fixed"
+    k_pos: KPos = 2
+    k_neg: KNeg = 2
+    n_max: NMax = 32
+    wave_size: WaveSize = 8
+    group_size: GroupSize = 4
+    wave: Wave = "fixed"
     estimator: Estimator | None = None
 
 

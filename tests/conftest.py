@@ -29,7 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The toy model and data (shipped warm-start weights), built once per session."""
-    from sampler_service.toy import build_toy  # imports torch: only for tests that need it
+    from trainer_client.toy import build_toy  # imports torch: only for tests that need it
 
     return build_toy(tmp_path_factory.mktemp("toy"), seed=0)
 

@@ -16,13 +16,19 @@ from typing import Any, Literal
 import httpx
 import orjson
 
-from trainer_client import wire
+from trainer_client.contract import wire
+from trainer_client.contract.protocol import MSGPACK_MEDIA_TYPE, NDJSON_MEDIA_TYPE
 from trainer_client.launch import SamplerProcess
-from trainer_client.protocol import MSGPACK_MEDIA_TYPE, NDJSON_MEDIA_TYPE
 
 HERE = Path(__file__).parent
 #: Small answers and a small buffer: groups come fast and backpressure is reachable.
-BASE_CONFIG: dict[str, Any] = {"max_tokens": 8, "max_active_prompts": 16, "max_buffered_groups": 64}
+BASE_CONFIG: dict[str, Any] = {
+    "max_tokens": 8,
+    "max_active_prompts": 16,
+    "max_buffered_groups": 64,
+    # Tests take groups without training on them (nor pushing weights): nothing to bound.
+    "max_staleness": None,
+}
 
 
 class Server(SamplerProcess):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer_client.protocol import Group
+from trainer_client.contract.protocol import Group
 
 
 @dataclass

@@ -1,23 +1,30 @@
-"""`adaptive-rollout train` and `adaptive-rollout demo` (added to the console script).
+"""The trainer side's subcommands of `adaptive-rollout`: `train`, `demo` and `toy`.
 
-`sampler_service.cli:main` calls `add_trainer_commands(subparsers)`. Only argparse is
-imported here; each command imports what it needs when it runs.
+The dispatcher (`sampler_service.cli`) names each `add_*_arguments` here and imports this
+module only when one of them is used. Only argparse is imported at the top; each command
+imports what it needs when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def train_command(args: argparse.Namespace) -> None:
-    from trainer_client.client import SamplerError
-    from trainer_client.config_cli import model_from_args
-    from trainer_client.grpo import train
+    from trainer_client.contract.flags import model_from_args
+    from trainer_client.exceptions import SamplerError
+    from trainer_client.grpo import TrainingStopped, train
     from trainer_client.train_config import TrainConfig
 
     cfg = model_from_args(args.parser, TrainConfig, args)
+    # Each exit below follows a saved checkpoint and the command that resumes from it.
     try:
         trainer = train(cfg)
+    except TrainingStopped as exc:  # Ctrl-C or SIGTERM: the step under way was finished
+        raise SystemExit(128 + exc.signum) from None
+    except KeyboardInterrupt:  # a second Ctrl-C
+        raise SystemExit(130) from None
     except SamplerError as exc:  # the sampler died, refused a request, or stayed silent
         raise SystemExit(f"adaptive-rollout train: {exc}") from exc
     print(
@@ -26,10 +33,18 @@ def train_command(args: argparse.Namespace) -> None:
     )
 
 
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from trainer_client.contract.flags import add_model_arguments
+    from trainer_client.train_config import TrainConfig
+
+    add_model_arguments(p, TrainConfig)
+    p.set_defaults(func=train_command, parser=p)
+
+
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     import json
 
-    from trainer_client.config_cli import add_model_arguments
+    from trainer_client.contract.flags import add_model_arguments
     from trainer_client.demo import DemoSettings
 
     add_model_arguments(p, DemoSettings, skip={"sampler"})
@@ -44,12 +59,14 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         'e.g. --set n_max=32 --set \'mixing={"name": "reward_gap"}\'. Defaults: '
         + ", ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in defaults.items()),
     )
+    p.set_defaults(func=demo_command, parser=p)
 
 
 def demo_command(args: argparse.Namespace) -> None:
-    from trainer_client.client import SamplerError
-    from trainer_client.config_cli import model_from_args, parse_key_values
+    from trainer_client.contract.flags import model_from_args, parse_key_values
     from trainer_client.demo import DemoSettings, run_demo
+    from trainer_client.exceptions import SamplerError
+    from trainer_client.grpo import TrainingStopped
 
     try:
         overrides = parse_key_values(args.sampler_overrides, "--set")
@@ -59,6 +76,8 @@ def demo_command(args: argparse.Namespace) -> None:
     settings.sampler.update(overrides)
     try:
         code = run_demo(settings)
+    except TrainingStopped as exc:
+        raise SystemExit(128 + exc.signum) from None
     except SamplerError as exc:
         raise SystemExit(
             f"adaptive-rollout demo: {exc} (sampler log: {settings.out_dir / 'sampler.log'})"
@@ -66,17 +85,18 @@ def demo_command(args: argparse.Namespace) -> None:
     raise SystemExit(code)
 
 
-def add_trainer_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from trainer_client.config_cli import add_model_arguments
-    from trainer_client.train_config import TrainConfig
+def add_toy_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("toy"), help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=toy_command)
 
-    p_train = sub.add_parser("train", help="run the reference GRPO trainer against a sampler")
-    add_model_arguments(p_train, TrainConfig)
-    p_train.set_defaults(func=train_command, parser=p_train)
 
-    p_demo = sub.add_parser(
-        "demo",
-        help="toy model + sampler + trainer on this machine: before/after accuracy and a report",
-    )
-    add_demo_arguments(p_demo)
-    p_demo.set_defaults(func=demo_command, parser=p_demo)
+def toy_command(args: argparse.Namespace) -> None:
+    from trainer_client.toy import build_toy
+
+    paths = build_toy(args.out, seed=args.seed)
+    print(f"model: {paths.model_dir}")
+    for f in paths.data_files:
+        print(f"data:  {f}")
+    for f in paths.eval_files:
+        print(f"eval:  {f}")

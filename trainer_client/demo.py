@@ -1,6 +1,6 @@
 """`adaptive-rollout demo`: the whole loop on one CPU machine, in a few minutes.
 
-1. writes the toy model and arithmetic data (`adaptive-rollout toy`, a subprocess);
+1. writes the toy model and arithmetic data (`trainer_client.toy`);
 2. starts the sampler service as its own process on a free loopback port, with balanced
    adaptive sampling (Reinforce-Ada: sample each prompt until it has 2 right and 2 wrong
    answers, at most 16, keep 2 + 2, advantages against the mean of all its answers);
@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer_client.launch import SamplerProcess, build_toy
+from trainer_client.launch import SamplerProcess
 
 #: Reinforce-Ada's Seq-Balance: K_pos = K_neg = 2, n_max 16, adaptive waves of up to 8,
 #: balanced down-sampling to n = 4 (the demo's rule, and the learning benchmark's).
@@ -90,6 +90,7 @@ def run_demo(settings: DemoSettings) -> int:
     from trainer_client.client import SamplerClient
     from trainer_client.grpo import GRPOTrainer, TrainConfig
     from trainer_client.report import accuracy_table, plot_report, sampling_tables
+    from trainer_client.toy import build_toy
 
     started = time.monotonic()
     out = settings.out_dir
@@ -101,7 +102,8 @@ def run_demo(settings: DemoSettings) -> int:
     hf_logging.disable_progress_bar()  # no "Loading weights" bars between ours
 
     print("== adaptive-rollout demo: toy arithmetic, sampler + GRPO trainer over loopback HTTP ==")
-    model_dir, data, evals = build_toy(out / "toy", settings.seed)
+    toy = build_toy(out / "toy", seed=settings.seed)
+    model_dir, data, evals = toy.model_dir, toy.data_files, toy.eval_files
     print(
         f"toy model {model_dir}; domains: {', '.join(f.stem for f in data)} "
         f"(held-out: {sum(1 for f in evals for _ in f.open())} prompts)"

@@ -18,13 +18,17 @@ Nothing here imports the server: a trainer node needs torch, transformers and ht
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import shlex
+import signal
 import sys
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +37,69 @@ from tqdm.auto import tqdm
 
 from trainer_client.batch import BatchAssembler, TrainBatch
 from trainer_client.client import SamplerClient
+from trainer_client.contract.flags import command_line
 from trainer_client.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 
 # Seconds between progress lines when stderr is not a terminal.
 PIPED_PROGRESS_INTERVAL_S = 30.0
+
+
+class TrainingStopped(Exception):
+    """Training ended early on a signal (a checkpoint was saved); `signum` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class Interrupted(BaseException):
+    """Raised by the signal handler into a wait for groups (nothing to finish there)."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM during training: the step under way finishes, then training stops.
+
+    A signal while waiting for groups stops at once (`interruptible`); a second signal
+    while a step runs raises KeyboardInterrupt as usual. Installed only on the main thread
+    (the only one Python delivers signals to).
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._waiting = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+        if self._waiting:
+            raise Interrupted
+        tqdm.write(
+            f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+            "(again to stop at once)",
+            file=sys.stderr,
+        )
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
 
 
 # -- the algorithm ------------------------------------------------------------------------
@@ -103,11 +164,12 @@ class GRPOTrainer:
             consumer=cfg.consumer,
             watchdog_s=cfg.watchdog_s,
             max_unacked=cfg.max_unacked or 2 * cfg.batch_groups,
+            groups_per_step=cfg.batch_groups,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(
-            cfg.device
-        )
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        # transformers wraps `to` with functools.wraps, whose stub asks for the model twice.
+        self.model = model.to(cfg.device)  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -123,6 +185,7 @@ class GRPOTrainer:
         self._temperatures: dict[int, float] = {}
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
+        self._lag_warned = False
 
     # -- one step: the whole algorithm ---------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -167,9 +230,16 @@ class GRPOTrainer:
         }
 
     def train(self) -> list[dict[str, Any]]:
-        """Run `cfg.steps` steps (from where a resumed checkpoint left off); returns the log."""
+        """Run `cfg.steps` steps (from where a resumed checkpoint left off); returns the log.
+
+        Any exit it can catch leaves a checkpoint to resume from: a sampler error (it went
+        away past the watchdog, someone else pushed a newer version) is raised after one
+        is saved, and SIGINT or SIGTERM end the step under way, save, and raise
+        `TrainingStopped`.
+        """
         cfg = self.cfg
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        started = self.step
         self._prepare_sampler()
         if cfg.eval_files:
             self._log_eval("before")
@@ -184,17 +254,45 @@ class GRPOTrainer:
             # Piped to a file, a bar redrawn 10 times a second is tens of KB of log lines.
             mininterval=0.1 if sys.stderr.isatty() else PIPED_PROGRESS_INTERVAL_S,
         )
+        signals = StopSignals()
+        try:
+            with signals:
+                self._run_steps(batches, bar, signals)
+        except BaseException:
+            self._save_on_exit(started)
+            raise
+        finally:
+            bar.close()
+            batches.close()  # ends the stream: prefetched, unused groups go back to the sampler
+        if signals.received is not None:
+            self._save_on_exit(started)
+            raise TrainingStopped(signals.received)
+        if cfg.eval_files:
+            self._log_eval("after")
+        self.save(cfg.out_dir / "final")
+        return self.history
+
+    def _run_steps(
+        self, batches: Generator[TrainBatch, None, None], bar: Any, signals: StopSignals
+    ) -> None:
+        cfg = self.cfg
         deadline = time.monotonic() + cfg.time_limit_s if cfg.time_limit_s else math.inf
         with (cfg.out_dir / "train_log.jsonl").open("a") as log_file:
-            while self.step < cfg.steps and time.monotonic() < deadline:
+            while (
+                self.step < cfg.steps and time.monotonic() < deadline and signals.received is None
+            ):
                 t0 = time.monotonic()
-                batch = next(batches)  # blocks on the sampler; SamplerUnavailable if it died
+                try:
+                    with signals.interruptible():
+                        batch = next(batches)  # blocks on the sampler; raises if it died
+                except Interrupted:
+                    return  # stopped while waiting: no step under way
                 t1 = time.monotonic()
                 metrics = self.train_step(batch)
                 self.step += 1
                 t2 = time.monotonic()
                 last = self.step == cfg.steps or time.monotonic() >= deadline
-                if self.step % cfg.sync_every == 0 or last:
+                if self.step % cfg.sync_every == 0 or last or signals.received is not None:
                     self.version += 1
                     self.client.push_weights(self.model.state_dict(), self.version)
                 # Ack only once the new weights are served: `max_staleness` counts unacked
@@ -214,6 +312,7 @@ class GRPOTrainer:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
                 self.history.append(record)
+                self._check_lag(metrics)
                 # The postfix rides on the bar's next timed draw: a refresh here would draw
                 # every step, whatever the interval.
                 bar.set_postfix(
@@ -225,12 +324,18 @@ class GRPOTrainer:
                     v=self.version,
                 )
                 bar.update(1)
-        bar.close()
-        batches.close()  # ends the stream: prefetched, unused groups go back to the sampler
-        if cfg.eval_files:
-            self._log_eval("after")
-        self.save(cfg.out_dir / "final")
-        return self.history
+
+    def _save_on_exit(self, started: int) -> None:
+        """Keep what was trained since `started` and say how to go on from it."""
+        if self.step <= started:
+            return  # nothing trained since the start (or the checkpoint resumed from)
+        path = self.save(self.cfg.out_dir / f"checkpoint-{self.step}")
+        command = command_line(self.cfg.model_copy(update={"model": path}), exclude={"api_key"})
+        tqdm.write(
+            f"saved checkpoint {path} (step {self.step}, policy v{self.version}); resume with:\n"
+            f"  adaptive-rollout train {shlex.join(command)}",
+            file=sys.stderr,
+        )
 
     def evaluate(self) -> dict[str, float]:
         """Greedy exact-match accuracy per domain on `cfg.eval_files` (held-out prompts)."""
@@ -253,6 +358,21 @@ class GRPOTrainer:
             f"eval ({when}, step {self.step}): " + " ".join(f"{d}={a:.3f}" for d, a in acc.items())
         )
         return acc
+
+    def _check_lag(self, metrics: dict[str, float]) -> None:
+        """Say once when the groups trained on lag the weights by more than the threshold:
+        the sampler then generates far ahead of this trainer, on older weights."""
+        threshold = self.cfg.lag_warning
+        if self._lag_warned or not threshold or metrics["version_lag_mean"] <= threshold:
+            return
+        self._lag_warned = True
+        message = (
+            f"step {self.step} trained on groups {metrics['version_lag_mean']:.1f} policy "
+            f"versions behind on average (max {metrics['version_lag_max']:.0f}), more than "
+            f"--lag-warning {threshold:g}: the sampler is generating far ahead of this "
+            "trainer; bound it with its max_staleness (PATCH /v1/config)"
+        )
+        tqdm.write(f"warning: {message}", file=sys.stderr)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _prepare_sampler(self) -> None:

@@ -25,30 +25,6 @@ def _python() -> list[str]:
     return [sys.executable, "-m", "sampler_service"]
 
 
-def build_toy(out: Path, seed: int) -> tuple[Path, list[Path], list[Path]]:
-    """Run `adaptive-rollout toy` and parse what it wrote (model dir, data and eval files)."""
-    done = subprocess.run(
-        [*_python(), "toy", "--out", str(out), "--seed", str(seed)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"building the toy task failed:\n{done.stdout}\n{done.stderr}")
-    model, data, evals = None, [], []
-    for line in done.stdout.splitlines():
-        key, _, value = line.partition(":")
-        if key == "model":
-            model = Path(value.strip())
-        elif key == "data":
-            data.append(Path(value.strip()))
-        elif key == "eval":
-            evals.append(Path(value.strip()))
-    if model is None or not data or not evals:
-        raise RuntimeError(f"unexpected output of `adaptive-rollout toy`:\n{done.stdout}")
-    return model, data, evals
-
-
 class SamplerProcess:
     """`adaptive-rollout serve` as a child process on a free loopback port.
 

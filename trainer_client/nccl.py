@@ -28,9 +28,9 @@ from typing import Any
 
 import httpx
 
-log = logging.getLogger(__name__)
+from trainer_client.contract.dtypes import FLOAT_NAMES
 
-_FLOAT_NAMES = {"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"}
+log = logging.getLogger(__name__)
 
 
 class NCCLTransferError(RuntimeError):
@@ -114,7 +114,7 @@ def check_metadata(meta: list[tuple[str, str, tuple[int, ...]]], info: dict[str,
             raise NCCLTransferError(
                 f"tensor {name!r}: shape {list(shape)} != sampler's {tensors[name][0]}"
             )
-        if dtype not in _FLOAT_NAMES:
+        if dtype not in FLOAT_NAMES:
             raise NCCLTransferError(f"tensor {name!r}: dtype {dtype} is not floating")
 
 

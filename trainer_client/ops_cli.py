@@ -25,19 +25,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from trainer_client.config_cli import parse_key_values
-
-DEFAULT_URL = "http://127.0.0.1:8000"
+from trainer_client.contract.flags import parse_key_values
+from trainer_client.train_config import DEFAULT_URL
 
 
 # -- arguments ---------------------------------------------------------------------------
-def load_schedule(path: Path) -> list[Any]:
-    """A schedule file: a JSON list of steps, or a JSON/TOML object with a `schedule` list."""
+def load_schedule(path: Path) -> dict[str, Any]:
+    """A schedule file as one config patch: a JSON list of steps, or a JSON/TOML config
+    with a `schedule` list, whose other keys (the knobs the schedule starts from, as
+    `serve --config` reads the same file) are applied with it, never dropped."""
     text = path.read_text(encoding="utf-8")
     data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    if isinstance(data, dict) and "schedule" in data:
-        data = data["schedule"]
-    if not isinstance(data, list):
+    if isinstance(data, list):
+        return {"schedule": data}
+    if not isinstance(data, dict) or not isinstance(data.get("schedule"), list):
         raise SystemExit(f"{path}: expected a list of steps or an object with a 'schedule' list")
     return data
 
@@ -88,7 +89,11 @@ def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
         ("tokens/s (60 s)", _fmt(rates.get("tokens_per_s"), 1)),
         ("READY / LEASED", f"{queue.get('ready')} / {queue.get('leased')}"),
         ("active prompts", queue.get("active_prompts")),
-        ("staleness (last group)", _fmt(staleness.get("last_group"), 0)),
+        (
+            "staleness last / mean / max",
+            f"{_fmt(staleness.get('last'), 0)} / {_fmt(staleness.get('mean'), 1)} / "
+            f"{_fmt(staleness.get('max'), 0)} (bound {_fmt(staleness.get('max_staleness'))})",
+        ),
         ("trained groups", stats.get("trained_groups")),
     ]
     for label, value in rows:
@@ -190,7 +195,7 @@ def config_command(args: argparse.Namespace) -> None:
             except argparse.ArgumentTypeError as exc:
                 raise SystemExit(str(exc)) from exc
         else:
-            patch = {"schedule": load_schedule(Path(args.file))}
+            patch = load_schedule(Path(args.file))
         old = client.get_config()
         # One PATCH, refused (409) if someone else changed the config since it was read.
         new = client.update_config(expected_version=old["config_version"], **patch)
@@ -228,7 +233,7 @@ def events_command(args: argparse.Namespace) -> None:
         since = args.since
         for _ in _refreshes(args, args.follow):
             while True:
-                page = client.events(since=since, limit=1000)
+                page = client.events(since=since, limit=1000, kinds=args.kind)
                 for event in page["events"]:
                     print(event_line(event))
                 since = page["last_seq"]
@@ -237,13 +242,41 @@ def events_command(args: argparse.Namespace) -> None:
             sys.stdout.flush()
 
 
+#: How long a first connection may take before the sampler is reported unreachable.
+CONNECT_TIMEOUT_S = 2.0
+
+
+def _check_reachable(url: str) -> None:
+    """Say at once when nothing answers at `url`: the client's retries are for a sampler
+    that is starting or restarting (it answers, with 503), not for one that is not there."""
+    import httpx
+
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=CONNECT_TIMEOUT_S)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        reason = (
+            "connection refused"
+            if isinstance(exc, httpx.ConnectError)
+            else f"no answer within {CONNECT_TIMEOUT_S:g} s"
+        )
+        print(
+            f"error: no sampler at {url} ({reason}); is "
+            "`adaptive-rollout serve` running there? --url or ADAPTIVE_ROLLOUT_URL names it",
+            file=sys.stderr,
+        )
+        raise SystemExit(1) from None
+    except httpx.HTTPError:
+        pass  # it answered somehow: the command's own requests report what is wrong
+
+
 def _run(command: Callable[[argparse.Namespace], None]) -> Callable[[argparse.Namespace], None]:
     """A command whose client errors print the server's message and exit with status 1."""
 
     def run(args: argparse.Namespace) -> None:
-        from trainer_client.client import SamplerError
+        from trainer_client.exceptions import SamplerError
 
         try:
+            _check_reachable(args.url)
             command(args)
         except SamplerError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -274,8 +307,7 @@ def _repeating(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: never)")
 
 
-def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p_config = sub.add_parser("config", help="read or change a live sampler's config over HTTP")
+def add_config_arguments(p_config: argparse.ArgumentParser) -> None:
     actions = p_config.add_subparsers(dest="action", required=True)
     p_get = actions.add_parser("get", help="print the live config with its config_version")
     p_set = actions.add_parser(
@@ -286,23 +318,34 @@ def add_ops_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p_set.add_argument("values", nargs="+", metavar="KEY=VALUE")
     p_schedule = actions.add_parser(
         "schedule",
-        help="replace the schedule with FILE's (a JSON list of steps, or JSON/TOML with a "
-        "'schedule' list); steps already due apply at once",
+        help="replace the schedule with FILE's (a JSON list of steps, or a JSON/TOML config "
+        "with a 'schedule' list, whose other knobs are set in the same PATCH); steps already "
+        "due apply at once",
     )
     p_schedule.add_argument("file", metavar="FILE")
     for p in (p_get, p_set, p_schedule):
         _common(p)
         p.set_defaults(func=_run(config_command))
 
-    p_stats = sub.add_parser("stats", help="a live sampler's throughput, queues and domains")
+
+def add_stats_arguments(p_stats: argparse.ArgumentParser) -> None:
     _common(p_stats)
     _repeating(p_stats)
     p_stats.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (or --count)")
     p_stats.set_defaults(func=_run(stats_command))
 
-    p_events = sub.add_parser("events", help="a live sampler's event log (config, weights, ...)")
+
+def add_events_arguments(p_events: argparse.ArgumentParser) -> None:
     _common(p_events)
     _repeating(p_events)
     p_events.add_argument("--since", type=int, default=0, help="print events after this seq")
     p_events.add_argument("--follow", action="store_true", help="keep printing new events")
+    p_events.add_argument(
+        "--kind",
+        action="append",
+        default=[],
+        metavar="KIND",
+        help="print only events of this kind: config, weights, schedule_skipped, "
+        "engine_failed or replica (repeatable; default: every kind)",
+    )
     p_events.set_defaults(func=_run(events_command))

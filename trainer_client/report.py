@@ -53,7 +53,7 @@ def sampling_tables(history: Sequence[dict[str, Any]], stats: dict[str, Any]) ->
     """Answers per emitted group by domain, stop reasons and mixing shares, as text."""
     out = []
     per_domain = answers_per_group_by_domain(history)
-    trained = Counter()
+    trained: Counter[str] = Counter()
     for rec in history:
         trained.update(rec.get("domains", {}))
     out.append("answers generated per emitted group (groups the trainer used):")

@@ -12,14 +12,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+#: Where a sampler listens unless told otherwise (`serve`'s default port on this machine).
+DEFAULT_URL = "http://127.0.0.1:8000"
+
 
 class TrainConfig(BaseModel):
     """Settings of the reference trainer: `adaptive-rollout train` builds its flags from
-    these fields (trainer_client.config_cli), so each default is stated here only."""
+    these fields (trainer_client.contract.flags), so each default is stated here only."""
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str = Field(description="sampler service URL, e.g. http://127.0.0.1:8000")
+    url: str = Field(
+        default_factory=lambda: os.environ.get("ADAPTIVE_ROLLOUT_URL") or DEFAULT_URL,
+        description=f"sampler service URL (default: env ADAPTIVE_ROLLOUT_URL, else {DEFAULT_URL})",
+    )
     model: Path = Field(
         description="Hugging Face model directory the sampler started from (or one of our "
         "checkpoints, to resume from its step and policy version)"
@@ -76,6 +82,13 @@ class TrainConfig(BaseModel):
     )
     configure_sampler: bool = Field(
         True, description="PATCH the sampler's batch_groups to --batch-groups"
+    )
+    lag_warning: float = Field(
+        2.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="warn once when a step's groups lag the trainer's weights by more than "
+        "this many policy versions on average (0: never)",
     )
     seed: int = Field(0, description="seed for the trainer's shuffling")
     progress: bool = Field(True, description="show a progress bar")

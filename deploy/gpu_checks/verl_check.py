@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.cpu_dry_run and not torch.cuda.is_available():
             check.expect(False, "a CUDA GPU is visible (use --cpu-dry-run without one)")
             return 1
-        from sampler_service.toy import build_toy
+        from trainer_client.toy import build_toy
 
         toy = build_toy(args.out / "toy", seed=0)
         if args.cpu_dry_run:

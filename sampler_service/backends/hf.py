@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from transformers import (
@@ -28,7 +28,6 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
-    PreTrainedModel,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -38,17 +37,14 @@ from sampler_service.backends.base import (
     Backend,
     BackendHealth,
     Completion,
+    FinishReason,
     GenerationAborted,
     SamplingParams,
     TensorSpec,
     check_request,
 )
-from sampler_service.backends.weights import (
-    WeightSpecs,
-    check_tensor,
-    safetensors_dtype,
-    tensor_spec,
-)
+from sampler_service.backends.weights import WeightSpecs, check_tensor, tensor_spec
+from trainer_client.contract.dtypes import SERVING_DTYPES, safetensors_code, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +53,6 @@ log = logging.getLogger(__name__)
 FAULT_ENGINE_ERRORS_ENV = "ADAPTIVE_ROLLOUT_FAULT_ENGINE_ERRORS"
 
 _T = TypeVar("_T")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Decoder(Protocol):
@@ -127,9 +121,10 @@ class _AbortCriteria(StoppingCriteria):
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
     ) -> torch.BoolTensor:
-        return torch.full(
+        stop = torch.full(
             (input_ids.shape[0],), self._event.is_set(), dtype=torch.bool, device=input_ids.device
         )
+        return cast(torch.BoolTensor, stop)  # transformers' hint; torch types it a Tensor
 
 
 class HFBackend(Backend):
@@ -160,8 +155,8 @@ class HFBackend(Backend):
         tokenizer: Decoder | None = None,
         max_batch_wait_s: float = 0.05,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype not in SERVING_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(SERVING_DTYPES)}, got {dtype!r}")
         if max_batch_rows < 1:
             raise ValueError("max_batch_rows must be >= 1")
         self._model_dir = Path(model_dir)
@@ -174,7 +169,9 @@ class HFBackend(Backend):
         # One thread owns the model: generate batches, weight copies and scoring are
         # serialized on it, which is what keeps a weight load out of a running batch.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-model")
-        self._model: PreTrainedModel | None = None
+        # The causal LM once loaded (Any: transformers' hints of its generate() and to() do
+        # not type-check against the model classes they decorate).
+        self._model: Any = None
         self._queue: deque[_Request] = deque()
         self._wakeup = asyncio.Event()
         self._batcher: asyncio.Task[None] | None = None
@@ -234,8 +231,8 @@ class HFBackend(Backend):
         return BackendHealth(ok=ok, detail=detail)
 
     def _load(self) -> None:
-        model = AutoModelForCausalLM.from_pretrained(
-            self._model_dir, dtype=_DTYPES[self._dtype_name]
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            self._model_dir, dtype=torch_dtype(self._dtype_name)
         )
         model.to(self._device).eval()
         config, defaults = model.config, model.generation_config
@@ -254,7 +251,7 @@ class HFBackend(Backend):
         model.generation_config = GenerationConfig(
             eos_token_id=eos or None, pad_token_id=self._pad_id, bos_token_id=defaults.bos_token_id
         )
-        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._vocab_size = int(model.get_input_embeddings().num_embeddings)
         self._targets = dict(model.state_dict())
         self._names = {key: key for key in self._targets}
         prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
@@ -275,7 +272,8 @@ class HFBackend(Backend):
         if self._tokenizer is None and any(
             (self._model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
         ):
-            self._tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
+            # decode() of a flat id list is one str (transformers types it str | list[str]).
+            self._tokenizer = cast(Decoder, AutoTokenizer.from_pretrained(self._model_dir))
         self._model = model
         log.info(
             "hf backend loaded %s on %s (%s): %d tensors, eos %s, pad %d",
@@ -437,6 +435,7 @@ class HFBackend(Backend):
     ) -> Completion:
         """Cut a generated row after its first eos (the rest is padding) and label it."""
         stop = next((i for i, token in enumerate(tokens) if token in self._eos_ids), None)
+        reason: FinishReason
         if stop is not None:
             tokens, reason = tokens[: stop + 1], "stop"
         else:  # without eos a row is only short of max_tokens when abort_all cut it
@@ -466,7 +465,7 @@ class HFBackend(Backend):
         plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, value in tensors.items():
             tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-            check_tensor(name, tuple(tensor.shape), safetensors_dtype(tensor.dtype), self._specs)
+            check_tensor(name, tuple(tensor.shape), safetensors_code(tensor.dtype), self._specs)
             plan.append((self._targets[self._names[name]], tensor))
         await self._in_model_thread(self._install, plan, version)
 

@@ -51,6 +51,7 @@ from sampler_service.backends.base import (
     BackendHealth,
     Completion,
     GenerationAborted,
+    HealthState,
     NCCLGroupStale,
     NCCLUnavailable,
     SamplingParams,
@@ -263,7 +264,7 @@ class RayPoolBackend(Backend):
         await asyncio.to_thread(self._init_ray)
         actor_class = ray.remote(Replica)
         for i in range(s.replicas):
-            handle = actor_class.options(  # type: ignore[attr-defined]
+            handle = actor_class.options(
                 name=self.actor_name(i),
                 namespace=NAMESPACE,
                 lifetime="detached",
@@ -378,7 +379,7 @@ class RayPoolBackend(Backend):
             detail["error"] = "every engine replica failed and used up its restarts: " + "; ".join(
                 f"replica {r.index}: {r.error}" for r in self._replicas
             )
-        state = "ok" if usable else "failed" if failed else "degraded"
+        state: HealthState = "ok" if usable else "failed" if failed else "degraded"
         return BackendHealth(ok=usable, detail=detail, state=state)
 
     # -- routing ----------------------------------------------------------------------

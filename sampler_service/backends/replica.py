@@ -346,7 +346,7 @@ class Replica:
         }
 
     def nccl_specs(self) -> tuple[dict[str, Any], set[str]]:
-        return self._engine().nccl_specs()  # type: ignore[attr-defined, no-any-return]
+        return self._engine().nccl_specs()  # type: ignore[attr-defined]
 
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
         await self._engine().nccl_init(init_info)  # type: ignore[attr-defined]

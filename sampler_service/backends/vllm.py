@@ -55,6 +55,13 @@ from sampler_service.backends.base import (
     WeightsRejected,
     check_request,
 )
+from trainer_client.contract.dtypes import (
+    BY_SAFETENSORS,
+    FLOAT_CODES,
+    SERVING_DTYPES,
+    safetensors_code,
+    torch_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,21 +84,6 @@ _CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True}
 # inference GPUs can give vLLM more (--vllm-arg gpu_memory_utilization=0.9).
 _CUDA_DEFAULTS: dict[str, Any] = {"gpu_memory_utilization": 0.45}
 _CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-_SAFETENSORS_TO_TORCH = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
 
 
 def engine_arg_names() -> set[str]:
@@ -252,7 +244,7 @@ class VLLMBackend(Backend):
             # checkpoint's own dtype unless asked otherwise (CPU parity runs in float32).
             config = _read_json(self._model_dir / "config.json")
             own = config.get("dtype") or config.get("torch_dtype")
-            if isinstance(own, str) and own in ("float32", "bfloat16", "float16"):
+            if isinstance(own, str) and own in SERVING_DTYPES:
                 args["dtype"] = own
         elif current_platform.is_cuda_alike():
             args.update(_CUDA_DEFAULTS)
@@ -720,12 +712,10 @@ def _version_of(output: Any, default: int) -> int:
 
 
 def _dtype_name(value: Any) -> str:
-    from sampler_service.backends.weights import safetensors_dtype
-
     dtype = getattr(value, "dtype", None)
     try:
-        return safetensors_dtype(dtype)  # type: ignore[arg-type]
-    except (ValueError, KeyError, TypeError):
+        return safetensors_code(dtype)
+    except ValueError:
         raise WeightsRejected(f"unsupported tensor dtype {dtype}") from None
 
 
@@ -738,8 +728,8 @@ def _write_tensors(path: Path, tensors: Mapping[str, Any], specs: Mapping[str, T
     for name, value in tensors.items():
         tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
         want = specs[name].dtype
-        if want in _FLOAT_DTYPES and tensor.is_floating_point():
-            tensor = tensor.to(getattr(torch, _SAFETENSORS_TO_TORCH[want]))
+        if want in FLOAT_CODES and tensor.is_floating_point():
+            tensor = tensor.to(torch_dtype(BY_SAFETENSORS[want].name))
         out[name] = tensor.detach().to("cpu").contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(out, str(tmp))

@@ -45,10 +45,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from trainer_client.contract.dtypes import FLOAT_NAMES
+
 if TYPE_CHECKING:
     from sampler_service.service import SamplerService
 
-_FLOAT_NAMES = {"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"}
 _MAX_BODY = 64 * 1024 * 1024
 
 
@@ -91,7 +92,7 @@ def vet_update_info(info: NCCLUpdateInfo, specs: dict[str, Any], required: set[s
             return f"tensor {name!r}: the model has no tensor of this name"
         if tuple(shape) != tuple(spec.shape):
             return f"tensor {name!r}: shape {shape} does not match the model's {list(spec.shape)}"
-        if dtype not in _FLOAT_NAMES:
+        if dtype not in FLOAT_NAMES:
             return f"tensor {name!r}: dtype {dtype} is not a floating dtype"
     return None
 
@@ -160,7 +161,7 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
         if fans_out(engine):
             info = await pool_call(engine.nccl_info())
             return info["specs"], info["required"]
-        return engine.nccl_specs()  # type: ignore[no-any-return]
+        return engine.nccl_specs()
 
     def cause(exc: BaseException) -> str:
         """The message of an error raised in a replica actor, without Ray's traceback."""

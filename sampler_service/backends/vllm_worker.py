@@ -28,6 +28,8 @@ PREFIX = "adaptive_rollout_"
 class WeightLoaderExtension:
     """Mixed into vLLM's Worker class; `self.model_runner` is the worker's runner."""
 
+    model_runner: Any  # set by vLLM's Worker, which this class is mixed into
+
     def adaptive_rollout_load_weights(self, plan: list[tuple[str, str]]) -> dict[str, Any]:
         """Stream the named tensors from their files into the model, in plan order.
 
@@ -36,12 +38,12 @@ class WeightLoaderExtension:
         checkpoint order keeps at most a layer or two of extra buffers alive.
         """
         started = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=_read_plan(plan))  # type: ignore[attr-defined]
+        self.model_runner.reload_weights(weights_iterator=_read_plan(plan))
         return {"tensors": len(plan), "seconds": time.perf_counter() - started}
 
     def adaptive_rollout_param_count(self) -> int:
         """How many parameters the live model has (a cheap liveness probe for tests)."""
-        return sum(1 for _ in self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+        return sum(1 for _ in self.model_runner.model.named_parameters())
 
 
 def _read_plan(plan: list[tuple[str, str]]) -> Iterator[tuple[str, Any]]:

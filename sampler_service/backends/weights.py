@@ -13,6 +13,7 @@ import math
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,45 +23,14 @@ import torch
 from safetensors import SafetensorError
 
 from sampler_service.backends.base import TensorSpec, WeightsRejected
-
-# Floating tensors are cast to the engine dtype on load, so any of these may stand in for
-# another (a F16 or BF16 upload for a F32 CPU model is normal). Other dtypes must match.
-FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
-
-_TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-_ITEMSIZE = {
-    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
-    "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
-}  # fmt: skip
+from trainer_client.contract.dtypes import BY_SAFETENSORS, FLOAT_CODES, safetensors_code
 
 # Same bound the safetensors library applies; stops a forged length from allocating GBs.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    """The safetensors dtype string ("F32", "BF16", ...) of a torch dtype."""
-    try:
-        return _TORCH_TO_SAFETENSORS[dtype]
-    except KeyError:
-        raise ValueError(f"no safetensors name for dtype {dtype}") from None
-
-
 def tensor_spec(tensor: torch.Tensor) -> TensorSpec:
-    return TensorSpec(shape=tuple(tensor.shape), dtype=safetensors_dtype(tensor.dtype))
+    return TensorSpec(shape=tuple(tensor.shape), dtype=safetensors_code(tensor.dtype))
 
 
 def check_tensor(
@@ -74,7 +44,9 @@ def check_tensor(
         raise WeightsRejected(
             f"tensor {name!r}: shape {list(shape)} does not match the model's {list(spec.shape)}"
         )
-    if dtype != spec.dtype and not (dtype in FLOAT_DTYPES and spec.dtype in FLOAT_DTYPES):
+    # Floating tensors are cast to the engine dtype on load, so any may stand in for
+    # another (a F16 or BF16 upload for a F32 CPU model is normal). Others must match.
+    if dtype != spec.dtype and not (dtype in FLOAT_CODES and spec.dtype in FLOAT_CODES):
         raise WeightsRejected(f"tensor {name!r}: dtype {dtype} cannot be loaded into {spec.dtype}")
 
 
@@ -93,9 +65,10 @@ class WeightSpecs(dict[str, TensorSpec]):
 
 def spec_bytes(specs: Mapping[str, TensorSpec]) -> int:
     """Bytes of the model's weights as described by `specs` (the upload size limit's base)."""
-    aliases = getattr(specs, "aliases", frozenset())
+    aliases: frozenset[str] = getattr(specs, "aliases", frozenset())
+    sizes = {code: entry.itemsize for code, entry in BY_SAFETENSORS.items()}
     return sum(
-        math.prod(spec.shape) * _ITEMSIZE.get(spec.dtype, 4)
+        math.prod(spec.shape) * sizes.get(spec.dtype, 4)
         for name, spec in specs.items()
         if name not in aliases
     )
@@ -141,7 +114,7 @@ def vet_weight_files(
     vet_weight_headers(files, specs)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        tensors.update(_load(lambda f=file: safetensors.torch.load_file(f), str(file)))
+        tensors.update(_load(partial(safetensors.torch.load_file, file), str(file)))
     return _nonempty(tensors)
 
 

@@ -9,13 +9,9 @@ Content-Security-Policy below makes the browser refuse anything else.
 
 from __future__ import annotations
 
-import functools
-from importlib import resources
-
 from fastapi import APIRouter
-from fastapi.responses import Response
 
-from sampler_service.service import ServiceError
+from sampler_service.pages import package_pages
 
 #: Files the page may load, with their media types; nothing else is served.
 ASSETS = {
@@ -38,26 +34,5 @@ HEADERS = {
 }
 
 
-@functools.cache
-def _read(name: str) -> bytes:
-    return resources.files(__name__).joinpath(name).read_bytes()
-
-
 def create_dashboard_router() -> APIRouter:
-    router = APIRouter()
-
-    @router.get("/dashboard", response_class=Response)
-    async def page() -> Response:
-        return Response(_read("index.html"), media_type="text/html; charset=utf-8", headers=HEADERS)
-
-    @router.get(
-        "/dashboard/{name}",
-        response_class=Response,
-        responses={404: {"description": "no such asset"}},
-    )
-    async def asset(name: str) -> Response:
-        if name not in ASSETS:
-            raise ServiceError(404, "not_found", f"no dashboard asset {name!r}")
-        return Response(_read(name), media_type=ASSETS[name], headers=HEADERS)
-
-    return router
+    return package_pages(__name__, "/dashboard", ASSETS, HEADERS)

@@ -6,9 +6,10 @@
 const REFRESH_MS = 2000;
 const HISTORY = 300; // chart points kept (10 minutes at one per refresh)
 const KEY_STORE = "adaptive-rollout-api-key";
-const FORM_FIELDS = ["rule", "k_pos", "k_neg", "n_max", "wave", "wave_size", "group_size", "mixing", "schedule"];
+const FORM_FIELDS = ["rule", "k_pos", "k_neg", "n_max", "wave", "wave_size", "group_size", "max_tokens", "mixing", "schedule"];
 const JSON_FIELDS = new Set(["mixing", "schedule"]);
-const NUMBER_FIELDS = new Set(["k_pos", "k_neg", "n_max", "wave_size", "group_size"]);
+const NUMBER_FIELDS = new Set(["k_pos", "k_neg", "n_max", "wave_size", "group_size", "max_tokens"]);
+const EVENTS_KEPT = 50;
 
 const $ = (sel) => document.querySelector(sel);
 const state = {
@@ -17,7 +18,7 @@ const state = {
   formConfig: null,  // the config the form was filled from: edits are relative to it
   dirty: false,      // the form has edits not yet sent
   lastSeq: 0,
-  events: [],
+  events: {},        // kind -> its last EVENTS_KEPT events: weight updates never push out config changes
   history: { t: [], groups: [], samples: [], ready: [], leased: [] },
   charts: {},
 };
@@ -64,6 +65,14 @@ function fillRows(tbody, rows) {
 // -- charts ----------------------------------------------------------------------------
 function chartWidth(el) { return Math.max(el.clientWidth - 4, 280); }
 
+// The time axis runs from the first sample this page took, over a minute at least: left
+// to itself, uPlot spans a lone first point over years.
+const MIN_SPAN_S = 60;
+function showTimes(chart, times) {
+  const start = times.length ? times[0] : Date.now() / 1000;
+  chart.setScale("x", { min: start, max: Math.max(times[times.length - 1] ?? start, start + MIN_SPAN_S) });
+}
+
 function makeCharts() {
   const rates = $("#chart-rates"), queue = $("#chart-queue"), hist = $("#chart-hist");
   state.charts.rates = new uPlot({
@@ -99,6 +108,8 @@ function updateCharts(stats) {
   for (const key of Object.keys(h)) if (h[key].length > HISTORY) h[key].shift();
   state.charts.rates.setData([h.t, h.groups, h.samples]);
   state.charts.queue.setData([h.t, h.ready, h.leased]);
+  showTimes(state.charts.rates, h.t);
+  showTimes(state.charts.queue, h.t);
   const bins = Object.entries(stats.samples_per_group || {}).map(([n, c]) => [Number(n), c]).sort((a, b) => a[0] - b[0]);
   state.charts.hist.setData([bins.map((b) => b[0]), bins.map((b) => b[1])]);
 }
@@ -119,7 +130,8 @@ function renderStats(stats) {
   setText("#rate-tokens", fmt(r.tokens_per_s, 0));
   setText("#queue", `${fmt(q.ready)} / ${fmt(q.leased)}`);
   setText("#active", fmt(q.active_prompts));
-  setText("#staleness", fmt(stats.staleness?.last_group, 0));
+  const st = stats.staleness || {};
+  setText("#staleness", `${fmt(st.last, 0)} / ${fmt(st.mean, 1)} / ${fmt(st.max, 0)}`);
   setText("#total-samples", fmt(stats.samples));
   setText("#trained", fmt(stats.trained_groups));
   const domains = Object.entries(stats.domains || {}).sort((a, b) => a[0].localeCompare(b[0]));
@@ -156,9 +168,14 @@ function eventSummary(e) {
 }
 
 function renderEvents(fresh) {
-  state.events.push(...fresh);
-  state.events = state.events.slice(-50);
-  $("#events").replaceChildren(...state.events.slice().reverse().map((e) => {
+  for (const e of fresh) {
+    const list = (state.events[e.kind] ??= []);
+    list.push(e);
+    if (list.length > EVENTS_KEPT) list.shift();
+  }
+  const kind = $("#event-kind").value;
+  const shown = kind ? state.events[kind] || [] : Object.values(state.events).flat().sort((a, b) => a.seq - b.seq).slice(-EVENTS_KEPT);
+  $("#events").replaceChildren(...shown.slice().reverse().map((e) => {
     const li = document.createElement("li");
     const kind = document.createElement("span"); kind.className = "kind"; kind.textContent = e.kind;
     const src = document.createElement("span"); src.className = "src"; src.textContent = `${clock(e.time)} ${e.source}`;
@@ -297,6 +314,7 @@ function start() {
     });
   });
   $("#config-form").addEventListener("input", () => { state.dirty = true; });
+  $("#event-kind").addEventListener("change", () => renderEvents([]));
   $("#reset").addEventListener("click", () => {
     clearErrors();
     reloadForm().catch((err) => showError("config_version", err.message));

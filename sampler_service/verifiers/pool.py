@@ -139,7 +139,12 @@ def _worker_main(conn: Connection, sys_path: list[str]) -> None:
             request: Request = conn.recv()
         except EOFError:
             return
-        conn.send(resolve_error(request[0]) if request[1] is None else run_verifier(*request))
+        spec, response, answer, metadata = request
+        conn.send(
+            resolve_error(spec)
+            if response is None
+            else run_verifier(spec, response, answer, metadata)
+        )
 
 
 class _Worker:

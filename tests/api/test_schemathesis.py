@@ -28,7 +28,13 @@ def sampler(toy: Any, tmp_path: Path) -> Any:
         toy.model_dir,
         toy.data_files,
         tmp_path / "state",
-        {"max_tokens": 8, "max_active_prompts": 8, "max_buffered_groups": 32},
+        # The fuzzer leases without training: nothing to bound.
+        {
+            "max_tokens": 8,
+            "max_active_prompts": 8,
+            "max_buffered_groups": 32,
+            "max_staleness": None,
+        },
         tmp_path / "server.log",
         # Long polls are capped so that a fuzzed wait_s of minutes on an empty queue
         # (every group leased, never acked) does not stretch the run.

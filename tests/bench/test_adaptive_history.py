@@ -31,6 +31,7 @@ CONFIG = {
     "wave_size": 16,
     "max_active_prompts": PROMPTS,
     "max_buffered_groups": 4 * PROMPTS,
+    "max_staleness": None,  # one epoch as fast as it runs: nothing trains on it
 }
 
 

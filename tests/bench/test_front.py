@@ -12,9 +12,9 @@ import pytest
 
 from bench import front
 from bench.front_service import Answers, stamp, stamped_time
-from sampler_service.toy import build_toy
 from sampler_service.verifiers import exact
 from sampler_service.verifiers import math as math_verifier
+from trainer_client.toy import build_toy
 
 
 def test_an_answers_stamp_reads_back_as_the_time_it_was_made() -> None:
@@ -45,7 +45,7 @@ def test_the_loop_profile_counts_only_the_event_loop_thread() -> None:
     raw = "\n".join(
         [
             "thread (1): MainThread;<module> (a.py:1);Scheduler._finalize "
-            "(/x/sampler_service/scheduler.py:9);pack_group (/x/trainer_client/wire.py:3) 6",
+            "(/x/sampler_service/scheduler.py:9);pack_group (/x/trainer_client/contract/wire.py:3) 6",
             "thread (1): MainThread;<module> (a.py:1);timed (/x/bench/front_service.py:2);"
             "Outbox.take (/x/sampler_service/outbox.py:5) 2",
             "thread (1): MainThread;<module> (a.py:1);Runner.run (runners.py:4) 2",
@@ -145,7 +145,11 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict:
             for i in range(64)
         )
     )
-    return {"model": str(toy.model_dir), "data": [str(data)], "work_dir": str(work)}
+    return {
+        "model": str(front.widen_context(toy.model_dir)),
+        "data": [str(data)],
+        "work_dir": str(work),
+    }
 
 
 def test_a_short_window_of_the_real_front_adds_up(inputs: dict) -> None:

@@ -48,13 +48,19 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S) -> 
     pytest.fail(f"waited {timeout_s:.0f} s for {what}")
 
 
-@pytest.fixture
-def sampler(toy: Any, tmp_path: Path) -> Iterator[SamplerProcess]:
+@pytest.fixture(scope="module")
+def sampler(toy: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SamplerProcess]:
+    tmp_path = tmp_path_factory.mktemp("sampler")
     server = SamplerProcess(
         toy.model_dir,
         toy.data_files,
         tmp_path / "state",
-        {"max_tokens": 8, "max_active_prompts": 8, "max_buffered_groups": 256},
+        {
+            "max_tokens": 8,
+            "max_active_prompts": 8,
+            "max_buffered_groups": 256,
+            "max_staleness": None,  # the stand-in trainer acks without training
+        },
         tmp_path / "sampler.log",
         extra=["--api-key", KEY],
     )
@@ -91,7 +97,7 @@ def browser() -> Iterator[Any]:
         browser.close()
 
 
-def test_dashboard(sampler: SamplerProcess, browser: Any) -> None:
+def test_dashboard(sampler: SamplerProcess, browser: Any, toy: Any) -> None:
     api = httpx.Client(
         base_url=sampler.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60.0
     )
@@ -130,6 +136,14 @@ def test_dashboard(sampler: SamplerProcess, browser: Any) -> None:
     first = page.inner_text("#total-samples")
     wait_for("the answers counter to move", lambda: page.inner_text("#total-samples") != first)
     assert page.inner_text("#health") == "ok"
+    # The time charts run from the page's first sample, a minute at least: not over years
+    # (uPlot's own range for a lone point).
+    for chart in ("rates", "queue"):
+        low, high, first_t, last_t = page.evaluate(
+            f"[state.charts.{chart}.scales.x.min, state.charts.{chart}.scales.x.max, "
+            "state.history.t[0], state.history.t[state.history.t.length - 1]]"
+        )
+        assert low == first_t and high == max(last_t, first_t + 60), (chart, low, high)
 
     # The key was asked for once: a reload keeps it (sessionStorage) and shows data again.
     page.reload()
@@ -174,9 +188,47 @@ def test_dashboard(sampler: SamplerProcess, browser: Any) -> None:
     assert page.input_value("#f-k_pos") == "1"
     assert page.inner_text("#form-status") == ""
 
+    # One kind of event at a time: weight updates do not bury the config changes.
+    weights = (toy.model_dir / "model.safetensors").read_bytes()
+    for version in (1, 2, 3):
+        assert api.put("/v1/weights", params={"version": version}, content=weights).is_success
+    wait_for("the weight updates", lambda: "v3 via upload" in page.inner_text("#events"))
+    page.select_option("#event-kind", "config")
+    shown = page.locator("#events li").all_inner_texts()
+    assert shown and all(t.startswith("config") for t in shown), shown
+    assert "k_pos 2 → 1" in page.inner_text("#events")
+    page.select_option("#event-kind", "")
+    # max_tokens is in the form too.
+    page.fill("#f-max_tokens", "7")
+    page.click("#apply")
+    wait_for("max_tokens to apply", lambda: api.get("/v1/config").json()["max_tokens"] == 7)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
     origin = urlsplit(sampler.url)
     foreign = [u for u in requests if urlsplit(u)[:2] != origin[:2] and not u.startswith("data:")]
     assert not foreign, foreign
     api.close()
+
+
+def test_the_api_reference_renders_with_nothing_but_the_sampler(
+    sampler: SamplerProcess, browser: Any
+) -> None:
+    """/docs (Swagger UI) on a machine with no network: every script and style comes from
+    the sampler, and the page shows the sampler's operations."""
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    problems: list[str] = []
+    requests: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda exc: problems.append(f"uncaught: {exc}"))
+    page.on("request", lambda r: requests.append(r.url))
+    response = page.goto(f"{sampler.url}/docs")
+    assert response is not None and response.status == 200
+    wait_for("the operations", lambda: page.locator(".opblock").count() >= 10)
+    assert "adaptive-rollout sampler" in page.inner_text(".info .title")
+    assert "/v1/groups/lease" in page.inner_text("#swagger-ui")
+    origin = urlsplit(sampler.url)
+    foreign = [u for u in requests if urlsplit(u)[:2] != origin[:2] and not u.startswith("data:")]
+    assert not foreign, foreign
+    assert not problems, problems
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "docs.png"))

@@ -13,8 +13,8 @@ import orjson
 from sampler_service.encoding import MSGPACK
 from sampler_service.outbox import Delivered
 from sampler_service.store import StoredGroup
-from trainer_client import wire
-from trainer_client.protocol import MSGPACK_MEDIA_TYPE, NDJSON_MEDIA_TYPE, Group
+from trainer_client.contract import wire
+from trainer_client.contract.protocol import MSGPACK_MEDIA_TYPE, NDJSON_MEDIA_TYPE, Group
 
 
 def sample(

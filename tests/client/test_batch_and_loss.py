@@ -10,6 +10,7 @@ import torch
 from client_helpers import group, sample
 
 from trainer_client.batch import BatchAssembler, collate
+from trainer_client.contract.protocol import Group
 from trainer_client.grpo import (
     GRPOTrainer,
     TrainConfig,
@@ -18,7 +19,6 @@ from trainer_client.grpo import (
     ppo_clip_loss,
     token_logprobs,
 )
-from trainer_client.protocol import Group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,7 +125,7 @@ def test_approx_kl_is_zero_on_policy_and_positive_off() -> None:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import Qwen2ForCausalLM
 
-    from sampler_service.toy.model import build_config, build_tokenizer
+    from trainer_client.toy.model import build_config, build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny")
     tok = build_tokenizer()

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from trainer_client.client import ConflictError, InvalidRequest, SamplerClient, SamplerUnavailable
+from trainer_client.client import SamplerClient
+from trainer_client.exceptions import ConflictError, InvalidRequest, SamplerUnavailable
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,8 +8,8 @@ import orjson
 import pytest
 from client_helpers import group, sample
 
-from trainer_client import wire
-from trainer_client.protocol import Group
+from trainer_client.contract import wire
+from trainer_client.contract.protocol import Group
 
 
 def _group(**sample_kw) -> Group:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sampler_service.cli import build_parser
+from sampler_service.cli import command_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -52,10 +52,8 @@ def run_tool(argv: list[str], timeout_s: float = 120.0) -> subprocess.CompletedP
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    """The `serve` subcommand's parser, from the console script's real parser."""
-    parser = build_parser()
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return sub.choices["serve"]
+    """The `serve` subcommand's parser, as the console script builds it."""
+    return command_parser("serve")
 
 
 def yaml_documents(path: Path) -> list[dict[str, Any]]:

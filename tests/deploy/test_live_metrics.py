@@ -32,6 +32,7 @@ CONFIG = {
     "max_tokens": 8,
     "max_active_prompts": 4,
     "max_buffered_groups": 8,
+    "max_staleness": None,  # groups are leased without training on them
 }
 # Series the sampler exports only with engine replicas (--replicas N).
 REPLICA_METRICS = (METRIC_PREFIX + "replica_", METRIC_PREFIX + "route_")
@@ -159,8 +160,19 @@ def test_dashboard_and_alert_metrics_exist_on_a_live_sampler(
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
-def test_replica_metrics_exist_on_a_live_sampler_with_two_replicas(start_sampler, toy) -> None:
+def test_replica_metrics_exist_on_a_live_sampler_with_two_replicas(
+    start_sampler, toy, tmp_path: Path
+) -> None:
     queries = dashboard_queries() + alert_queries()
-    series = _one_group_and_one_weight_push(start_sampler(["--replicas", "2"]), toy.model_dir)
+    server = start_sampler(["--replicas", "2"])
+    series = _one_group_and_one_weight_push(server, toy.model_dir)
     missing = _missing(queries, series, replicas=True)
     assert not missing, "\n".join(missing)
+    # /health names the engine as the start-up log does: Ray replicas (of hf engines).
+    assert httpx.get(f"{server.url}/health", timeout=60).json()["backend"] == "ray"
+    assert "sampler ready: backend=ray" in (tmp_path / "sampler.log").read_text()
+    # SIGTERM is a clean stop: its summary, and no stack dump from Ray's core.
+    server.stop()
+    log = (tmp_path / "sampler.log").read_text()
+    assert "adaptive-rollout sampler stopped: 1 groups delivered and 1 acked" in log
+    assert "SIGTERM received" not in log and "Traceback" not in log, log[-3000:]

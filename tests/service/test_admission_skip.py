@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sampler_service.toy import task
 from tests.service.test_service_api import collect
+from trainer_client.toy import task
 
 pytestmark = pytest.mark.timeout(300)
 

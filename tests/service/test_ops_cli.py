@@ -5,18 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import perturbed_file
 
-from trainer_client.config_cli import parse_key_values
+from trainer_client.contract.flags import parse_key_values
 
 pytestmark = pytest.mark.timeout(600)
 
 KEY = "ops-test-key"
+REPO = Path(__file__).parents[2]
 
 
 def cli(url: str, *args: str, key: str | None = KEY) -> subprocess.CompletedProcess[str]:
@@ -48,7 +51,7 @@ def test_parse_assignments() -> None:
         parse_key_values(["k_pos"], "set")
 
 
-def test_cli_against_live_sampler(make_server: Any, tmp_path: Path) -> None:
+def test_cli_against_live_sampler(make_server: Any, toy: Any, tmp_path: Path) -> None:
     server = make_server(extra=["--api-key", KEY])
     url = server.url
 
@@ -108,3 +111,26 @@ def test_cli_against_live_sampler(make_server: Any, tmp_path: Path) -> None:
     followed = cli(url, "events", "--follow", "--count", "3", "--interval", "0.2", "--since", "1")
     assert followed.returncode == 0, followed.stderr
     assert followed.stdout.splitlines() == lines[1:]  # each event once, however many polls
+
+    # The shipped schedule file, as the README offers it: its starting knobs come with its
+    # schedule in one PATCH, none is dropped.
+    shipped = json.loads((REPO / "docs" / "k_schedule.json").read_text())
+    applied = cli(url, "config", "schedule", str(REPO / "docs" / "k_schedule.json"))
+    assert applied.returncode == 0, applied.stderr
+    with server.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
+        cfg = c.get("/v1/config").json()
+        assert {k: cfg[k] for k in shipped} == shipped
+        r = c.put("/v1/weights", params={"version": 1}, content=perturbed_file(toy.model_dir, 0))
+        assert r.status_code == 200, r.text
+    # One kind of event at a time: a weight update does not hide the config changes.
+    configs = cli(url, "events", "--kind", "config").stdout.splitlines()
+    assert len(configs) == 3 and all(" config api " in line for line in configs), configs
+    weights = cli(url, "events", "--kind", "weights").stdout.splitlines()
+    assert len(weights) == 1 and " weights api v1 via upload" in weights[0], weights
+
+    # Nothing listening: said at once, not after the retries meant for a starting sampler.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    gone = cli(nowhere, "config", "get")
+    assert gone.returncode == 1 and f"no sampler at {nowhere} (connection refused)" in gone.stderr

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
-from trainer_client.client import ConflictError, EngineFailed, SamplerClient
+from trainer_client.client import SamplerClient
+from trainer_client.exceptions import ConflictError, EngineFailed
 
 pytestmark = pytest.mark.timeout(300)
 

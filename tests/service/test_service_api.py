@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -29,8 +30,8 @@ from support import (
     write_jsonl,
 )
 
-from trainer_client import wire
-from trainer_client.protocol import MSGPACK_MEDIA_TYPE, Group, LeaseResponse
+from trainer_client.contract import wire
+from trainer_client.contract.protocol import MSGPACK_MEDIA_TYPE, Group, LeaseResponse
 
 # Each test may start and restart a sampler: on a loaded 2-core machine a start alone can
 # take minutes.
@@ -160,6 +161,36 @@ def test_an_oversized_weight_upload_is_refused_with_413(shared, toy) -> None:
         r = c.put("/v1/weights", params={"version": 5}, content=b"\0" * (limit + (1 << 20)))
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
         assert c.get("/health").json()["policy_version"] == 0
+
+
+def test_a_refused_weight_file_is_named_as_the_user_knows_it(shared, tmp_path) -> None:
+    """Not by the server's spool path: the user sent bytes, or named a path."""
+    bad = tmp_path / "my_weights.safetensors"
+    bad.write_bytes(b"not a safetensors file at all")
+    with shared.client() as c:
+        r = c.put("/v1/weights", params={"version": 5}, content=bad.read_bytes())
+        message = r.json()["error"]["message"]
+        assert r.status_code == 422 and message.startswith("the uploaded file: "), message
+        assert ".part" not in message and "incoming-" not in message
+        r = c.post("/v1/weights/load", json={"path": str(bad), "version": 5})
+        assert r.status_code == 422 and r.json()["error"]["message"].startswith(f"{bad}: ")
+        assert c.get("/health").json()["policy_version"] == 0
+
+
+def test_the_api_reference_needs_no_network(shared) -> None:
+    """/docs and everything it loads come from the sampler (the browser suite renders it)."""
+    with shared.client() as c:
+        page = c.get("/docs")
+        assert (
+            page.status_code == 200
+            and "default-src 'self'" in page.headers["content-security-policy"]
+        )
+        sources = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+        assert sources and all(u.startswith(("/docs/", "data:")) for u in sources), sources
+        for url in sources:
+            if url.startswith("/docs/"):
+                assert c.get(url).status_code == 200, url
+        assert "Apache License" in c.get("/docs/swagger-ui.LICENSE").text  # it travels
 
 
 def test_config_weights_and_unacked_groups_survive_one_kill9(make_server, toy) -> None:
@@ -394,7 +425,8 @@ def test_a_dead_engine_is_reported_not_a_silent_hang(shared) -> None:
     import os
     import signal
 
-    from trainer_client.client import EngineFailed, SamplerClient
+    from trainer_client.client import SamplerClient
+    from trainer_client.exceptions import EngineFailed
     from trainer_client.verl.settings import SamplerSettings
     from trainer_client.verl.source import GroupSource
 

@@ -7,6 +7,7 @@ import sqlite3
 import time
 from pathlib import Path
 
+from sampler_service import store as store_module
 from sampler_service.store import Store
 
 PAYLOAD = os.urandom(200_000)  # about one group of 4 x 1,024 tokens
@@ -66,3 +67,25 @@ def test_groups_and_frames_survive_reopening(tmp_path: Path) -> None:
         == "ok"
     )
     reopened.close()
+
+
+def test_each_kind_of_event_keeps_its_own_history(tmp_path: Path, monkeypatch) -> None:
+    """A weight update every step must not push the config changes out of the log."""
+    monkeypatch.setattr(store_module, "EVENTS_KEPT", 5)
+    store = Store(tmp_path / "s.sqlite", None)
+    try:
+        for i in range(3):
+            store.add_event("config", "api", {"i": i})
+        for version in range(20):
+            store.add_event("weights", "api", {"version": version})
+        kinds = [e["kind"] for e in store.events(0, 100)]
+        assert kinds.count("config") == 3 and kinds.count("weights") == 5
+        configs = store.event_page(0, 100, ["config"])
+        assert [e["data"]["i"] for e in configs["events"]] == [0, 1, 2]
+        # The next page starts after every event seen, the other kinds included.
+        assert configs["last_seq"] == store.last_event_seq() == 23
+        first = store.event_page(0, 2, ["weights"])
+        assert [e["data"]["version"] for e in first["events"]] == [15, 16]
+        assert first["last_seq"] == first["events"][-1]["seq"]
+    finally:
+        store.close()

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from sampler_service.cli import add_serve_arguments, initial_config, main
 from sampler_service.config import SamplerConfig, ServeSettings, overridden_by_saved
-from trainer_client.config_cli import parse_key_values
+from trainer_client.contract.flags import parse_key_values
 from trainer_client.train_config import TrainConfig
 
 
@@ -46,7 +48,7 @@ def test_serve_flags_build_the_settings(tmp_path: Path) -> None:
         + ["--vllm-arg", "tensor_parallel_size=2", "--vllm-arg", "enforce_eager=true"]
         + ["--hf-engine", "thread"]
     )
-    from trainer_client.config_cli import model_from_args
+    from trainer_client.contract.flags import model_from_args
 
     settings = model_from_args(parser, ServeSettings, args)
     assert settings.data == [Path("a.jsonl"), Path("b.jsonl")]
@@ -99,3 +101,36 @@ def test_train_config_refuses_what_would_crash_later() -> None:
         TrainConfig(url="u", model=Path("m"), lr=float("inf"))
     with pytest.raises(ValueError, match="not_a_knob"):
         TrainConfig(url="u", model=Path("m"), not_a_knob=1)
+
+
+def test_the_dispatcher_imports_only_the_chosen_subcommand() -> None:
+    """Parsing one subcommand imports its module alone: in a fresh interpreter, `events`,
+    then `serve`, then `train`, each adding only its own modules."""
+    code = (
+        "import sys\n"
+        "from sampler_service.cli import build_parser\n"
+        "for argv in (['events'], ['serve', '--model', 'm', '--data', 'd'],"
+        " ['train', '--url', 'http://x', '--model', 'm']):\n"
+        "    before = set(sys.modules)\n"
+        "    build_parser().parse_args(argv)\n"
+        "    print(' '.join(sorted(set(sys.modules) - before)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    events, serve, train = (set(line.split()) for line in done.stdout.splitlines())
+    assert "trainer_client.ops_cli" in events
+    assert not {"trainer_client.cli", "sampler_service.config"} & events
+    assert "sampler_service.config" in serve and "trainer_client.cli" not in serve
+    assert "trainer_client.train_config" in train and "sampler_service.service" not in train
+    loaded = {m.split(".")[0] for m in events | serve | train}
+    assert not loaded & {"fastapi", "uvicorn", "torch", "transformers", "httpx"}, loaded
+
+
+def test_every_subcommand_has_a_parser_that_runs_it() -> None:
+    from sampler_service.cli import COMMANDS, command_parser
+
+    minimal = {"serve": ["--model", "m", "--data", "d"], "train": ["--url", "u", "--model", "m"]}
+    minimal["config"] = ["get"]
+    for name in COMMANDS:
+        parser = command_parser(name)
+        assert parser.prog == f"adaptive-rollout {name}"
+        assert callable(parser.parse_args(minimal.get(name, [])).func), name

@@ -18,7 +18,7 @@ from sampler_service.dataset import PromptRow
 from sampler_service.grouping import TOO_FEW_SAMPLES, apply_batch_policies, build_group
 from sampler_service.verifiers.base import Verdict
 from strategies import reweighting, selection
-from trainer_client.protocol import Group, GroupStats, Sample
+from trainer_client.contract.protocol import Group, GroupStats, Sample
 
 ROW = PromptRow(id="p1", prompt="1+1=", answer="2", domain="add1", token_ids=[5, 6], text="1+1=")
 

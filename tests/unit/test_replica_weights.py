@@ -16,7 +16,7 @@ from sampler_service.backends.replica import fault_rejects
 from sampler_service.backends.weights import vet_weight_files_streaming, vet_weight_headers
 from sampler_service.cli import add_serve_arguments
 from sampler_service.config import ServeSettings
-from trainer_client.config_cli import model_from_args
+from trainer_client.contract.flags import model_from_args
 
 
 def test_replica_ranks_follow_the_trainer_in_replica_order() -> None:

@@ -17,10 +17,18 @@ from safetensors.torch import load
 
 from trainer_client.client import SamplerClient
 from trainer_client.launch import SamplerProcess
+from trainer_client.uploads import unique_tensors
 from trainer_client.verl.settings import MODE, SamplerSettings
-from trainer_client.verl.upload import WeightPusher, safetensors_stream, to_host, unique_tensors
+from trainer_client.verl.upload import WeightPusher, safetensors_stream, to_host
 
-CONFIG = {"rule": "fixed", "group_size": 2, "wave_size": 2, "n_max": 4, "max_tokens": 4}
+CONFIG = {
+    "rule": "fixed",
+    "group_size": 2,
+    "wave_size": 2,
+    "n_max": 4,
+    "max_tokens": 4,
+    "max_staleness": None,  # groups are leased without training on them
+}
 
 
 @pytest.fixture(scope="module")

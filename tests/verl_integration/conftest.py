@@ -39,7 +39,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from sampler_service.toy import build_toy
+    from trainer_client.toy import build_toy
 
     return build_toy(tmp_path_factory.mktemp("toy"), seed=0, n_train=128, n_eval=8)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from verl_suite import lease_groups, verl_config
 
-from trainer_client.protocol import Group, GroupStats, Sample
+from trainer_client.contract.protocol import Group, GroupStats, Sample
 from trainer_client.verl.convert import (
     GroupSizeError,
     group_uid,

@@ -155,9 +155,14 @@ def test_manager_groups_through_replay_buffer_and_advantages(
             out["rollout_is_weights"][i], weights * mask, atol=1e-6, rtol=1e-6
         )
     if which == "global":
-        assert any(abs(s.weight - 1.0) > 1e-3 for g in groups.values() for s in g.samples), (
-            "per should reweight"
-        )
+        # per weighs each sample by (|A| + 1e-8) ** 0.5, scaled by one factor per frame: within a
+        # group the weight over that priority is one number. (A frame whose |A| are all equal,
+        # as when every group is half right, is left at weight 1: that is per's answer too.)
+        for group in groups.values():
+            scaled = [s.weight / (abs(s.advantage) + 1e-8) ** 0.5 for s in group.samples]
+            assert max(scaled) == pytest.approx(min(scaled), rel=1e-4), (
+                f"per's weights do not follow |A|**0.5 in group {group.group_id}"
+            )
 
     # step end: acked (weights are not pushed here: weight_sync=none; test_weights pushes them)
     trainer._step_keys = list(meta.keys)

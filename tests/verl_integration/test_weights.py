@@ -17,7 +17,8 @@ import pytest
 import torch
 from verl_suite import lease_groups, verl_config
 
-from trainer_client.client import ConflictError, SamplerClient
+from trainer_client.client import SamplerClient
+from trainer_client.exceptions import ConflictError
 from trainer_client.verl.settings import MODE, SamplerSettings
 
 pytestmark = pytest.mark.verl

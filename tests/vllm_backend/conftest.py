@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from vllm_suite import REPORT, LoopThread
 
-from sampler_service.toy import ToyPaths, build_toy
+from trainer_client.toy import ToyPaths, build_toy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -43,7 +43,7 @@ def test_vllm_backend_on_cuda_matches_hf_and_reloads(toy) -> None:
     from sampler_service.backends.base import SamplingParams
     from sampler_service.backends.hf import HFBackend
     from sampler_service.backends.vllm import VLLMBackend
-    from sampler_service.toy import eval_rows
+    from trainer_client.toy import eval_rows
 
     tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
     runner = LoopThread()

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save
 from vllm_suite import REPORT, LoopThread
 
 from sampler_service.backends.base import GenerationAborted, SamplingParams, WeightsRejected
-from sampler_service.toy import eval_rows
+from trainer_client.toy import eval_rows
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

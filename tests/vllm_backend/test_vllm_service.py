@@ -24,6 +24,7 @@ CONFIG = {
     "max_tokens": 8,
     "max_active_prompts": 8,
     "max_buffered_groups": 8,
+    "max_staleness": None,  # groups are leased without training on them
 }
 
 

@@ -11,8 +11,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sampler_service.toy import ToyPaths
 from trainer_client.launch import SamplerProcess
+from trainer_client.toy import ToyPaths
 
 T = TypeVar("T")
 #: Measurements for the terminal summary (name -> value).

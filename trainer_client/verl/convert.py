@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer_client.protocol import Group, Sample
+from trainer_client.contract.protocol import Group, Sample
 
 _HEX = re.compile(r"^[0-9a-f]+$")
 

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from strategies.estimator import EstimatorParams
 from strategies.stopping import StoppingParams
+from trainer_client.contract.dtypes import ServingDType
 
 #: The name our trainer mode and checkpoint engine are registered under in verl.
 MODE = "adaptive_rollout"
@@ -75,7 +76,7 @@ class SamplerSettings(BaseModel):
     #: The dtype floating weights travel in: ``auto`` is the one the sampler serves in
     #: (so an fp32 trainer sends bf16 to a bf16 sampler: half the bytes, within its
     #: upload limit); the cast happens on the trainer's GPU before the host copy.
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Literal["auto"] | ServingDType = "auto"
     #: Keep only the newest file in `weights_dir` (path mode writes one per step).
     keep_weight_files: int = Field(1, ge=1)
     #: ``sampler``: train on the service's advantages (e.g. Reinforce-Ada's global

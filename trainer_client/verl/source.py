@@ -13,8 +13,9 @@ import logging
 import time
 from collections import deque
 
-from trainer_client.client import EngineFailed, SamplerClient
-from trainer_client.protocol import Group
+from trainer_client.client import SamplerClient
+from trainer_client.contract.protocol import Group
+from trainer_client.exceptions import EngineFailed
 from trainer_client.verl.settings import SamplerSettings
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class GroupSource:
                 max_groups=count - len(self._pending),
                 wait_s=self.settings.lease_wait_s,
                 consumer=self.settings.consumer,
+                groups_per_step=count,
             )
             now = time.monotonic()
             if lease.groups:

@@ -26,26 +26,14 @@ from typing import Any
 
 import torch
 
-from trainer_client.client import SamplerClient, WeightStream
+from trainer_client.client import SamplerClient
+from trainer_client.contract.dtypes import SERVING_DTYPES, safetensors_code, torch_dtype
+from trainer_client.uploads import WeightStream, unique_tensors
 from trainer_client.verl.settings import MODE, SamplerSettings
 
 log = logging.getLogger(__name__)
 
 
-#: safetensors' names of the dtypes a model's tensors can have.
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CHUNK = 1 << 20
 
 
@@ -63,19 +51,6 @@ def to_host(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to("cpu", copy=True).contiguous()
 
 
-def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Tensors that share storage (tied embeddings) once, under their first name: the
-    sampler takes a subset of tensors as a partial update."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    out = []
-    for name, t in named:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key not in seen:
-            seen.add(key)
-            out.append((name, t))
-    return out
-
-
 def safetensors_stream(tensors: list[tuple[str, torch.Tensor]]) -> WeightStream:
     """These host tensors as a safetensors file produced chunk by chunk from their own
     memory: nothing but the header and one chunk is ever copied."""
@@ -84,7 +59,7 @@ def safetensors_stream(tensors: list[tuple[str, torch.Tensor]]) -> WeightStream:
     for name, t in tensors:
         size = t.numel() * t.element_size()
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "dtype": safetensors_code(t.dtype),
             "shape": list(t.shape),
             "data_offsets": [offset, offset + size],
         }
@@ -98,7 +73,7 @@ def safetensors_stream(tensors: list[tuple[str, torch.Tensor]]) -> WeightStream:
         for _, t in tensors:
             if t.numel() == 0:
                 continue
-            raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            raw = t.reshape(-1).view(torch.uint8).numpy().data
             for start in range(0, len(raw), _CHUNK):
                 yield bytes(raw[start : start + _CHUNK])
 
@@ -129,11 +104,12 @@ class WeightPusher:
         """The dtype floating weights travel in: `settings.dtype`, or (``auto``) the one the
         sampler serves in (GET /v1/stats), asked once; None keeps the trainer's dtype."""
         if self.settings.dtype != "auto":
-            return _WIRE_DTYPES[self.settings.dtype]
+            return torch_dtype(self.settings.dtype)
         if self._wire_dtype is None:
             served = (self.client.stats().get("engine") or {}).get("dtype")
-            self._wire_dtype = _WIRE_DTYPES.get(str(served))
-            if self._wire_dtype is None:
+            if served in SERVING_DTYPES:
+                self._wire_dtype = torch_dtype(served)
+            else:
                 log.warning("sampler reports no serving dtype (%r); weights keep theirs", served)
         return self._wire_dtype
 

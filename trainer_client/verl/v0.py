@@ -36,7 +36,7 @@ from verl import DataProto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty, compute_advantage
 from verl.utils.debug import marked_timer
 
-from trainer_client.protocol import Group
+from trainer_client.contract.protocol import Group
 from trainer_client.verl.convert import groups_to_dataproto
 from trainer_client.verl.session import SamplerSession
 from trainer_client.verl.settings import (
@@ -355,7 +355,7 @@ def _task_runner_cls() -> Any:
 
     class SamplerTaskRunner(base):  # type: ignore[misc, valid-type]
         def run(self, config: Any) -> Any:
-            target = importlib.import_module(module_name)
+            target: Any = importlib.import_module(module_name)
             target.RayPPOTrainer = SamplerRayPPOTrainer  # run() builds the trainer by this name
             return super().run(config)
 

@@ -47,7 +47,7 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry
 
 from trainer_client.client import SamplerClient
-from trainer_client.protocol import Group
+from trainer_client.contract.protocol import Group
 from trainer_client.verl.convert import tq_records
 from trainer_client.verl.session import SamplerSession
 from trainer_client.verl.settings import (

@@ -9,8 +9,8 @@ names the flag, never a traceback from deep inside a run.
 Each default is stated once, in the model: the parser copies it (tools that read the
 parser see it), and defaults built by a factory are left for the model to build.
 
-Lives on the trainer side (which depends on pydantic alone) so that both `serve` and
-`train` can use it without the trainer importing the server.
+Part of the contract (pydantic alone), so that `serve` and `train` build their command
+lines the same way without either side importing the other.
 """
 
 from __future__ import annotations
@@ -145,7 +145,32 @@ def model_from_args(
         problems = []
         for err in exc.errors():
             loc = [str(part) for part in err["loc"]]
-            info = model.model_fields.get(loc[0]) if loc else None
-            where = flag_name(loc[0], info) if info is not None else ".".join(loc)
+            field = model.model_fields.get(loc[0]) if loc else None
+            where = flag_name(loc[0], field) if field is not None else ".".join(loc)
             problems.append(f"{where}{'.' + '.'.join(loc[1:]) if loc[1:] else ''}: {err['msg']}")
         parser.error("; ".join(problems))
+
+
+def command_line(settings: BaseModel, *, exclude: Iterable[str] = ()) -> list[str]:
+    """The flags that rebuild `settings` (the inverse of `add_model_arguments`): required
+    fields always, others where they differ from the model's default. `exclude` leaves
+    fields out (secrets: a printed command line lands in logs and shell history)."""
+    skipped = set(exclude)
+    args: list[str] = []
+    for name, info in type(settings).model_fields.items():
+        value = getattr(settings, name)
+        if name in skipped or value is None:
+            continue
+        if not info.is_required() and info.default_factory is None and value == info.default:
+            continue
+        flag = flag_name(name, info)
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            for item in value:
+                args += [flag, str(item)]
+        elif isinstance(value, tuple):
+            args += [flag, *map(str, value)]
+        else:
+            args += [flag, str(value)]
+    return args

@@ -13,10 +13,10 @@ has nothing to do when every answer is right or every answer is wrong). So:
   and stops at the first check where the domains' pass rates at temperature 1 are spread
   (see :data:`STOP`), leaving headroom for RL to show an improvement.
 
-The warm-started weights are shipped in ``sampler_service/toy/weights/`` so that nothing
+The warm-started weights are shipped in ``trainer_client/toy/weights/`` so that nothing
 trains at run time. Regenerate them with::
 
-    python -m sampler_service.toy.model --train
+    python -m trainer_client.toy.model --train
 
 which trains on one thread (seed 0 stops after 1000 steps: 4-6 minutes measured on a
 busy 2-core CPU), writes the weights directory and prints held-out pass rates. The same
@@ -43,9 +43,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from sampler_service.toy import task
-from sampler_service.toy.build import WEIGHTS_DIR
 from trainer_client.evaluate import greedy_accuracy_of, pass_rates_of
+from trainer_client.toy import task
+from trainer_client.toy.build import WEIGHTS_DIR
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 #: Every character a toy prompt or answer can contain, plus a few harmless extras.
@@ -278,7 +278,7 @@ def _fmt(values: dict[str, float]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m sampler_service.toy.model --train [--out DIR] [--seed N]``."""
+    """``python -m trainer_client.toy.model --train [--out DIR] [--seed N]``."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

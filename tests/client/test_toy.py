@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sampler_service.toy import (
+from trainer_client.toy import (
     DOMAIN_NAMES,
     ToyPaths,
     build_toy,

@@ -11,10 +11,10 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sampler_service.toy import task
+from trainer_client.toy import task
 
 #: Where the shipped warm-started weights live (package data, written by
-#: ``python -m sampler_service.toy.model --train``).
+#: ``python -m trainer_client.toy.model --train``).
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 
 DEFAULT_N_TRAIN = 512
@@ -36,7 +36,7 @@ def _install_model(model_dir: Path) -> None:
     Training is the fallback for a checkout without the weight files; it takes minutes
     on two cores, is skipped when ``model_dir`` already holds a trained model, and is
     imported only then: importing the training module here would make
-    ``python -m sampler_service.toy.model`` import itself twice.
+    ``python -m trainer_client.toy.model`` import itself twice.
     """
     if (WEIGHTS_DIR / "model.safetensors").is_file():
         model_dir.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ def _install_model(model_dir: Path) -> None:
             if src.is_file():
                 shutil.copy2(src, model_dir / src.name)
     elif not (model_dir / "model.safetensors").is_file():
-        from sampler_service.toy.model import warm_start
+        from trainer_client.toy.model import warm_start
 
         warm_start(model_dir)
 

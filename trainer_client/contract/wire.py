@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from trainer_client.protocol import Group
+from trainer_client.contract.protocol import Group
 
 _DTYPES: dict[int, np.dtype[Any]] = {
     1: np.dtype("<i4"),

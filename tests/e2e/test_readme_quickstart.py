@@ -1,0 +1,134 @@
+"""The README's quick start, run as written: its commands are read from README.md (so this
+test breaks when the README drifts from what works) and run in a fresh directory that
+looks like the repository after `make venv`, against a real sampler on a loopback port.
+The one change: port 8000 becomes a free port, so the test never meets another server."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+pytestmark = pytest.mark.timeout(900)
+
+README = Path(__file__).parents[2] / "README.md"
+SECTION = "## Run the sampler, then train against it"
+
+
+def quick_start_commands() -> list[str]:
+    """Every command of the section's bash blocks, continuation lines joined."""
+    text = README.read_text(encoding="utf-8")
+    assert SECTION in text, f"README.md has no section {SECTION!r}"
+    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    return [
+        line.strip()
+        for block in blocks
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.strip()
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _first_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """The first line a process prints, or "" if none came within `timeout_s`."""
+    lines: list[str] = []
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return lines[0] if lines else ""
+
+
+def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
+    commands = quick_start_commands()
+    assert any(" serve " in c for c in commands) and any(" train " in c for c in commands)
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parents[1])
+    port = str(_free_port())
+    env = dict(os.environ)
+    server: subprocess.Popen[str] | None = None
+    outputs: dict[str, str] = {}
+    try:
+        for written in commands:
+            command = written.replace("8000", port)
+            if command.startswith("export "):
+                key, _, value = command.removeprefix("export ").partition("=")
+                env[key] = shlex.split(value)[0]
+                continue
+            if " serve " in command:  # runs until stopped: wait until it listens
+                with (tmp_path / "serve.log").open("w") as log:
+                    server = subprocess.Popen(
+                        ["bash", "-c", f"exec {command}"],
+                        cwd=tmp_path,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        text=True,
+                    )
+                line = _first_line(server, 180)
+                assert f"listening on http://127.0.0.1:{port}" in line, (
+                    line + (tmp_path / "serve.log").read_text()[-3000:]
+                )
+                # As the README says: answers get what the toy's context leaves.
+                config = httpx.get(f"http://127.0.0.1:{port}/v1/config", timeout=30).json()
+                assert config["max_tokens"] == 58, config
+                continue
+            if command.startswith("curl -N"):  # a stream: its first message, then Ctrl-C
+                stream = subprocess.Popen(
+                    ["bash", "-c", f"exec {command}"], cwd=tmp_path, env=env,
+                    stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                line = _first_line(stream, 60)
+                stream.send_signal(signal.SIGINT)
+                stream.wait(timeout=30)
+                stream.stdout.close()  # type: ignore[union-attr]
+                assert orjson.loads(line)["type"] == "heartbeat", (written, line)
+                continue
+            done = subprocess.run(
+                ["bash", "-c", command], cwd=tmp_path, env=env,
+                capture_output=True, text=True, timeout=600, check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, (written, done.stdout[-3000:], done.stderr[-3000:])
+            if command.startswith("curl"):
+                assert '{"error":' not in done.stdout, (written, done.stdout[:2000])  # a 4xx body
+            outputs[written] = done.stdout
+        train = next(out for cmd, out in outputs.items() if " train " in cmd)
+        assert re.search(r"trained 10 steps; sampler serves policy v\d+", train), train
+        stats = next(out for cmd, out in outputs.items() if cmd.endswith(" stats"))
+        assert "trained groups" in stats and "domains" in stats, stats
+
+        # A stop prints what this sampler did: its figures are those of the store it left.
+        assert server is not None
+        server.send_signal(signal.SIGTERM)
+        out, _ = server.communicate(timeout=90)
+        summary = [line for line in out.splitlines() if "sampler stopped" in line]
+        assert len(summary) == 1, out
+        figures = re.search(
+            r"(\d+) groups delivered and (\d+) acked since it started; (\d+) groups stored",
+            summary[0],
+        )
+        assert figures, summary[0]
+        delivered, acked, stored = map(int, figures.groups())
+        with sqlite3.connect(tmp_path / "sampler_state" / "sampler.sqlite") as db:
+            assert db.execute("SELECT COUNT(*) FROM groups").fetchone()[0] == stored
+        assert acked >= 10 * 8 and delivered >= acked
+    finally:
+        if server is not None and server.poll() is None:
+            server.kill()
+            server.communicate()
