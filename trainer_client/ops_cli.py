@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer_client.contract.flags import parse_key_values
-from trainer_client.train_config import DEFAULT_URL
+from trainer_client.contract.protocol import DEFAULT_URL, URL_ENV
 
 
 # -- arguments ---------------------------------------------------------------------------
@@ -290,8 +290,8 @@ def _run(command: Callable[[argparse.Namespace], None]) -> Callable[[argparse.Na
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--url",
-        default=os.environ.get("ADAPTIVE_ROLLOUT_URL", DEFAULT_URL),
-        help=f"sampler URL (default: env ADAPTIVE_ROLLOUT_URL, else {DEFAULT_URL}); "
+        default=os.environ.get(URL_ENV, DEFAULT_URL),
+        help=f"sampler URL (default: env {URL_ENV}, else {DEFAULT_URL}); "
         "the API key comes from env ADAPTIVE_ROLLOUT_API_KEY",
     )
     p.add_argument(

@@ -12,8 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-#: Where a sampler listens unless told otherwise (`serve`'s default port on this machine).
-DEFAULT_URL = "http://127.0.0.1:8000"
+from trainer_client.contract.protocol import DEFAULT_URL, URL_ENV
 
 
 class TrainConfig(BaseModel):
@@ -23,8 +22,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(
-        default_factory=lambda: os.environ.get("ADAPTIVE_ROLLOUT_URL") or DEFAULT_URL,
-        description=f"sampler service URL (default: env ADAPTIVE_ROLLOUT_URL, else {DEFAULT_URL})",
+        default_factory=lambda: os.environ.get(URL_ENV) or DEFAULT_URL,
+        description=f"sampler service URL (default: env {URL_ENV}, else {DEFAULT_URL})",
     )
     model: Path = Field(
         description="Hugging Face model directory the sampler started from (or one of our "

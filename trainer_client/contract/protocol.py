@@ -16,6 +16,10 @@ StopReason = Literal["rule", "n_max", "budget", "fixed"]
 
 MSGPACK_MEDIA_TYPE = "application/x-msgpack"
 NDJSON_MEDIA_TYPE = "application/x-ndjson"
+#: Where a sampler listens unless told otherwise (`serve`'s default port on this machine);
+#: every command that calls a sampler reads :data:`URL_ENV` first.
+DEFAULT_URL = "http://127.0.0.1:8000"
+URL_ENV = "ADAPTIVE_ROLLOUT_URL"
 
 
 class _Wire(BaseModel):
