@@ -194,6 +194,56 @@ async def test_est_rule_spends_budgets_and_learns(toy, backend) -> None:
     assert any(scheduler.estimator.seen(g.prompt_id) for g in groups)
 
 
+async def test_pilot_commit_commits_only_after_an_informative_or_promising_pilot(
+    toy, backend, with_never
+) -> None:
+    # Waves of 4 are the pilot; the rule alone would take 8 of every prompt.
+    scheduler, sink = make_scheduler(
+        toy,
+        backend,
+        with_never,
+        rule="fixed",
+        group_size=8,
+        n_max=8,
+        wave_size=4,
+        downsample="none",
+        allocation={"name": "pilot_commit"},
+    )
+    groups = await run_until(scheduler, sink, 16, reasons=frozenset({"budget", "fixed"}))
+    for g in groups:
+        pilot = {s.reward > 0.5 for s in g.samples[:4]}
+        assert g.stats.n_generated in (4, 8)
+        if len(pilot) == 2:  # both kinds in the pilot: committed
+            assert (g.stats.n_generated, g.stop_reason) == (8, "fixed")
+        if g.stats.n_generated == 4:
+            assert len(pilot) == 1 and g.stop_reason == "budget"
+    stats = scheduler.allocation_stats()
+    assert stats["policy"] == {"name": "pilot_commit", "params": {}}
+    assert stats["cut"] == scheduler.stats.stop_reasons["budget"] > 0
+
+
+async def test_knapsack_spends_its_budgets_under_a_rule_that_never_stops_early(
+    toy, backend, with_never
+) -> None:
+    scheduler, sink = make_scheduler(
+        toy,
+        backend,
+        with_never,
+        rule="fixed",
+        group_size=8,
+        n_max=8,
+        wave_size=8,
+        downsample="none",
+        allocation={"name": "knapsack", "params": {"mean_budget": 4.0}},
+    )
+    groups = await run_until(scheduler, sink, 12)
+    # The dataset is mostly unseen, at the prior: its budget is about the mean.
+    assert all(2 <= g.stats.n_generated < 8 and g.stop_reason == "budget" for g in groups)
+    stats = scheduler.allocation_stats()
+    assert stats["planned_mean_budget"] <= 4.0 and 0 < stats["threshold"] < 1
+    assert stats["cut"] == stats["groups"] >= len(groups)
+
+
 async def test_maxvar_keeps_half_and_recomputes_grpo_advantages(toy, backend) -> None:
     scheduler, sink = make_scheduler(
         toy,
