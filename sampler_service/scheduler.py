@@ -135,13 +135,12 @@ class AllocationStats:
     budgets: int = 0  # sum of the budgets the groups ended with
 
     def to_dict(self) -> dict[str, Any]:
-        per_group = max(self.groups, 1)
         return {
             "groups": self.groups,
             "cut": self.cut,
             "answers": self.answers,
-            "mean_answers": self.answers / per_group if self.groups else None,
-            "mean_budget": self.budgets / per_group if self.groups else None,
+            "mean_answers": self.answers / self.groups if self.groups else None,
+            "mean_budget": self.budgets / self.groups if self.groups else None,
         }
 
 
@@ -301,6 +300,10 @@ class Scheduler:
         estimator = self.estimator
         if cfg.est != old.est or cfg.n_max != old.n_max or cfg.rule != old.rule:
             estimator = await self._rebuilt_estimator(cfg)
+        # A policy that calibrates on the history (knapsack) starts afresh on a new one;
+        # prompts admitted before keep the old pair.
+        if cfg.allocation != old.allocation or estimator is not self.estimator:
+            self._allocation = cfg.build_allocation()
         self.config, self.config_version = cfg, version
         self.estimator = estimator
         if cfg.mixing != old.mixing:
@@ -309,8 +312,6 @@ class Scheduler:
             )
         if cfg.admission_policies != old.admission_policies:
             self._admission = cfg.admission_policy_objects()
-        if cfg.allocation != old.allocation:
-            self._allocation = cfg.build_allocation()
         self.metrics.config_version.set(version)
         self.poke()
 

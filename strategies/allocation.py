@@ -27,17 +27,18 @@ which, unlike plugging in the posterior mean, knows how little a few answers say
   at the prior) subject to mean_x n_x <= ``mean_budget``. V is I(n) (``value:
   informative``, what informative groups per answer counts) or the paper's task value
   E[(1 - p^n - (1-p)^n) p (1-p)^2], its InfoGain p(1-p)^2 favouring harder prompts
-  (``value: paper``). Both are concave in n (their increments E[p^n (1-p) w(p)] +
-  E[(1-p)^n p w(p)] shrink as n grows), and for a separable concave objective under one
+  (``value: paper``). Both are concave in n: their increments E[(p^n (1-p) +
+  (1-p)^n p) w(p)], w = 1 or p(1-p)^2, shrink as n grows for every p. And for a separable concave objective under one
   budget the greedy that hands out answers one at a time to the largest marginal gain is
   optimal (the exchange argument: a solution missing a taken increment can swap it for
   one of no larger gain). The greedy's allocation is a threshold on the gains: every
   increment above the gain lambda of the first one that did not fit is taken, so a
   prompt's budget is n_min + #{n >= n_min : V(n + 1) - V(n) > lambda}. lambda is
-  recalibrated on the population every ``recalibrate_every`` finished groups, and any
-  prompt's budget is read from it at once. Taking no increment tied at lambda keeps the
-  allocation independent of order and within budget; being a threshold solution it is
-  optimal for the answers it spends (Everett's theorem).
+  recalibrated on the population every ``recalibrate_every`` finished groups (one sort
+  of its P x (n_max - n_min) gains), and any prompt's budget is read from it at once.
+  Taking no increment tied at lambda keeps the allocation independent of order and
+  within budget; being a threshold solution it is optimal for the answers it spends
+  (Everett's theorem).
 - ``pilot_commit`` (after Pilot-Commit, arXiv 2605.26606): every prompt first gets
   ``pilot`` answers; the rest of the budget (``commit`` answers in all, n_max unless
   set) is committed only where the pilot and the history predict an informative group:
@@ -235,7 +236,12 @@ class Knapsack(AllocationPolicy):
         return min(self.params.n_min, n_max) + int((gains > self.threshold).sum())
 
     def describe(self) -> dict[str, Any]:
-        return {"threshold": self.threshold, "planned_mean_budget": self.planned_mean}
+        """The threshold (None while every increment fits) and the population's mean
+        budget (None before the first calibration)."""
+        return {
+            "threshold": self.threshold if np.isfinite(self.threshold) else None,
+            "planned_mean_budget": self.planned_mean if np.isfinite(self.planned_mean) else None,
+        }
 
 
 class PilotCommitParams(Params):

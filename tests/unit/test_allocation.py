@@ -61,6 +61,7 @@ def test_knapsack_greedy_matches_the_hand_computed_allocation() -> None:
     for pid, k in (("hard", 0), ("mid", 4), ("easy", 8)):
         est.update(pid, n=8, k=k)
     policy = allocation.build("knapsack", mean_budget=4.0)  # n_min 2
+    assert policy.describe() == {"threshold": None, "planned_mean_budget": None}
     budgets = [policy.budget(est, p, [], 16) for p in ("hard", "mid", "easy", "new")]
     # Spare answers: (4 - 2) x 4 = 8. Gains I(n+1) - I(n) from n = 2: mid 0.227, 0.122,
     # 0.070; new 0.167, 0.100, 0.067; hard and easy 0.082, 0.061. The 8 largest go
@@ -68,6 +69,10 @@ def test_knapsack_greedy_matches_the_hand_computed_allocation() -> None:
     assert budgets == [3, 5, 3, 5]
     assert policy.describe()["threshold"] == pytest.approx(0.06083916, abs=1e-7)
     assert policy.describe()["planned_mean_budget"] == 4.0
+    # A mean budget of n_max fits every increment: no threshold.
+    roomy = allocation.build("knapsack", mean_budget=16.0)
+    assert [roomy.budget(est, p, [], 16) for p in ("hard", "new")] == [16, 16]
+    assert roomy.describe() == {"threshold": None, "planned_mean_budget": 16.0}
 
 
 def _brute_force(values: list[np.ndarray], n_min: int, n_max: int, total: int) -> float:
