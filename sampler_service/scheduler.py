@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -472,7 +471,9 @@ class Scheduler:
             if i % _ADMIT_CHUNK == _ADMIT_CHUNK - 1:
                 await asyncio.sleep(0)
         self.metrics.active_prompts.set(len(runs))
-        for _ in range(math.ceil(cfg.n_max / cfg.wave_size)):
+        # Every round adds at least one answer to each live prompt, so n_max rounds end
+        # them all, however an allocation budget cuts their waves.
+        for _ in range(cfg.n_max):
             live = [(run, n) for run in runs if not run.done and (n := run.next_wave()) > 0]
             if not live:
                 break

@@ -156,6 +156,33 @@ async def test_rounds_mode_uses_whole_waves(toy, backend, with_never) -> None:
             assert g.stats.n_pos >= 2 and g.stats.n_neg >= 2
 
 
+async def test_rounds_run_on_until_every_prompt_meets_its_rule_budget_or_n_max(
+    toy, backend, with_never
+) -> None:
+    # A pilot cuts the first wave to 4, so a prompt that earns more needs more rounds
+    # than n_max / wave_size.
+    scheduler, sink = make_scheduler(
+        toy,
+        backend,
+        with_never,
+        mode="rounds",
+        cohort_size=6,
+        rule="balanced",
+        n_max=16,
+        wave_size=8,
+        allocation={"name": "posterior"},
+    )
+    groups = await run_until(scheduler, sink, 18, reasons=frozenset({"budget", "rule"}))
+    for g in groups:
+        if g.stop_reason == "n_max":
+            assert g.stats.n_generated == 16
+        elif g.stop_reason == "rule":
+            assert g.stats.n_pos >= 2 and g.stats.n_neg >= 2
+        else:
+            assert g.stop_reason == "budget" and g.stats.n_generated < 16
+            assert g.stats.n_generated == 4 or g.stats.n_pos > 0  # a pilot, or it earned more
+
+
 async def test_adaptive_waves_respect_budget_and_rule(toy, backend, with_never) -> None:
     scheduler, sink = make_scheduler(
         toy, backend, with_never, rule="balanced", wave="adaptive", n_max=12, wave_size=8
