@@ -53,6 +53,11 @@ def test_posterior_pilots_unsolved_prompts_is_live_validated_and_persisted(
             assert r.status_code == 422, r.text
             assert r.json()["error"]["field"] == field
         assert c.get("/v1/config").json()["config_version"] == version
+        r = c.patch("/v1/config", json={"allocation": None})
+        assert r.status_code == 200 and r.json()["allocation"] is None
+        assert c.get("/v1/stats").json()["allocation"]["policy"] is None
+        r = c.patch("/v1/config", json={"allocation": POSTERIOR})
+        assert r.status_code == 200 and r.json()["config_version"] == version + 2
 
     server.stop()
     server = make_server(CONFIG, data=[never])
