@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from strategies import admission, mixing, reweighting, selection, stopping
+from strategies.allocation import ALLOCATIONS, AllocationPolicy
 from strategies.estimator import Estimator, EstKnobs
 from strategies.registry import Policy, PolicyError
 from trainer_client.contract.dtypes import ServingDType
@@ -121,7 +122,7 @@ class SamplerConfig(_Live):
     group_size: stopping.GroupSize = 4
     positive_threshold: float = Field(0.5, ge=-1e9, le=1e9)
     downsample: Literal["balanced", "max_variance", "none"] = "balanced"
-    advantage: Literal["grpo", "global", "est"] = "global"
+    advantage: Literal["grpo", "global", "est", "maxrl"] = "global"
     norm_by_std: bool | None = None
     est: EstKnobs = Field(default_factory=EstKnobs)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
@@ -133,6 +134,12 @@ class SamplerConfig(_Live):
         le=10_000_000,
         description="at most the model's context length; unless set, at most what the "
         "context leaves after the longest prompt",
+    )
+    allocation: PolicySpec | None = Field(
+        None,
+        description="bounds each prompt's answers from its history (posterior, knapsack, "
+        "pilot_commit; strategies.allocation), within n_max; a group it stops has stop "
+        "reason `budget`; null: the rule alone decides",
     )
     group_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
     # Applied to every prompt about to be admitted (e.g. history_skip).
@@ -190,6 +197,11 @@ class SamplerConfig(_Live):
         n_max = self.n_max if self.rule == "est" else max(self.n_max, math.ceil(est.mean_budget))
         return Estimator(**est.model_dump(), n_max=n_max)
 
+    def build_allocation(self) -> AllocationPolicy | None:
+        """The allocation policy this config names, or None."""
+        spec = self.allocation
+        return None if spec is None else ALLOCATIONS.build(spec.name, **spec.params)
+
     def admission_policy_objects(self) -> list[admission.AdmissionPolicy]:
         return [admission.build(p.name, **p.params) for p in self.admission_policies]
 
@@ -238,7 +250,7 @@ ConfigPatch = _partial(SamplerConfig)
 
 
 #: PolicyError.field values that mean "no such policy" rather than a bad parameter.
-_FAMILY_KEYS = {None, "name", "selection", "reweighting", "mixing", "admission"}
+_FAMILY_KEYS = {None, "name", "selection", "reweighting", "mixing", "admission", "allocation"}
 
 
 def _policy_field(where: str, field: str | None) -> str:
@@ -288,6 +300,12 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
             f"({cfg.max_buffered_groups}): such a frame could never fill",
             "batch_groups",
         )
+    try:
+        policy = cfg.build_allocation()
+        if policy is not None:
+            policy.validate(cfg.n_max)
+    except PolicyError as exc:
+        raise ConfigError(str(exc), _policy_field("allocation", exc.field)) from exc
     for i, spec in enumerate(cfg.admission_policies):
         try:
             admission.build(spec.name, **spec.params)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,8 +31,9 @@ from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.metrics import Metrics
 from sampler_service.verifiers.base import Verdict
 from strategies import mixing
+from strategies.allocation import AllocationPolicy
 from strategies.estimator import Estimator
-from strategies.stopping import StoppingRule
+from strategies.stopping import StoppingRule, StopReason
 from trainer_client.contract.protocol import Group
 
 log = logging.getLogger(__name__)
@@ -77,18 +77,41 @@ class PromptRun:
     row: PromptRow
     plan: PromptPlan
     rule: StoppingRule
+    #: The allocation policy at admission and the history it reads (the estimator).
+    allocation: AllocationPolicy | None = None
+    history: Estimator | None = None
     completions: list[Completion] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
+    outcomes: list[bool] = field(default_factory=list)  # positive or not, in order
     n_pos: int = 0
     n_neg: int = 0
     done: bool = False
+    #: Set when the allocation budget, not the rule or n_max, ended the prompt.
+    cut: bool = False
+    #: The allocation budget when last asked (None without a policy).
+    budget: int | None = None
 
     @property
     def n_generated(self) -> int:
         return self.n_pos + self.n_neg
 
     def next_wave(self) -> int:
-        return self.rule.next_wave(self.n_pos, self.n_neg, prompt_id=self.row.id)
+        """The rule's next wave, cut to what is left of the allocation budget."""
+        want = self.rule.next_wave(self.n_pos, self.n_neg, prompt_id=self.row.id)
+        if want == 0 or self.allocation is None or self.history is None:
+            return want
+        self.budget = self.allocation.budget(
+            self.history, self.row.id, self.outcomes, self.plan.cfg.n_max
+        )
+        room = max(self.budget - self.n_generated, 0)
+        self.cut = room == 0
+        return min(want, room)
+
+    def stop_reason(self) -> StopReason:
+        """`budget` when the allocation stopped it, else the rule's reason."""
+        if self.cut:
+            return "budget"
+        return self.rule.stop_reason(self.n_pos, self.n_neg, prompt_id=self.row.id)
 
 
 @dataclass
@@ -101,6 +124,25 @@ class DomainStats:
     recent_pass_rates: deque[float] = field(default_factory=lambda: deque(maxlen=200))
 
 
+@dataclass
+class AllocationStats:
+    """Groups finished under an allocation policy (since start, whichever policy)."""
+
+    groups: int = 0
+    cut: int = 0  # stopped by the allocation budget (stop reason `budget`)
+    answers: int = 0
+    budgets: int = 0  # sum of the budgets the groups ended with
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "groups": self.groups,
+            "cut": self.cut,
+            "answers": self.answers,
+            "mean_answers": self.answers / self.groups if self.groups else None,
+            "mean_budget": self.budgets / self.groups if self.groups else None,
+        }
+
+
 class SchedulerStats:
     """Counters behind GET /v1/stats (Prometheus gets the same events via Metrics)."""
 
@@ -111,6 +153,7 @@ class SchedulerStats:
         self.samples_per_group: Counter[int] = Counter()
         self.stop_reasons: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
+        self.allocation = AllocationStats()
         self.samples = 0
         self.tokens = 0
         self.groups_emitted = 0
@@ -166,6 +209,7 @@ class Scheduler:
         )
         self.admitter = mixing.DeficitAdmitter(dataset.domains, window=200)
         self._admission = config.admission_policy_objects()
+        self._allocation = config.build_allocation()
         for domain in dataset.domains:
             self.metrics.prompts_skipped.labels(domain)  # every domain's series from the start
         self.stats = SchedulerStats(dataset.domains, clock)
@@ -255,6 +299,10 @@ class Scheduler:
         estimator = self.estimator
         if cfg.est != old.est or cfg.n_max != old.n_max or cfg.rule != old.rule:
             estimator = await self._rebuilt_estimator(cfg)
+        # A policy that calibrates on the history (knapsack) starts afresh on a new one;
+        # prompts admitted before keep the old pair.
+        if cfg.allocation != old.allocation or estimator is not self.estimator:
+            self._allocation = cfg.build_allocation()
         self.config, self.config_version = cfg, version
         self.estimator = estimator
         if cfg.mixing != old.mixing:
@@ -348,7 +396,19 @@ class Scheduler:
         plan = PromptPlan(self.config_version, cfg, sampling)
         self.stats.domains[domain].admitted += 1
         self.stats.recent_admitted.append(domain)
-        return PromptRun(row, plan, cfg.build_rule(self.estimator))
+        return PromptRun(
+            row, plan, cfg.build_rule(self.estimator), self._allocation, self.estimator
+        )
+
+    def allocation_stats(self) -> dict[str, Any]:
+        """The allocation policy in force, what it learned, and its groups' counters."""
+        spec = self.config.allocation
+        policy = self._allocation
+        return {
+            "policy": None if spec is None else spec.model_dump(),
+            **({} if policy is None else policy.describe()),
+            **self.stats.allocation.to_dict(),
+        }
 
     def _next_admissible(self, domain: str) -> PromptRow:
         """The domain's next prompt that no admission policy skips; skips are counted.
@@ -411,7 +471,9 @@ class Scheduler:
             if i % _ADMIT_CHUNK == _ADMIT_CHUNK - 1:
                 await asyncio.sleep(0)
         self.metrics.active_prompts.set(len(runs))
-        for _ in range(math.ceil(cfg.n_max / cfg.wave_size)):
+        # Every round adds at least one answer to each live prompt, so n_max rounds end
+        # them all, however an allocation budget cuts their waves.
+        for _ in range(cfg.n_max):
             live = [(run, n) for run in runs if not run.done and (n := run.next_wave()) > 0]
             if not live:
                 break
@@ -503,6 +565,7 @@ class Scheduler:
             positive = verdict.reward > threshold
             run.completions.append(completion)
             run.verdicts.append(verdict)
+            run.outcomes.append(positive)
             run.n_pos += positive
             run.n_neg += not positive
             outcome = "error" if verdict.error else ("positive" if positive else "negative")
@@ -536,7 +599,13 @@ class Scheduler:
         run.done = True
         row = run.row
         n_gen = run.n_generated
-        stop_reason = run.rule.stop_reason(run.n_pos, run.n_neg, prompt_id=row.id)
+        stop_reason = run.stop_reason()
+        if run.budget is not None:
+            allocated = self.stats.allocation
+            allocated.groups += 1
+            allocated.cut += run.cut
+            allocated.answers += n_gen
+            allocated.budgets += run.budget
         self.stats.samples_per_group[n_gen] += 1
         self.stats.stop_reasons[stop_reason] += 1
         self.metrics.samples_per_group.observe(n_gen)

@@ -1180,6 +1180,7 @@ class SamplerService:
             **self.scheduler.stats.to_dict(),
             "rates": self._rates(),
             "staleness": self._staleness(),
+            "allocation": self.scheduler.allocation_stats(),
             "trained_groups": self.trained_groups,
             "schedule": {
                 "steps": len(self.scheduler.config.schedule),

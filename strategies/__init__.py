@@ -1,9 +1,11 @@
-"""Pure policy math for adaptive rollout sampling: stopping rules, down-sampling,
-advantages, selection, reweighting and domain mixing, on numpy arrays (no I/O)."""
+"""Pure policy math for adaptive rollout sampling: stopping rules, answer allocation,
+down-sampling, advantages, selection, reweighting and domain mixing, on numpy arrays (no
+I/O)."""
 
 from strategies import (
     admission,
     advantage,
+    allocation,
     downsample,
     estimator,
     mixing,
@@ -19,6 +21,7 @@ __all__ = [
     "PolicyError",
     "admission",
     "advantage",
+    "allocation",
     "downsample",
     "estimator",
     "mixing",

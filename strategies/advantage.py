@@ -7,6 +7,15 @@
   stay correct. No std division by default (the released script uses A = r - mean).
 - ``est``: A = (r - rbar) / sqrt(max(rbar, 0) + eps) with rbar over all answers, which
   up-weights prompts the policy rarely solves; ``norm_by_std`` does not apply.
+- ``maxrl``: A = (r - rbar) / (max(rbar, 0) + eps) with rbar over all answers, MaxRL's
+  advantage (Tajwar et al., "Maximum Likelihood Reinforcement Learning", arXiv
+  2602.02710): with binary rewards the gradient of log p (maximum likelihood of a correct
+  answer, not RL's p) is E[grad log pi | correct], which MaxRL estimates from N answers
+  with K correct as (1/K) sum_{correct} grad log pi_i, dividing by the successes instead
+  of N. Subtracting the zero-mean control variate (1/N) sum_i grad log pi_i leaves
+  (1/N) sum_i (r_i - rbar) / rbar grad log pi_i, rbar = K / N: this advantage. It weights
+  a prompt by 1/p where GRPO's std weights it by 1/sqrt(p(1-p)) and est by 1/sqrt(p); a
+  group with no correct answer gives 0. ``norm_by_std`` does not apply.
 
 With std division, A = (r - mean) / (std_ddof1 + eps); a spread over fewer than two
 rewards is taken as 0.
@@ -52,9 +61,16 @@ def _est(kept: np.ndarray, all_: np.ndarray, norm_by_std: bool | None, eps: floa
     return adv
 
 
+def _maxrl(kept: np.ndarray, all_: np.ndarray, norm_by_std: bool | None, eps: float) -> np.ndarray:
+    rbar = float(all_.mean())
+    adv: np.ndarray = (kept - rbar) / (max(rbar, 0.0) + eps)
+    return adv
+
+
 ESTIMATORS.add("grpo", NoParams, lambda _params: _grpo, scope="group")
 ESTIMATORS.add("global", NoParams, lambda _params: _global, scope="group")
 ESTIMATORS.add("est", NoParams, lambda _params: _est, scope="group")
+ESTIMATORS.add("maxrl", NoParams, lambda _params: _maxrl, scope="group")
 
 
 def compute(

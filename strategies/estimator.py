@@ -2,16 +2,26 @@
 
 Each prompt id keeps exponentially decayed counts (EMA with decay ``decay``, the paper's lambda) of answers
 and correct answers; a Beta(alpha, beta) prior keeps the estimate away from 0 and 1 for
-rarely-seen prompts. Hard prompts (low p) get more answers: N_x proportional to
-1/sqrt(p_x), with the constant c chosen so that the dataset-wide mean budget is
-``mean_budget``, which makes Est's cost comparable to GRPO with that group size.
+rarely-seen prompts. Hard prompts (low p) get more answers, with the constant c chosen so
+that the dataset-wide mean budget is ``mean_budget``, which makes Est's cost comparable to
+GRPO with that group size. Two budget forms (``budget_form``):
+
+- ``sqrt`` (the default, the paper's Est): N_x = clip(round(c / sqrt(p_x + eps)), n_min,
+  n_max).
+- ``inverse``: N_x = max(n_min, round(c / (p_x + eps))), not clipped at n_max when c is
+  calibrated: the ~1/p budget of the authors' unmerged variant, which the paper's own
+  ablation warns spends most answers on the hardest prompts. The stopping rule still
+  stops a prompt at n_max, so raise n_max to let the budget run.
+
+The counts are also the per-prompt history the allocation policies
+(``strategies.allocation``) read: ``posterior`` gives a prompt's Beta posterior.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import ConfigDict, Field
@@ -45,6 +55,11 @@ class EstKnobs(Params):
     n_min: int = Field(2, ge=1, le=MAX_ANSWERS, description="smallest per-prompt budget")
     mean_budget: float = Field(
         8.0, gt=0.0, le=MAX_ANSWERS, description="dataset-wide mean of the budgets"
+    )
+    budget_form: Literal["sqrt", "inverse"] = Field(
+        "sqrt",
+        description="sqrt: c / sqrt(p + eps) clipped to [n_min, n_max] (the paper's Est); "
+        "inverse: c / (p + eps), at least n_min, calibrated without the n_max cap",
     )
 
 
@@ -89,6 +104,22 @@ class Estimator:
         n_tot, n_pos = self._stats.get(prompt_id, (0.0, 0.0))
         return (n_pos + self.params.alpha) / (n_tot + self.params.alpha + self.params.beta)
 
+    def counts(self, prompt_id: str) -> tuple[float, float]:
+        """The prompt's decayed counts (N_tot, N_pos) of answers and correct answers;
+        (0, 0) for a prompt never seen."""
+        return self._stats.get(prompt_id, (0.0, 0.0))
+
+    def posterior(self, prompt_id: str) -> tuple[float, float]:
+        """The prompt's Beta posterior (alpha + N_pos, beta + N_tot - N_pos) from its
+        decayed counts; the prior for a prompt never seen."""
+        n_tot, n_pos = self.counts(prompt_id)
+        return self.params.alpha + n_pos, self.params.beta + (n_tot - n_pos)
+
+    @property
+    def finalized(self) -> int:
+        """Finalized groups folded in so far (what the allocation policies recalibrate on)."""
+        return self._finalized
+
     def streak(self, prompt_id: str) -> int:
         """Consecutive finalized groups of this prompt, up to the last, that had no correct
         or no incorrect answer (0 after a group with both)."""
@@ -119,7 +150,7 @@ class Estimator:
         self.recalibrate()
 
     def budget(self, prompt_id: str) -> int:
-        """N_x = clip(round(c / sqrt(p_x + eps)), n_min, n_max)."""
+        """N_x of ``budget_form`` (module docstring) at the current c."""
         return int(self._budgets(self.c, np.array([self.p(prompt_id)]))[0])
 
     def recalibrate(self) -> float:
@@ -131,7 +162,11 @@ class Estimator:
         """
         probs, weights = self._population()
         target = self.params.mean_budget
-        lo, hi = 0.0, (self.params.n_max + 1) * math.sqrt(1.0 + self.params.eps)
+        # At hi every budget exceeds both n_max and mean_budget, so the mean is >= target.
+        top = max(self.params.n_max, target) + 1
+        eps = self.params.eps
+        lo = 0.0
+        hi = top * (math.sqrt(1.0 + eps) if self.params.budget_form == "sqrt" else 1.0 + eps)
         if self._mean(lo, probs, weights) >= target:
             self.c = lo
             return self.c
@@ -168,26 +203,38 @@ class Estimator:
         # Absent from states saved before streaks were kept: those start with no streak.
         self._streaks = {pid: int(s) for pid, s in state.get("streaks", {}).items()}
 
-    def _population(self) -> tuple[np.ndarray, np.ndarray]:
-        """Pass rates c is calibrated on, with the number of prompts at each.
+    def population(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Decayed counts (N_tot, N_pos) of the population budgets are calibrated on,
+        with the number of prompts at each.
 
         The population is the declared dataset, else the prompts seen so far, else a
-        single unseen prompt (so c is defined before any data). Unseen dataset prompts
-        all sit at the prior, so they are one weighted entry: a recalibration costs
-        O(prompts seen), not O(dataset).
+        single unseen prompt (so a calibration is defined before any data). Unseen dataset
+        prompts all sit at the prior (counts 0), so they are one weighted entry: a
+        calibration costs O(prompts seen), not O(dataset).
         """
         if self._prompts:
-            seen = [self.p(i) for i in self._stats if i in self._prompts]
+            seen = [self._stats[i] for i in self._stats if i in self._prompts]
             unseen = len(self._prompts) - len(seen)
         else:
-            seen = [self.p(i) for i in self._stats]
+            seen = list(self._stats.values())
             unseen = 0 if seen else 1
-        return np.array([*seen, self.prior]), np.array([1.0] * len(seen) + [unseen])
+        n_tot, n_pos = np.array([*seen, (0.0, 0.0)], dtype=np.float64).T
+        return n_tot, n_pos, np.array([1.0] * len(seen) + [unseen])
+
+    def _population(self) -> tuple[np.ndarray, np.ndarray]:
+        """Posterior-mean pass rates of the population, with the prompts at each."""
+        n_tot, n_pos, weights = self.population()
+        a, b = self.params.alpha, self.params.beta
+        return (n_pos + a) / (n_tot + a + b), weights
 
     def _budgets(self, c: float, probs: np.ndarray) -> np.ndarray:
-        """Clipped budgets for pass rates ``probs``; rounding is half-up."""
-        raw = np.floor(c / np.sqrt(probs + self.params.eps) + 0.5)
-        return np.clip(raw, self.params.n_min, self.params.n_max).astype(np.int64)
+        """Budgets of ``budget_form`` for pass rates ``probs``; rounding is half-up."""
+        p = self.params
+        if p.budget_form == "sqrt":
+            raw = np.floor(c / np.sqrt(probs + p.eps) + 0.5)
+            return np.clip(raw, p.n_min, p.n_max).astype(np.int64)
+        raw = np.floor(c / (probs + p.eps) + 0.5)
+        return np.clip(raw, p.n_min, MAX_ANSWERS).astype(np.int64)
 
     def _mean(self, c: float, probs: np.ndarray, weights: np.ndarray) -> float:
         return float(np.average(self._budgets(c, probs), weights=weights))

@@ -188,7 +188,9 @@ class Balanced(_CountRule):
 
 @RULES.policy
 class Est(StoppingRule):
-    """Reinforce-Ada Est: generate the prompt's pre-allocated budget N_x (capped at n_max).
+    """Reinforce-Ada Est: generate the prompt's pre-allocated budget N_x (capped at n_max),
+    of the estimator's ``budget_form``: the paper's c / sqrt(p + eps) by default, or the
+    uncapped c / (p + eps).
 
     N_x is read from the estimator at each call, so a recalibration while the prompt is
     in flight applies to its remaining waves. ``wave: adaptive`` does not apply.

@@ -156,6 +156,33 @@ async def test_rounds_mode_uses_whole_waves(toy, backend, with_never) -> None:
             assert g.stats.n_pos >= 2 and g.stats.n_neg >= 2
 
 
+async def test_rounds_run_on_until_every_prompt_meets_its_rule_budget_or_n_max(
+    toy, backend, with_never
+) -> None:
+    # A pilot cuts the first wave to 4, so a prompt that earns more needs more rounds
+    # than n_max / wave_size.
+    scheduler, sink = make_scheduler(
+        toy,
+        backend,
+        with_never,
+        mode="rounds",
+        cohort_size=6,
+        rule="balanced",
+        n_max=16,
+        wave_size=8,
+        allocation={"name": "posterior"},
+    )
+    groups = await run_until(scheduler, sink, 18, reasons=frozenset({"budget", "rule"}))
+    for g in groups:
+        if g.stop_reason == "n_max":
+            assert g.stats.n_generated == 16
+        elif g.stop_reason == "rule":
+            assert g.stats.n_pos >= 2 and g.stats.n_neg >= 2
+        else:
+            assert g.stop_reason == "budget" and g.stats.n_generated < 16
+            assert g.stats.n_generated == 4 or g.stats.n_pos > 0  # a pilot, or it earned more
+
+
 async def test_adaptive_waves_respect_budget_and_rule(toy, backend, with_never) -> None:
     scheduler, sink = make_scheduler(
         toy, backend, with_never, rule="balanced", wave="adaptive", n_max=12, wave_size=8
@@ -192,6 +219,56 @@ async def test_est_rule_spends_budgets_and_learns(toy, backend) -> None:
         expected = [(r - rbar) / (rbar + 1e-6) ** 0.5 for r in rewards]
         np.testing.assert_allclose([s.advantage for s in g.samples], expected, atol=1e-9)
     assert any(scheduler.estimator.seen(g.prompt_id) for g in groups)
+
+
+async def test_pilot_commit_commits_only_after_an_informative_or_promising_pilot(
+    toy, backend, with_never
+) -> None:
+    # Waves of 4 are the pilot; the rule alone would take 8 of every prompt.
+    scheduler, sink = make_scheduler(
+        toy,
+        backend,
+        with_never,
+        rule="fixed",
+        group_size=8,
+        n_max=8,
+        wave_size=4,
+        downsample="none",
+        allocation={"name": "pilot_commit"},
+    )
+    groups = await run_until(scheduler, sink, 16, reasons=frozenset({"budget", "fixed"}))
+    for g in groups:
+        pilot = {s.reward > 0.5 for s in g.samples[:4]}
+        assert g.stats.n_generated in (4, 8)
+        if len(pilot) == 2:  # both kinds in the pilot: committed
+            assert (g.stats.n_generated, g.stop_reason) == (8, "fixed")
+        if g.stats.n_generated == 4:
+            assert len(pilot) == 1 and g.stop_reason == "budget"
+    stats = scheduler.allocation_stats()
+    assert stats["policy"] == {"name": "pilot_commit", "params": {}}
+    assert stats["cut"] == scheduler.stats.stop_reasons["budget"] > 0
+
+
+async def test_knapsack_spends_its_budgets_under_a_rule_that_never_stops_early(
+    toy, backend, with_never
+) -> None:
+    scheduler, sink = make_scheduler(
+        toy,
+        backend,
+        with_never,
+        rule="fixed",
+        group_size=8,
+        n_max=8,
+        wave_size=8,
+        downsample="none",
+        allocation={"name": "knapsack", "params": {"mean_budget": 4.0}},
+    )
+    groups = await run_until(scheduler, sink, 12)
+    # The dataset is mostly unseen, at the prior: its budget is about the mean.
+    assert all(2 <= g.stats.n_generated < 8 and g.stop_reason == "budget" for g in groups)
+    stats = scheduler.allocation_stats()
+    assert stats["planned_mean_budget"] <= 4.0 and 0 < stats["threshold"] < 1
+    assert stats["cut"] == stats["groups"] >= len(groups)
 
 
 async def test_maxvar_keeps_half_and_recomputes_grpo_advantages(toy, backend) -> None:

@@ -1,4 +1,4 @@
-"""Advantage estimators: grpo, global (Reinforce-Ada) and est."""
+"""Advantage estimators: grpo, global (Reinforce-Ada), est and maxrl."""
 
 from __future__ import annotations
 
@@ -49,6 +49,23 @@ def test_est_scales_by_inverse_sqrt_of_mean_reward():
     # A negative mean reward is clamped at 0 under the square root.
     np.testing.assert_allclose(
         advantage.compute([-1.0], [-1.0, -3.0], "est"), [1.0 / math.sqrt(1e-6)]
+    )
+
+
+def test_maxrl_divides_by_the_mean_reward():
+    # rbar = 1/4: A = (r - 1/4) / (1/4), so [3, -1, -1, -1]; kept or not, rbar is over all.
+    np.testing.assert_allclose(
+        advantage.compute([1, 0, 0, 0], [1, 0, 0, 0], "maxrl"), [3, -1, -1, -1], rtol=1e-5
+    )
+    np.testing.assert_allclose(advantage.compute([1, 0], [1, 0, 0, 0], "maxrl"), [3, -1], rtol=1e-5)
+    # A / N = r / K - 1 / N: the average score of the correct answers minus the mean score.
+    rewards = np.array([1, 0, 1, 0, 0, 1, 0, 0], dtype=float)
+    adv = advantage.compute(rewards, rewards, "maxrl", eps=0.0)
+    np.testing.assert_allclose(adv / 8, rewards / 3 - 1 / 8)
+    np.testing.assert_array_equal(advantage.compute([0, 0], [0, 0, 0], "maxrl"), [0, 0])
+    np.testing.assert_array_equal(
+        advantage.compute([1, 0], [1, 0], "maxrl", norm_by_std=True),
+        advantage.compute([1, 0], [1, 0], "maxrl"),
     )
 
 

@@ -39,6 +39,27 @@ def test_budget_is_clipped_rounded_inverse_sqrt():
         assert est.budget(pid) == math.floor(est.c / math.sqrt(p + 0.01) + 0.5)
 
 
+def test_inverse_form_is_one_over_p_and_not_clipped_at_n_max():
+    # The ~1/p budget: the hardest prompt gets far more than under the paper's 1/sqrt(p),
+    # beyond n_max (the stopping rule, not the estimator, stops it there).
+    est = Estimator(mean_budget=12, n_max=16, budget_form="inverse")
+    est.set_prompts(["easy", "mid", "hard", "new"])
+    for pid, k in (("easy", 8), ("mid", 4), ("hard", 0)):
+        est.update(pid, n=8, k=k)  # p = 0.9, 0.5, 0.1; "new" stays at the prior 0.5
+    est.recalibrate()
+    budgets = [est.budget(p) for p in ("easy", "mid", "hard", "new")]
+    assert budgets == [4, 7, 30, 7]  # c/0.91 : c/0.51 : c/0.11 = 1 : 1.78 : 8.27
+    assert est.current_mean_budget() == 12.0
+    for pid, p in (("easy", 0.9), ("mid", 0.5), ("hard", 0.1)):
+        assert est.budget(pid) == math.floor(est.c / (p + 0.01) + 0.5)
+    paper = Estimator(mean_budget=12, n_max=16)
+    paper.set_prompts(["easy", "mid", "hard", "new"])
+    for pid, k in (("easy", 8), ("mid", 4), ("hard", 0)):
+        paper.update(pid, n=8, k=k)
+    paper.recalibrate()
+    assert paper.params.budget_form == "sqrt" and paper.budget("hard") == 16
+
+
 def test_unreachable_mean_takes_closest_side_upper_on_tie():
     est = Estimator()  # mean_budget 8
     est.set_prompts(["easy", "mid", "hard", "new"])
@@ -126,6 +147,7 @@ def test_state_round_trip_through_json():
         ({"eps": "small"}, "eps"),
         ({"mean_budget": 1}, "mean_budget"),
         ({"mean_budget": 40}, "mean_budget"),
+        ({"budget_form": "linear"}, "budget_form"),
     ],
 )
 def test_bad_parameters(params, field):

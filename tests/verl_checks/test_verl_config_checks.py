@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from sampler_service.config import validate_config
+from strategies.allocation import ALLOCATIONS
 from strategies.stopping import StoppingParams
 from trainer_client.verl.settings import (
     attention_of,
@@ -93,3 +94,15 @@ def test_group_checks_use_the_samplers_defaults() -> None:
         {"rule": "balanced", "group_size": fills + 1}, rollout_n=fills + 1
     )
     assert ok == [] and len(short) == 1 and f"first wave {defaults.wave_size}" in short[0]
+
+
+@pytest.mark.parametrize(("name", "knob"), [("posterior", "pilot"), ("knapsack", "n_min")])
+def test_an_allocation_that_can_stop_short_of_a_group_is_a_problem(name: str, knob: str) -> None:
+    least = ALLOCATIONS.entry(name).params.model_fields[knob].default
+    base = {"rule": "fixed", "group_size": least}
+    assert check_sampler_config({**base, "allocation": {"name": name}}, rollout_n=least)[0] == []
+    short = {"rule": "fixed", "group_size": least + 1, "allocation": {"name": name}}
+    problems, _ = check_sampler_config(short, rollout_n=least + 1)
+    assert len(problems) == 1 and f"allocation.params.{knob} >= {least + 1}" in problems[0]
+    fixed = {**short, "allocation": {"name": name, "params": {knob: least + 1}}}
+    assert check_sampler_config(fixed, rollout_n=least + 1)[0] == []

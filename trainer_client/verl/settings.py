@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from strategies.allocation import ALLOCATIONS
 from strategies.estimator import EstimatorParams
 from strategies.stopping import StoppingParams
 from trainer_client.contract.dtypes import ServingDType
@@ -230,6 +231,20 @@ def check_sampler_config(
                     f"rule {rule!r} can stop a prompt with fewer than group_size = {group_size} answers "
                     f"(first wave {first_wave}, rule satisfied after {least}); use wave 'fixed' with "
                     f"wave_size >= {group_size}, or rule 'fixed'"
+                )
+    allocation = sampler.get("allocation")
+    if group_size > 0 and isinstance(allocation, Mapping):
+        name = allocation.get("name")
+        if name in ALLOCATIONS.names():
+            # The fewest answers the policy can give a prompt: knapsack's n_min, else the pilot.
+            model = ALLOCATIONS.entry(name).params
+            knob = "n_min" if "n_min" in model.model_fields else "pilot"
+            least = _knob(model, allocation.get("params") or {}, knob)
+            if least < group_size:
+                problems.append(
+                    f"allocation {name!r} may stop a prompt after its {knob} = {least} < "
+                    f"group_size = {group_size} answers; set allocation.params.{knob} >= "
+                    f"{group_size} or no allocation"
                 )
     if (
         temperature is not None
