@@ -316,7 +316,10 @@ def run_one(config: dict[str, Any], seed: int, work: Path) -> dict[str, Any]:
             }
 
         with trainer.client:
-            points = [point(trainer, trainer.client.stats(), 0.0)]
+            # The start is at no cost: what the sampler generated meanwhile is the first
+            # batch's, counted at the next checkpoint.
+            nothing = {"samples": 0, "tokens": 0, "stop_reasons": {}, "dropped": {}}
+            points = [point(trainer, nothing, 0.0)]
             wall = 0.0  # training time; evaluations are not counted
             answers, per_step = 0, 4.0 * config["batch_groups"]
             budget, k_max = config["budget"], config["checkpoints"]
@@ -884,40 +887,93 @@ def targets(by_setting: dict[str, Any], step_time: dict[str, Any] | None) -> dic
 
 
 # -- printing, plotting, the command line ----------------------------------------------------
-def _show(pr: dict[str, Any]) -> str:
-    t = "-" if pr["t"] is None else f"{pr['t']:+.2f}"
-    ci = "-" if pr["ci95"] is None else f"[{pr['ci95'][0]:+.3f}, {pr['ci95'][1]:+.3f}]"
-    return (
-        ", ".join(f"{d:+.3f}" for d in pr["diffs"])
-        + f" (mean {pr['mean']:+.3f}, 95% CI {ci}, paired t {t}, "
-        f"{pr['wins']} of {pr['n']} seeds > 0, sign test p {pr['sign_p']:.2f})"
-    )
-
-
 def headline_rows(block: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per method: its cost to each of GRPO n=4's final values, as ratios."""
     rows = []
     for method, m in block["methods"].items():
         row: dict[str, Any] = {"method": METHODS[method]["label"], "seeds": len(m["seeds"])}
         for metric in METRICS:
-            for axis in ("answers", "model_s"):
+            for axis in COST_AXES:
                 v = block["to_target"][metric].get(axis, {}).get(method)
                 row[f"{metric}/{axis}"] = v["text"] if v else "-"
-        row["inf"] = f"{m['informative_per_1000']['mean']:.0f}"
+        inf = m["informative_per_1000"]
+        row["inf"] = f"{inf['mean']:.0f} ({inf['min']:.0f}..{inf['max']:.0f})"
+        row["stops"] = ", ".join(f"{k} {v:.2f}" for k, v in m["stop_reasons"].items())
+        row["drops"] = ", ".join(f"{k} {v:.2f}" for k, v in m["dropped"].items()) or "-"
         rows.append(row)
     return rows
+
+
+def final_rows(block: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per method: its costs at the end and each metric from start to end."""
+    rows = []
+    for method, m in block["methods"].items():
+        row: dict[str, Any] = {
+            "method": METHODS[method]["label"],
+            **{k: m[k] for k in ("answers", "step", "answers_per_step", "model_s", "wall_s")},
+        }
+        for k in METRICS:
+            row[k] = (
+                f"{m[k]['start']:.3f} -> {m[k]['end']:.3f} ({m[k]['min']:.3f}..{m[k]['max']:.3f})"
+            )
+        rows.append(row)
+    return rows
+
+
+FINAL_COLUMNS = [
+    ("method", "method"),
+    ("answers", "answers generated"),
+    ("step", "optimizer steps"),
+    ("answers_per_step", "answers/step"),
+    ("model_s", "modelled s"),
+    ("wall_s", "toy training wall s"),
+    *METRICS.items(),
+]
+
+
+def equal_rows(block: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each method minus GRPO n=4 at equal answers, modelled time and wall-clock."""
+    rows = []
+    for metric, by_axis in block["paired"].items():
+        for axis, by_method in by_axis.items():
+            for method, pr in by_method.items():
+                ci = pr["ci95"]
+                rows.append(
+                    {
+                        "metric": METRICS[metric],
+                        "at": f"{axis} {block['equal_at'][axis]:,.0f}",
+                        "method": METHODS[method]["label"],
+                        "mean": f"{pr['mean']:+.3f}",
+                        "ci": "-" if ci is None else f"{ci[0]:+.3f} .. {ci[1]:+.3f}",
+                        "wins": f"{pr['wins']} of {pr['n']}",
+                    }
+                )
+    return rows
+
+
+EQUAL_COLUMNS = [
+    ("metric", "metric"),
+    ("at", "equal"),
+    ("method", "method minus GRPO n=4"),
+    ("mean", "mean"),
+    ("ci", "95% CI (t)"),
+    ("wins", "seeds > 0"),
+]
 
 
 HEADLINE_COLUMNS = [
     ("method", "method"),
     ("seeds", "seeds"),
     ("train_t1/answers", "train T=1: answers"),
-    ("train_t1/model_s", "modelled time"),
+    ("train_t1/tokens", "train T=1: tokens"),
+    ("train_t1/model_s", "train T=1: modelled time"),
     ("greedy/answers", "held-out greedy: answers"),
-    ("greedy/model_s", "modelled time"),
+    ("greedy/model_s", "held-out greedy: modelled time"),
     ("t1/answers", "held-out T=1: answers"),
-    ("t1/model_s", "modelled time"),
+    ("t1/model_s", "held-out T=1: modelled time"),
     ("inf", "informative / 1,000 answers"),
+    ("stops", "stop reasons (share of groups)"),
+    ("drops", "dropped"),
 ]
 
 
@@ -925,22 +981,10 @@ def _print_setting(setting: str, block: dict[str, Any], sizes: dict[str, Any]) -
     print(f"\n== {setting}: cost to reach GRPO n=4's final value, ratio to GRPO n=4 ==")
     print(f"held-out prompts: {sizes.get('eval')}, training prompts: {sizes.get('train')}")
     print(table(headline_rows(block), HEADLINE_COLUMNS))
-    print("\nfinal values (mean over seeds, start -> end):")
-    for method, m in block["methods"].items():
-        vals = ", ".join(
-            f"{k} {m[k]['start']:.3f} -> {m[k]['end']:.3f} ({m[k]['min']:.3f}..{m[k]['max']:.3f})"
-            for k in METRICS
-        )
-        print(
-            f"  {METHODS[method]['label']}: {m['answers']:.0f} answers, {m['step']:.0f} steps, "
-            f"{m['model_s']:.0f} modelled s, {m['wall_s']:.0f} s wall; {vals}; "
-            f"stops {m['stop_reasons']}, drops {m['dropped']}"
-        )
-    for metric in METRICS:
-        for axis, at in block["equal_at"].items():
-            for method, pr in block["paired"][metric][axis].items():
-                print(f"  {metric} minus GRPO n=4 at {axis}={at:.0f}: {METHODS[method]['label']}: "
-                      f"{_show(pr)}")  # fmt: skip
+    print("\nfinal values, mean over seeds (start -> end, min..max at the end):")
+    print(table(final_rows(block), FINAL_COLUMNS))
+    print("\npaired by seed, minus GRPO n=4 at equal cost:")
+    print(table(equal_rows(block), EQUAL_COLUMNS))
 
 
 def _plot(setting: str, block: dict[str, Any], png: Path) -> Path:

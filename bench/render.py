@@ -199,6 +199,22 @@ def _learning_headline() -> str:
     return table(rows, [("setting", "setting"), *learning.HEADLINE_COLUMNS])
 
 
+def _learning_finals() -> str:
+    data = _load("learning")
+    rows = []
+    for setting, block in data["by_setting"].items():
+        rows += [{"setting": setting, **r} for r in learning.final_rows(block)]
+    return table(rows, [("setting", "setting"), *learning.FINAL_COLUMNS])
+
+
+def _learning_equal() -> str:
+    data = _load("learning")
+    rows = []
+    for setting, block in data["by_setting"].items():
+        rows += [{"setting": setting, **r} for r in learning.equal_rows(block)]
+    return table(rows, [("setting", "setting"), *learning.EQUAL_COLUMNS])
+
+
 def _measured(value: Any) -> str:
     """A target's measured value, compact: numbers to 3 digits, dicts as `key value`."""
     if isinstance(value, dict):
@@ -350,6 +366,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "learning.paired": _learning_paired,
     "learning.histograms": _learning_histograms,
     "learning.headline": _learning_headline,
+    "learning.finals": _learning_finals,
+    "learning.equal": _learning_equal,
     "learning.targets": _learning_targets,
     "step_time.settings": _step_settings,
     "step_time.checks": _step_checks,

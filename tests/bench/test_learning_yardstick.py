@@ -128,6 +128,9 @@ def test_summary_counts_every_answer_and_models_time_from_grpo4_tokens() -> None
     )
     assert block["to_target"]["train_t1"]["answers"]["seqbal"]["ratios"] == pytest.approx([0.5])
     assert block["equal_at"]["answers"] == 256
+    rows = {r["method"]: r for r in learning.headline_rows(block)}
+    assert rows["Seq-Balance (K=2/2, n_max 16, n=4)"]["train_t1/answers"] == "0.50"
+    assert rows["GRPO n=4"]["stops"] == "fixed 1.00"
     # At 256 answers: seqbal 0.3 + 0.1 / 3 against GRPO n=4's 0.3.
     assert block["paired"]["train_t1"]["answers"]["seqbal"]["diffs"] == pytest.approx([0.1 / 3])
 
