@@ -776,13 +776,13 @@ def summarize_setting(runs: list[dict[str, Any]], domains: list[str]) -> dict[st
 
 def _best_adaptive(block: dict[str, Any]) -> str | None:
     """The adaptive method with the smallest answers-to-target ratio on the training
-    prompts' T=1 pass rate (ties and lower bounds ranked by the geometric mean)."""
+    prompts' T=1 pass rate; a lower bound ranks behind every measured ratio."""
     cands = [
-        (v["geomean"], m)
+        (v["lower_bound"], v["geomean"], m)
         for m, v in block["to_target"]["train_t1"]["answers"].items()
         if METHODS[m]["kind"] == "adaptive" and v["geomean"] is not None
     ]
-    return min(cands)[1] if cands else None
+    return min(cands)[2] if cands else None
 
 
 def _entry(target: str, setting: str | None, goal: str, **fields: Any) -> dict[str, Any]:

@@ -179,3 +179,13 @@ def test_the_cache_keys_on_setting_method_seed_and_config(tmp_path: Path) -> Non
     loaded = learning._load_runs(tmp_path, {("mul", "grpo4"): a})
     assert [(r["method"], r["setting"], r["seed"]) for r in loaded] == [("grpo4", "mul", 0)]
     assert learning._load_runs(tmp_path, {("mul", "grpo4"): b}) == []
+
+
+def test_a_lower_bound_ranks_behind_every_measured_ratio() -> None:
+    def entry(geo: float, bound: bool) -> dict[str, Any]:
+        return {"geomean": geo, "lower_bound": bound}
+
+    block = {"to_target": {"train_t1": {"answers": {
+        "grpo4": entry(1.0, False), "seqbal": entry(0.3, True), "seqpos1": entry(0.9, False),
+    }}}}  # fmt: skip
+    assert learning._best_adaptive(block) == "seqpos1"
