@@ -53,7 +53,9 @@ which a method's interpolated curve first reaches GRPO n=4's final value of the 
 seed, as a ratio to GRPO n=4's; the geometric mean over seeds with a paired 95% t
 interval on the log ratios. A method that never reaches it within its budget gets its
 budget as a lower bound and the ratio is reported as "> x". Also the paired differences
-at equal answers (the budget), equal modelled time and equal wall-clock time.
+at equal answers, equal modelled time and equal wall-clock time (each the shortest run's),
+and each run's gain over its own start. Every curve starts at no cost: what the sampler
+generated before the first step is the first batch's, counted at the next checkpoint.
 
 Each run's result is cached as bench/results/learning_runs/<setting>__<method>__s<seed>
 __<config hash>.json, so a run is never repeated and results can be committed as they
