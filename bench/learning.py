@@ -1029,12 +1029,14 @@ def _load_runs(runs_dir: Path, configs: dict[tuple[str, str], dict[str, Any]]) -
     return out
 
 
-def _histogram(runs_dir: Path, setting: str) -> dict[str, Any]:
-    """The setting's starting histogram, measured once and cached."""
+def _histogram(runs_dir: Path, setting: str, measure: bool) -> dict[str, Any] | None:
+    """The setting's starting histogram, measured once (if `measure`) and cached."""
     key = {"setting": setting, "n_train": N_TRAIN, "samples": HIST_SAMPLES, "seed": 0}
     path = runs_dir / f"hist__{setting}__{config_hash(key)}.json"
     if path.is_file():
         return dict(json.loads(path.read_text()))
+    if not measure:
+        return None
     hist = starting_histogram(setting)
     _write_atomic(path, hist)
     return hist
@@ -1072,7 +1074,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--summary-only", action="store_true", help="run nothing, summarize the cache")
     p.add_argument("--runs-dir", type=Path, default=RUNS_DIR, help="the run cache")
     p.add_argument("--out", type=Path, help="the summary [bench/results/learning.json]")
-    p.add_argument("--no-histograms", action="store_true", help="skip the starting histograms")
+    p.add_argument(
+        "--no-histograms",
+        action="store_true",
+        help="do not measure the starting histograms (cached ones are still reported)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.method = args.method or list(QUICK_METHODS)
@@ -1137,12 +1143,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         by_setting[setting] = summarize_setting(mine, list(domains))
         _print_setting(setting, by_setting[setting], sizes[setting])
     hists = {}
-    if not args.no_histograms:
-        for setting in HARD_SETTINGS:
-            hists[setting] = _histogram(args.runs_dir, setting)
-            for d, h in hists[setting]["domains"].items():
-                print(f"{setting} start, {d}: {h['prompts']} prompts, mean {h['mean']:.3f}, "
-                      f"per-prompt pass rate counts {h['counts']}")  # fmt: skip
+    for setting in HARD_SETTINGS:
+        hist = _histogram(args.runs_dir, setting, measure=not args.no_histograms)
+        if hist is None:
+            continue
+        hists[setting] = hist
+        for d, h in hist["domains"].items():
+            print(f"{setting} start, {d}: {h['prompts']} prompts, mean {h['mean']:.3f}, "
+                  f"per-prompt pass rate counts {h['counts']}")  # fmt: skip
     step_path = RESULTS / "step_time.json"
     step = json.loads(step_path.read_text()) if step_path.is_file() else None
     tg = targets(by_setting, step)
