@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import front
+from bench import front, learning
 from bench.common import RESULTS, ROOT, fmt, table
 from bench.step_time import COLUMNS, flat_rows
 
@@ -105,7 +105,7 @@ def _step_settings() -> str:
 
 
 def _learning_summary() -> str:
-    data = _load("learning")
+    data = _load("learning_add2")
     domains = [d for d in data["curves"][next(iter(data["curves"]))] if d != "mean"]
     names = domains if len(domains) == 1 else [*domains, "mean"]
     rows = []
@@ -129,7 +129,7 @@ def _ci(pr: dict[str, Any]) -> str:
 
 
 def _learning_paired() -> str:
-    data = _load("learning")
+    data = _load("learning_add2")
     labels = {m: spec["label"] for m, spec in data["settings"]["methods"].items()}
     rows = []
     for metric, src in (("greedy", data), ("T=1 pass", data["t1"])):
@@ -165,6 +165,88 @@ def _learning_paired() -> str:
             ("p", "sign test p"),
         ],
     )
+
+
+def _learning_histograms() -> str:
+    data = _load("learning")
+    rows = []
+    for setting, hist in data["histograms"].items():
+        for domain, h in hist["domains"].items():
+            rows.append(
+                {
+                    "setting": setting,
+                    "domain": domain,
+                    "prompts": h["prompts"],
+                    "mean": h["mean"],
+                    **h["counts"],
+                    "inf": h["grpo4_informative"],
+                }  # fmt: skip
+            )
+    return table(
+        rows,
+        [("setting", "setting"), ("domain", "domain"), ("prompts", "prompts"),
+         ("mean", "mean pass rate")]
+        + [(k, f"p {k}") for k in learning.HIST_LABELS]
+        + [("inf", "P(GRPO n=4 group informative)")],
+    )  # fmt: skip
+
+
+def _learning_headline() -> str:
+    data = _load("learning")
+    rows = []
+    for setting, block in data["by_setting"].items():
+        rows += [{"setting": setting, **r} for r in learning.headline_rows(block)]
+    return table(rows, [("setting", "setting"), *learning.HEADLINE_COLUMNS])
+
+
+def _learning_finals() -> str:
+    data = _load("learning")
+    rows = []
+    for setting, block in data["by_setting"].items():
+        rows += [{"setting": setting, **r} for r in learning.final_rows(block)]
+    return table(rows, [("setting", "setting"), *learning.FINAL_COLUMNS])
+
+
+def _learning_equal() -> str:
+    data = _load("learning")
+    rows = []
+    for setting, block in data["by_setting"].items():
+        rows += [{"setting": setting, **r} for r in learning.equal_rows(block)]
+    return table(rows, [("setting", "setting"), *learning.EQUAL_COLUMNS])
+
+
+def _measured(value: Any) -> str:
+    """A target's measured value, compact: numbers to 3 digits, dicts as `key value`."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_measured(v)}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return "(" + ", ".join(_measured(v) for v in value) + ")"
+    return fmt(value)
+
+
+def _learning_targets() -> str:
+    rows = []
+    for key, e in _load("learning")["targets"].items():
+        rows.append(
+            {
+                "key": key,
+                "target": e["target"],
+                "method": e["method"] or "-",
+                "measured": _measured(e["measured"]),
+                "goal": e["goal"],
+                "met": "met"
+                if e["met"]
+                else "not measured"
+                if e["measured"] is None
+                else "**missed**",
+                "reason": e["reason"] or "",
+            }
+        )
+    return table(
+        rows,
+        [("key", "target"), ("target", "what"), ("method", "method"), ("measured", "measured"),
+         ("goal", "goal"), ("met", "met"), ("reason", "why")],
+    )  # fmt: skip
 
 
 def _scaleout_run() -> str:
@@ -282,6 +364,11 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "scaleout.fronts": _scaleout_fronts,
     "learning.summary": _learning_summary,
     "learning.paired": _learning_paired,
+    "learning.histograms": _learning_histograms,
+    "learning.headline": _learning_headline,
+    "learning.finals": _learning_finals,
+    "learning.equal": _learning_equal,
+    "learning.targets": _learning_targets,
     "step_time.settings": _step_settings,
     "step_time.checks": _step_checks,
     "step_time.targets": _step_targets,
