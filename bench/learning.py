@@ -164,6 +164,46 @@ METHODS: dict[str, dict[str, Any]] = {
         "kind": "adaptive",
         "config": {**SEQ_BALANCE, "advantage": "global"},
     },
+    "seqbal_posterior": {
+        "label": "Seq-Balance + posterior budget (pilot 4) + history skip",
+        "kind": "adaptive",
+        "config": {
+            **SEQ_BALANCE,
+            "advantage": "global",
+            "allocation": {"name": "posterior", "params": {"pilot": 4}},
+            "admission_policies": _HISTORY_SKIP,
+        },
+    },
+    "seqpos1_posterior": {
+        "label": "Seq-Pos K_pos 1 + posterior budget (pilot 4) + history skip",
+        "kind": "adaptive",
+        "config": {
+            **SEQ_BALANCE,
+            "rule": "positive",
+            "k_pos": 1,
+            "advantage": "global",
+            "allocation": {"name": "posterior", "params": {"pilot": 4}},
+            "admission_policies": _HISTORY_SKIP,
+        },
+    },
+    "seqbal_knapsack": {
+        "label": "Seq-Balance + knapsack (mean budget 6, n_min 4)",
+        "kind": "adaptive",
+        "config": {
+            **SEQ_BALANCE,
+            "advantage": "global",
+            "allocation": {"name": "knapsack", "params": {"mean_budget": 6, "n_min": 4}},
+        },
+    },
+    "seqbal_pilot_commit": {
+        "label": "Seq-Balance + pilot-commit (pilot 4)",
+        "kind": "adaptive",
+        "config": {
+            **SEQ_BALANCE,
+            "advantage": "global",
+            "allocation": {"name": "pilot_commit", "params": {"pilot": 4}},
+        },
+    },
     "grpo4_global": {
         "label": "GRPO n=4, global baseline",
         "kind": "ablation",
