@@ -111,23 +111,46 @@ class SamplerConfig(_Live):
     """Everything PATCH /v1/config may change while a run is live."""
 
     # How prompts are sampled (snapshotted per prompt at admission).
-    mode: Literal["continuous", "rounds"] = "continuous"
-    cohort_size: int = Field(64, ge=1, le=MAX_PROMPTS)
-    rule: Literal["fixed", "positive", "balanced", "est"] = "balanced"
+    mode: Literal["continuous", "rounds"] = Field(
+        "continuous",
+        description="continuous: per-prompt waves with no global barrier; rounds: the paper's "
+        "synchronous rounds, cohort_size prompts at a time",
+    )
+    cohort_size: int = Field(64, ge=1, le=MAX_PROMPTS, description="prompts per round (rounds)")
+    rule: Literal["fixed", "positive", "balanced", "est"] = Field(
+        "balanced",
+        description="when a prompt stops: fixed (n_max answers, plain GRPO), positive "
+        "(k_pos right), balanced (k_pos right and k_neg wrong), est (a per-prompt budget "
+        "from a pass-rate estimate); never past n_max",
+    )
     k_pos: stopping.KPos = 2
     k_neg: stopping.KNeg = 2
     n_max: stopping.NMax = 32
-    wave: stopping.Wave = "fixed"
+    wave: stopping.Wave = Field(
+        "fixed",
+        description="fixed: wave_size answers per wave; adaptive: sized from the expected "
+        "answers still missing (a prompt seen before sizes its first wave from its pass rate)",
+    )
     wave_size: stopping.WaveSize = 8
     group_size: stopping.GroupSize = 4
-    positive_threshold: float = Field(0.5, ge=-1e9, le=1e9)
-    downsample: Literal["balanced", "max_variance", "none"] = "balanced"
-    advantage: Literal["grpo", "global", "est", "maxrl"] = "global"
-    norm_by_std: bool | None = None
-    est: EstKnobs = Field(default_factory=EstKnobs)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1, le=10_000_000)
+    positive_threshold: float = Field(
+        0.5, ge=-1e9, le=1e9, description="an answer is right iff its reward > this"
+    )
+    downsample: Literal["balanced", "max_variance", "none"] = Field(
+        "balanced", description="which answers a group of more than group_size keeps"
+    )
+    advantage: Literal["grpo", "global", "est", "maxrl"] = Field(
+        "global",
+        description="grpo: group baseline; global: baseline over every generated answer of "
+        "the prompt; est: the estimator's pass rate; maxrl: (r - mean) / mean",
+    )
+    norm_by_std: bool | None = Field(
+        None, description="divide advantages by the std; null: the estimator's own choice"
+    )
+    est: EstKnobs = Field(default_factory=EstKnobs, description="the Est estimator")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling")
+    top_k: int | None = Field(None, ge=1, le=10_000_000, description="top-k sampling; null: off")
     max_tokens: int = Field(
         1024,
         ge=1,
@@ -141,16 +164,38 @@ class SamplerConfig(_Live):
         "pilot_commit; strategies.allocation), within n_max; a group it stops has stop "
         "reason `budget`; null: the rule alone decides",
     )
-    group_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
-    # Applied to every prompt about to be admitted (e.g. history_skip).
-    admission_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
-    # Applied when a batch frame forms.
-    batch_groups: int = Field(1, ge=1, le=MAX_PROMPTS)
-    batch_policies: list[PolicySpec] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
-    # Applied at once.
-    mixing: MixingSpec = Field(default_factory=MixingSpec)
-    max_active_prompts: int = Field(64, ge=1, le=MAX_PROMPTS)
-    max_buffered_groups: int = Field(256, ge=1, le=1_000_000)
+    group_policies: list[PolicySpec] = Field(
+        default_factory=list,
+        max_length=MAX_LIST_ITEMS,
+        description="applied to each finished group, in order: drop or keep it",
+    )
+    admission_policies: list[PolicySpec] = Field(
+        default_factory=list,
+        max_length=MAX_LIST_ITEMS,
+        description="applied to every prompt about to be admitted; a skipped prompt is "
+        "counted as `skipped` in /v1/stats and prompts_skipped_total{domain}",
+    )
+    batch_groups: int = Field(
+        1, ge=1, le=MAX_PROMPTS, description="groups per batch frame (delivered together)"
+    )
+    batch_policies: list[PolicySpec] = Field(
+        default_factory=list,
+        max_length=MAX_LIST_ITEMS,
+        description="applied when a batch frame forms: selections, then reweightings",
+    )
+    mixing: MixingSpec = Field(
+        default_factory=MixingSpec, description="how prompts are drawn across domains"
+    )
+    max_active_prompts: int = Field(
+        64, ge=1, le=MAX_PROMPTS, description="prompts being generated at once"
+    )
+    max_buffered_groups: int = Field(
+        256,
+        ge=1,
+        le=1_000_000,
+        description="admission stops while this many groups wait for a trainer (READY + "
+        "LEASED may exceed it by the prompts in flight)",
+    )
     max_staleness: int | None = Field(
         1,
         ge=0,
@@ -161,16 +206,25 @@ class SamplerConfig(_Live):
         "fall further behind at a weight update are dropped (`stale`) and their prompts "
         "served again; null: no bound",
     )
-    lease_ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
-    weight_update_mode: Literal["wait", "abort"] = "wait"
+    lease_ttl_s: float = Field(
+        300.0, gt=0.0, le=86_400.0, description="a lease not acked by then is served again"
+    )
+    weight_update_mode: Literal["wait", "abort"] = Field(
+        "wait",
+        description="at a weight update, running waves finish (wait) or are aborted and "
+        "re-issued on the new weights (abort)",
+    )
     weight_drain_timeout_s: float = Field(
         60.0,
         gt=0.0,
         description="in `wait` mode, waves still running after this long are aborted and "
         "re-issued after the update, so one long answer cannot stall every engine",
     )
-    # Patches applied by the service itself as training progresses.
-    schedule: list[ScheduleStep] = Field(default_factory=list, max_length=1000)
+    schedule: list[ScheduleStep] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="config patches the sampler applies itself as training progresses",
+    )
 
     def build_rule(self, estimator: Any = None) -> stopping.StoppingRule:
         """The stopping rule this config describes (rounds mode always uses full waves)."""
