@@ -116,6 +116,9 @@ class _Server:
     #: Set when the server is found down: its in-flight waves stop waiting and re-issue.
     down: asyncio.Future[None] | None = None
     requests: set[str] = field(default_factory=set)
+    #: Requests of ours asked to abort (weight update `abort`): whatever they answer, the
+    #: wave is re-issued after the update, never failed.
+    aborted: set[str] = field(default_factory=set)
 
     def detail(self, prefix: str) -> dict[str, Any]:
         return {
@@ -198,6 +201,9 @@ class HTTPEngineBackend(Backend):
         return self._specs
 
     async def start(self) -> None:
+        # httpx logs every request at INFO: a probe per server every probe_s and a line per
+        # wave would bury the sampler's own log.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         checkpoint = read_checkpoint(self._model_dir)
         self._specs = dict(checkpoint.specs)
         for alias, canonical in checkpoint.aliases.items():
@@ -406,6 +412,9 @@ class HTTPEngineBackend(Backend):
             srv.requests.discard(request_id)
             if not call.done():
                 call.cancel()
+        if request_id in srv.aborted:
+            srv.aborted.discard(request_id)
+            raise GenerationAborted(f"request {request_id} was aborted for a weight update")
         if not call.done() or call.cancelled():
             raise _ServerFailed(f"{srv.url} went down during the wave")
         response = call.result()
@@ -438,12 +447,14 @@ class HTTPEngineBackend(Backend):
 
     async def abort_all(self) -> int:
         """Abort this sampler's in-flight requests on every server (weight update `abort`)."""
-        calls = [
-            self._post(s, "/abort_requests", {"request_ids": sorted(s.requests)})
-            for s in self._servers
-            if s.requests and s.state == "ok"
-        ]
-        aborted = sum(len(s.requests) for s in self._servers if s.state == "ok")
+        calls, aborted = [], 0
+        for srv in self._servers:
+            if srv.requests and srv.state == "ok":
+                srv.aborted |= srv.requests
+                aborted += len(srv.requests)
+                calls.append(
+                    self._post(srv, "/abort_requests", {"request_ids": sorted(srv.requests)})
+                )
         await asyncio.gather(*calls, return_exceptions=True)
         return aborted
 

@@ -1,6 +1,6 @@
 """The wave router shared by the Ray pool and the HTTP engine pool (no engines), the
 `--backend http` flags, and the HTTP pool's rule that only servers carrying the
-committed weight label are handed waves."""
+committed weight label are handed waves, and its refusal of partial updates."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sampler_service.backends.base import WeightsRejected
 from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
 from sampler_service.backends.routing import STICKY_SLACK_SAMPLES, WaveRouter, choose
 from sampler_service.cli import add_serve_arguments
@@ -124,3 +125,16 @@ def test_http_backend_flags(tmp_path: Path) -> None:
     ):
         with pytest.raises(SystemExit):
             _serve(*bad)
+
+
+async def test_http_pool_refuses_a_partial_update_before_any_server_sees_it(
+    tmp_path: Path,
+) -> None:
+    backend = HTTPEngineBackend(
+        tmp_path,
+        HTTPPoolSettings(urls=("http://127.0.0.1:1",), instance_id="t", weights_dir=tmp_path),
+    )
+    backend._required = {"model.norm.weight", "model.embed_tokens.weight"}
+    with pytest.raises(WeightsRejected, match="whole checkpoints"):
+        await backend.load_weight_files(["w.safetensors"], 1, ["model.norm.weight"])
+    assert backend.policy_version == 0 and not list(tmp_path.iterdir())
