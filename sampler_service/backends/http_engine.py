@@ -63,10 +63,12 @@ from sampler_service.backends.base import (
 )
 from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter
 from sampler_service.backends.vllm import eos_token_ids, read_checkpoint
+from sampler_service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 ServerState = Literal["starting", "ok", "syncing", "paused", "down"]
+_STATES: tuple[ServerState, ...] = ("starting", "ok", "syncing", "paused", "down")
 _DEV_MODE_HINT = "start the server with VLLM_SERVER_DEV_MODE=1 (vLLM's RL endpoints)"
 _LOGPROBS_MODE = "processed_logprobs"
 
@@ -155,8 +157,11 @@ class HTTPEngineBackend(Backend):
         *,
         tokenizer: Any | None = None,
         client: httpx.AsyncClient | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._model_dir = Path(model_dir)
+        #: Per-server series share the replica metrics (label `replica` = server index).
+        self.metrics = metrics or Metrics()
         self.settings = settings
         self._tokenizer = tokenizer
         self._client = client
@@ -169,6 +174,7 @@ class HTTPEngineBackend(Backend):
             route=settings.route,
             poll_s=settings.probe_s,
             wait_s=settings.wait_s,
+            on_decision=lambda kind: self.metrics.route_decisions.labels(kind).inc(),
         )
         self._prefix = f"adaptive-rollout/{settings.instance_id}/v"
         self._committed = 0
@@ -304,6 +310,11 @@ class HTTPEngineBackend(Backend):
                 srv.down = asyncio.get_running_loop().create_future()
         if previous != state:
             log.info("engine server %s: %s -> %s", srv.url, previous, state)
+        label = str(srv.index)
+        for name in _STATES:
+            self.metrics.replica_state.labels(label, name).set(1.0 if name == state else 0.0)
+        version = _parse_label(srv.label, self._prefix)
+        self.metrics.replica_policy_version.labels(label).set(-1 if version is None else version)
         self._router.dispatch()
 
     def _routable(self, srv: _Server) -> bool:
@@ -311,6 +322,7 @@ class HTTPEngineBackend(Backend):
 
     def _charge(self, srv: _Server, n: int) -> None:
         srv.inflight += n
+        self.metrics.replica_inflight_samples.labels(str(srv.index)).set(srv.inflight)
 
     def servers(self) -> list[dict[str, Any]]:
         """Every server as /v1/stats lists it."""
@@ -385,17 +397,26 @@ class HTTPEngineBackend(Backend):
         reissue = False
         while True:
             srv = await self._router.acquire(key, n, reissue)
-            epoch, version = srv.epoch, self._committed
+            epoch, version, started = srv.epoch, self._committed, time.monotonic()
+            label = str(srv.index)
             try:
-                return await self._wave(srv, prompt, n, sampling, version)
+                out = await self._wave(srv, prompt, n, sampling, version)
             except GenerationAborted:
                 raise  # a weight update's abort: the scheduler re-issues it after the update
             except (httpx.TransportError, _ServerFailed, ServerError) as exc:
                 self._fail(srv, epoch, repr(exc))
                 srv.reissued += 1
+                self.metrics.replica_reissued_waves.labels(label, "down").inc()
+                self.metrics.replica_wasted_samples.labels(label).inc(n)
                 reissue = True
+                continue
             finally:
                 self._router.release(srv, n)
+            self.metrics.replica_wave_seconds.labels(label).observe(time.monotonic() - started)
+            self.metrics.replica_generated_tokens.labels(label).inc(
+                sum(len(c.token_ids) for c in out)
+            )
+            return out
 
     async def _wave(
         self, srv: _Server, prompt: list[int], n: int, sampling: SamplingParams, version: int
@@ -491,6 +512,7 @@ class HTTPEngineBackend(Backend):
         """Reload a server's weights from `source` (None: the base model) and drop its
         prefix cache (blocks computed with the old weights)."""
         path = str(source if source is not None else self._model_dir)
+        started = time.monotonic()
         await self._post(
             srv,
             "/collective_rpc",
@@ -498,6 +520,9 @@ class HTTPEngineBackend(Backend):
             timeout=self.settings.request_timeout_s,
         )
         await self._post(srv, "/reset_prefix_cache?reset_running_requests=true")
+        self.metrics.replica_weight_load_seconds.labels(str(srv.index)).observe(
+            time.monotonic() - started
+        )
 
     # -- probes and syncing -----------------------------------------------------------
     async def _probe_loop(self) -> None:

@@ -260,6 +260,9 @@ def test_kill_9_of_one_server_mid_run_loses_no_group(fleet: Fleet) -> None:
         _wait(lambda: _servers(c)[1]["state"] == "down", 30, "the dead server is not taken out")
         servers = _servers(c)
         assert c.get("/ready").status_code == 200
+        metrics = c.get("/metrics").text
+    assert 'adaptive_rollout_replica_state{replica="1",state="down"} 1.0' in metrics
+    assert 'adaptive_rollout_replica_state{replica="0",state="ok"} 1.0' in metrics
     for g in groups:
         _check_group(g)
     _check_logprobs_on(fleet.servers[0], [g for g in groups if g["policy_version_min"] == 2])
