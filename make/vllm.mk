@@ -31,8 +31,7 @@ $(VLLM_STAMP): pyproject.toml make/vllm.mk
 	  sys.exit(0 if $(VLLM_TORCH_CHECK) else 'torch is not the CPU build: ' + torch.__version__)"
 	touch $@
 
-# CPU: the whole suite starts vLLM twice in-process (about a minute each on two cores),
-# plus two `vllm serve` servers and one restart for --backend http (about 2 min); the `gpu`
+# CPU: the whole suite starts vLLM twice (about a minute each on two cores); the `gpu`
 # tests in tests/vllm_backend skip themselves without CUDA (deploy/gpu_checks runs them).
 test-vllm: venv-vllm
 	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest tests/vllm_backend -m vllm -q -rs
