@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -458,7 +459,51 @@ class ServeSettings(_Strict):
         "exact",
         description="default verifier for rows without one: exact | math | python:module:function",
     )
-    backend: Literal["hf", "vllm"] = Field("hf", description="inference engine")
+    backend: Literal["hf", "vllm", "http"] = Field(
+        "hf",
+        description="inference engine: hf, vllm (in this process), or http (vllm serve servers "
+        "you run, given by --engine-url)",
+    )
+    engine_url: list[str] = Field(
+        default_factory=list,
+        description="with --backend http: base URL of one vllm serve server (its own "
+        "address, not a load balancer: each is paused and reloaded by itself); repeatable",
+    )
+
+    @model_validator(mode="after")
+    def _engine_urls(self) -> ServeSettings:
+        if self.backend != "http":
+            if self.engine_url:
+                raise ValueError("engine_url is for --backend http")
+            return self
+        if not self.engine_url:
+            raise ValueError("--backend http needs at least one --engine-url (one per server)")
+        seen: set[str] = set()
+        for url in self.engine_url:
+            parsed = urlsplit(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname or not parsed.port:
+                raise ValueError(
+                    f"engine_url {url!r} must be http(s)://HOST:PORT (a server's own address)"
+                )
+            if parsed.path not in ("", "/") or parsed.query:
+                raise ValueError(f"engine_url {url!r} must be the server's base URL, no path")
+            base = url.rstrip("/")
+            if base in seen:
+                raise ValueError(f"engine_url {url!r} is given twice")
+            seen.add(base)
+        if self.weights_dir is None:
+            raise ValueError(
+                "--backend http needs --weights-dir: a directory every server can read, where "
+                "the sampler puts the weights each server reloads"
+            )
+        if self.uses_ray:
+            raise ValueError(
+                "--backend http routes to its servers itself: no --replicas or --ray-address"
+            )
+        if self.vllm:
+            raise ValueError("--vllm-arg is for --backend vllm; give engine flags to vllm serve")
+        return self
+
     hf_engine: Literal["process", "thread"] = Field(
         "process",
         description="run the hf backend in its own process (the service's work then never "
@@ -552,7 +597,8 @@ class ServeSettings(_Strict):
     )
     weights_dir: Path | None = Field(
         None,
-        description="with replicas: a directory every replica can read (shared storage); an "
+        description="with replicas or --backend http: a directory every replica or server can "
+        "read (shared storage); an "
         "uploaded weight file is written there atomically and each replica reads weight "
         "files itself (uploads and POST /v1/weights/load paths) instead of receiving the "
         "tensors through Ray's object store",
@@ -560,10 +606,10 @@ class ServeSettings(_Strict):
 
     @model_validator(mode="after")
     def _weights_dir_needs_replicas(self) -> ServeSettings:
-        if self.weights_dir is not None and not self.uses_ray:
+        if self.weights_dir is not None and not (self.uses_ray or self.backend == "http"):
             raise ValueError(
-                "weights_dir is for engine replicas (--replicas > 1 or --ray-address); a "
-                "single engine loads uploads from the state dir"
+                "weights_dir is for engine replicas (--replicas > 1 or --ray-address) and "
+                "--backend http; a single engine loads uploads from the state dir"
             )
         return self
 
@@ -575,14 +621,17 @@ class ServeSettings(_Strict):
     replica_max_inflight: int | None = Field(
         None,
         ge=1,
-        description="samples in flight per replica (none: 384, 1.5 x vLLM's 256 sequences)",
+        description="samples in flight per replica or engine server (none: 384, 1.5 x vLLM's "
+        "256 sequences)",
     )
     route: Literal["sticky", "least-loaded"] = Field(
         "sticky",
         description="sticky: a prompt's next wave goes to its last replica (prefix cached) "
         "unless that one is overloaded; least-loaded: always the replica with the fewest samples",
     )
-    replica_probe_s: float = Field(5.0, gt=0.0, description="seconds between replica health probes")
+    replica_probe_s: float = Field(
+        5.0, gt=0.0, description="seconds between replica (or engine server) health probes"
+    )
     replica_probe_timeout_s: float = Field(
         30.0,
         gt=0.0,

@@ -134,10 +134,12 @@ class Metrics:
             "1 while the engine is failed and generates nothing, else 0",
             registry=r,
         )
-        # Engine replicas behind one sampler (the Ray pool); absent series mean one engine.
+        # Engine replicas behind one sampler (the Ray pool, or the HTTP servers of --backend
+        # http, labelled by their index); absent series mean one engine.
         self.replica_state = Gauge(
             PREFIX + "replica_state",
-            "1 for the state each engine replica is in (ok, recovering, failed)",
+            "1 for the state each engine replica is in (ok, recovering, failed; HTTP servers: "
+            "starting, ok, syncing, paused, down)",
             ["replica", "state"],
             registry=r,
         )

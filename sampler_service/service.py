@@ -206,7 +206,28 @@ def build_replica_pool(
     return RayPoolBackend(_engine_factory(settings), pool, metrics, on_state_change)
 
 
-def build_backend(settings: ServeSettings, tokenizer: Any) -> Backend:
+def build_http_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics) -> Backend:
+    """`vllm serve` servers the user runs (`--engine-url`), driven over HTTP."""
+    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+    from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT
+
+    assert settings.weights_dir is not None  # required by ServeSettings
+    pool = HTTPPoolSettings(
+        urls=tuple(settings.engine_url),
+        instance_id=_instance_id(settings.state_dir),
+        weights_dir=settings.weights_dir,
+        max_inflight=settings.replica_max_inflight or DEFAULT_MAX_INFLIGHT,
+        route=settings.route,
+        probe_s=settings.replica_probe_s,
+        probe_timeout_s=settings.replica_probe_timeout_s,
+        wait_s=settings.replica_wait_s,
+    )
+    return HTTPEngineBackend(settings.model, pool, tokenizer=tokenizer, metrics=metrics)
+
+
+def build_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics) -> Backend:
+    if settings.backend == "http":
+        return build_http_backend(settings, tokenizer, metrics)
     if settings.backend == "vllm":
         from sampler_service.backends.vllm import VLLMBackend
 
@@ -376,7 +397,7 @@ class SamplerService:
         elif s.uses_ray:
             self.backend = build_replica_pool(s, self.metrics, self._replica_state_changed)
         else:
-            self.backend = build_backend(s, self.tokenizer)
+            self.backend = build_backend(s, self.tokenizer, self.metrics)
         await self.backend.start()
         await self._restore_weights()
         self.scheduler = Scheduler(

@@ -4,17 +4,8 @@ The sampler (the "front": API, scheduler, store, outbox) stays a single process 
 only Ray driver; each replica is a detached, named actor (`replica.py`) wrapping an
 unchanged backend. Everything the scheduler relies on holds across replicas:
 
-- Routing is sticky least-outstanding: load is the samples in flight on a replica,
-  counted here, never polled. A prompt's next wave goes back to the replica that ran its
-  last one (its prefix is cached there) unless that replica's load exceeds the
-  least-loaded one's by more than 64 samples and 1.5x. A replica takes at most
-  `max_inflight` samples (a larger wave still goes to an idle one); waves wait in one
-  FIFO, a prompt's wave for its own replica while loads are about even. Waves are never
-  split.
-- Re-issued waves (their replica failed) go first: they enter the FIFO ahead of every
-  fresh wave (behind earlier re-issued ones), and one may take a replica below its cap
-  even if it ends up over it by that wave: a failure costs detection plus about one wave
-  where a replica has room, never a wait behind the fresh work that queued meanwhile.
+- Routing is sticky least-outstanding with an in-flight cap per replica, and re-issued
+  waves go first (`routing.py`, shared with the HTTP engine pool).
 - Waves reach a replica through its channel (`replica_channel.py`): those asked for in
   one event-loop turn share one Ray call, and finished ones come back together, each
   with its own result, as soon as it is done.
@@ -38,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -61,6 +51,7 @@ from sampler_service.backends.base import (
 )
 from sampler_service.backends.replica import NotStarted, Replica
 from sampler_service.backends.replica_channel import ReplicaChannel
+from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter
 from sampler_service.backends.vllm_nccl import nccl_rank_offsets, nccl_replica_init_infos
 from sampler_service.metrics import Metrics
 
@@ -68,14 +59,6 @@ log = logging.getLogger(__name__)
 
 #: Ray namespace of every replica actor; names are `adaptive-rollout/<instance>/replica-<i>`.
 NAMESPACE = "adaptive-rollout"
-#: Sticky routing gives way when the prompt's replica is this much busier than the
-#: least-loaded one, in samples and as a ratio (vllm-router's cache_aware defaults).
-STICKY_SLACK_SAMPLES = 64
-STICKY_SLACK_RATIO = 1.5
-#: Default in-flight cap: 1.5 x vLLM's default max_num_seqs (256).
-DEFAULT_MAX_INFLIGHT = 384
-#: Prompts whose last replica is remembered (oldest forgotten first).
-_AFFINITY_ENTRIES = 100_000
 #: A local Ray (no address): object store size; weights travel through it once per update.
 LOCAL_OBJECT_STORE_BYTES = 512 * 1024**2
 
@@ -109,7 +92,7 @@ class PoolSettings:
     replica_gpus: float = 0.0
     max_restarts: int = 3
     max_inflight: int = DEFAULT_MAX_INFLIGHT
-    route: Literal["sticky", "least-loaded"] = "sticky"
+    route: Route = "sticky"
     probe_s: float = 5.0
     probe_timeout_s: float = 30.0
     wait_s: float = 300.0
@@ -162,17 +145,6 @@ class _Replica:
         }
 
 
-@dataclass(eq=False)
-class _Wait:
-    """A wave waiting in the FIFO for a replica."""
-
-    key: int
-    n: int
-    future: asyncio.Future[_Replica]
-    #: Re-issued after its replica failed: queued ahead of fresh waves, may overshoot a cap.
-    reissue: bool = False
-
-
 #: Where committed weights can be loaded from again: ("ref", ObjectRef) or ("files", paths).
 _Source = tuple[Literal["ref", "files"], Any]
 
@@ -186,10 +158,6 @@ class _NCCLGroup:
 
 class _ReplicaFailed(RuntimeError):
     """The wave's replica was found failed while the wave ran (the pool re-issues it)."""
-
-
-class _NoReplica(RuntimeError):
-    """No replica became routable within the wait (the scheduler retries the wave)."""
 
 
 class RayPoolBackend(Backend):
@@ -210,8 +178,16 @@ class RayPoolBackend(Backend):
         # Told every replica state change (its detail plus `previous`), for the event log.
         self._on_state_change = on_state_change
         self._replicas: list[_Replica] = []
-        self._queue: deque[_Wait] = deque()
-        self._affinity: OrderedDict[int, int] = OrderedDict()
+        self._router: WaveRouter[_Replica] = WaveRouter(
+            lambda: self._replicas,
+            self._routable,
+            self._charge,
+            max_inflight=settings.max_inflight,
+            route=settings.route,
+            poll_s=settings.probe_s,
+            wait_s=settings.wait_s,
+            on_decision=lambda kind: self.metrics.route_decisions.labels(kind).inc(),
+        )
         self._committed_version = 0
         # Where the committed weights can be loaded from again (a restarted replica, a
         # rollback): ("ref", ObjectRef of the tensors) or ("files", paths every replica
@@ -331,8 +307,7 @@ class RayPoolBackend(Backend):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for rep in self._replicas:
             await rep.channel.close()
-        for wait in self._queue:
-            wait.future.cancel()
+        self._router.cancel_all()
         if self.settings.on_exit == "kill":
             for rep in self._replicas:
                 with contextlib.suppress(Exception):
@@ -383,78 +358,8 @@ class RayPoolBackend(Backend):
         return BackendHealth(ok=usable, detail=detail, state=state)
 
     # -- routing ----------------------------------------------------------------------
-    def _choose(
-        self,
-        key: int,
-        n: int,
-        routable: list[_Replica],
-        blocked: set[int],
-        reissue: bool = False,
-    ) -> tuple[_Replica | None, str, _Replica | None]:
-        """(replica to run the wave now or None, decision kind, replica it waits for).
-
-        A prompt that ran before waits for its replica while that one is full but not
-        overloaded (loads about even: moving would only lose the cached prefix); an
-        overloaded, gone or unknown one gives way to the least-loaded replica with room.
-        A re-issued wave has room on any replica below the cap (over it by one wave at most).
-        """
-        cap = self.settings.max_inflight
-
-        def room(r: _Replica) -> bool:
-            if r.index in blocked:
-                return False
-            return r.inflight + n <= cap or r.inflight == 0 or (reissue and r.inflight < cap)
-
-        last_index = self._affinity.get(key)
-        if self.settings.route == "sticky" and last_index is not None:
-            last = self._replicas[last_index]
-            lowest = min(r.inflight for r in routable)
-            overloaded = (
-                last.inflight - lowest > STICKY_SLACK_SAMPLES
-                and last.inflight > STICKY_SLACK_RATIO * lowest
-            )
-            if last in routable and not overloaded:
-                return (last if room(last) else None), "sticky", last
-        kind = "new" if last_index is None else "moved"
-        fits = [r for r in routable if room(r)]
-        if not fits:
-            return None, kind, None
-        return min(fits, key=lambda r: (r.inflight, r.index)), kind, None
-
     def _dispatch(self) -> None:
-        """Hand replicas to waiting waves, oldest first.
-
-        Order is kept per replica: a wave waiting for one replica holds back the later
-        waves that want that replica, not those bound elsewhere; a wave that fits
-        nowhere holds back everything after it.
-        """
-        routable = [r for r in self._replicas if self._routable(r)]
-        if not routable:
-            return
-        blocked: set[int] = set()
-        waiting: deque[_Wait] = deque()
-        while self._queue:
-            item = self._queue.popleft()
-            key, n, future = item.key, item.n, item.future
-            if future.done():  # its caller gave up
-                continue
-            rep, kind, wanted = self._choose(key, n, routable, blocked, item.reissue)
-            if rep is None:
-                waiting.append(item)
-                if wanted is None:  # fits nowhere: nothing after it may overtake it
-                    waiting.extend(self._queue)
-                    self._queue.clear()
-                    break
-                blocked.add(wanted.index)
-                continue
-            self._affinity[key] = rep.index
-            self._affinity.move_to_end(key)
-            if len(self._affinity) > _AFFINITY_ENTRIES:
-                self._affinity.popitem(last=False)
-            self.metrics.route_decisions.labels(kind).inc()
-            self._charge(rep, n)
-            future.set_result(rep)
-        self._queue = waiting
+        self._router.dispatch()
 
     def _series(self, rep: _Replica) -> tuple[Any, Any, Any]:
         if rep.series is None:
@@ -471,42 +376,10 @@ class RayPoolBackend(Backend):
         self._series(rep)[0].set(rep.inflight)
 
     def _release(self, rep: _Replica, n: int) -> None:
-        self._charge(rep, -n)
-        self._dispatch()
+        self._router.release(rep, n)
 
     async def _acquire(self, key: int, n: int, reissue: bool = False) -> _Replica:
-        """A replica for a wave of n, charged with it; waits in the FIFO if none has room.
-
-        A re-issued wave queues ahead of every fresh one, behind the re-issued ones
-        already waiting (they keep their order).
-        """
-        future: asyncio.Future[_Replica] = asyncio.get_running_loop().create_future()
-        wait = _Wait(key, n, future, reissue)
-        if reissue:
-            at = sum(1 for w in self._queue if w.reissue)  # re-issued ones are at the front
-            self._queue.insert(at, wait)
-        else:
-            self._queue.append(wait)
-        self._dispatch()
-        if future.done():  # a replica had room: no wait (most waves)
-            return future.result()
-        parked_since = time.monotonic()
-        try:
-            while True:
-                try:
-                    return await asyncio.wait_for(asyncio.shield(future), self.settings.probe_s)
-                except TimeoutError:
-                    if any(self._routable(r) for r in self._replicas):
-                        parked_since = time.monotonic()
-                    elif time.monotonic() - parked_since > self.settings.wait_s:
-                        raise _NoReplica(
-                            f"no engine replica became routable within {self.settings.wait_s:.0f}s"
-                        ) from None
-        except BaseException:
-            if future.done() and not future.cancelled():
-                self._release(future.result(), n)  # assigned just as we gave up
-            future.cancel()
-            raise
+        return await self._router.acquire(key, n, reissue)
 
     async def generate(
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams

@@ -140,7 +140,11 @@ def create_nccl_router(service: SamplerService) -> APIRouter:
 
         engine = service.backend
         if not (isinstance(engine, VLLMBackend) or fans_out(engine)):
-            raise ServiceError(409, "nccl_unavailable", "NCCL weight transfer needs --backend vllm")
+            raise ServiceError(
+                409,
+                "nccl_unavailable",
+                f"NCCL weight transfer needs --backend vllm (not {engine.name})",
+            )
         return engine
 
     def fans_out(engine: Any) -> bool:

@@ -63,7 +63,7 @@ async def test_reissued_waves_jump_ahead_of_fresh_waves_in_their_own_order() -> 
         await _settle()
     await asyncio.gather(*tasks)
     assert order == ["reissued-a", "reissued-b", "fresh-a", "fresh-b", "fresh-c"]
-    assert rep.inflight == 16 and not pool._queue
+    assert rep.inflight == 16 and not pool._router.queue
 
 
 async def test_a_reissued_wave_may_exceed_the_cap_by_one_wave() -> None:

