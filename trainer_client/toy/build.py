@@ -12,10 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer_client.toy import task
-
-#: Where the shipped warm-started weights live (package data, written by
-#: ``python -m trainer_client.toy.model --train``).
-WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+from trainer_client.toy.shipped import WEIGHTS_DIR
 
 DEFAULT_N_TRAIN = 512
 DEFAULT_N_EVAL = 64

@@ -45,7 +45,7 @@ from transformers import (
 
 from trainer_client.evaluate import greedy_accuracy_of, pass_rates_of
 from trainer_client.toy import task
-from trainer_client.toy.build import WEIGHTS_DIR
+from trainer_client.toy.shipped import WEIGHTS_DIR
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 #: Every character a toy prompt or answer can contain, plus a few harmless extras.

@@ -1,0 +1,7 @@
+"""Where the toy's shipped warm-start weights live (package data): written by
+``python -m trainer_client.toy.model --train``, copied into every model directory by
+``build_toy``. A module of its own so that neither of those two imports the other for it."""
+
+from pathlib import Path
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
