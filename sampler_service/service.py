@@ -379,7 +379,7 @@ class SamplerService:
         self.metrics.precreate(self.dataset.domains)
         cfg, version = await self._fitted(self._config), self._config_version
         self.verifiers = VerifierPool(
-            max_workers=s.verifier_workers, timeout_s=s.verifier_timeout_s
+            max_workers=s.verifier_pool_size, timeout_s=s.verifier_timeout_s
         )
         await self._check_verifiers()
         if self._backend is not None:
