@@ -322,6 +322,7 @@ def _load_result(
         for k in ("store.add_pending", "store.frame", "store.delete")
     )
     one_payload = encode.get("bytes", 0) / encode["calls"] if encode.get("calls") else None
+    framed = server["groups_emitted"]
     return {
         "rate": spec["rate"],
         "verifier": spec["verifier"],
@@ -354,8 +355,11 @@ def _load_result(
         "wire_bytes_per_answer": _per(d["wire_bytes"], answers, 1.0),
         "store_bytes_per_answer": _per(store_bytes, answers, 1.0) if store_bytes else None,
         "store_write_ms_per_group": _per(store_wall, groups) if store_wall else None,
-        # Bytes handed to SQLite per group over one encoding of the group: 1 = stored once.
-        "store_copies": store_bytes / groups / one_payload if store_bytes and one_payload else None,
+        # Bytes handed to SQLite per group framed (in the same window as the writes) over
+        # one encoding of a group: 1 = stored once.
+        "store_copies": store_bytes / framed / one_payload
+        if store_bytes and one_payload and framed
+        else None,
         "probes_per_group": {
             name: {
                 "calls": p["calls"] / groups,
