@@ -588,8 +588,10 @@ class Scheduler:
     async def _form_frames(self, state: dict[str, Any] | None = None) -> None:
         """Frame what is unframed; `state` is stored with the first frame."""
         while len(self._unframed) >= self.config.batch_groups:
+            # The members stay in `_unframed` until the sink has offered them: while
+            # their frame is written they must still count as buffered, or admission
+            # (max_staleness) would see room that the frame is about to take.
             members = self._unframed[: self.config.batch_groups]
-            del self._unframed[: self.config.batch_groups]
             selections, weightings = self.config.batch_policy_objects()
             frame = grouping.apply_batch_policies(
                 members, selections, weightings, batch_id=grouping.new_id()
@@ -601,7 +603,10 @@ class Scheduler:
                 self.stats.domains[group.domain].emitted += 1
                 self.stats.recent_emitted.append(group.domain)
                 self.metrics.groups_emitted.labels(group.domain).inc()
-            await self.sink.add_frame(frame.kept, [g.group_id for g, _ in frame.dropped], state)
+            try:
+                await self.sink.add_frame(frame.kept, [g.group_id for g, _ in frame.dropped], state)
+            finally:
+                del self._unframed[: len(members)]
             state = None
 
     # -- weight updates ---------------------------------------------------------------
