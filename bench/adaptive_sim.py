@@ -173,7 +173,9 @@ class BatchRecorder(MemorySink):
         self.done = asyncio.Event()
         self.want = 0
 
-    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
         self.dropped.extend(dropped)
         if not groups:
             return

@@ -6,8 +6,8 @@ outbox, the stream route) with the simulated engine of the step-time benchmark o
 thread of its own, at a chosen answer rate: answers log-normal with mean 700 tokens
 (log-sd 0.6), a float32 logprob per token, a reasoning text of ~4 characters per token;
 rule `fixed`, 4 answers per prompt (one wave, one group), frames of one group. A real
-`trainer_client.SamplerClient` in another process reads the stream (msgpack) and acks
-every 16 groups. The engine costs the front nothing but a future resolved from another
+`trainer_client.SamplerClient` in another process reads the stream (msgpack, declaring
+`no_text` where the checkout knows the feature) and acks every 16 groups. The engine costs the front nothing but a future resolved from another
 thread, so every CPU second on the front's event loop is the front's.
 
 Measured per answer and per group, in a window after a warm-up: the event loop's CPU
@@ -88,6 +88,9 @@ SPEC_DEFAULTS: dict[str, Any] = {
     "profile": False,
     "profile_rate": 200,
     "seed": 0,
+    # What the bench's consumer declares (`trainer_client.contract.features`): it trains
+    # on token ids, so it takes no text, as the reference trainer does.
+    "features": ["no_text"],
 }
 #: The latency row runs at this share of the knee (the front is not saturated there).
 LATENCY_AT = 0.8
@@ -211,7 +214,13 @@ def measure_load(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     with _server(spec, work) as (url, proc):
         http = httpx.Client(base_url=url, timeout=60)
         transport = CountingTransport()
-        client = SamplerClient(url, consumer="front-bench", watchdog_s=120.0, transport=transport)
+        client = SamplerClient(
+            url,
+            consumer="front-bench",
+            watchdog_s=120.0,
+            transport=transport,
+            features=spec["features"],
+        )
 
         def snapshot() -> dict[str, Any]:
             server = http.get("/bench/counters").json()
@@ -313,6 +322,7 @@ def _load_result(
         for k in ("store.add_pending", "store.frame", "store.delete")
     )
     one_payload = encode.get("bytes", 0) / encode["calls"] if encode.get("calls") else None
+    framed = server["groups_emitted"]
     return {
         "rate": spec["rate"],
         "verifier": spec["verifier"],
@@ -345,8 +355,11 @@ def _load_result(
         "wire_bytes_per_answer": _per(d["wire_bytes"], answers, 1.0),
         "store_bytes_per_answer": _per(store_bytes, answers, 1.0) if store_bytes else None,
         "store_write_ms_per_group": _per(store_wall, groups) if store_wall else None,
-        # Bytes handed to SQLite per group over one encoding of the group: 1 = stored once.
-        "store_copies": store_bytes / groups / one_payload if store_bytes and one_payload else None,
+        # Bytes handed to SQLite per group framed (in the same window as the writes) over
+        # one encoding of a group: 1 = stored once.
+        "store_copies": store_bytes / framed / one_payload
+        if store_bytes and one_payload and framed
+        else None,
         "probes_per_group": {
             name: {
                 "calls": p["calls"] / groups,
@@ -365,8 +378,7 @@ def _load_result(
             "p99": 1000 * percentile(delays, 99),
             "max": 1000 * max(delays) if delays else None,
         },
-        # Today's stream has no way for a consumer to decline the answers' text.
-        "text_declined": False,
+        "text_declined": "no_text" in spec["features"],
         "queue_end": last["server"]["queue"],
         "code_root": last["server"]["code_root"],
         "load_average": list(os.getloadavg()),
@@ -890,10 +902,10 @@ def sweep_table(data: dict[str, Any]) -> str:
 LOOP_PROBES = [
     ("verification, inline (exact)", "verify_inline"),
     ("building the group (grouping.build_group)", "build_group"),
-    ("msgpack encoding for the store (both writes)", "encode_for_store"),
+    ("msgpack encoding for the store (every write)", "encode_for_store"),
     ("frame policies (grouping.apply_batch_policies)", "frame_policies"),
     ("outbox take", "outbox_take"),
-    ("stream framing of stored bytes", "stream_frame"),
+    ("stream framing of stored bytes (texts cut included)", "stream_frame"),
 ]
 
 
@@ -941,7 +953,7 @@ def cost_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         },
         {"cost": "copies of each group written", "answer": None, "group": lat["store_copies"]},
         {
-            "cost": "bytes on the stream (msgpack, with text)",
+            "cost": "bytes on the stream (msgpack; no texts where the consumer declines them)",
             "answer": lat["wire_bytes_per_answer"],
             "group": lat["wire_bytes_per_answer"] * per_group,
         },

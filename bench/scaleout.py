@@ -92,7 +92,9 @@ class RateSink:
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
         return None
 
-    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
         now = time.monotonic()
         self.times.extend(now for _ in groups)
 
@@ -539,7 +541,9 @@ class ShardSink:
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
         return None
 
-    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
         if groups:
             self.frames.append((asyncio.get_running_loop().time(), groups))
             self._arrived.set()

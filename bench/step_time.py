@@ -215,7 +215,9 @@ class Trainer:
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
         return None
 
-    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
         if groups:
             self.held.append(groups)
             self.frames.set()

@@ -32,6 +32,7 @@ from sampler_service.encoding import negotiate
 from sampler_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sampler_service.service import SamplerService, ServiceError
 from sampler_service.store import EventKind
+from trainer_client.contract import features as wire_features
 from trainer_client.contract.protocol import (
     AckRequest,
     AckResponse,
@@ -114,6 +115,25 @@ _GroupsPerStep = Annotated[
         description="groups the consumer trains on per step: max_staleness counts in steps",
     ),
 ]
+
+#: A query parameter for the same reason: what the consumer handles (comma-separated).
+_Features = Annotated[
+    list[str] | None,
+    Query(
+        max_length=16,
+        description="wire features the consumer handles, comma-separated: "
+        + ", ".join(sorted(wire_features.FEATURES))
+        + " (no_text: groups without answer and prompt texts); unknown names are a 422",
+    ),
+]
+
+
+def _features(values: list[str] | None) -> frozenset[str]:
+    try:
+        return wire_features.parse(values or ())
+    except wire_features.UnknownFeatures as exc:
+        raise ServiceError(422, "unknown_feature", str(exc), wire_features.QUERY_PARAM) from exc
+
 
 _BEARER = HTTPBearer(auto_error=False, description="the API key, when one is configured")
 
@@ -268,10 +288,11 @@ def create_app(service: SamplerService) -> FastAPI:
         max_unacked: Annotated[int, Query(ge=1, le=100_000)] = 8,
         heartbeat_s: Annotated[float | None, Query(gt=0, le=300)] = None,
         groups_per_step: _GroupsPerStep = None,
+        features: _Features = None,
         accept: Annotated[str | None, Header(include_in_schema=False)] = None,
     ) -> StreamingResponse:
         """Finished groups for one consumer; 409 while another live stream has its name."""
-        encoding = negotiate(accept)
+        encoding = negotiate(accept, _features(features))
         messages = service.open_stream(
             consumer, max_unacked, heartbeat_s or settings.heartbeat_s, encoding, groups_per_step
         )
@@ -297,11 +318,12 @@ def create_app(service: SamplerService) -> FastAPI:
     async def lease(
         request: Request,
         groups_per_step: _GroupsPerStep = None,
+        features: _Features = None,
         accept: Annotated[str | None, Header(include_in_schema=False)] = None,
     ) -> Response:
         """Lease whole frames (JSON, or msgpack on request); they return if not acked."""
+        encoding = negotiate(accept, _features(features))
         body = _parse(LeaseRequest, await _read_body(request, settings.max_request_bytes))
-        encoding = negotiate(accept)
         payload = await service.lease(
             body.consumer, body.max_groups, body.wait_s, encoding, groups_per_step
         )

@@ -550,7 +550,12 @@ class ServeSettings(_Strict):
     )
     heartbeat_s: float = Field(5.0, gt=0.0, description="stream heartbeat interval")
     verifier_timeout_s: float = Field(10.0, gt=0.0, description="time limit per verification")
-    verifier_workers: int = Field(2, ge=1, description="verifier processes")
+    verifier_workers: int | None = Field(
+        None,
+        ge=1,
+        description="verifier processes (default: one per core this process may run on, "
+        "less one for its event loop, at least 2)",
+    )
     max_request_bytes: int = Field(
         1 << 20,
         ge=1024,
@@ -666,6 +671,16 @@ class ServeSettings(_Strict):
     @property
     def uses_ray(self) -> bool:
         return self.replicas > 1 or self.ray_address is not None
+
+    @property
+    def verifier_pool_size(self) -> int:
+        """`verifier_workers`, or what the cores this process may run on allow: verifying
+        (math-verify, ~1 ms of CPU per answer) scales with the workers until they take
+        every core the event loop does not need. At least 2, so one verifier hanging
+        until its time limit never stops all verification."""
+        if self.verifier_workers is not None:
+            return self.verifier_workers
+        return max(2, len(os.sched_getaffinity(0)) - 1)
 
 
 def overridden_by_saved(

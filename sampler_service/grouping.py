@@ -17,7 +17,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from sampler_service.config import SamplerConfig
 from sampler_service.dataset import PromptRow
 from sampler_service.verifiers.base import Verdict
 from strategies import advantage, downsample, reweighting, views
-from trainer_client.contract.protocol import Group, GroupStats, Sample
+from trainer_client.contract.protocol import Group, GroupStats, Sample, StopReason
 
 #: Reason a group is dropped when group policies leave it with a single sample: a
 #: singleton carries no comparison, so its advantage would be meaningless.
@@ -100,8 +100,11 @@ def build_group(
     if len(kept) < 2:
         return GroupResult(None, TOO_FEW_SAMPLES, mean_abs)
 
+    # The values are this process's own (engine answers, verdicts, numpy floats made
+    # Python floats here), so the models are built without validation: validating would
+    # copy every answer's token ids and logprobs once more.
     samples = [
-        Sample(
+        Sample.model_construct(
             sample_id=make_id(),
             response_token_ids=completions[i].token_ids,
             response_text=completions[i].text,
@@ -115,7 +118,7 @@ def build_group(
         for i, a in zip(kept.tolist(), adv, strict=True)
     ]
     versions = [s.policy_version for s in samples]
-    group = Group(
+    group = Group.model_construct(
         group_id=make_id(),
         prompt_id=row.id,
         domain=row.domain,
@@ -126,8 +129,8 @@ def build_group(
         config_version=config_version,
         policy_version_min=min(versions),
         policy_version_max=max(versions),
-        stop_reason=stop_reason,
-        stats=GroupStats(
+        stop_reason=cast(StopReason, stop_reason),  # the rule's own names
+        stats=GroupStats.model_construct(
             n_generated=n_gen,
             n_pos=n_pos,
             n_neg=n_gen - n_pos,
@@ -190,7 +193,9 @@ def apply_batch_policies(
             group.samples = [group.samples[i] for i in np.asarray(idx).tolist()]
             survivors.append(group)
         frame = survivors
-    if frame:
+    # Without weightings every weight is 1, the samples' default: no view to build
+    # (it copies every answer's logprobs into an array).
+    if frame and weightings:
         sample_w, token_w = reweighting.combine(list(weightings), _batch_view(frame))
         for gi, group in enumerate(frame):
             for si, sample in enumerate(group.samples):

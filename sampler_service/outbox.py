@@ -23,6 +23,7 @@ import asyncio
 import heapq
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +71,10 @@ class Outbox:
         self._delivery_ids: dict[str, list[str]] = {}  # group_id -> every delivery id it had
         self._streams: dict[str, object] = {}  # consumer -> token of its live stream
         self._changed = asyncio.Event()
+        # Running counts (asked for on every stream turn and admission check, so not
+        # recounted over every frame): READY groups and each holder's LEASED groups.
+        self._ready_count = 0
+        self._leased: Counter[str] = Counter()
 
     # -- bookkeeping ------------------------------------------------------------------
     def _notify(self) -> None:
@@ -88,6 +93,7 @@ class Outbox:
         """Make a stored frame READY (called once its rows are committed)."""
         seq = min(m.seq for m in frame.members)
         self._frames[frame.batch_id] = _Frame(frame.batch_id, list(frame.members), seq)
+        self._ready_count += len(frame.members)
         heapq.heappush(self._ready, (0 if redelivery else 1, seq, frame.batch_id))
         self._notify()
 
@@ -104,14 +110,14 @@ class Outbox:
 
     @property
     def ready_groups(self) -> int:
-        return sum(len(f.members) for f in self._frames.values() if f.consumer is None)
+        return self._ready_count
 
     @property
     def leased_groups(self) -> int:
-        return sum(len(f.members) for f in self._frames.values() if f.consumer is not None)
+        return self._leased.total()
 
     def unacked(self, consumer: str) -> int:
-        return sum(len(f.members) for f in self._frames.values() if f.consumer == consumer)
+        return self._leased[consumer]
 
     def next_frame_size(self) -> int | None:
         """Size of the frame the next take() would hand out, or None if nothing is READY."""
@@ -138,6 +144,8 @@ class Outbox:
             frame = self._frames[batch_id]
             frame.consumer = consumer
             frame.deadline = self._clock() + ttl_s
+            self._ready_count -= len(frame.members)
+            self._leased[consumer] += len(frame.members)
             for member in frame.members:
                 delivery_id = uuid.uuid4().hex
                 self._by_delivery[delivery_id] = (batch_id, member.group_id)
@@ -162,6 +170,7 @@ class Outbox:
         ]
         for frame in stale:
             del self._frames[frame.batch_id]
+            self._ready_count -= len(frame.members)
             for member in frame.members:
                 for delivery_id in self._delivery_ids.pop(member.group_id, []):
                     self._by_delivery.pop(delivery_id, None)
@@ -170,6 +179,11 @@ class Outbox:
         return [StoredFrame(f.batch_id, f.members) for f in stale]
 
     def _release(self, frame: _Frame) -> None:
+        assert frame.consumer is not None
+        self._leased[frame.consumer] -= len(frame.members)
+        if not self._leased[frame.consumer]:
+            del self._leased[frame.consumer]
+        self._ready_count += len(frame.members)
         frame.consumer = None
         heapq.heappush(self._ready, (0, frame.seq, frame.batch_id))
 
@@ -210,7 +224,9 @@ class Outbox:
                 continue
             before = len(frame.members)
             frame.members = [m for m in frame.members if m.group_id not in gids]
-            removed += before - len(frame.members)
+            gone = before - len(frame.members)
+            removed += gone
+            self._count_removed(frame, gone)
             if not frame.members:
                 del self._frames[batch_id]
             for gid in gids:
@@ -219,6 +235,15 @@ class Outbox:
         if removed:
             self._notify()
         return removed, len(delivery_ids) - removed
+
+    def _count_removed(self, frame: _Frame, groups: int) -> None:
+        """`groups` of `frame` acked: out of the count of its state."""
+        if frame.consumer is None:
+            self._ready_count -= groups
+            return
+        self._leased[frame.consumer] -= groups
+        if not self._leased[frame.consumer]:
+            del self._leased[frame.consumer]
 
     # -- streams ----------------------------------------------------------------------
     def connect(self, consumer: str) -> object | None:

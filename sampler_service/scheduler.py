@@ -56,7 +56,12 @@ class GroupSink(Protocol):
 
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None: ...
 
-    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None: ...
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
+        """Store a frame (`state`, when given, with it) and offer it; a member may not
+        have been through `add_pending` (it completed its frame as it finished)."""
+        ...
 
     def buffered(self) -> int:
         """Framed groups not yet acked (READY + LEASED)."""
@@ -636,19 +641,26 @@ class Scheduler:
             state = None
             if self.clock() - self._state_saved_at >= _STATE_EVERY_S:
                 state, self._state_saved_at = self.state_dict(), self.clock()
-            await self.sink.add_pending(group, state)
+            # A group that completes its frame is stored once, framed; one that waits
+            # for the rest of its frame is stored now, so a restart still finds it.
+            if len(self._unframed) + 1 < self.config.batch_groups:
+                await self.sink.add_pending(group, state)
+                state = None
             self._unframed.append(group)
-            await self._form_frames()
+            await self._form_frames(state)
 
     async def form_frames(self) -> None:
         """Re-check framing (e.g. after batch_groups was lowered by a PATCH)."""
         async with self._frame_lock:
             await self._form_frames()
 
-    async def _form_frames(self) -> None:
+    async def _form_frames(self, state: dict[str, Any] | None = None) -> None:
+        """Frame what is unframed; `state` is stored with the first frame."""
         while len(self._unframed) >= self.config.batch_groups:
+            # The members stay in `_unframed` until the sink has offered them: while
+            # their frame is written they must still count as buffered, or admission
+            # (max_staleness) would see room that the frame is about to take.
             members = self._unframed[: self.config.batch_groups]
-            del self._unframed[: self.config.batch_groups]
             selections, weightings = self.config.batch_policy_objects()
             frame = grouping.apply_batch_policies(
                 members, selections, weightings, batch_id=grouping.new_id()
@@ -660,7 +672,11 @@ class Scheduler:
                 self.stats.domains[group.domain].emitted += 1
                 self.stats.recent_emitted.append(group.domain)
                 self.metrics.groups_emitted.labels(group.domain).inc()
-            await self.sink.add_frame(frame.kept, [g.group_id for g, _ in frame.dropped])
+            try:
+                await self.sink.add_frame(frame.kept, [g.group_id for g, _ in frame.dropped], state)
+            finally:
+                del self._unframed[: len(members)]
+            state = None
 
     # -- weight updates ---------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -709,7 +725,9 @@ class MemorySink:
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
         return None
 
-    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
         if groups:
             self.frames.append(groups)
         self.dropped.extend(dropped)

@@ -79,36 +79,47 @@ class StartupError(RuntimeError):
 
 
 class StoreSink:
-    """Scheduler sink that persists groups in SQLite and offers frames to the outbox."""
+    """Scheduler sink that persists groups in SQLite and offers frames to the outbox.
+
+    Each group is encoded once for its frame, and those bytes are what the store keeps
+    and the stream sends. A group that completes its frame as it finishes (frames of one
+    group, the default) goes to SQLite once, framed; only a group that waits for the rest
+    of its frame is stored as pending first.
+    """
 
     def __init__(self, store: AsyncStore, outbox: Outbox) -> None:
         self._store = store
         self._outbox = outbox
-        self._seq: dict[str, int] = {}
-        self.pending = 0
+        self._pending: set[str] = set()  # stored, not yet framed
 
-    def remember(self, group_id: str, seq: int) -> None:
-        self._seq[group_id] = seq
-        self.pending += 1
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def remember(self, group_id: str) -> None:
+        """A group stored as pending (now or before a restart)."""
+        self._pending.add(group_id)
 
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
         items = {"scheduler_state": state} if state is not None else None
-        seq = await self._store.call(
+        await self._store.call(
             self._store.sync.add_pending, group.group_id, pack_group(group), items
         )
-        self.remember(group.group_id, seq)
+        self.remember(group.group_id)
 
-    async def add_frame(self, groups: list[Group], dropped: list[str]) -> None:
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
         members = [(g.group_id, pack_group(g)) for g in groups]
         batch_id = groups[0].batch_id if groups else uuid.uuid4().hex
-        await self._store.call(self._store.sync.frame, batch_id, members, dropped)
-        self.pending -= len(dropped) + len(groups)
+        items = {"scheduler_state": state} if state is not None else None
+        seqs = await self._store.call(self._store.sync.frame, batch_id, members, dropped, items)
+        self._pending.difference_update(dropped)
+        self._pending.difference_update(gid for gid, _ in members)
         stored = [
-            _stored(self._seq.pop(g.group_id), g, payload)
-            for g, (_, payload) in zip(groups, members, strict=True)
+            _stored(seq, g, payload)
+            for seq, g, (_, payload) in zip(seqs, groups, members, strict=True)
         ]
-        for gid in dropped:
-            self._seq.pop(gid, None)
         if stored:
             self._outbox.offer(StoredFrame(batch_id, stored))
 
@@ -389,7 +400,7 @@ class SamplerService:
         self.metrics.precreate(self.dataset.domains)
         cfg, version = await self._fitted(self._config), self._config_version
         self.verifiers = VerifierPool(
-            max_workers=s.verifier_workers, timeout_s=s.verifier_timeout_s
+            max_workers=s.verifier_pool_size, timeout_s=s.verifier_timeout_s
         )
         await self._check_verifiers()
         if self._backend is not None:
@@ -416,7 +427,7 @@ class SamplerService:
         restored = await self.outbox.restore(_described)
         pending = await self.store.call(self.store.sync.pending)
         for stored in pending:
-            self.sink.remember(stored.group_id, stored.seq)
+            self.sink.remember(stored.group_id)
         self.scheduler.restore_pending([unpack_group(p.payload) for p in pending])
         await self.scheduler.form_frames()
         self.metrics.config_version.set(version)

@@ -27,7 +27,11 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
-_WAL_LIMIT_BYTES = 8 << 20
+#: After a checkpoint the WAL file is cut back to this size; without a limit it keeps its
+#: high-water mark for the life of the process. Set above what half a second of groups
+#: writes at a few thousand answers/s (~20 MB), so the checkpointed log is reused in
+#: place rather than cut and grown again at every checkpoint.
+_WAL_LIMIT_BYTES = 64 << 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -121,11 +125,7 @@ class Store:
         # NORMAL in WAL mode survives a process crash (kill -9); only an OS crash or
         # power loss can drop the last commits.
         self._db.execute("PRAGMA synchronous=NORMAL")
-        # After a checkpoint the WAL file is cut back to this size: without the limit it
-        # keeps its high-water mark (tens of MB under load) for the life of the process.
         self._db.execute(f"PRAGMA journal_size_limit={_WAL_LIMIT_BYTES}")
-        # Once checkpointed, the WAL is reused from its start; this caps the file it leaves.
-        self._db.execute(f"PRAGMA journal_size_limit={64 << 20}")
         self._db.executescript(_SCHEMA)
         self._checkpointer: _Checkpointer | None = None
         if checkpoint_every_s is not None:
@@ -172,18 +172,36 @@ class Store:
         return self._tx(run)
 
     def frame(
-        self, batch_id: str, members: list[tuple[str, bytes]], dropped: Iterable[str] = ()
-    ) -> None:
-        """Turn pending groups into one READY batch frame, with their final bytes."""
+        self,
+        batch_id: str,
+        members: list[tuple[str, bytes]],
+        dropped: Iterable[str] = (),
+        state: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Store one READY batch frame with its final bytes; returns each member's seq.
 
-        def run(db: sqlite3.Connection) -> None:
-            db.executemany(
-                "UPDATE groups SET batch_id = ?, batch_index = ?, payload = ? WHERE group_id = ?",
-                [(batch_id, i, payload, gid) for i, (gid, payload) in enumerate(members)],
-            )
+        A member stored before as pending is updated in place; one that completes its
+        frame as it finishes is written here for the first time, so it is written once.
+        `state` moves in the same transaction, as with `add_pending`.
+        """
+
+        def run(db: sqlite3.Connection) -> list[int]:
+            now = time.time()
+            seqs = [
+                db.execute(
+                    "INSERT INTO groups (group_id, batch_id, batch_index, payload, created_at) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT(group_id) DO UPDATE SET "
+                    "batch_id = excluded.batch_id, batch_index = excluded.batch_index, "
+                    "payload = excluded.payload RETURNING seq",
+                    (gid, batch_id, i, payload, now),
+                ).fetchone()[0]
+                for i, (gid, payload) in enumerate(members)
+            ]
             db.executemany("DELETE FROM groups WHERE group_id = ?", [(g,) for g in dropped])
+            self._put_many(db, state or {})
+            return seqs
 
-        self._tx(run)
+        return self._tx(run)
 
     def delete(self, group_ids: Iterable[str]) -> int:
         """Delete acked groups; the acked-groups counter moves in the same transaction."""

@@ -4,7 +4,8 @@ Each twin in `trainer_client.client` sends requests, reads bytes and sleeps; the
 here say what a response, a chunk or a failure means and what to do next, so the two
 twins cannot drift apart:
 
-- `ClientCore`: the settings (URL, API key, consumer name, watchdog, timeouts, encoding)
+- `ClientCore`: the settings (URL, API key, consumer name, watchdog, timeouts, encoding,
+  the wire features declared)
   and what a client learns across calls (the duplicate filter, the newest heartbeat,
   the stream connections opened);
 - `StreamState`: one `groups()` call: reconnects with backoff and jitter, the watchdog,
@@ -40,6 +41,8 @@ import httpx
 import orjson
 
 from trainer_client.contract import wire
+from trainer_client.contract.features import QUERY_PARAM as FEATURES_PARAM
+from trainer_client.contract.features import query_value as features_query_value
 from trainer_client.contract.protocol import (
     MSGPACK_MEDIA_TYPE,
     NDJSON_MEDIA_TYPE,
@@ -193,6 +196,7 @@ class ClientCore:
         backoff_s: tuple[float, float] = (0.2, 5.0),
         encoding: Literal["msgpack", "json"] = "msgpack",
         groups_per_step: int | None = None,
+        features: Iterable[str] = (),
     ) -> None:
         if watchdog_s <= 0:
             raise ValueError("watchdog_s must be positive")
@@ -209,6 +213,10 @@ class ClientCore:
         #: Groups the caller trains on per step, declared on each stream and lease: the
         #: sampler's max_staleness counts in steps, and without it a step is one frame.
         self.groups_per_step = groups_per_step
+        #: The wire features this consumer handles (`trainer_client.contract.features`),
+        #: declared on each stream and lease; e.g. `no_text`: groups come without texts.
+        #: An unknown name is a ValueError here, not a 422 at the first request.
+        self.features = features_query_value(features)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Groups and leases come as msgpack (a third of JSON's bytes, half its decoding
         # time) unless "json" is asked for; either way the same Group objects result.
@@ -231,13 +239,17 @@ class ClientCore:
                 "consumer": consumer or self.consumer,
                 "max_unacked": max_unacked or self.max_unacked,
                 "heartbeat_s": self.heartbeat_s,
-                **self._step_params(None),
+                **self._query_params(None),
             },
         )
 
-    def _step_params(self, groups_per_step: int | None) -> dict[str, int]:
+    def _query_params(self, groups_per_step: int | None) -> dict[str, int | str]:
+        """What a stream or lease declares: the step size and the features handled."""
         step = groups_per_step or self.groups_per_step
-        return {"groups_per_step": step} if step else {}
+        params: dict[str, int | str] = {"groups_per_step": step} if step else {}
+        if self.features:
+            params[FEATURES_PARAM] = self.features
+        return params
 
     def _attempts(self, method: str, path: str, retry: bool) -> RequestAttempts:
         return RequestAttempts(self, method, path, retry)
@@ -252,7 +264,7 @@ class ClientCore:
         body = {"max_groups": max_groups, "wait_s": wait_s, "consumer": consumer or self.consumer}
         return {
             "json": body,
-            "params": self._step_params(groups_per_step),
+            "params": self._query_params(groups_per_step),
             "headers": {"Accept": self.accept},
             "timeout": self.timeout_s + wait_s,
         }

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from trainer_client.batch import BatchAssembler, TrainBatch
 from trainer_client.client import SamplerClient
+from trainer_client.contract.features import NO_TEXT
 from trainer_client.contract.flags import command_line
 from trainer_client.train_config import TrainConfig
 
@@ -165,6 +166,9 @@ class GRPOTrainer:
             watchdog_s=cfg.watchdog_s,
             max_unacked=cfg.max_unacked or 2 * cfg.batch_groups,
             groups_per_step=cfg.batch_groups,
+            # It trains on token ids and logprobs and never reads a text: a third fewer
+            # bytes per group on the wire.
+            features=[NO_TEXT],
         )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)

@@ -10,6 +10,7 @@ import torch
 from client_helpers import group, sample
 
 from trainer_client.batch import BatchAssembler, collate
+from trainer_client.contract.features import NO_TEXT
 from trainer_client.contract.protocol import Group
 from trainer_client.grpo import (
     GRPOTrainer,
@@ -201,3 +202,13 @@ def test_train_step_loss_matches_hand_computed_value(tiny_model_dir: Path) -> No
     # lr 0: nothing moved, and the ratio was exactly 1 so nothing was clipped.
     assert metrics["clip_frac"] == 0.0
     assert metrics["version_lag_mean"] == 0.0
+
+
+def test_the_reference_trainer_declares_it_takes_no_text(tiny_model_dir: Path) -> None:
+    """It trains on token ids alone, so its stream and leases ask for groups without texts."""
+    trainer = GRPOTrainer(TrainConfig(url="http://unused", model=tiny_model_dir))
+    try:
+        assert trainer.client.features == NO_TEXT
+        assert trainer.client._query_params(None)["features"] == NO_TEXT
+    finally:
+        trainer.client.close()

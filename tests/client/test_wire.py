@@ -8,7 +8,7 @@ import orjson
 import pytest
 from client_helpers import group, sample
 
-from trainer_client.contract import wire
+from trainer_client.contract import features, wire
 from trainer_client.contract.protocol import Group
 
 
@@ -75,3 +75,20 @@ def test_stream_decoder_reassembles_messages_cut_anywhere() -> None:
         out.extend(decoder)
     assert out[0] == {"type": "heartbeat", "ready": 1} and out[2] == {"type": "x"}
     assert Group.model_validate(out[1]) == g.model_copy(update={"delivery_id": None})
+
+
+def test_a_group_without_text_is_the_same_group_minus_its_texts() -> None:
+    group = _group()
+    payload = wire.pack_group(group)
+    stripped = wire.unpack(wire.without_text(payload))
+    expected = wire.unpack(payload)
+    del expected["prompt_text"]
+    for answer in expected["samples"]:
+        del answer["response_text"]
+    assert stripped == expected
+    parsed = wire.unpack_group(wire.without_text(payload))
+    assert parsed.prompt_text is None and parsed.samples[0].response_text is None
+    assert parsed.samples[0].response_token_ids == group.samples[0].response_token_ids
+    assert features.parse(["no_text", ""]) == {features.NO_TEXT}
+    with pytest.raises(features.UnknownFeatures, match="a, b"):
+        features.parse(["b,no_text", "a"])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
-from sampler_service.config import ConfigError, SamplerConfig, check_consistency
+from sampler_service.config import ConfigError, SamplerConfig, ServeSettings, check_consistency
 
 
 def test_frame_larger_than_the_buffer_is_refused() -> None:
@@ -29,3 +32,16 @@ def test_the_est_budget_check_names_one_field_whichever_check_fires(knobs) -> No
         check_consistency(SamplerConfig(**knobs), ["a"])
     assert info.value.field == "est.mean_budget"
     assert "n_min <= mean_budget <= n_max" in str(info.value)
+
+
+def test_verifier_workers_default_to_the_cores_the_front_may_run_on() -> None:
+    settings = ServeSettings(model=Path("m"), data=[Path("d.jsonl")])
+    cores = os.sched_getaffinity(0)
+    assert settings.verifier_pool_size == max(2, len(cores) - 1)
+    try:
+        os.sched_setaffinity(0, {min(cores)})  # one core: still a second worker to go on
+        assert settings.verifier_pool_size == 2
+    finally:
+        os.sched_setaffinity(0, cores)
+    chosen = ServeSettings(model=Path("m"), data=[Path("d.jsonl")], verifier_workers=3)
+    assert chosen.verifier_pool_size == 3

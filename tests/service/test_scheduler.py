@@ -417,6 +417,11 @@ class SlowSink(MemorySink):
     async def add_pending(self, group: Any, state: Any) -> None:
         await asyncio.sleep(0.05)
 
+    async def add_frame(self, groups: Any, dropped: Any, state: Any = None) -> None:
+        # Frames of one group are stored by this call alone (no pending write first).
+        await asyncio.sleep(0.05)
+        await super().add_frame(groups, dropped, state)
+
 
 async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(toy, backend) -> None:
     scheduler, _ = make_scheduler(

@@ -89,3 +89,22 @@ def test_each_kind_of_event_keeps_its_own_history(tmp_path: Path, monkeypatch) -
         assert first["last_seq"] == first["events"][-1]["seq"]
     finally:
         store.close()
+
+
+def test_a_frame_stores_new_groups_once_and_updates_pending_ones(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite"
+    store = Store(path, checkpoint_every_s=None)
+    pending_seq = store.add_pending("waited", b"pending bytes")
+    seqs = store.frame("b1", [("waited", b"framed a"), ("fresh", b"framed b")], state={"k": 1})
+    assert seqs[0] == pending_seq and seqs[1] > pending_seq  # the pending row kept its place
+    rows = store._db.execute("SELECT group_id, batch_index, payload FROM groups").fetchall()
+    assert sorted(rows) == [("fresh", 1, b"framed b"), ("waited", 0, b"framed a")]
+    store.close()
+    reopened = Store(path, checkpoint_every_s=None)
+    (frame,) = reopened.frames()
+    assert [(m.group_id, m.payload) for m in frame.members] == [
+        ("waited", b"framed a"),
+        ("fresh", b"framed b"),
+    ]
+    assert reopened.pending() == [] and reopened.get("k") == 1
+    reopened.close()

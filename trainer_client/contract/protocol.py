@@ -31,7 +31,9 @@ class Sample(_Wire):
 
     sample_id: str
     response_token_ids: list[int]
-    response_text: str
+    response_text: str | None = Field(
+        None, description="the answer's text; None for a consumer that declared no_text"
+    )
     logprobs: list[float] = Field(description="behaviour logprob of each response token")
     reward: float
     finish_reason: str
@@ -59,7 +61,9 @@ class Group(_Wire):
     prompt_id: str
     domain: str
     prompt_token_ids: list[int]
-    prompt_text: str
+    prompt_text: str | None = Field(
+        None, description="the prompt's text; None for a consumer that declared no_text"
+    )
     answer: str | None = None
     metadata: dict[str, Any] | None = None
     config_version: int

@@ -51,18 +51,45 @@ def _ext_hook(code: int, data: bytes) -> Any:
     return np.frombuffer(data, dtype=dtype).tolist()
 
 
+def _fields(model: Any) -> dict[str, Any]:
+    """A model's field values as a new dict (a shallow `model_dump`): the group's
+    number lists go into arrays as they are, without pydantic copying each one first."""
+    return dict(model.__dict__)
+
+
 def pack_group(group: Group) -> bytes:
     """A group's stored and streamed bytes, without its per-delivery `delivery_id`."""
-    doc = group.model_dump(exclude={"delivery_id"})
+    doc = _fields(group)
+    doc.pop("delivery_id", None)
+    doc["stats"] = _fields(group.stats)
     for name in _INT_FIELDS:
         doc[name] = _array(doc[name], "int")
-    for sample in doc["samples"]:
+    samples = []
+    for model in group.samples:
+        sample = _fields(model)
         for name in _SAMPLE_INT_FIELDS:
             sample[name] = _array(sample[name], "int")
         for name in _SAMPLE_FLOAT_FIELDS:
             if sample.get(name) is not None:
                 sample[name] = _array(sample[name], "float")
+        samples.append(sample)
+    doc["samples"] = samples
     packed: bytes = msgpack.packb(doc)
+    return packed
+
+
+def drop_text(doc: dict[str, Any]) -> dict[str, Any]:
+    """A decoded group without its texts, what a consumer that declared `no_text` gets
+    (`trainer_client.contract.features`); changed in place and returned."""
+    doc.pop("prompt_text", None)
+    for sample in doc["samples"]:
+        sample.pop("response_text", None)
+    return doc
+
+
+def without_text(payload: bytes) -> bytes:
+    """A packed group without its texts; its arrays are copied as they are, not decoded."""
+    packed: bytes = msgpack.packb(drop_text(msgpack.unpackb(payload)))
     return packed
 
 

@@ -1,0 +1,62 @@
+"""The outbox's running counts (READY, LEASED, each consumer's unacked) stay what a count
+over its frames gives, through every move a frame makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sampler_service.outbox import Outbox
+from sampler_service.store import AsyncStore, Store, StoredFrame, StoredGroup
+
+
+def _recount(outbox: Outbox) -> tuple[int, int, dict[str, int]]:
+    frames = outbox._frames.values()
+    per: dict[str, int] = {}
+    for f in frames:
+        if f.consumer is not None:
+            per[f.consumer] = per.get(f.consumer, 0) + len(f.members)
+    ready = sum(len(f.members) for f in frames if f.consumer is None)
+    return ready, sum(per.values()), per
+
+
+def _check(outbox: Outbox) -> None:
+    ready, leased, per = _recount(outbox)
+    assert (outbox.ready_groups, outbox.leased_groups) == (ready, leased)
+    for consumer in {*per, "a", "b"}:
+        assert outbox.unacked(consumer) == per.get(consumer, 0)
+
+
+async def test_running_counts_match_a_recount_through_every_move(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite", checkpoint_every_s=None)
+    sync = AsyncStore(store)
+    clock = [0.0]
+    outbox = Outbox(sync, clock=lambda: clock[0])
+    seq = 0
+    for b in range(6):
+        members = []
+        for i in range(3):
+            seq += 1
+            gid = f"g{b}.{i}"
+            store.add_pending(gid, b"x")
+            members.append(StoredGroup(seq, gid, b"x", policy_version_min=b))
+        store.frame(f"b{b}", [(m.group_id, b"x") for m in members])
+        outbox.offer(StoredFrame(f"b{b}", members))
+        _check(outbox)
+    a = outbox.take("a", ttl_s=10, max_groups=6)
+    b = outbox.take("b", ttl_s=1)
+    _check(outbox)
+    assert outbox.unacked("a") == 6 and outbox.unacked("b") == 3
+    await outbox.ack([a[0].delivery_id, a[4].delivery_id, "unknown"])  # parts of two frames
+    _check(outbox)
+    clock[0] = 5.0
+    assert outbox.expire() == 3  # b's lease ran out
+    _check(outbox)
+    assert outbox.release_consumer("a") == 4
+    _check(outbox)
+    dropped = outbox.drop_stale(served_version=5, max_staleness=2)
+    assert dropped
+    _check(outbox)
+    again = outbox.take("b", ttl_s=10, max_groups=100)
+    await outbox.ack([d.delivery_id for d in again])
+    _check(outbox)
+    await sync.close()
