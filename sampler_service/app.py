@@ -19,17 +19,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from sampler_service import package_version
 from sampler_service.api_docs import create_docs_router
-from sampler_service.backends.vllm_nccl import create_nccl_router
 from sampler_service.config import MAX_PROMPTS, ConfigPatch, ConfigView
 from sampler_service.dashboard import create_dashboard_router
 from sampler_service.encoding import negotiate
 from sampler_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from sampler_service.nccl_routes import create_nccl_router
+from sampler_service.request_body import parse_body, read_body
 from sampler_service.service import SamplerService, ServiceError
 from sampler_service.store import EventKind
 from trainer_client.contract import features as wire_features
@@ -63,20 +64,6 @@ def _error(
     response = _json({"error": body}, status)
     response.headers.update(headers or {})
     return response
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ServiceError(413, "body_too_large", f"request body over the {limit}-byte limit")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ServiceError(413, "body_too_large", f"request body over the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -144,21 +131,6 @@ _BODY_MODELS: tuple[type[BaseModel], ...] = (
     LeaseRequest,
     WeightsLoadRequest,
 )
-
-
-def _parse(model: type[M], body: bytes) -> M:
-    if not body:
-        raise ServiceError(422, "invalid_request", "a JSON object body is required")
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        if first["type"] == "json_invalid":
-            raise ServiceError(
-                400, "invalid_json", f"body is not valid JSON: {first['msg']}"
-            ) from exc
-        field = ".".join(str(p) for p in first["loc"]) or None
-        raise ServiceError(422, "invalid_request", f"{field}: {first['msg']}", field) from exc
 
 
 def create_app(service: SamplerService) -> FastAPI:
@@ -265,7 +237,7 @@ def create_app(service: SamplerService) -> FastAPI:
     )
     async def patch_config(request: Request) -> Response:
         """A JSON merge patch of config keys; validated as a whole, persisted."""
-        body = await _read_body(request, settings.max_request_bytes)
+        body = await read_body(request, settings.max_request_bytes)
         try:
             patch = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -306,7 +278,7 @@ def create_app(service: SamplerService) -> FastAPI:
     )
     async def ack(request: Request) -> Response:
         """Delete acked groups durably; unknown ids are counted, not errors."""
-        body = _parse(AckRequest, await _read_body(request, settings.max_request_bytes * 8))
+        body = parse_body(AckRequest, await read_body(request, settings.max_request_bytes * 8))
         return _json(await service.ack(body.delivery_ids))
 
     @v1.post(
@@ -323,7 +295,7 @@ def create_app(service: SamplerService) -> FastAPI:
     ) -> Response:
         """Lease whole frames (JSON, or msgpack on request); they return if not acked."""
         encoding = negotiate(accept, _features(features))
-        body = _parse(LeaseRequest, await _read_body(request, settings.max_request_bytes))
+        body = parse_body(LeaseRequest, await read_body(request, settings.max_request_bytes))
         payload = await service.lease(
             body.consumer, body.max_groups, body.wait_s, encoding, groups_per_step
         )
@@ -371,7 +343,7 @@ def create_app(service: SamplerService) -> FastAPI:
     )
     async def load_weights(request: Request) -> Response:
         """Load weights from a path the server can read."""
-        body = _parse(WeightsLoadRequest, await _read_body(request, settings.max_request_bytes))
+        body = parse_body(WeightsLoadRequest, await read_body(request, settings.max_request_bytes))
         return _json(await service.load_weights(body.path, body.version))
 
     @v1.get("/stats", response_model=dict[str, Any])

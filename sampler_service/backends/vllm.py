@@ -22,7 +22,7 @@ it does not name (read lazily from the files that hold them), so it updates exac
 subset.
 
 On GPUs the NCCL weight-transfer engine moves weights from a trainer straight into the
-workers (`nccl_init` / `nccl_update`, served by `sampler_service.backends.vllm_nccl`;
+workers (`nccl_init` / `nccl_update`, served by `sampler_service.nccl_routes`;
 the trainer side is `trainer_client.nccl`).
 
 vLLM starts its engine core (and, with several GPUs, its workers) with `spawn`: a script

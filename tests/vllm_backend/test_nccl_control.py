@@ -20,10 +20,10 @@ from sampler_service.backends.base import TensorSpec
 from sampler_service.backends.vllm import VLLMBackend
 from sampler_service.backends.vllm_nccl import (
     NCCLUpdateInfo,
-    create_nccl_router,
     nccl_replica_init_infos,
     vet_update_info,
 )
+from sampler_service.nccl_routes import create_nccl_router
 from trainer_client.nccl import (
     NCCLTransferError,
     NCCLWeightSender,
