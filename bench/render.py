@@ -105,7 +105,7 @@ def _step_settings() -> str:
 
 
 def _learning_summary() -> str:
-    data = _load("learning_add2")
+    data = _load("learning_earlier_add2")
     domains = [d for d in data["curves"][next(iter(data["curves"]))] if d != "mean"]
     names = domains if len(domains) == 1 else [*domains, "mean"]
     rows = []
@@ -129,7 +129,7 @@ def _ci(pr: dict[str, Any]) -> str:
 
 
 def _learning_paired() -> str:
-    data = _load("learning_add2")
+    data = _load("learning_earlier_add2")
     labels = {m: spec["label"] for m, spec in data["settings"]["methods"].items()}
     rows = []
     for metric, src in (("greedy", data), ("T=1 pass", data["t1"])):
