@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -106,10 +107,14 @@ def lease(client: httpx.Client, n: int, wait_s: float = 30.0, consumer: str = "t
     return r.json()["groups"]
 
 
-def collect(client: httpx.Client, n: int, ack: bool = True, **kw: Any) -> list[dict]:
-    """Lease (and ack) until n groups came back."""
+def collect(
+    client: httpx.Client, n: int, ack: bool = True, timeout_s: float = 300.0, **kw: Any
+) -> list[dict]:
+    """Lease (and ack) until n groups came back, failing after `timeout_s` seconds."""
     groups: list[dict] = []
+    deadline = time.monotonic() + timeout_s
     while len(groups) < n:
+        assert time.monotonic() < deadline, f"only {len(groups)} of {n} groups in {timeout_s}s"
         got = lease(client, n - len(groups), **kw)
         if ack and got:
             r = client.post(

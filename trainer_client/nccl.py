@@ -4,7 +4,7 @@ For large models, uploading a safetensors file per step is slow; instead the tra
 rank 0 joins one NCCL group with the sampler's vLLM workers and broadcasts its parameters
 GPU to GPU, the way vLLM's RLHF examples do. This module drives vLLM's own trainer-side
 engine (`NCCLTrainerWeightTransferEngine`) through the sampler's HTTP control plane
-(`/v1/weights/nccl/*`, see `sampler_service.nccl_routes`), so the sampler pauses
+(its `/v1/weights/nccl/*` routes), so the sampler pauses
 sampling, receives, versions the weights and resumes, as for a file upload.
 
     sender = NCCLWeightSender("http://sampler:8000", api_key=key,

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import perturbed_file
+from support import collect, perturbed_file
 from vllm_suite import REPORT, EngineServer
 
 from trainer_client.launch import SamplerProcess
@@ -78,25 +78,6 @@ def fleet(toy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     finally:
         for server in servers:
             server.stop()
-
-
-def _collect(client: httpx.Client, n: int, timeout: float = 180.0) -> list[dict]:
-    groups: list[dict] = []
-    deadline = time.monotonic() + timeout
-    while len(groups) < n:
-        assert time.monotonic() < deadline, f"only {len(groups)} of {n} groups in {timeout}s"
-        r = client.post(
-            "/v1/groups/lease", json={"max_groups": n - len(groups), "wait_s": 20, "consumer": "t"}
-        )
-        assert r.status_code == 200, r.text
-        got = r.json()["groups"]
-        if got:
-            ack = client.post(
-                "/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in got]}
-            )
-            assert ack.status_code == 200, ack.text
-        groups.extend(got)
-    return groups
 
 
 def _check_group(g: dict) -> None:
@@ -184,7 +165,7 @@ def test_groups_stream_from_both_servers_and_obey_the_rule(fleet: Fleet) -> None
         health = c.get("/health").json()
         assert health["backend"] == "http" and health["policy_version"] == 0
         started = time.monotonic()
-        groups = _collect(c, 12)
+        groups = collect(c, 12, timeout_s=180, wait_s=20)
         REPORT["12 balanced groups via two HTTP servers (s)"] = round(time.monotonic() - started, 1)
         servers = _servers(c)
     for g in groups:
@@ -218,7 +199,7 @@ def test_a_weight_push_reaches_both_servers(fleet: Fleet, toy) -> None:
         assert after[0] == pytest.approx(after[1], abs=1e-5)
         assert after[0] != pytest.approx(before[0], abs=1e-3)
         for _ in range(40):
-            got = _collect(c, 4)
+            got = collect(c, 4, timeout_s=180, wait_s=20)
             for g in got:
                 _check_group(g)
             if any(g["policy_version_min"] == 1 for g in got):
@@ -231,12 +212,12 @@ def test_a_weight_push_reaches_both_servers(fleet: Fleet, toy) -> None:
 def test_a_weight_push_in_abort_mode_reissues_the_aborted_waves(fleet: Fleet, toy) -> None:
     with httpx.Client(base_url=fleet.sampler.url, timeout=120) as c:
         assert c.patch("/v1/config", json={"weight_update_mode": "abort"}).status_code == 200
-        _collect(c, 2)  # sampling is busy when the update lands
+        collect(c, 2, timeout_s=180, wait_s=20)  # sampling is busy when the update lands
         r = c.put("/v1/weights", params={"version": 2}, content=perturbed_file(toy.model_dir, 0.04))
         assert r.status_code == 200, r.text
         assert [_weight_label(s) for s in fleet.servers] == [fleet.label(2)] * 2
         for _ in range(40):
-            got = _collect(c, 4)
+            got = collect(c, 4, timeout_s=180, wait_s=20)
             for g in got:  # aborted requests are re-issued, never delivered as samples
                 _check_group(g)
             if any(g["policy_version_min"] == 2 for g in got):
@@ -257,9 +238,9 @@ def test_kill_9_of_one_server_mid_run_loses_no_group(fleet: Fleet) -> None:
         deadline = time.monotonic() + 120
         while _servers(c)[1]["inflight_samples"] == 0:
             assert time.monotonic() < deadline, "no wave went to the frozen server"
-            groups += _collect(c, 1)
+            groups += collect(c, 1, timeout_s=180, wait_s=20)
         victim.kill()
-        groups += _collect(c, 16)  # one server serves everything now
+        groups += collect(c, 16, timeout_s=180, wait_s=20)  # one server serves everything now
         _wait(lambda: _servers(c)[1]["state"] == "down", 30, "the dead server is not taken out")
         servers = _servers(c)
         assert c.get("/ready").status_code == 200
@@ -294,13 +275,13 @@ def test_a_server_with_other_weights_serves_only_after_it_loads_the_committed_on
     with httpx.Client(base_url=fleet.sampler.url, timeout=60) as c:
         while _servers(c)[1]["state"] != "ok":  # sampling goes on while it starts and syncs
             assert time.monotonic() - started < 300, "the restarted server is not synced"
-            groups += _collect(c, 2)
+            groups += collect(c, 2, timeout_s=180, wait_s=20)
             time.sleep(1.0)
         REPORT["restarted server to routable (s)"] = round(time.monotonic() - started, 1)
         assert _weight_label(back) == fleet.label(2)
         # it serves the committed weights now, not the ones it was started with
         assert _greedy(back) == pytest.approx(_greedy(fleet.servers[0]), abs=1e-5)
-        groups += _collect(c, 8)
+        groups += collect(c, 8, timeout_s=180, wait_s=20)
     for g in groups:
         _check_group(g)
     # no sample came from the weights the server was started with

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save
+from support import collect
 from vllm_suite import REPORT, ServeProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -39,31 +40,12 @@ def server(toy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProce
     proc.stop()
 
 
-def _collect(client: httpx.Client, n: int, timeout: float = 240.0) -> list[dict]:
-    groups: list[dict] = []
-    deadline = time.monotonic() + timeout
-    while len(groups) < n:
-        assert time.monotonic() < deadline, f"only {len(groups)} of {n} groups in {timeout}s"
-        r = client.post(
-            "/v1/groups/lease", json={"max_groups": n - len(groups), "wait_s": 20, "consumer": "t"}
-        )
-        assert r.status_code == 200, r.text
-        got = r.json()["groups"]
-        if got:
-            ack = client.post(
-                "/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in got]}
-            )
-            assert ack.status_code == 200, ack.text
-        groups.extend(got)
-    return groups
-
-
 def test_groups_obey_the_stopping_rule(server: ServeProcess) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as c:
         health = c.get("/health").json()
         assert health["backend"] == "vllm" and health["policy_version"] == 0
         started = time.monotonic()
-        groups = _collect(c, 12)
+        groups = collect(c, 12, timeout_s=240, wait_s=20)
         REPORT["12 balanced groups via vLLM (s)"] = round(time.monotonic() - started, 1)
     stop_reasons = set()
     for g in groups:
@@ -107,7 +89,7 @@ def test_weight_upload_raises_version_and_bad_uploads_change_nothing(
         assert c.get("/health").json()["policy_version"] == 1
         # groups finished before the upload drain first (at most the buffer + in-flight)
         for _ in range(40):
-            if any(g["policy_version_min"] >= 1 for g in _collect(c, 4)):
+            if any(g["policy_version_min"] >= 1 for g in collect(c, 4, timeout_s=240, wait_s=20)):
                 break
         else:
             raise AssertionError("no groups from the uploaded weights after 160 groups")
@@ -120,7 +102,9 @@ def test_weight_upload_raises_version_and_bad_uploads_change_nothing(
         assert c.put("/v1/weights", params={"version": 1}, content=bad_shape).status_code == 409
         assert c.get("/health").json()["policy_version"] == 1
         assert c.get("/ready").status_code == 200
-        assert all(g["policy_version_max"] <= 1 for g in _collect(c, 2))  # still serving
+        assert all(
+            g["policy_version_max"] <= 1 for g in collect(c, 2, timeout_s=240, wait_s=20)
+        )  # still serving
 
 
 def test_weight_update_in_abort_mode(server: ServeProcess, toy) -> None:
@@ -129,7 +113,7 @@ def test_weight_update_in_abort_mode(server: ServeProcess, toy) -> None:
         r = c.patch("/v1/config", json={"weight_update_mode": "abort"})
         assert r.status_code == 200, r.text
         version = c.get("/health").json()["policy_version"] + 1
-        _collect(c, 2)  # sampling is busy when the update lands
+        collect(c, 2, timeout_s=240, wait_s=20)  # sampling is busy when the update lands
         r = c.put(
             "/v1/weights",
             params={"version": version},
@@ -138,7 +122,7 @@ def test_weight_update_in_abort_mode(server: ServeProcess, toy) -> None:
         assert r.status_code == 200, r.text
         assert c.get("/health").json()["policy_version"] == version
         for _ in range(40):
-            got = _collect(c, 4)
+            got = collect(c, 4, timeout_s=240, wait_s=20)
             for g in got:  # aborted requests are re-issued, never delivered as samples
                 for s in g["samples"]:
                     assert s["finish_reason"] in ("stop", "length")
