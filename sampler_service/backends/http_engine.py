@@ -619,7 +619,7 @@ class HTTPEngineBackend(Backend):
                 f"tensor(s), e.g. {missing[:3]}"
             )
         async with self._weights_lock:
-            source = self._link_dir(files, version)
+            source = await asyncio.to_thread(self._link_dir, files, version)
             try:
                 await self._load_all(source, version)
             except BaseException:
@@ -628,7 +628,7 @@ class HTTPEngineBackend(Backend):
             old, self._source = self._source, source
             self._committed = version
             if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+                await asyncio.to_thread(shutil.rmtree, old, ignore_errors=True)
         self._router.dispatch()
         log.info("engine servers serving v%d (%s)", version, source)
 
