@@ -10,7 +10,7 @@ import torch
 from client_helpers import group, sample
 
 from trainer_client.batch import BatchAssembler, collate
-from trainer_client.contract.features import NO_TEXT
+from trainer_client.contract.features import LOSS_MASK, NO_TEXT
 from trainer_client.contract.protocol import Group
 from trainer_client.grpo import (
     GRPOTrainer,
@@ -204,11 +204,12 @@ def test_train_step_loss_matches_hand_computed_value(tiny_model_dir: Path) -> No
     assert metrics["version_lag_mean"] == 0.0
 
 
-def test_the_reference_trainer_declares_it_takes_no_text(tiny_model_dir: Path) -> None:
-    """It trains on token ids alone, so its stream and leases ask for groups without texts."""
+def test_the_reference_trainer_declares_no_text_and_loss_mask(tiny_model_dir: Path) -> None:
+    """It trains on token ids alone, so its stream and leases ask for groups without texts,
+    and on sampled tokens only, so it takes multi-turn episodes."""
     trainer = GRPOTrainer(TrainConfig(url="http://unused", model=tiny_model_dir))
     try:
-        assert trainer.client.features == NO_TEXT
-        assert trainer.client._query_params(None)["features"] == NO_TEXT
+        assert trainer.client.features == f"{LOSS_MASK},{NO_TEXT}"
+        assert trainer.client._query_params(None)["features"] == f"{LOSS_MASK},{NO_TEXT}"
     finally:
         trainer.client.close()
