@@ -87,6 +87,13 @@ class EnvThread:
         try:
             self._loop.run_forever()
         finally:
+            # Calls handed over just before the stop (a close() while the episode was
+            # cancelled) are started, then cancelled, so none is left unawaited.
+            self._loop.run_until_complete(asyncio.sleep(0))
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._loop.close()
 
     async def call(self, make: Callable[[], Awaitable[T]], timeout_s: float, what: str) -> T:
