@@ -336,7 +336,15 @@ class EpisodeRunner:
 
 def load_factories(specs: set[str]) -> dict[str, Callable[[], Environment]]:
     """Every environment spec resolved once, at start-up; ValueError names a bad one."""
-    return {spec: load_environment_factory(spec) for spec in sorted(specs)}
+    factories = {}
+    for spec in sorted(specs):
+        try:
+            factories[spec] = load_environment_factory(spec)
+        except ValueError:
+            raise
+        except Exception as exc:  # an import of user code can fail in any way
+            raise ValueError(f"environment {spec!r} cannot be loaded: {exc!r}") from exc
+    return factories
 
 
 def observation_renderer(tokenizer: Any) -> RenderObservation:
