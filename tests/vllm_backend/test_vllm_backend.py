@@ -387,6 +387,7 @@ def test_episodes_and_stop_strings_match_hf(engines: Engines) -> None:
     from sampler_service.dataset import PromptRow
     from sampler_service.episodes import EpisodeRunner, EpisodeWave, observation_renderer
 
+    assert engines.vllm.engine_args.get("enable_prefix_caching") is not False  # V1's default
     tok = engines.tokenizer
     # a two-token stop string stays a string; a one-token one becomes a stop id
     sampling = SamplingParams(temperature=0.0, max_tokens=12, stop=("23", "9"))
