@@ -128,7 +128,12 @@ class Timed(Backend):
         await self.inner.close()
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         started = time.monotonic()
         out = await self.inner.generate(prompt_token_ids, n, sampling)

@@ -127,7 +127,12 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
         async def close(self) -> None: ...
 
         async def generate(
-            self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+            self,
+            prompt_token_ids: list[int],
+            n: int,
+            sampling: SamplingParams,
+            *,
+            affinity_key: str | None = None,
         ) -> list[Completion]:
             await asyncio.Event().wait()
             raise AssertionError

@@ -112,6 +112,26 @@ class _LogprobRecorder(LogitsProcessor):
         return torch.stack(self._steps, dim=1).tolist()
 
 
+class _StopStrings(StoppingCriteria):
+    """Stops a row once its generated text contains a stop string (transformers' own
+    criterion precomputes tables from the vocabulary and fails on some tokenizers)."""
+
+    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...], width: int) -> None:
+        self._tokenizer, self._stop, self._width = tokenizer, stop, width
+        # each token is at least one character, so the longest stop fits in this tail
+        self._tail = max(len(s) for s in stop)
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
+    ) -> torch.BoolTensor:
+        rows = input_ids[:, self._width :][:, -self._tail :].tolist()
+        texts = [self._tokenizer.decode(row, skip_special_tokens=True) for row in rows]
+        stop = torch.tensor(
+            [any(s in text for s in self._stop) for text in texts], device=input_ids.device
+        )
+        return cast(torch.BoolTensor, stop)
+
+
 class _AbortCriteria(StoppingCriteria):
     """Stops every row of a running batch once `abort_all` sets the batch's event."""
 
@@ -400,15 +420,16 @@ class HFBackend(Backend):
         if batch.reseed:
             torch.manual_seed(sampling.seed)
         version = self._version
+        criteria: list[StoppingCriteria] = [_AbortCriteria(batch.abort)]
+        if sampling.stop and self._tokenizer is not None:
+            criteria.append(_StopStrings(self._tokenizer, sampling.stop, width))
         with torch.inference_mode():
             out = model.generate(
                 input_ids=input_ids.to(self._device),
                 attention_mask=attention_mask.to(self._device),
                 generation_config=self._generation_config(sampling),
                 logits_processor=LogitsProcessorList([recorder]),
-                stopping_criteria=StoppingCriteriaList([_AbortCriteria(batch.abort)]),
-                # transformers matches stop strings through the tokenizer's vocabulary
-                **({"tokenizer": self._tokenizer} if sampling.stop else {}),
+                stopping_criteria=StoppingCriteriaList(criteria),
             )
         self.model_calls += 1
         logprobs = recorder.finish(out.sequences)
@@ -426,7 +447,6 @@ class HFBackend(Backend):
         common: dict[str, Any] = {
             "max_new_tokens": sampling.max_tokens,
             "eos_token_id": [*self._eos_ids, *sampling.stop_token_ids] or None,
-            "stop_strings": list(sampling.stop) or None,
             "pad_token_id": self._pad_id,
             "return_dict_in_generate": True,
         }

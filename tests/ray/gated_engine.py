@@ -26,7 +26,12 @@ class GatedEngine(HFBackend):
         self._aborts = 0
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         if prompt_token_ids[0] == GATED_TOKEN:
             aborts = self._aborts

@@ -69,7 +69,12 @@ class Stub(Backend):
         pass
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         return [Completion([1], [0.0], "", "length") for _ in range(n)]
 
