@@ -149,6 +149,7 @@ class HTTPEngineBackend(Backend):
     """See the module docstring."""
 
     name = "http"
+    reads_weight_files = True
 
     def __init__(
         self,

@@ -42,6 +42,7 @@ from sampler_service.backends.base import (
     Completion,
     GenerationAborted,
     HealthState,
+    NCCLDescription,
     NCCLGroupStale,
     NCCLUnavailable,
     SamplingParams,
@@ -52,8 +53,8 @@ from sampler_service.backends.base import (
 from sampler_service.backends.replica import NotStarted, Replica
 from sampler_service.backends.replica_channel import ReplicaChannel
 from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter
-from sampler_service.backends.vllm_nccl import nccl_rank_offsets, nccl_replica_init_infos
 from sampler_service.metrics import Metrics
+from sampler_service.weights.nccl import nccl_rank_offsets, nccl_replica_init_infos
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ class RayPoolBackend(Backend):
     """See the module docstring."""
 
     name = "ray"
+    reads_weight_files = True
 
     def __init__(
         self,
@@ -658,46 +660,42 @@ class RayPoolBackend(Backend):
         )
 
     # -- NCCL fan-out (vLLM replicas) ---------------------------------------------------
-    async def _nccl_infos(self) -> list[tuple[_Replica, dict[str, Any]]]:
-        """(replica, its NCCL info) for every replica up now; NCCLUnavailable unless each
-        one's engine can take weights over NCCL."""
+    async def _nccl_members(self) -> list[tuple[_Replica, NCCLDescription]]:
+        """(replica, its engine's NCCL description) for every replica up now;
+        NCCLUnavailable unless each one's engine can take weights over NCCL."""
         reps = [r for r in self._replicas if r.state == "ok"]
         if not reps:
             raise NCCLUnavailable("no engine replica is up")
-        infos = await asyncio.gather(*(r.handle.nccl_info.remote() for r in reps))
-        if any(info is None for info in infos):
+        described = await asyncio.gather(*(r.handle.nccl_describe.remote() for r in reps))
+        if any(d is None for d in described):
             raise NCCLUnavailable("NCCL weight transfer needs --backend vllm")
-        return list(zip(reps, infos, strict=True))
+        return list(zip(reps, described, strict=True))
 
-    async def nccl_info(self) -> dict[str, Any]:
-        """What GET /v1/weights/nccl reports: ranks summed over the replicas up now."""
-        pairs = await self._nccl_infos()
-        specs, required = await pairs[0][0].handle.nccl_specs.remote()
-        return {
-            "enabled": all(info["enabled"] for _, info in pairs),
-            "inference_ranks": sum(int(info["workers"]) for _, info in pairs),
-            "specs": specs,
-            "required": set(required),
-            "group": self.nccl_group_state(),
-            "replicas": [
-                {"replica": rep.index, "workers": int(info["workers"]), "rank_offset": offset}
-                for (rep, info), offset in zip(
-                    pairs, nccl_rank_offsets([int(i["workers"]) for _, i in pairs]), strict=True
+    async def nccl_describe(self) -> NCCLDescription:
+        """The group over the replicas up now: ranks summed, each replica's offset."""
+        pairs = await self._nccl_members()
+        workers = [d.inference_ranks for _, d in pairs]
+        first = pairs[0][1]
+        return NCCLDescription(
+            enabled=all(d.enabled for _, d in pairs),
+            inference_ranks=sum(workers),
+            specs=first.specs,
+            required=first.required,
+            group=self.nccl_group_state(),
+            replicas=[
+                {"replica": rep.index, "workers": count, "rank_offset": offset}
+                for (rep, _), count, offset in zip(
+                    pairs, workers, nccl_rank_offsets(workers), strict=True
                 )
             ],
-        }
+            stale=self._nccl_stale_reason(),
+        )
 
     def nccl_group_state(self) -> str:
         """none (no group formed), ok, or stale (a replica restarted or joined since)."""
         if self._nccl is None:
             return "none"
         return "stale" if self._nccl_stale_reason() else "ok"
-
-    async def nccl_check_group(self) -> None:
-        """NCCLGroupStale unless the group spans every replica as it did when formed."""
-        reason = self._nccl_stale_reason()
-        if reason is not None:
-            raise NCCLGroupStale(reason)
 
     def _nccl_stale_reason(self) -> str | None:
         group = self._nccl
@@ -716,12 +714,12 @@ class RayPoolBackend(Backend):
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
         """Form the group: every replica up joins at its own rank offset (trainer = 0)."""
         self._nccl = None
-        pairs = await self._nccl_infos()
-        if not all(info["enabled"] for _, info in pairs):
+        pairs = await self._nccl_members()
+        if not all(d.enabled for _, d in pairs):
             raise NCCLUnavailable(
                 "NCCL weight transfer is off (vLLM weight_transfer_config not set)"
             )
-        workers = [int(info["workers"]) for _, info in pairs]
+        workers = [d.inference_ranks for _, d in pairs]
         per_replica = nccl_replica_init_infos(init_info, workers)
         members = {rep.index: (rep.pid, rep.epoch) for rep, _ in pairs}
         results = await asyncio.gather(

@@ -68,9 +68,9 @@ def test_nccl_fans_out_to_every_replica_and_a_restart_makes_the_group_stale(
         try:
             reps = pool.health().detail["replicas"]
             pids = [r["pid"] for r in reps]
-            info = await pool.nccl_info()
-            assert info["inference_ranks"] == 4 and info["group"] == "none"
-            assert info["replicas"] == [
+            info = await pool.nccl_describe()
+            assert info.inference_ranks == 4 and info.group == "none"
+            assert info.replicas == [
                 {"replica": 0, "workers": 2, "rank_offset": 1},
                 {"replica": 1, "workers": 2, "rank_offset": 3},
             ]
