@@ -173,51 +173,33 @@ def build_replica_pool(
     # inherit it).
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
-        from sampler_service.backends.ray_pool import (
-            DEFAULT_MAX_INFLIGHT,
-            PoolSettings,
-            RayPoolBackend,
-        )
+        from sampler_service.backends.ray_pool import RayPoolBackend
     except ImportError as exc:
         raise RuntimeError(
-            f"--replicas {settings.replicas} / --ray-address need Ray: "
+            f"--replicas {settings.replica.count} / --ray-address need Ray: "
             "pip install 'adaptive-rollout[ray]'"
         ) from exc
 
-    pool = PoolSettings(
-        replicas=settings.replicas,
+    return RayPoolBackend(
+        _engine_factory(settings),
+        settings.replica,
         instance_id=_instance_id(settings.state_dir),
-        address=settings.ray_address,
-        replica_cpus=settings.replica_cpus,
-        replica_gpus=settings.replica_gpus,
-        max_restarts=settings.replica_max_restarts,
-        max_inflight=settings.replica_max_inflight or DEFAULT_MAX_INFLIGHT,
-        route=settings.route,
-        probe_s=settings.replica_probe_s,
-        probe_timeout_s=settings.replica_probe_timeout_s,
-        wait_s=settings.replica_wait_s,
-        on_exit=settings.replicas_on_exit,
-        orphan_s=settings.replica_orphan_s,
         torch_threads=settings.torch_threads,
+        metrics=metrics,
+        on_state_change=on_state_change,
     )
-    return RayPoolBackend(_engine_factory(settings), pool, metrics, on_state_change)
 
 
 def build_http_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics) -> Backend:
     """`vllm serve` servers the user runs (`--engine-url`), driven over HTTP."""
     from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
-    from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT
 
     assert settings.weights_dir is not None  # required by ServeSettings
     pool = HTTPPoolSettings(
         urls=tuple(settings.engine_url),
         instance_id=_instance_id(settings.state_dir),
         weights_dir=settings.weights_dir,
-        max_inflight=settings.replica_max_inflight or DEFAULT_MAX_INFLIGHT,
-        route=settings.route,
-        probe_s=settings.replica_probe_s,
-        probe_timeout_s=settings.replica_probe_timeout_s,
-        wait_s=settings.replica_wait_s,
+        replica=settings.replica,
     )
     return HTTPEngineBackend(settings.model, pool, tokenizer=tokenizer, metrics=metrics)
 

@@ -52,7 +52,8 @@ from sampler_service.backends.base import (
 )
 from sampler_service.backends.replica import NotStarted, Replica
 from sampler_service.backends.replica_channel import ReplicaChannel
-from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter
+from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, WaveRouter
+from sampler_service.config import ReplicaSettings
 from sampler_service.metrics import Metrics
 from sampler_service.weights.nccl import nccl_rank_offsets, nccl_replica_init_infos
 
@@ -82,26 +83,8 @@ ReplicaState = Literal["starting", "ok", "recovering", "failed"]
 _STATES: tuple[ReplicaState, ...] = ("starting", "ok", "recovering", "failed")
 
 
-@dataclass(frozen=True)
-class PoolSettings:
-    """What the pool needs of the serve settings (kept apart so benchmarks can build one)."""
-
-    replicas: int
-    instance_id: str
-    address: str | None = None
-    replica_cpus: float = 1.0
-    replica_gpus: float = 0.0
-    max_restarts: int = 3
-    max_inflight: int = DEFAULT_MAX_INFLIGHT
-    route: Route = "sticky"
-    probe_s: float = 5.0
-    probe_timeout_s: float = 30.0
-    wait_s: float = 300.0
-    on_exit: Literal["keep", "kill"] = "kill"
-    torch_threads: int = 1
-    #: A replica that hears from no sampler this long exits (replica.py); probes keep it.
-    orphan_s: float = 600.0
-    start_timeout_s: float = 600.0
+#: How long a replica's engine may take to start (load the model) before it counts as failed.
+START_TIMEOUT_S = 600.0
 
 
 @dataclass(eq=False)
@@ -170,12 +153,19 @@ class RayPoolBackend(Backend):
     def __init__(
         self,
         factory: Callable[[], Backend],
-        settings: PoolSettings,
+        settings: ReplicaSettings,
+        *,
+        instance_id: str,
+        torch_threads: int = 1,
         metrics: Metrics | None = None,
         on_state_change: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        """`instance_id` names this sampler's replicas (a restarted one finds them);
+        `torch_threads` is each replica engine's torch thread count."""
         self._factory = factory
         self.settings = settings
+        self._instance_id = instance_id
+        self._torch_threads = torch_threads
         self.metrics = metrics or Metrics()
         # Told every replica state change (its detail plus `previous`), for the event log.
         self._on_state_change = on_state_change
@@ -184,7 +174,7 @@ class RayPoolBackend(Backend):
             lambda: self._replicas,
             self._routable,
             self._charge,
-            max_inflight=settings.max_inflight,
+            max_inflight=settings.max_inflight or DEFAULT_MAX_INFLIGHT,
             route=settings.route,
             poll_s=settings.probe_s,
             wait_s=settings.wait_s,
@@ -219,19 +209,19 @@ class RayPoolBackend(Backend):
         return self._info["specs"]
 
     def actor_name(self, index: int) -> str:
-        return f"adaptive-rollout/{self.settings.instance_id}/replica-{index}"
+        return f"adaptive-rollout/{self._instance_id}/replica-{index}"
 
     def _init_ray(self) -> None:
         s = self.settings
         if ray.is_initialized():  # the caller's own Ray session (benchmarks): theirs to end
             return
         self._owns_ray = True
-        if s.address is not None:
-            ray.init(address=s.address, namespace=NAMESPACE, configure_logging=False)
+        if s.ray_address is not None:
+            ray.init(address=s.ray_address, namespace=NAMESPACE, configure_logging=False)
         else:
             ray.init(
                 namespace=NAMESPACE,
-                num_cpus=max(1, round(s.replicas * s.replica_cpus)),
+                num_cpus=max(1, round(s.count * s.cpus)),
                 include_dashboard=False,
                 object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                 configure_logging=False,
@@ -241,7 +231,7 @@ class RayPoolBackend(Backend):
         s = self.settings
         await asyncio.to_thread(self._init_ray)
         actor_class = ray.remote(Replica)
-        for i in range(s.replicas):
+        for i in range(s.count):
             handle = actor_class.options(
                 name=self.actor_name(i),
                 namespace=NAMESPACE,
@@ -250,9 +240,9 @@ class RayPoolBackend(Backend):
                 max_restarts=s.max_restarts,
                 max_task_retries=0,
                 max_concurrency=1000,
-                num_cpus=s.replica_cpus,
-                num_gpus=s.replica_gpus,
-            ).remote(self._factory, i, s.torch_threads, s.orphan_s)
+                num_cpus=s.cpus,
+                num_gpus=s.gpus,
+            ).remote(self._factory, i, self._torch_threads, s.orphan_s)
             self._replicas.append(_Replica(i, self.actor_name(i), handle))
             self._precreate_metrics(str(i))
         # No weights yet: the sampler restores the committed ones next (load_weights),
@@ -269,7 +259,7 @@ class RayPoolBackend(Backend):
         self._spawn(self._probe_loop(), "replica-probes")
         log.info(
             "%d engine replicas: %s",
-            s.replicas,
+            s.count,
             ", ".join(f"{r.name} pid {r.pid} v{r.version}" for r in self._replicas),
         )
 
@@ -286,7 +276,7 @@ class RayPoolBackend(Backend):
     async def _start_replica(self, rep: _Replica, sync: bool = True) -> None:
         info = await asyncio.wait_for(
             rep.handle.start.remote(self.settings.orphan_s, rep.channel.session),
-            self.settings.start_timeout_s,
+            START_TIMEOUT_S,
         )
         if info["attached"]:
             # A new sampler takes over a warm replica: whatever the old one asked of it
@@ -450,7 +440,7 @@ class RayPoolBackend(Backend):
                 self._set_state(rep, "failed")
                 return
             began = time.monotonic()
-            deadline = began + self.settings.start_timeout_s
+            deadline = began + START_TIMEOUT_S
             try:
                 while True:
                     try:
