@@ -61,7 +61,7 @@ from sampler_service.backends.base import (
     WeightsRejected,
     check_request,
 )
-from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, WaveRouter
+from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, WaveRouter, affinity
 from sampler_service.backends.vllm import eos_token_ids, read_checkpoint
 from sampler_service.config import ReplicaSettings
 from sampler_service.metrics import Metrics
@@ -374,14 +374,21 @@ class HTTPEngineBackend(Backend):
             "presence_penalty": 0.0,
             "seed": sampling.seed,
             "logprobs": 0,
-            "stop_token_ids": list(self._eos),
+            "stop_token_ids": [*self._eos, *sampling.stop_token_ids],
+            "stop": list(sampling.stop),
+            "include_stop_str_in_output": True,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "request_id": request_id,
         }
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         prompt = list(prompt_token_ids)
         lens = [s.max_model_len for s in self._servers if s.max_model_len]
@@ -392,7 +399,7 @@ class HTTPEngineBackend(Backend):
             vocab_size=self._vocab_size,
             max_model_len=min(lens) if lens else None,
         )
-        key = hash(tuple(prompt))
+        key = affinity(prompt, affinity_key)
         reissue = False
         while True:
             srv = await self._router.acquire(key, n, reissue)
