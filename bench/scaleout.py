@@ -171,18 +171,15 @@ def _pool(
     factory: Any, replicas: int, tag: str, torch_threads: int = 0, max_inflight: int = 96
 ) -> Any:
     """A pool on the bench's Ray session; the simulated engine's cap is 1.5 x its 64 seqs."""
-    from sampler_service.backends.ray_pool import PoolSettings, RayPoolBackend
+    from sampler_service.backends.ray_pool import RayPoolBackend
+    from sampler_service.config import ReplicaSettings
 
-    settings = PoolSettings(
-        replicas=replicas,
-        instance_id=f"bench-{tag}-{os.getpid()}",
-        replica_cpus=0.1,
-        max_inflight=max_inflight,
-        probe_s=1.0,
-        probe_timeout_s=10.0,
-        torch_threads=torch_threads,
+    settings = ReplicaSettings(
+        count=replicas, cpus=0.1, max_inflight=max_inflight, probe_s=1.0, probe_timeout_s=10.0
     )
-    return RayPoolBackend(factory, settings)
+    return RayPoolBackend(
+        factory, settings, instance_id=f"bench-{tag}-{os.getpid()}", torch_threads=torch_threads
+    )
 
 
 async def _drive(

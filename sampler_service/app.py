@@ -28,10 +28,11 @@ from sampler_service.api_docs import create_docs_router
 from sampler_service.config import MAX_PROMPTS, ConfigPatch, ConfigView
 from sampler_service.dashboard import create_dashboard_router
 from sampler_service.encoding import negotiate
+from sampler_service.errors import ServiceError
 from sampler_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sampler_service.nccl_routes import create_nccl_router
 from sampler_service.request_body import parse_body, read_body
-from sampler_service.service import SamplerService, ServiceError
+from sampler_service.service import SamplerService
 from sampler_service.store import EventKind
 from trainer_client.contract import features as wire_features
 from trainer_client.contract.protocol import (
@@ -333,13 +334,14 @@ def create_app(service: SamplerService) -> FastAPI:
             raise ServiceError(
                 422, "missing_version", "give the new policy version as ?version=N", "version"
             )
-        service.check_version(version)
-        limit = service.weights_size_limit()
-        incoming = service.upload_dir() / f"incoming-{uuid.uuid4().hex}.safetensors.part"
+        weights = service.weights
+        weights.check_version(version)
+        limit = weights.size_limit()
+        incoming = weights.upload_dir() / f"incoming-{uuid.uuid4().hex}.safetensors.part"
         incoming.parent.mkdir(parents=True, exist_ok=True)
         try:
             await _stream_to_file(request, incoming, limit)
-            return _json(await service.put_weights(incoming, version))
+            return _json(await weights.put(incoming, version))
         finally:
             incoming.unlink(missing_ok=True)
 
@@ -352,7 +354,7 @@ def create_app(service: SamplerService) -> FastAPI:
     async def load_weights(request: Request) -> Response:
         """Load weights from a path the server can read."""
         body = parse_body(WeightsLoadRequest, await read_body(request, settings.max_request_bytes))
-        return _json(await service.load_weights(body.path, body.version))
+        return _json(await service.weights.load(body.path, body.version))
 
     @v1.get("/stats", response_model=dict[str, Any])
     async def stats() -> Response:
@@ -368,7 +370,7 @@ def create_app(service: SamplerService) -> FastAPI:
         """The event log after `since`, oldest first; `kind` (repeatable) keeps those kinds."""
         return _json(await service.events(since, limit, kind or ()))
 
-    v1.include_router(create_nccl_router(service), responses=_errors(400, 409, 413))
+    v1.include_router(create_nccl_router(lambda: service.weights), responses=_errors(400, 409, 413))
     app.include_router(v1)
     app.include_router(create_dashboard_router())
     app.include_router(create_docs_router())

@@ -99,7 +99,7 @@ def serve(args: argparse.Namespace) -> None:
     settings = model_from_args(args.parser, ServeSettings, args)
     if not settings.model.is_dir():
         args.parser.error(f"--model {settings.model}: no such model directory")
-    initial, given = initial_config(args.parser, args, settings.replicas)
+    initial, given = initial_config(args.parser, args, settings.replica.count)
     service = SamplerService(settings, initial_config=initial, given=frozenset(given))
     try:  # the data, the config against the model, and the state dir, before any loading
         service.prepare()

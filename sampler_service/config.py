@@ -475,6 +475,79 @@ def merge_patch(current: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any
     return merged
 
 
+class ReplicaSettings(_Strict):
+    """Engine replicas (Ray actors) or engine servers (`--backend http`): how many, where,
+    and how the pool routes waves to them and watches them. The pools take it as it is;
+    nested in `ServeSettings` as `replica`, its flags are `--replica-<field>` but for
+    the few named otherwise (`--replicas`, `--ray-address`, `--route`,
+    `--replicas-on-exit`)."""
+
+    count: int = Field(
+        1,
+        ge=1,
+        description="engine replicas, each a Ray actor (a local Ray unless --ray-address); 1 "
+        "keeps the engine beside the server and never imports Ray",
+        json_schema_extra={"cli_flag": "replicas"},
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster to run the replicas on (auto, or host:port); replicas outlive "
+        "the sampler there, so a restarted sampler re-attaches to them",
+        json_schema_extra={"cli_flag": "ray-address"},
+    )
+    gpus: float = Field(0.0, ge=0.0, description="GPUs per replica")
+    cpus: float = Field(1.0, ge=0.0, description="CPUs per replica")
+    max_restarts: int = Field(
+        3, ge=0, description="restarts of a failed replica before it is given up"
+    )
+    max_inflight: int | None = Field(
+        None,
+        ge=1,
+        description="samples in flight per replica or engine server (none: 384, 1.5 x vLLM's "
+        "256 sequences)",
+    )
+    route: Literal["sticky", "least-loaded"] = Field(
+        "sticky",
+        description="sticky: a prompt's next wave goes to its last replica (prefix cached) "
+        "unless that one is overloaded; least-loaded: always the replica with the fewest samples",
+        json_schema_extra={"cli_flag": "route"},
+    )
+    probe_s: float = Field(
+        5.0, gt=0.0, description="seconds between replica (or engine server) health probes"
+    )
+    probe_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="a replica that does not answer a probe this long is killed and restarted",
+    )
+    wait_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="how long a wave waits for a routable replica before it counts as failed",
+    )
+    on_exit: Literal["keep", "kill"] = Field(
+        "kill",
+        description="on a clean exit, kill the replicas or keep them warm for the next sampler",
+        json_schema_extra={"cli_flag": "replicas-on-exit"},
+    )
+    orphan_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="a replica that hears from no sampler (no call, no probe) this long exits "
+        "for good, freeing its GPUs; probes keep it alive, so a restarted sampler must "
+        "re-attach within this window (at least 2 x --replica-probe-s)",
+    )
+
+    @model_validator(mode="after")
+    def _orphan_window_spans_probes(self) -> ReplicaSettings:
+        if self.orphan_s < 2 * self.probe_s:
+            raise ValueError(
+                f"replica_orphan_s ({self.orphan_s:g}) must be at least twice "
+                f"replica_probe_s ({self.probe_s:g}): probes keep replicas alive"
+            )
+        return self
+
+
 class ServeSettings(_Strict):
     """Start-up settings of `adaptive-rollout serve` (not changeable at runtime).
 
@@ -625,18 +698,13 @@ class ServeSettings(_Strict):
         le=3600.0,
         description="on SIGTERM, streams end at once and the process exits within this bound",
     )
-    # Scale-out: engine replicas as Ray actors. The defaults (one replica, no address)
-    # keep the engine in or beside this process and never import Ray.
-    replicas: int = Field(
-        1,
-        ge=1,
-        description="engine replicas, each a Ray actor (a local Ray unless --ray-address); 1 "
-        "keeps the engine beside the server and never imports Ray",
-    )
-    ray_address: str | None = Field(
-        None,
-        description="Ray cluster to run the replicas on (auto, or host:port); replicas outlive "
-        "the sampler there, so a restarted sampler re-attaches to them",
+    # Scale-out: engine replicas as Ray actors, or engine servers over HTTP. The defaults
+    # (one replica, no address) keep the engine in or beside this process and never
+    # import Ray.
+    replica: ReplicaSettings = Field(
+        default_factory=ReplicaSettings,
+        description="engine replicas and engine servers",
+        json_schema_extra={"cli_prefix": "replica-"},
     )
     weights_dir: Path | None = Field(
         None,
@@ -656,59 +724,9 @@ class ServeSettings(_Strict):
             )
         return self
 
-    replica_gpus: float = Field(0.0, ge=0.0, description="GPUs per replica")
-    replica_cpus: float = Field(1.0, ge=0.0, description="CPUs per replica")
-    replica_max_restarts: int = Field(
-        3, ge=0, description="restarts of a failed replica before it is given up"
-    )
-    replica_max_inflight: int | None = Field(
-        None,
-        ge=1,
-        description="samples in flight per replica or engine server (none: 384, 1.5 x vLLM's "
-        "256 sequences)",
-    )
-    route: Literal["sticky", "least-loaded"] = Field(
-        "sticky",
-        description="sticky: a prompt's next wave goes to its last replica (prefix cached) "
-        "unless that one is overloaded; least-loaded: always the replica with the fewest samples",
-    )
-    replica_probe_s: float = Field(
-        5.0, gt=0.0, description="seconds between replica (or engine server) health probes"
-    )
-    replica_probe_timeout_s: float = Field(
-        30.0,
-        gt=0.0,
-        description="a replica that does not answer a probe this long is killed and restarted",
-    )
-    replica_wait_s: float = Field(
-        300.0,
-        gt=0.0,
-        description="how long a wave waits for a routable replica before it counts as failed",
-    )
-    replicas_on_exit: Literal["keep", "kill"] = Field(
-        "kill",
-        description="on a clean exit, kill the replicas or keep them warm for the next sampler",
-    )
-    replica_orphan_s: float = Field(
-        600.0,
-        gt=0.0,
-        description="a replica that hears from no sampler (no call, no probe) this long exits "
-        "for good, freeing its GPUs; probes keep it alive, so a restarted sampler must "
-        "re-attach within this window (at least 2 x --replica-probe-s)",
-    )
-
-    @model_validator(mode="after")
-    def _orphan_window_spans_probes(self) -> ServeSettings:
-        if self.replica_orphan_s < 2 * self.replica_probe_s:
-            raise ValueError(
-                f"replica_orphan_s ({self.replica_orphan_s:g}) must be at least twice "
-                f"replica_probe_s ({self.replica_probe_s:g}): probes keep replicas alive"
-            )
-        return self
-
     @property
     def uses_ray(self) -> bool:
-        return self.replicas > 1 or self.ray_address is not None
+        return self.replica.count > 1 or self.replica.ray_address is not None
 
     @property
     def verifier_pool_size(self) -> int:

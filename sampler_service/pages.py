@@ -10,7 +10,7 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from sampler_service.service import ServiceError
+from sampler_service.errors import ServiceError
 
 
 def package_pages(

@@ -11,7 +11,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from sampler_service.service import ServiceError
+from sampler_service.errors import ServiceError
 
 M = TypeVar("M", bound=BaseModel)
 

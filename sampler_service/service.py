@@ -24,12 +24,7 @@ import orjson
 
 from sampler_service import episodes
 from sampler_service.aio import wait_event
-from sampler_service.backends.base import (
-    Backend,
-    Completion,
-    WeightsNotServed,
-    WeightsRejected,
-)
+from sampler_service.backends.base import Backend, Completion
 from sampler_service.config import (
     ConfigError,
     SamplerConfig,
@@ -42,6 +37,7 @@ from sampler_service.config import (
 )
 from sampler_service.dataset import Dataset, DatasetError, PromptRow
 from sampler_service.encoding import Encoding
+from sampler_service.errors import ServiceError
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Delivered, Outbox, lease_consumer, stream_consumer
 from sampler_service.scheduler import Scheduler
@@ -49,27 +45,17 @@ from sampler_service.state_dir import StateDirError, fingerprint, open_state_dir
 from sampler_service.store import ACKED_KEY, AsyncStore, Store, StoredFrame, StoredGroup
 from sampler_service.verifiers.base import Verdict
 from sampler_service.verifiers.pool import VerifierPool
+from sampler_service.weights.manager import WeightPlaces, WeightsManager
 from trainer_client.contract import features as wire_features
-from trainer_client.contract.protocol import AckResponse, Group, Health, Heartbeat, WeightsResponse
+from trainer_client.contract.protocol import AckResponse, Group, Health, Heartbeat
 from trainer_client.contract.wire import pack_group, unpack_group
 
 log = logging.getLogger(__name__)
 
 #: /v1/stats `rates` are averaged over this window.
 RATE_WINDOW_S = 60.0
-#: How a refusal names an uploaded weight file (the server's spool path means nothing to
-#: the user, who sent the bytes).
-UPLOAD_NAME = "the uploaded file"
 #: /v1/stats `staleness` covers this many of the last delivered groups.
 STALENESS_WINDOW = 100
-
-
-class ServiceError(Exception):
-    """A request the service refuses; carries the HTTP status and an error code."""
-
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
 
 
 class VerifierSpecError(RuntimeError):
@@ -189,51 +175,33 @@ def build_replica_pool(
     # inherit it).
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
-        from sampler_service.backends.ray_pool import (
-            DEFAULT_MAX_INFLIGHT,
-            PoolSettings,
-            RayPoolBackend,
-        )
+        from sampler_service.backends.ray_pool import RayPoolBackend
     except ImportError as exc:
         raise RuntimeError(
-            f"--replicas {settings.replicas} / --ray-address need Ray: "
+            f"--replicas {settings.replica.count} / --ray-address need Ray: "
             "pip install 'adaptive-rollout[ray]'"
         ) from exc
 
-    pool = PoolSettings(
-        replicas=settings.replicas,
+    return RayPoolBackend(
+        _engine_factory(settings),
+        settings.replica,
         instance_id=_instance_id(settings.state_dir),
-        address=settings.ray_address,
-        replica_cpus=settings.replica_cpus,
-        replica_gpus=settings.replica_gpus,
-        max_restarts=settings.replica_max_restarts,
-        max_inflight=settings.replica_max_inflight or DEFAULT_MAX_INFLIGHT,
-        route=settings.route,
-        probe_s=settings.replica_probe_s,
-        probe_timeout_s=settings.replica_probe_timeout_s,
-        wait_s=settings.replica_wait_s,
-        on_exit=settings.replicas_on_exit,
-        orphan_s=settings.replica_orphan_s,
         torch_threads=settings.torch_threads,
+        metrics=metrics,
+        on_state_change=on_state_change,
     )
-    return RayPoolBackend(_engine_factory(settings), pool, metrics, on_state_change)
 
 
 def build_http_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics) -> Backend:
     """`vllm serve` servers the user runs (`--engine-url`), driven over HTTP."""
     from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
-    from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT
 
     assert settings.weights_dir is not None  # required by ServeSettings
     pool = HTTPPoolSettings(
         urls=tuple(settings.engine_url),
         instance_id=_instance_id(settings.state_dir),
         weights_dir=settings.weights_dir,
-        max_inflight=settings.replica_max_inflight or DEFAULT_MAX_INFLIGHT,
-        route=settings.route,
-        probe_s=settings.replica_probe_s,
-        probe_timeout_s=settings.replica_probe_timeout_s,
-        wait_s=settings.replica_wait_s,
+        replica=settings.replica,
     )
     return HTTPEngineBackend(settings.model, pool, tokenizer=tokenizer, metrics=metrics)
 
@@ -418,7 +386,6 @@ class SamplerService:
         else:
             self.backend = build_backend(s, self.tokenizer, self.metrics)
         await self.backend.start()
-        await self._restore_weights()
         self.scheduler = Scheduler(
             backend=self.backend,
             dataset=self.dataset,
@@ -430,6 +397,16 @@ class SamplerService:
             seed=s.seed,
             episodes=self._episode_runner(),
         )
+        self.weights = WeightsManager(
+            self.backend,
+            WeightPlaces(s.state_dir, s.weights_dir),
+            self.store,
+            self.metrics,
+            pause=self.scheduler.paused_for_weights,
+            engine_error=self.engine_error,
+            installed=self._weights_installed,
+        )
+        await self.weights.restore()
         state = await self.store.call(self.store.sync.get, "scheduler_state")
         if state:
             self.scheduler.load_state_dict(state)
@@ -1000,117 +977,7 @@ class SamplerService:
         )
 
     # -- weights ----------------------------------------------------------------------
-    def weights_size_limit(self) -> int:
-        """Twice the model's weight bytes: room for a full checkpoint in a wider dtype, which
-        is cast down, while an upload many times the model's size is refused unread."""
-        from sampler_service.backends.weights import spec_bytes
-
-        return 2 * spec_bytes(self.backend.weight_specs())
-
-    def check_engine(self) -> None:
-        """503 for weight calls while the engine is dead: there is nothing to load into."""
-        if error := self.engine_error():
-            raise ServiceError(
-                503, "engine_failed", f"the engine failed and cannot take weights: {error}"
-            )
-
-    def check_version(self, version: int) -> None:
-        self.check_engine()
-        current = self.backend.policy_version
-        if version <= current:
-            self.metrics.weight_update_failures.labels("stale_version").inc()
-            raise ServiceError(
-                409,
-                "stale_version",
-                f"version {version} must be greater than the served {current}",
-                "version",
-            )
-
-    @property
-    def shared_weights(self) -> bool:
-        """Engine replicas read weight files themselves from a shared path (`--weights-dir`)."""
-        return self.settings.weights_dir is not None and hasattr(self.backend, "load_weight_files")
-
-    def upload_dir(self) -> Path:
-        """Where an upload is spooled: the shared weights dir, or the state dir."""
-        if self.settings.weights_dir is not None:
-            return self.settings.weights_dir
-        return self.settings.state_dir / "weights"
-
-    async def _install(
-        self,
-        files: list[Path],
-        version: int,
-        transport: str,
-        *,
-        vetted: bool = False,
-        shown_as: str | None = None,
-    ) -> WeightsResponse:
-        """Vet weight files and have the engine serve them as `version`.
-
-        In the shared mode (`--weights-dir`) the replicas read the files themselves: the
-        front checks the headers (and, for an upload it wrote, every tensor's values:
-        `vetted`) and sends only the paths; each replica vets the tensors again. A refusal
-        names the files as `shown_as` when they are ours (an upload spooled to disk), not
-        the user's.
-        """
-
-        def refused(exc: WeightsRejected) -> ServiceError:
-            self.metrics.weight_update_failures.labels("rejected").inc()
-            message = str(exc)
-            for file in files if shown_as else ():
-                message = message.replace(str(file), str(shown_as))
-            return ServiceError(422, "weights_rejected", message)
-
-        from sampler_service.backends.weights import (
-            vet_weight_files,
-            vet_weight_files_streaming,
-            vet_weight_headers,
-        )
-
-        specs = self.backend.weight_specs()
-        loop = asyncio.get_running_loop()
-        received = time.monotonic()
-        shared = self.shared_weights
-        try:
-            if shared:
-                vet = vet_weight_files_streaming if vetted else vet_weight_headers
-                names = await loop.run_in_executor(None, vet, files, specs)
-            else:
-                tensors = await loop.run_in_executor(None, vet_weight_files, files, specs)
-                names = list(tensors)
-        except WeightsRejected as exc:
-            raise refused(exc) from exc
-        started = time.monotonic()
-        async with self.scheduler.paused_for_weights():
-            self.check_version(version)
-            try:
-                if shared:
-                    await self.backend.load_weight_files(  # type: ignore[attr-defined]
-                        [str(f) for f in files], version, names
-                    )
-                else:
-                    await self.backend.load_weights(tensors, version)
-            except WeightsRejected as exc:
-                raise refused(exc) from exc
-            except WeightsNotServed as exc:
-                self.metrics.weight_update_failures.labels("error").inc()
-                raise ServiceError(503, "weights_not_served", str(exc)) from exc
-            except Exception as exc:
-                self.metrics.weight_update_failures.labels("error").inc()
-                if self.engine_error() is None:
-                    raise
-                raise ServiceError(
-                    503, "engine_failed", f"the engine failed while loading weights: {exc}"
-                ) from exc
-        elapsed = time.monotonic() - started
-        self.metrics.weight_updates.inc()
-        self.metrics.weight_update_seconds.observe(elapsed)
-        log.info("serving weights v%d (%d tensors, %.3fs paused)", version, len(names), elapsed)
-        await self.weights_installed(version, transport, time.monotonic() - received, elapsed)
-        return WeightsResponse(policy_version=version, tensors=len(names), load_s=elapsed)
-
-    async def weights_installed(
+    async def _weights_installed(
         self, version: int, transport: str, seconds: float, paused_s: float
     ) -> None:
         """Log a weight update and apply schedule steps keyed on the new policy version."""
@@ -1118,98 +985,6 @@ class SamplerService:
         await self.record_event("weights", "api", {**data, "paused_s": paused_s})
         await self._drop_stale_frames()
         await self._advance_schedule()
-
-    async def put_weights(self, upload: Path, version: int) -> WeightsResponse:
-        """Install an uploaded safetensors file, then keep it as the restart weights."""
-        if self.shared_weights:
-            return await self._put_shared_weights(upload, version)
-        result = await self._install([upload], version, "upload", shown_as=UPLOAD_NAME)
-        keep = self.settings.state_dir / "weights" / "current.safetensors"
-        keep.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(upload, keep)
-        await self.store.call(
-            self.store.sync.put, {"weights": {"files": [str(keep)], "version": version}}
-        )
-        return result
-
-    async def _put_shared_weights(self, upload: Path, version: int) -> WeightsResponse:
-        """`--weights-dir`: the upload (spooled in the dir) is vetted, renamed into place
-        atomically, and read by every replica from there; it stays as the committed
-        weights (restarted replicas load it) until a newer upload replaces it."""
-        assert self.settings.weights_dir is not None
-        with upload.open("rb") as fh:  # on shared storage: durable before any replica reads
-            os.fsync(fh.fileno())
-        final = self.settings.weights_dir / f"weights-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
-        os.replace(upload, final)
-        try:
-            result = await self._install(
-                [final], version, "upload", vetted=True, shown_as=UPLOAD_NAME
-            )
-        except BaseException:
-            final.unlink(missing_ok=True)
-            raise
-        saved = await self.store.call(self.store.sync.get, "weights")
-        await self.store.call(
-            self.store.sync.put,
-            {"weights": {"files": [str(final)], "version": version, "uploaded": True}},
-        )
-        self._drop_replaced_upload(saved, [final])
-        return result
-
-    async def load_weights(self, path: str, version: int) -> WeightsResponse:
-        from sampler_service.backends.weights import weight_files
-
-        self.check_version(version)
-        try:
-            files = weight_files(Path(path))
-        except WeightsRejected as exc:
-            self.metrics.weight_update_failures.labels("rejected").inc()
-            raise ServiceError(422, "weights_rejected", str(exc), "path") from exc
-        saved = await self.store.call(self.store.sync.get, "weights")
-        result = await self._install(files, version, "path")
-        await self.store.call(
-            self.store.sync.put, {"weights": {"files": [str(f) for f in files], "version": version}}
-        )
-        self._drop_replaced_upload(saved, files)
-        return result
-
-    def _drop_replaced_upload(self, saved: dict[str, Any] | None, kept: list[Path]) -> None:
-        """Delete the shared-dir upload (`--weights-dir`) newer weights replaced."""
-        if saved and saved.get("uploaded"):
-            for old in saved["files"]:
-                if Path(old) not in kept:
-                    Path(old).unlink(missing_ok=True)
-
-    async def _restore_weights(self) -> None:
-        """Serve the last accepted weights again after a restart, before /ready."""
-        from sampler_service.backends.weights import vet_weight_files, vet_weight_headers
-
-        saved = await self.store.call(self.store.sync.get, "weights")
-        if not saved:
-            return
-        files = [Path(f) for f in saved["files"]]
-        if not all(f.exists() for f in files):
-            log.error(
-                "weights v%s to restore are gone (%s); serving the base model",
-                saved["version"],
-                files,
-            )
-            return
-        loop = asyncio.get_running_loop()
-        if self.shared_weights:  # each replica reads them from the shared path again
-            names = await loop.run_in_executor(
-                None, vet_weight_headers, files, self.backend.weight_specs()
-            )
-            await self.backend.load_weight_files(  # type: ignore[attr-defined]
-                [str(f) for f in files], int(saved["version"]), names
-            )
-            log.info("restored weights v%s (replicas read %s)", saved["version"], files)
-            return
-        tensors = await loop.run_in_executor(
-            None, vet_weight_files, files, self.backend.weight_specs()
-        )
-        await self.backend.load_weights(tensors, int(saved["version"]))
-        log.info("restored weights v%s", saved["version"])
 
     # -- stats ------------------------------------------------------------------------
     def _domain_shares(self) -> dict[str, dict[str, Any]]:

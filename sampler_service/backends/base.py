@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,7 +31,12 @@ class WeightsNotServed(RuntimeError):
     """No engine could install the new weights; the old version stays (maps to HTTP 503)."""
 
 
-class NCCLUnavailable(RuntimeError):
+class NotSupported(RuntimeError):
+    """The engine does not offer this capability; the message says what would (maps to
+    HTTP 409). What `Backend` declares but an engine lacks raises it."""
+
+
+class NCCLUnavailable(NotSupported):
     """The engine cannot take weights over NCCL (not vLLM, or transfer not configured)."""
 
 
@@ -118,6 +123,25 @@ class TensorSpec:
     dtype: str  # safetensors dtype string, e.g. "F32", "BF16"
 
 
+@dataclass(frozen=True)
+class NCCLDescription:
+    """What an engine, or a pool of engines, offers the NCCL weight transfer.
+
+    `specs` are the tensors a round may send (checkpoint names) and `required` those it
+    must send. A pool adds its group's state (`none`, `ok` or `stale`), each replica's
+    ranks, and `stale`: why an update would be refused now (None for one engine, which
+    has no group of replicas to go stale).
+    """
+
+    enabled: bool
+    inference_ranks: int
+    specs: Mapping[str, TensorSpec]
+    required: frozenset[str]
+    group: str | None = None
+    replicas: list[dict[str, Any]] | None = None
+    stale: str | None = None
+
+
 HealthState = Literal["ok", "degraded", "failed"]
 
 
@@ -136,9 +160,17 @@ class BackendHealth:
 
 
 class Backend(abc.ABC):
-    """An async generation engine with hot-swappable weights."""
+    """An async generation engine with hot-swappable weights.
+
+    The whole weight surface is declared here, as each engine may offer it: tensors
+    (every engine), files the engines read themselves (pools on a shared path: they set
+    `reads_weight_files`) and the NCCL transfer (vLLM). What an engine lacks raises
+    `NotSupported` with a message for the caller, so no caller probes for methods.
+    """
 
     name: str = "base"
+    #: `load_weight_files` is offered: the engines read weight files from paths themselves.
+    reads_weight_files: bool = False
 
     @property
     @abc.abstractmethod
@@ -182,6 +214,33 @@ class Backend(abc.ABC):
         Callers have already vetted names/shapes against weight_specs() and paused new
         requests; implementations cast floating tensors to the engine dtype.
         """
+
+    async def load_weight_files(
+        self, files: Sequence[str], version: int, names: Sequence[str]
+    ) -> None:
+        """Have the engines read vetted weight files themselves and serve them as `version`;
+        `names` are the tensors the files hold."""
+        raise NotSupported(f"the {self.name} engine does not read weight files from a path")
+
+    def _no_nccl(self) -> NCCLUnavailable:
+        return NCCLUnavailable(f"NCCL weight transfer needs --backend vllm (not {self.name})")
+
+    async def nccl_describe(self) -> NCCLDescription:
+        """Ranks, tensors and state of the NCCL transfer (GET /v1/weights/nccl)."""
+        raise self._no_nccl()
+
+    async def nccl_init(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's NCCL group (vLLM `NCCLWeightTransferInitInfo` fields)."""
+        raise self._no_nccl()
+
+    async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:
+        """Receive one vetted round over NCCL and serve it as `version` (new requests are
+        paused by the caller)."""
+        raise self._no_nccl()
+
+    async def nccl_shutdown(self) -> None:
+        """Leave the NCCL group (sampling goes on)."""
+        raise self._no_nccl()
 
     async def abort_all(self) -> int:
         """Abort in-flight requests (weight update mode `abort`); returns how many."""

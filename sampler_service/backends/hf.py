@@ -43,7 +43,7 @@ from sampler_service.backends.base import (
     TensorSpec,
     check_request,
 )
-from sampler_service.backends.weights import WeightSpecs, check_tensor, tensor_spec
+from sampler_service.weights.vetting import WeightSpecs, check_tensor, tensor_spec
 from trainer_client.contract.dtypes import SERVING_DTYPES, safetensors_code, torch_dtype
 
 log = logging.getLogger(__name__)

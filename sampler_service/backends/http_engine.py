@@ -61,8 +61,9 @@ from sampler_service.backends.base import (
     WeightsRejected,
     check_request,
 )
-from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter, affinity
+from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, WaveRouter, affinity
 from sampler_service.backends.vllm import eos_token_ids, read_checkpoint
+from sampler_service.config import ReplicaSettings
 from sampler_service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -75,19 +76,16 @@ _LOGPROBS_MODE = "processed_logprobs"
 
 @dataclass(frozen=True)
 class HTTPPoolSettings:
-    """What the HTTP engine pool needs of the serve settings."""
+    """What the HTTP engine pool needs of the serve settings: its servers, and the
+    replica settings (routing, probes) as the serve settings hold them."""
 
     urls: tuple[str, ...]
     instance_id: str
     #: Where per-version weight directories are made; every server must read it.
     weights_dir: Path
-    max_inflight: int = DEFAULT_MAX_INFLIGHT
-    route: Route = "sticky"
-    probe_s: float = 5.0
-    probe_timeout_s: float = 10.0
+    replica: ReplicaSettings = field(default_factory=ReplicaSettings)
     #: How long one wave may take on a server before it counts as hung.
     request_timeout_s: float = 600.0
-    wait_s: float = 300.0
     #: How long start-up waits for at least one server's /health.
     start_timeout_s: float = 300.0
 
@@ -149,6 +147,7 @@ class HTTPEngineBackend(Backend):
     """See the module docstring."""
 
     name = "http"
+    reads_weight_files = True
 
     def __init__(
         self,
@@ -170,10 +169,10 @@ class HTTPEngineBackend(Backend):
             lambda: self._servers,
             self._routable,
             self._charge,
-            max_inflight=settings.max_inflight,
-            route=settings.route,
-            poll_s=settings.probe_s,
-            wait_s=settings.wait_s,
+            max_inflight=settings.replica.max_inflight or DEFAULT_MAX_INFLIGHT,
+            route=settings.replica.route,
+            poll_s=settings.replica.probe_s,
+            wait_s=settings.replica.wait_s,
             on_decision=lambda kind: self.metrics.route_decisions.labels(kind).inc(),
         )
         self._prefix = f"adaptive-rollout/{settings.instance_id}/v"
@@ -259,8 +258,8 @@ class HTTPEngineBackend(Backend):
     async def _attach(self, srv: _Server) -> None:
         """First contact: health, the served model, its logprob semantics, its label."""
         try:
-            await self._get(srv, "/health", self.settings.probe_timeout_s)
-            models = await self._get(srv, "/v1/models", self.settings.probe_timeout_s)
+            await self._get(srv, "/health", self.settings.replica.probe_timeout_s)
+            models = await self._get(srv, "/v1/models", self.settings.replica.probe_timeout_s)
         except (httpx.HTTPError, ServerError) as exc:
             srv.state, srv.error = "down", repr(exc)
             return
@@ -508,7 +507,7 @@ class HTTPEngineBackend(Backend):
         return response.json() if response.content else None
 
     async def _weight_label(self, srv: _Server) -> str:
-        info = await self._get(srv, "/weight_info", self.settings.probe_timeout_s)
+        info = await self._get(srv, "/weight_info", self.settings.replica.probe_timeout_s)
         return str(info.get("weight_version"))
 
     async def _set_label(self, srv: _Server, version: int) -> None:
@@ -534,7 +533,7 @@ class HTTPEngineBackend(Backend):
     # -- probes and syncing -----------------------------------------------------------
     async def _probe_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.probe_s)
+            await asyncio.sleep(self.settings.replica.probe_s)
             for srv in self._servers:
                 if not (srv.probing or srv.recovering):
                     srv.probing = True
@@ -542,7 +541,7 @@ class HTTPEngineBackend(Backend):
 
     async def _probe(self, srv: _Server) -> None:
         epoch = srv.epoch
-        timeout = self.settings.probe_timeout_s
+        timeout = self.settings.replica.probe_timeout_s
         try:
             await self._get(srv, "/health", timeout)
             if srv.state == "down":  # back (restarted by its owner): attach and sync it

@@ -42,6 +42,7 @@ from sampler_service.backends.base import (
     Completion,
     GenerationAborted,
     HealthState,
+    NCCLDescription,
     NCCLGroupStale,
     NCCLUnavailable,
     SamplingParams,
@@ -51,9 +52,10 @@ from sampler_service.backends.base import (
 )
 from sampler_service.backends.replica import NotStarted, Replica
 from sampler_service.backends.replica_channel import ReplicaChannel
-from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter, affinity
-from sampler_service.backends.vllm_nccl import nccl_rank_offsets, nccl_replica_init_infos
+from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, WaveRouter, affinity
+from sampler_service.config import ReplicaSettings
 from sampler_service.metrics import Metrics
+from sampler_service.weights.nccl import nccl_rank_offsets, nccl_replica_init_infos
 
 log = logging.getLogger(__name__)
 
@@ -81,26 +83,8 @@ ReplicaState = Literal["starting", "ok", "recovering", "failed"]
 _STATES: tuple[ReplicaState, ...] = ("starting", "ok", "recovering", "failed")
 
 
-@dataclass(frozen=True)
-class PoolSettings:
-    """What the pool needs of the serve settings (kept apart so benchmarks can build one)."""
-
-    replicas: int
-    instance_id: str
-    address: str | None = None
-    replica_cpus: float = 1.0
-    replica_gpus: float = 0.0
-    max_restarts: int = 3
-    max_inflight: int = DEFAULT_MAX_INFLIGHT
-    route: Route = "sticky"
-    probe_s: float = 5.0
-    probe_timeout_s: float = 30.0
-    wait_s: float = 300.0
-    on_exit: Literal["keep", "kill"] = "kill"
-    torch_threads: int = 1
-    #: A replica that hears from no sampler this long exits (replica.py); probes keep it.
-    orphan_s: float = 600.0
-    start_timeout_s: float = 600.0
+#: How long a replica's engine may take to start (load the model) before it counts as failed.
+START_TIMEOUT_S = 600.0
 
 
 @dataclass(eq=False)
@@ -164,16 +148,24 @@ class RayPoolBackend(Backend):
     """See the module docstring."""
 
     name = "ray"
+    reads_weight_files = True
 
     def __init__(
         self,
         factory: Callable[[], Backend],
-        settings: PoolSettings,
+        settings: ReplicaSettings,
+        *,
+        instance_id: str,
+        torch_threads: int = 1,
         metrics: Metrics | None = None,
         on_state_change: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        """`instance_id` names this sampler's replicas (a restarted one finds them);
+        `torch_threads` is each replica engine's torch thread count."""
         self._factory = factory
         self.settings = settings
+        self._instance_id = instance_id
+        self._torch_threads = torch_threads
         self.metrics = metrics or Metrics()
         # Told every replica state change (its detail plus `previous`), for the event log.
         self._on_state_change = on_state_change
@@ -182,7 +174,7 @@ class RayPoolBackend(Backend):
             lambda: self._replicas,
             self._routable,
             self._charge,
-            max_inflight=settings.max_inflight,
+            max_inflight=settings.max_inflight or DEFAULT_MAX_INFLIGHT,
             route=settings.route,
             poll_s=settings.probe_s,
             wait_s=settings.wait_s,
@@ -217,19 +209,19 @@ class RayPoolBackend(Backend):
         return self._info["specs"]
 
     def actor_name(self, index: int) -> str:
-        return f"adaptive-rollout/{self.settings.instance_id}/replica-{index}"
+        return f"adaptive-rollout/{self._instance_id}/replica-{index}"
 
     def _init_ray(self) -> None:
         s = self.settings
         if ray.is_initialized():  # the caller's own Ray session (benchmarks): theirs to end
             return
         self._owns_ray = True
-        if s.address is not None:
-            ray.init(address=s.address, namespace=NAMESPACE, configure_logging=False)
+        if s.ray_address is not None:
+            ray.init(address=s.ray_address, namespace=NAMESPACE, configure_logging=False)
         else:
             ray.init(
                 namespace=NAMESPACE,
-                num_cpus=max(1, round(s.replicas * s.replica_cpus)),
+                num_cpus=max(1, round(s.count * s.cpus)),
                 include_dashboard=False,
                 object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                 configure_logging=False,
@@ -239,7 +231,7 @@ class RayPoolBackend(Backend):
         s = self.settings
         await asyncio.to_thread(self._init_ray)
         actor_class = ray.remote(Replica)
-        for i in range(s.replicas):
+        for i in range(s.count):
             handle = actor_class.options(
                 name=self.actor_name(i),
                 namespace=NAMESPACE,
@@ -248,9 +240,9 @@ class RayPoolBackend(Backend):
                 max_restarts=s.max_restarts,
                 max_task_retries=0,
                 max_concurrency=1000,
-                num_cpus=s.replica_cpus,
-                num_gpus=s.replica_gpus,
-            ).remote(self._factory, i, s.torch_threads, s.orphan_s)
+                num_cpus=s.cpus,
+                num_gpus=s.gpus,
+            ).remote(self._factory, i, self._torch_threads, s.orphan_s)
             self._replicas.append(_Replica(i, self.actor_name(i), handle))
             self._precreate_metrics(str(i))
         # No weights yet: the sampler restores the committed ones next (load_weights),
@@ -267,7 +259,7 @@ class RayPoolBackend(Backend):
         self._spawn(self._probe_loop(), "replica-probes")
         log.info(
             "%d engine replicas: %s",
-            s.replicas,
+            s.count,
             ", ".join(f"{r.name} pid {r.pid} v{r.version}" for r in self._replicas),
         )
 
@@ -284,7 +276,7 @@ class RayPoolBackend(Backend):
     async def _start_replica(self, rep: _Replica, sync: bool = True) -> None:
         info = await asyncio.wait_for(
             rep.handle.start.remote(self.settings.orphan_s, rep.channel.session),
-            self.settings.start_timeout_s,
+            START_TIMEOUT_S,
         )
         if info["attached"]:
             # A new sampler takes over a warm replica: whatever the old one asked of it
@@ -453,7 +445,7 @@ class RayPoolBackend(Backend):
                 self._set_state(rep, "failed")
                 return
             began = time.monotonic()
-            deadline = began + self.settings.start_timeout_s
+            deadline = began + START_TIMEOUT_S
             try:
                 while True:
                     try:
@@ -663,46 +655,42 @@ class RayPoolBackend(Backend):
         )
 
     # -- NCCL fan-out (vLLM replicas) ---------------------------------------------------
-    async def _nccl_infos(self) -> list[tuple[_Replica, dict[str, Any]]]:
-        """(replica, its NCCL info) for every replica up now; NCCLUnavailable unless each
-        one's engine can take weights over NCCL."""
+    async def _nccl_members(self) -> list[tuple[_Replica, NCCLDescription]]:
+        """(replica, its engine's NCCL description) for every replica up now;
+        NCCLUnavailable unless each one's engine can take weights over NCCL."""
         reps = [r for r in self._replicas if r.state == "ok"]
         if not reps:
             raise NCCLUnavailable("no engine replica is up")
-        infos = await asyncio.gather(*(r.handle.nccl_info.remote() for r in reps))
-        if any(info is None for info in infos):
+        described = await asyncio.gather(*(r.handle.nccl_describe.remote() for r in reps))
+        if any(d is None for d in described):
             raise NCCLUnavailable("NCCL weight transfer needs --backend vllm")
-        return list(zip(reps, infos, strict=True))
+        return list(zip(reps, described, strict=True))
 
-    async def nccl_info(self) -> dict[str, Any]:
-        """What GET /v1/weights/nccl reports: ranks summed over the replicas up now."""
-        pairs = await self._nccl_infos()
-        specs, required = await pairs[0][0].handle.nccl_specs.remote()
-        return {
-            "enabled": all(info["enabled"] for _, info in pairs),
-            "inference_ranks": sum(int(info["workers"]) for _, info in pairs),
-            "specs": specs,
-            "required": set(required),
-            "group": self.nccl_group_state(),
-            "replicas": [
-                {"replica": rep.index, "workers": int(info["workers"]), "rank_offset": offset}
-                for (rep, info), offset in zip(
-                    pairs, nccl_rank_offsets([int(i["workers"]) for _, i in pairs]), strict=True
+    async def nccl_describe(self) -> NCCLDescription:
+        """The group over the replicas up now: ranks summed, each replica's offset."""
+        pairs = await self._nccl_members()
+        workers = [d.inference_ranks for _, d in pairs]
+        first = pairs[0][1]
+        return NCCLDescription(
+            enabled=all(d.enabled for _, d in pairs),
+            inference_ranks=sum(workers),
+            specs=first.specs,
+            required=first.required,
+            group=self.nccl_group_state(),
+            replicas=[
+                {"replica": rep.index, "workers": count, "rank_offset": offset}
+                for (rep, _), count, offset in zip(
+                    pairs, workers, nccl_rank_offsets(workers), strict=True
                 )
             ],
-        }
+            stale=self._nccl_stale_reason(),
+        )
 
     def nccl_group_state(self) -> str:
         """none (no group formed), ok, or stale (a replica restarted or joined since)."""
         if self._nccl is None:
             return "none"
         return "stale" if self._nccl_stale_reason() else "ok"
-
-    async def nccl_check_group(self) -> None:
-        """NCCLGroupStale unless the group spans every replica as it did when formed."""
-        reason = self._nccl_stale_reason()
-        if reason is not None:
-            raise NCCLGroupStale(reason)
 
     def _nccl_stale_reason(self) -> str | None:
         group = self._nccl
@@ -721,12 +709,12 @@ class RayPoolBackend(Backend):
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
         """Form the group: every replica up joins at its own rank offset (trainer = 0)."""
         self._nccl = None
-        pairs = await self._nccl_infos()
-        if not all(info["enabled"] for _, info in pairs):
+        pairs = await self._nccl_members()
+        if not all(d.enabled for _, d in pairs):
             raise NCCLUnavailable(
                 "NCCL weight transfer is off (vLLM weight_transfer_config not set)"
             )
-        workers = [int(info["workers"]) for _, info in pairs]
+        workers = [d.inference_ranks for _, d in pairs]
         per_replica = nccl_replica_init_infos(init_info, workers)
         members = {rep.index: (rep.pid, rep.epoch) for rep, _ in pairs}
         results = await asyncio.gather(

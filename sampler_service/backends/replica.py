@@ -30,7 +30,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sampler_service.backends.base import Backend, Completion, SamplingParams, WeightsRejected
+from sampler_service.backends.base import (
+    Backend,
+    Completion,
+    NCCLDescription,
+    NCCLUnavailable,
+    SamplingParams,
+    WeightsRejected,
+)
 from sampler_service.backends.engine_process import picklable
 from sampler_service.backends.replica_channel import Finished, Wave
 
@@ -326,7 +333,7 @@ class Replica:
         only checked the headers of may still hold NaN); a refusal raises WeightsRejected
         and changes nothing here.
         """
-        from sampler_service.backends.weights import vet_weight_files
+        from sampler_service.weights.vetting import vet_weight_files
 
         engine = self._engine()
         started = time.monotonic()
@@ -337,32 +344,24 @@ class Replica:
         return time.monotonic() - started
 
     # -- NCCL weight transfer (vLLM engines; the pool fans the trainer's calls out) -------
-    def nccl_info(self) -> dict[str, Any] | None:
-        """This replica's ranks in an NCCL transfer group and whether its engine has the
-        transfer configured, or None: its engine cannot take weights over NCCL (only the
-        vLLM backend can)."""
-        engine = self._engine()
-        workers = getattr(engine, "nccl_workers", None)
-        if workers is None:
+    async def nccl_describe(self) -> NCCLDescription | None:
+        """This engine's NCCL ranks, tensors and whether the transfer is configured, or
+        None: its engine cannot take weights over NCCL (only the vLLM backend can)."""
+        try:
+            return await self._engine().nccl_describe()
+        except NCCLUnavailable:
             return None
-        return {
-            "workers": int(workers()),
-            "enabled": bool(engine.health().detail.get("nccl_weight_transfer")),
-        }
-
-    def nccl_specs(self) -> tuple[dict[str, Any], set[str]]:
-        return self._engine().nccl_specs()  # type: ignore[attr-defined]
 
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
-        await self._engine().nccl_init(init_info)  # type: ignore[attr-defined]
+        await self._engine().nccl_init(init_info)
 
     async def nccl_update(self, update_info: dict[str, Any], version: int) -> float:
         started = time.monotonic()
-        await self._engine().nccl_update(update_info, version)  # type: ignore[attr-defined]
+        await self._engine().nccl_update(update_info, version)
         return time.monotonic() - started
 
     async def nccl_shutdown(self) -> None:
-        await self._engine().nccl_shutdown()  # type: ignore[attr-defined]
+        await self._engine().nccl_shutdown()
 
     async def abort_all(self) -> int:
         self._heard()

@@ -50,6 +50,7 @@ from sampler_service.backends.base import (
     BackendHealth,
     Completion,
     GenerationAborted,
+    NCCLDescription,
     SamplingParams,
     TensorSpec,
     WeightsRejected,
@@ -487,7 +488,7 @@ class VLLMBackend(Backend):
         engine = self._require_running()
         checkpoint = self._checkpoint
         assert checkpoint is not None and self._work_dir is not None
-        from sampler_service.backends.weights import check_tensor
+        from sampler_service.weights.vetting import check_tensor
 
         specs = self.weight_specs()
         canonical: dict[str, Any] = {}
@@ -576,6 +577,15 @@ class VLLMBackend(Backend):
             return 0
         parallel = self._engine.vllm_config.parallel_config
         return int(parallel.world_size * parallel.data_parallel_size)
+
+    async def nccl_describe(self) -> NCCLDescription:
+        specs, required = self.nccl_specs()
+        return NCCLDescription(
+            enabled=self._nccl_ready,
+            inference_ranks=self.nccl_workers(),
+            specs=specs,
+            required=frozenset(required),
+        )
 
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
         """Join the trainer's NCCL group (blocks until the trainer's rank 0 joins too)."""

@@ -1,7 +1,7 @@
 """An hf engine that plays the vLLM backend's NCCL part, for the pool's fan-out on CPU.
 
-Real NCCL needs GPUs. This engine answers the calls the vLLM backend answers (ranks,
-specs, init, update, shutdown) without a transfer: init records the init info it got in
+Real NCCL needs GPUs. This engine answers the calls the vLLM backend answers (its
+description, init, update, shutdown) without a transfer: init records the init info it got in
 a JSON file (so the test sees each replica's rank offset), update serves the weights it
 has under the new version. Everything around it (Ray actors, the pool's rank layout,
 fan-out, restarts, the stale-group check) is the real code.
@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sampler_service.backends.base import BackendHealth, TensorSpec
+from sampler_service.backends.base import NCCLDescription
 from sampler_service.backends.hf import HFBackend
 
 
@@ -26,17 +26,11 @@ class FakeNCCLEngine(HFBackend):
         self._workers = workers
         self._group: dict[str, Any] | None = None
 
-    def nccl_workers(self) -> int:
-        return self._workers
-
-    def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
+    async def nccl_describe(self) -> NCCLDescription:
         specs = dict(self.weight_specs())
-        return specs, set(specs)
-
-    def health(self) -> BackendHealth:
-        health = super().health()
-        health.detail["nccl_weight_transfer"] = True
-        return health
+        return NCCLDescription(
+            enabled=True, inference_ranks=self._workers, specs=specs, required=frozenset(specs)
+        )
 
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
         self._group = dict(init_info)

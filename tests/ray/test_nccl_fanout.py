@@ -25,7 +25,8 @@ from fake_nccl import FakeNCCLEngine
 from ray_helpers import ROOT
 
 from sampler_service.backends.base import NCCLGroupStale, SamplingParams
-from sampler_service.backends.ray_pool import PoolSettings, RayPoolBackend
+from sampler_service.backends.ray_pool import RayPoolBackend
+from sampler_service.config import ReplicaSettings
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -57,20 +58,18 @@ def test_nccl_fans_out_to_every_replica_and_a_restart_makes_the_group_stale(
     records = tmp_path / "records"
     records.mkdir()
     factory = functools.partial(FakeNCCLEngine, toy.model_dir, records, workers=2)
-    settings = PoolSettings(
-        replicas=2, instance_id=uuid.uuid4().hex[:8], probe_s=0.5, probe_timeout_s=30.0
-    )
+    settings = ReplicaSettings(count=2, probe_s=0.5, probe_timeout_s=30.0)
     trainer_init = {"master_address": "127.0.0.1", "master_port": 29600, "rank_offset": 1}
 
     async def run() -> None:
-        pool = RayPoolBackend(factory, settings)
+        pool = RayPoolBackend(factory, settings, instance_id=uuid.uuid4().hex[:8])
         await pool.start()
         try:
             reps = pool.health().detail["replicas"]
             pids = [r["pid"] for r in reps]
-            info = await pool.nccl_info()
-            assert info["inference_ranks"] == 4 and info["group"] == "none"
-            assert info["replicas"] == [
+            info = await pool.nccl_describe()
+            assert info.inference_ranks == 4 and info.group == "none"
+            assert info.replicas == [
                 {"replica": 0, "workers": 2, "rank_offset": 1},
                 {"replica": 1, "workers": 2, "rank_offset": 3},
             ]

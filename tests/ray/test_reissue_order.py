@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from sampler_service.backends.ray_pool import PoolSettings, RayPoolBackend, _Replica
+from sampler_service.backends.ray_pool import RayPoolBackend, _Replica
+from sampler_service.config import ReplicaSettings
 
 pytestmark = pytest.mark.ray
 
@@ -22,7 +23,8 @@ CAP = 16
 def _pool(replicas: int) -> RayPoolBackend:
     pool = RayPoolBackend(
         lambda: None,  # type: ignore[arg-type, return-value]
-        PoolSettings(replicas=replicas, instance_id="order", max_inflight=CAP),
+        ReplicaSettings(count=replicas, max_inflight=CAP),
+        instance_id="order",
     )
     pool._replicas = [
         _Replica(i, f"r{i}", None, state="ok", version=0, last_ok=time.monotonic())

@@ -20,8 +20,9 @@ from gated_engine import GATED_TOKEN, GatedEngine
 from ray_helpers import ROOT
 
 from sampler_service.backends.base import GenerationAborted, SamplingParams
-from sampler_service.backends.ray_pool import PoolSettings, RayPoolBackend
+from sampler_service.backends.ray_pool import RayPoolBackend
 from sampler_service.backends.replica import NotStarted, Replica
+from sampler_service.config import ReplicaSettings
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -41,10 +42,10 @@ def test_waves_of_one_loop_turn_share_a_call_and_each_returns_when_done(
 ) -> None:
     gate = tmp_path / "gate"
     factory = functools.partial(GatedEngine, toy.model_dir, gate)
-    settings = PoolSettings(replicas=1, instance_id=uuid.uuid4().hex[:8], probe_s=60.0)
+    settings = ReplicaSettings(count=1, probe_s=60.0)
 
     async def run() -> None:
-        pool = RayPoolBackend(factory, settings)
+        pool = RayPoolBackend(factory, settings, instance_id=uuid.uuid4().hex[:8])
         await pool.start()
         try:
             before = await pool.replica_health(0)

@@ -19,13 +19,13 @@ SCRIPT = textwrap.dedent(
 
     from sampler_service import cli  # the serve command's module, with its flags
     from sampler_service.app import create_app
-    from sampler_service.config import ServeSettings
+    from sampler_service.config import ReplicaSettings, ServeSettings
     from sampler_service.service import SamplerService
 
     async def main() -> None:
         settings = ServeSettings(
             model=Path(sys.argv[1]), data=[Path(sys.argv[2])], state_dir=Path(sys.argv[3]),
-            replicas=1,
+            replica=ReplicaSettings(count=1),
         )
         service = SamplerService(settings)
         create_app(service)

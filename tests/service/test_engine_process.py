@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from sampler_service.backends.base import SamplingParams, WeightsRejected
 from sampler_service.backends.engine_process import EngineProcess, EngineProcessDied
 from sampler_service.backends.hf import HFBackend
-from sampler_service.backends.weights import vet_weight_file
+from sampler_service.weights.vetting import vet_weight_file
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -27,7 +27,7 @@ from sampler_service.backends.base import (
     WeightsRejected,
 )
 from sampler_service.backends.hf import HFBackend
-from sampler_service.backends.weights import spec_bytes, vet_weight_file
+from sampler_service.weights.vetting import spec_bytes, vet_weight_file
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 
 from sampler_service.cli import add_serve_arguments, initial_config, main
-from sampler_service.config import SamplerConfig, ServeSettings, overridden_by_saved
-from trainer_client.contract.flags import parse_key_values
+from sampler_service.config import (
+    ReplicaSettings,
+    SamplerConfig,
+    ServeSettings,
+    overridden_by_saved,
+)
+from trainer_client.contract.flags import command_line, model_from_args, parse_key_values
 from trainer_client.train_config import TrainConfig
 
 
@@ -33,10 +38,14 @@ def test_sync_every_zero_is_a_usage_error_naming_the_flag(capsys) -> None:
 
 def test_serve_has_one_flag_per_setting_and_shows_defaults() -> None:
     help_text = " ".join(_serve_parser().format_help().split())
-    for name, info in ServeSettings.model_fields.items():
+    fields = [("", name, info) for name, info in ServeSettings.model_fields.items()]
+    fields += [("replica-", n, i) for n, i in ReplicaSettings.model_fields.items()]
+    for prefix, name, info in fields:
+        if name == "replica":  # nested: a flag per field of its own, below
+            continue
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        flag = "--" + str(extra.get("cli_flag") or name.replace("_", "-"))
-        assert flag in help_text, flag
+        flag = "--" + str(extra.get("cli_flag") or prefix + name.replace("_", "-"))
+        assert f"{flag} " in help_text, flag
     assert "--port PORT port to listen on (0 picks a free one) (default: 8000)" in help_text
     assert "--state-dir STATE_DIR" in help_text and "(default: sampler_state)" in help_text
 
@@ -56,6 +65,30 @@ def test_serve_flags_build_the_settings(tmp_path: Path) -> None:
     assert settings.vllm == {"tensor_parallel_size": 2, "enforce_eager": True}
     # Flags not given keep the model's defaults.
     assert settings.heartbeat_s == ServeSettings.model_fields["heartbeat_s"].default == 5.0
+
+
+def test_replica_flags_nest_with_their_prefix_and_name_their_flag_in_errors(capsys) -> None:
+    parser = _serve_parser()
+    base = ["--model", "m", "--data", "d.jsonl"]
+    flags = ["--replicas", "3", "--replica-probe-s", "2", "--route", "least-loaded"]
+    settings = model_from_args(parser, ServeSettings, parser.parse_args([*base, *flags]))
+    assert settings.replica == ReplicaSettings(count=3, probe_s=2.0, route="least-loaded")
+    assert settings.uses_ray
+    # The inverse gives the same flags back, under the same names.
+    assert command_line(settings.replica, prefix="replica-") == [
+        "--replicas",
+        "3",
+        "--route",
+        "least-loaded",
+        "--replica-probe-s",
+        "2.0",
+    ]
+    assert model_from_args(parser, ServeSettings, parser.parse_args(base)).replica == (
+        ReplicaSettings()
+    )
+    with pytest.raises(SystemExit):
+        model_from_args(parser, ServeSettings, parser.parse_args([*base, "--replica-wait-s", "0"]))
+    assert "--replica-wait-s: Input should be greater than 0" in capsys.readouterr().err
 
 
 def test_set_wins_over_config_file_and_is_validated(tmp_path: Path) -> None:

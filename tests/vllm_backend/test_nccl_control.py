@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,14 +17,14 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from sampler_service.backends.base import TensorSpec
+from sampler_service.backends.base import NCCLDescription, NCCLGroupStale, TensorSpec
 from sampler_service.backends.vllm import VLLMBackend
-from sampler_service.backends.vllm_nccl import (
-    NCCLUpdateInfo,
-    nccl_replica_init_infos,
-    vet_update_info,
-)
 from sampler_service.nccl_routes import create_nccl_router
+from sampler_service.store import AsyncStore, Store
+from sampler_service.weights.manager import WeightPlaces, WeightsManager
+from sampler_service.weights.nccl import (
+    nccl_replica_init_infos,
+)
 from trainer_client.nccl import (
     NCCLTransferError,
     NCCLWeightSender,
@@ -40,15 +41,13 @@ class StubBackend(VLLMBackend):
     def __init__(self) -> None:  # no engine: only what the routes touch
         self.calls: list[tuple[str, Any]] = []
         self._version = 0
+        self._nccl_ready = True
 
     def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
         return dict(SPECS), set(SPECS)
 
     def nccl_workers(self) -> int:
         return 2
-
-    def health(self) -> Any:
-        return type("H", (), {"detail": {"nccl_weight_transfer": True}})()
 
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
         self.calls.append(("init", init_info))
@@ -59,40 +58,41 @@ class StubBackend(VLLMBackend):
 
 
 class StubService:
-    def __init__(self) -> None:
+    """The service's part around the weights manager: the pause and what follows an install."""
+
+    def __init__(self, backend: Any, tmp_path: Path) -> None:
         from sampler_service.metrics import Metrics
 
-        self.backend = StubBackend()
-        self.metrics = Metrics()
+        self.backend = backend
         self.paused = 0
         self.installed: list[tuple[int, str]] = []
-        service = self
+        store = AsyncStore(Store(tmp_path / "sampler.sqlite", None))
+        self.weights = WeightsManager(
+            backend,
+            WeightPlaces(tmp_path),
+            store,
+            Metrics(),
+            pause=self.paused_for_weights,
+            engine_error=lambda: None,
+            installed=self.weights_installed,
+        )
 
-        class Scheduler:
-            @contextlib.asynccontextmanager
-            async def paused_for_weights(self):  # type: ignore[no-untyped-def]
-                service.paused += 1
-                yield
-
-        self.scheduler = Scheduler()
+    @contextlib.asynccontextmanager
+    async def paused_for_weights(self):  # type: ignore[no-untyped-def]
+        self.paused += 1
+        yield
 
     async def weights_installed(
         self, version: int, transport: str, seconds: float, paused_s: float
     ) -> None:
         self.installed.append((version, transport))
 
-    def check_version(self, version: int) -> None:
-        from sampler_service.service import ServiceError
-
-        if version <= self.backend.policy_version:
-            raise ServiceError(409, "stale_version", "stale", "version")
-
 
 def _app(service: StubService) -> FastAPI:
-    from sampler_service.service import ServiceError
+    from sampler_service.errors import ServiceError
 
     app = FastAPI()
-    app.include_router(create_nccl_router(service), prefix="/v1")  # type: ignore[arg-type]
+    app.include_router(create_nccl_router(lambda: service.weights), prefix="/v1")
 
     @app.exception_handler(ServiceError)
     async def _err(_: Any, exc: ServiceError) -> JSONResponse:
@@ -126,36 +126,6 @@ def _client(app: FastAPI) -> ServiceWeightSyncClient:
     return client
 
 
-def test_vet_update_info() -> None:
-    ok = NCCLUpdateInfo(
-        names=["a.weight", "b.weight"], dtype_names=["float32", "bfloat16"], shapes=[[4, 2], [3]]
-    )
-    assert vet_update_info(ok, SPECS, set(SPECS)) is None
-    cases = {
-        "missing": NCCLUpdateInfo(names=["a.weight"], dtype_names=["float32"], shapes=[[4, 2]]),
-        "no tensor": NCCLUpdateInfo(
-            names=["a.weight", "b.weight", "c"],
-            dtype_names=["float32"] * 3,
-            shapes=[[4, 2], [3], [1]],
-        ),
-        "shape": NCCLUpdateInfo(
-            names=["a.weight", "b.weight"], dtype_names=["float32"] * 2, shapes=[[2, 4], [3]]
-        ),
-        "floating": NCCLUpdateInfo(
-            names=["a.weight", "b.weight"], dtype_names=["int32", "float32"], shapes=[[4, 2], [3]]
-        ),
-        "same length": NCCLUpdateInfo(
-            names=["a.weight", "b.weight"], dtype_names=["float32"], shapes=[[4, 2], [3]]
-        ),
-        "twice": NCCLUpdateInfo(
-            names=["a.weight", "a.weight"], dtype_names=["float32"] * 2, shapes=[[4, 2]] * 2
-        ),
-    }
-    for word, info in cases.items():
-        problem = vet_update_info(info, SPECS, set(SPECS))
-        assert problem and word in problem, (word, problem)
-
-
 def test_trainer_side_check_metadata() -> None:
     info = {
         "tensors": {n: [list(s.shape), s.dtype] for n, s in SPECS.items()},
@@ -172,8 +142,8 @@ def test_trainer_side_check_metadata() -> None:
             check_metadata(bad, info)
 
 
-def test_http_round_versions_and_refusals() -> None:
-    service = StubService()
+def test_http_round_versions_and_refusals(tmp_path: Path) -> None:
+    service = StubService(StubBackend(), tmp_path)
     client = _client(_app(service))
     info = client.info()
     assert info["enabled"] and info["inference_ranks"] == 2 and info["policy_version"] == 0
@@ -216,42 +186,39 @@ class StubPool:
         self.policy_version = 0
         self.group = "none"
 
-    def nccl_group_state(self) -> str:
-        return self.group
-
-    async def nccl_check_group(self) -> None:
-        from sampler_service.backends.base import NCCLGroupStale
-
+    def _stale(self) -> str | None:
         if self.group != "ok":
-            raise NCCLGroupStale("replica 1 restarted or failed since the NCCL group was formed")
+            return "replica 1 restarted or failed since the NCCL group was formed"
+        return None
 
-    async def nccl_info(self) -> dict[str, Any]:
-        return {
-            "enabled": True,
-            "inference_ranks": 4,
-            "specs": dict(SPECS),
-            "required": set(SPECS),
-            "group": self.group,
-            "replicas": [
+    async def nccl_describe(self) -> NCCLDescription:
+        return NCCLDescription(
+            enabled=True,
+            inference_ranks=4,
+            specs=dict(SPECS),
+            required=frozenset(SPECS),
+            group=self.group,
+            replicas=[
                 {"replica": 0, "workers": 2, "rank_offset": 1},
                 {"replica": 1, "workers": 2, "rank_offset": 3},
             ],
-        }
+            stale=self._stale(),
+        )
 
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
         self.calls.append(("init", nccl_replica_init_infos(init_info, [2, 2])))
         self.group = "ok"
 
     async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:
-        await self.nccl_check_group()
+        if (reason := self._stale()) is not None:
+            raise NCCLGroupStale(reason)
         self.calls.append(("update", version))
         self.policy_version = version
 
 
-def test_http_round_with_replicas_and_the_stale_group() -> None:
-    service = StubService()
-    service.backend = StubPool()  # type: ignore[assignment]
-    pool = service.backend
+def test_http_round_with_replicas_and_the_stale_group(tmp_path: Path) -> None:
+    pool = StubPool()
+    service = StubService(pool, tmp_path)
     client = _client(_app(service))
     info = client.info()
     assert info["inference_ranks"] == 4 and info["group"] == "none"

@@ -219,7 +219,7 @@ def _perturbed(
 
 def test_weight_upload_changes_logprobs_and_version(engines: Engines, toy) -> None:
     """An upload (vetted like PUT /v1/weights) changes the logprobs of a fixed answer."""
-    from sampler_service.backends.weights import vet_weight_file
+    from sampler_service.weights.vetting import vet_weight_file
 
     prompt = _prompts(engines.tokenizer, per_domain=1)[1]
     [answer] = engines.run(
@@ -257,7 +257,7 @@ def test_weight_upload_changes_logprobs_and_version(engines: Engines, toy) -> No
 
 
 def test_malformed_upload_keeps_old_weights(engines: Engines, toy) -> None:
-    from sampler_service.backends.weights import vet_weight_file
+    from sampler_service.weights.vetting import vet_weight_file
 
     prompt = _prompts(engines.tokenizer, per_domain=1)[0]
     answer = [5, 6, 1]

@@ -3,6 +3,8 @@
 Every field of a settings model becomes a flag `--field-name` whose help is the field's
 description with its default shown, so adding a knob to a process is adding one field.
 Booleans get `--x/--no-x`; list fields repeat the flag; dict fields take KEY=VALUE pairs.
+A field that is itself a settings model gets a flag per field of its own, named with the
+prefix its `cli_prefix` (json_schema_extra) gives (`--replica-probe-s` for `replica.probe_s`).
 The parsed flags build and validate the model, so a bad value is a usage error that
 names the flag, never a traceback from deep inside a run.
 
@@ -55,10 +57,25 @@ def parse_key_values(pairs: Iterable[str], flag: str) -> dict[str, Any]:
     return out
 
 
-def flag_name(name: str, info: FieldInfo) -> str:
-    """`--field-name`, or the field's own `cli_flag` (json_schema_extra) if it names one."""
+def _extra(info: FieldInfo, key: str) -> str | None:
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-    return "--" + str(extra.get("cli_flag") or name.replace("_", "-"))
+    value = extra.get(key)
+    return str(value) if value else None
+
+
+def flag_name(name: str, info: FieldInfo, prefix: str = "") -> str:
+    """`--<prefix>field-name`, or the field's own `cli_flag` (json_schema_extra) if it
+    names one."""
+    return "--" + (_extra(info, "cli_flag") or prefix + name.replace("_", "-"))
+
+
+def _nested(info: FieldInfo) -> tuple[type[BaseModel], str] | None:
+    """(the model, its flags' prefix) of a field that nests a settings model."""
+    prefix = _extra(info, "cli_prefix")
+    annotation = info.annotation
+    if prefix is None or not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        return None
+    return annotation, prefix
 
 
 def _unwrap_optional(annotation: Any) -> Any:
@@ -84,20 +101,25 @@ def add_model_arguments(
     model: type[BaseModel],
     *,
     skip: Iterable[str] = (),
+    prefix: str = "",
+    dest: str = "",
 ) -> None:
     """One flag per field of `model` (fields in `skip` are left to the caller)."""
     skipped = set(skip)
     for name, info in model.model_fields.items():
         if name in skipped:
             continue
-        flag = flag_name(name, info)
+        if (nested := _nested(info)) is not None:
+            add_model_arguments(parser, nested[0], prefix=nested[1], dest=f"{dest}{name}.")
+            continue
+        flag = flag_name(name, info, prefix)
         shown = _shown_default(info)
         help_text = " ".join(filter(None, [info.description, f"({shown})" if shown else ""]))
         # The parser's default is the model's, so tools reading the parser see the truth;
         # a default built by a factory (an environment variable, a fresh list) is left to
         # the model, and so is anything not given.
         default = argparse.SUPPRESS if info.default is PydanticUndefined else info.default
-        kw: dict[str, Any] = {"dest": name, "default": default, "help": help_text}
+        kw: dict[str, Any] = {"dest": dest + name, "default": default, "help": help_text}
         if info.is_required():  # a missing one is a usage error at parse time, as usual
             kw["required"] = True
         annotation = _unwrap_optional(info.annotation)
@@ -127,31 +149,57 @@ def model_from_args(
 ) -> M:
     """Build `model` from the flags the user gave (plus `values`); a validation error
     exits through `parser.error`, naming the flag."""
-    data: dict[str, Any] = {}
-    for name, info in model.model_fields.items():
-        if name not in vars(args):
-            continue
-        value = getattr(args, name)
-        if typing.get_origin(_unwrap_optional(info.annotation)) is dict:
-            try:
-                value = parse_key_values(value, flag_name(name, info))
-            except argparse.ArgumentTypeError as exc:
-                parser.error(str(exc))
-        data[name] = value
+    data = _values(parser, model, vars(args), "", "")
     data.update(values)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            loc = [str(part) for part in err["loc"]]
-            field = model.model_fields.get(loc[0]) if loc else None
-            where = flag_name(loc[0], field) if field is not None else ".".join(loc)
-            problems.append(f"{where}{'.' + '.'.join(loc[1:]) if loc[1:] else ''}: {err['msg']}")
+            where, rest = _flag_at(model, [str(part) for part in err["loc"]])
+            problems.append(f"{where}{'.' + '.'.join(rest) if rest else ''}: {err['msg']}")
         parser.error("; ".join(problems))
 
 
-def command_line(settings: BaseModel, *, exclude: Iterable[str] = ()) -> list[str]:
+def _values(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel],
+    given: dict[str, Any],
+    prefix: str,
+    dest: str,
+) -> dict[str, Any]:
+    """The fields of `model` the flags gave, nested models as dicts of their own."""
+    data: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        if (nested := _nested(info)) is not None:
+            data[name] = _values(parser, nested[0], given, nested[1], f"{dest}{name}.")
+            continue
+        if dest + name not in given:
+            continue
+        value = given[dest + name]
+        if typing.get_origin(_unwrap_optional(info.annotation)) is dict:
+            try:
+                value = parse_key_values(value, flag_name(name, info, prefix))
+            except argparse.ArgumentTypeError as exc:
+                parser.error(str(exc))
+        data[name] = value
+    return data
+
+
+def _flag_at(model: type[BaseModel], loc: list[str]) -> tuple[str, list[str]]:
+    """The flag an error's location names, and the rest of the location past it."""
+    prefix = ""
+    while loc and (field := model.model_fields.get(loc[0])) is not None:
+        nested = _nested(field)
+        if nested is None or len(loc) == 1:
+            return flag_name(loc[0], field, prefix), loc[1:]
+        (model, prefix), loc = nested, loc[1:]
+    return ".".join(loc), []
+
+
+def command_line(
+    settings: BaseModel, *, exclude: Iterable[str] = (), prefix: str = ""
+) -> list[str]:
     """The flags that rebuild `settings` (the inverse of `add_model_arguments`): required
     fields always, others where they differ from the model's default. `exclude` leaves
     fields out (secrets: a printed command line lands in logs and shell history)."""
@@ -161,9 +209,12 @@ def command_line(settings: BaseModel, *, exclude: Iterable[str] = ()) -> list[st
         value = getattr(settings, name)
         if name in skipped or value is None:
             continue
+        if (nested := _nested(info)) is not None:
+            args += command_line(value, prefix=nested[1])
+            continue
         if not info.is_required() and info.default_factory is None and value == info.default:
             continue
-        flag = flag_name(name, info)
+        flag = flag_name(name, info, prefix)
         if isinstance(value, bool):
             args.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, list):

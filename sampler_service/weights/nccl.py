@@ -18,6 +18,7 @@ init as for a single engine (rank offset 1); the pool gives each replica its own
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,7 +44,9 @@ class NCCLUpdateRequest(BaseModel):
     version: int = Field(ge=0)
 
 
-def vet_update_info(info: NCCLUpdateInfo, specs: dict[str, Any], required: set[str]) -> str | None:
+def vet_update_info(
+    info: NCCLUpdateInfo, specs: Mapping[str, Any], required: AbstractSet[str]
+) -> str | None:
     """Why this update cannot be received, or None when it fits the model.
 
     `specs` are the checkpoint tensors by their checkpoint names (the names vLLM's loader
