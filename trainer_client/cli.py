@@ -88,13 +88,20 @@ def demo_command(args: argparse.Namespace) -> None:
 def add_toy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("toy"), help="output directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--task",
+        choices=("arithmetic", "calculator"),
+        default="arithmetic",
+        help="arithmetic: single answers; calculator: tool-call episodes (rows name the "
+        "calculator environment) [arithmetic]",
+    )
     p.set_defaults(func=toy_command)
 
 
 def toy_command(args: argparse.Namespace) -> None:
     from trainer_client.toy import build_toy
 
-    paths = build_toy(args.out, seed=args.seed)
+    paths = build_toy(args.out, seed=args.seed, toy_task=args.task)
     print(f"model: {paths.model_dir}")
     for f in paths.data_files:
         print(f"data:  {f}")

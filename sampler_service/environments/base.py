@@ -1,39 +1,79 @@
-"""Placeholder of the environment protocol (replaced by the environments package)."""
+"""The environment protocol: what an episode's turns talk to.
+
+An episode alternates the model's actions with an environment's answers. The shape is the
+one SkyRL-Gym and OpenRLHF users already write (``reset``, ``step``, ``close``, all async),
+with per-turn stop strings as in NeMo-RL, so an existing environment ports by renaming. An
+environment is trusted user code run in the service's process; a fresh instance serves
+each episode, so an environment may keep per-episode state on ``self`` without locking.
+"""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+#: What an observation may be: text (encoded without special tokens), chat messages
+#: (rendered as a chat-template delta) or token ids (used as they are).
+Observation = str | list[dict[str, Any]] | list[int]
 
-@dataclass
+
+@dataclass(frozen=True)
 class Reset:
+    """The start of an episode.
+
+    ``messages`` are appended to a chat prompt before the first turn, ``observation`` to
+    any prompt (text or token ids, as a step's); ``stop`` are the first turn's stop
+    strings; ``info`` is carried into the episode's record (a tool environment lists its
+    tools' schemas there under ``tools``, for a chat template that renders them).
+    """
+
     messages: list[dict[str, Any]] = field(default_factory=list)
     observation: str | list[int] | None = None
     stop: tuple[str, ...] = ()
     info: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Step:
-    observation: str | list[dict[str, Any]] | list[int] | None
+    """The environment's answer to one action.
+
+    ``observation`` is appended (mask 0) before the next turn unless ``done``; ``reward``,
+    given on the last step, is the episode's terminal reward (None: the row's verifier
+    scores the final text); ``stop`` are the next turn's stop strings.
+    """
+
+    observation: Observation | None
     done: bool
     reward: float | None = None
     stop: tuple[str, ...] = ()
     info: dict[str, Any] = field(default_factory=dict)
 
 
+class EnvironmentFailure(Exception):
+    """The environment, not the model, failed (a crash, a timeout, a broken resource).
+
+    An episode that ends this way is neither a success nor a failure of the policy: it is
+    re-run instead of counted. A tool that rejects the model's call is not one of these;
+    that is an observation the model must learn from.
+    """
+
+
 class Environment(Protocol):
-    async def reset(self, row: Mapping[str, Any], *, seed: int | None) -> Reset: ...
-    async def step(self, action: str) -> Step: ...
-    async def close(self) -> None: ...
+    """One episode's environment (a fresh instance per episode)."""
+
+    async def reset(self, row: Mapping[str, Any], *, seed: int | None) -> Reset:
+        """Start an episode for the dataset row ``row``."""
+        ...
+
+    async def step(self, action: str) -> Step:
+        """Answer the model's action (the decoded text of its turn)."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the episode held; called once, whatever the outcome."""
+        ...
 
 
-def load_environment_factory(spec: str) -> Callable[[], Environment]:
-    if not spec.startswith("python:"):
-        raise ValueError(f"unknown environment {spec!r}")
-    module, _, name = spec.removeprefix("python:").partition(":")
-    factory: Callable[[], Environment] = getattr(importlib.import_module(module), name)
-    return factory
+#: Called once per episode for a fresh environment.
+EnvironmentFactory = Callable[[], Environment]

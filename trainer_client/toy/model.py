@@ -53,15 +53,15 @@ CHARS = "0123456789+-*= "
 MAX_LEN = 64
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer: each character of ``CHARS`` is one token.
+def build_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: each character of ``chars`` is one token.
 
     Splitting every character into its own pre-token and mapping it with a word-level
     vocabulary gives exactly one id per character; the ``Fuse`` decoder joins tokens
     back without the spaces a word-level decoder would insert. No post-processor, so
     prompts get no BOS and no EOS: the model sees exactly the prompt's characters.
     """
-    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *CHARS])}
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *chars])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()

@@ -5,3 +5,7 @@
 from pathlib import Path
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+
+#: The calculator variant's weights (a 21-token vocabulary with the tool-call characters),
+#: written by ``python -m trainer_client.toy.calculator --train``.
+CALCULATOR_WEIGHTS_DIR = Path(__file__).resolve().parent / "calculator_weights"
