@@ -33,7 +33,9 @@ from typing import Any, Protocol, TypeVar
 from sampler_service.backends.base import Completion, FinishReason, SamplingParams
 from sampler_service.config import EpisodeKnobs
 from sampler_service.dataset import PromptRow
-from sampler_service.environments.base import Environment, load_environment_factory
+from sampler_service.environments import load_environment_factory
+from sampler_service.environments.base import Environment
+from sampler_service.environments.render import ObservationRenderer
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,9 @@ T = TypeVar("T")
 
 #: One engine call of one turn: the ids so far and the turn's sampling knobs.
 GenerateTurn = Callable[[list[int], SamplingParams], Awaitable[Completion]]
-#: Renders an observation (text, chat messages or token ids) into the tokens appended.
-RenderObservation = Callable[[Any], list[int]]
+#: Renders an observation (text, chat messages or token ids) into the tokens appended,
+#: given the ids of the turn it follows (a chat delta closes that turn first).
+RenderObservation = Callable[[Any, list[int]], list[int]]
 
 
 class EpisodeTokenizer(Protocol):
@@ -274,9 +277,11 @@ class EpisodeRunner:
             # every turn's request must leave the engine room for at least one token
             budget = min(budget, self.max_context - len(prompt) - 1)
 
+        turn_ids: list[int] = []
+
         def observe(observation: Any) -> bool:
             """Append an observation (mask 0); False when it used up the budget."""
-            tokens = self.render(observation)[: limits.obs_max_tokens]
+            tokens = self.render(observation, turn_ids)[: limits.obs_max_tokens]
             room = budget - len(ids)
             cut = tokens[: max(room, 0)]
             ids.extend(cut)
@@ -307,6 +312,7 @@ class EpisodeRunner:
                 seed=turn_seed(sampling.seed, index, turns + 1),
             )
             out = await generate(prompt + ids, turn_sampling)
+            turn_ids = list(out.token_ids)
             turns += 1
             ids.extend(out.token_ids)
             mask.extend([1] * len(out.token_ids))
@@ -349,15 +355,18 @@ def load_factories(specs: set[str]) -> dict[str, Callable[[], Environment]]:
 
 def observation_renderer(tokenizer: Any) -> RenderObservation:
     """Observations as tokens: text encoded without special tokens, token ids as they
-    are, chat messages as the chat template's delta."""
+    are, chat messages as the chat template's delta after the turn
+    (`sampler_service.environments.render`); anything else fails the episode."""
+    renderer = ObservationRenderer(tokenizer)
 
-    def render(observation: Any) -> list[int]:
-        if isinstance(observation, str):
-            return list(tokenizer.encode(observation, add_special_tokens=False))
-        if isinstance(observation, list) and all(isinstance(t, int) for t in observation):
-            return list(observation)
-        raise EnvironmentFailed(
-            f"an observation must be text, chat messages or token ids, got {observation!r:.200}"
-        )
+    def render(observation: Any, turn: list[int]) -> list[int]:
+        if not isinstance(observation, str | list):
+            raise EnvironmentFailed(
+                f"an observation must be text, chat messages or token ids, got {observation!r:.200}"
+            )
+        try:
+            return renderer.render(observation, turn=turn)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise EnvironmentFailed(f"the observation cannot be rendered: {exc!r}") from exc
 
     return render

@@ -37,6 +37,7 @@ from sampler_service.config import (
 )
 from sampler_service.dataset import Dataset, DatasetError, PromptRow
 from sampler_service.encoding import Encoding
+from sampler_service.environments.render import check_prefix_preserving
 from sampler_service.errors import ServiceError
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Delivered, Outbox, lease_consumer, stream_consumer
@@ -291,6 +292,8 @@ class SamplerService:
         specs = self.dataset.env_specs() | ({s.env} if s.env else set())
         try:
             self._env_factories = episodes.load_factories(specs)
+            if self._env_factories:  # chat observations need a prefix-preserving template
+                check_prefix_preserving(_load_tokenizer(s.model), str(s.model))
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
         try:
