@@ -219,6 +219,8 @@ def build_replica_pool(
 
 def build_http_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics) -> Backend:
     """`vllm serve` servers the user runs (`--engine-url`), driven over HTTP."""
+    from sampler_service.backends.engine_service import ServiceName
+    from sampler_service.backends.http_dialects import DIALECTS
     from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
     from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT
 
@@ -232,6 +234,9 @@ def build_http_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics
         probe_s=settings.replica_probe_s,
         probe_timeout_s=settings.replica_probe_timeout_s,
         wait_s=settings.replica_wait_s,
+        dialect=DIALECTS[settings.engine_dialect],
+        services=tuple(ServiceName.parse(name) for name in settings.engine_service),
+        resolve_s=settings.engine_resolve_s,
     )
     return HTTPEngineBackend(settings.model, pool, tokenizer=tokenizer, metrics=metrics)
 
