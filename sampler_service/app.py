@@ -110,7 +110,9 @@ _Features = Annotated[
         max_length=16,
         description="wire features the consumer handles, comma-separated: "
         + ", ".join(sorted(wire_features.FEATURES))
-        + " (no_text: groups without answer and prompt texts); unknown names are a 422",
+        + " (no_text: groups without answer and prompt texts; loss_mask: the consumer trains "
+        "on Sample.loss_mask, required while multi-turn episodes are served); unknown names "
+        "are a 422",
     ),
 ]
 
@@ -263,8 +265,11 @@ def create_app(service: SamplerService) -> FastAPI:
         features: _Features = None,
         accept: Annotated[str | None, Header(include_in_schema=False)] = None,
     ) -> StreamingResponse:
-        """Finished groups for one consumer; 409 while another live stream has its name."""
-        encoding = negotiate(accept, _features(features))
+        """Finished groups for one consumer; 409 while another live stream has its name,
+        or when the consumer lacks a feature these groups need (`feature_required`)."""
+        declared = _features(features)
+        service.check_features(declared)
+        encoding = negotiate(accept, declared)
         messages = service.open_stream(
             consumer, max_unacked, heartbeat_s or settings.heartbeat_s, encoding, groups_per_step
         )
@@ -284,7 +289,7 @@ def create_app(service: SamplerService) -> FastAPI:
     @v1.post(
         "/groups/lease",
         response_model=LeaseResponse,
-        responses=_errors(400, 413),
+        responses=_errors(400, 409, 413),
         openapi_extra=_json_body(LeaseRequest),
     )
     async def lease(
@@ -293,8 +298,11 @@ def create_app(service: SamplerService) -> FastAPI:
         features: _Features = None,
         accept: Annotated[str | None, Header(include_in_schema=False)] = None,
     ) -> Response:
-        """Lease whole frames (JSON, or msgpack on request); they return if not acked."""
-        encoding = negotiate(accept, _features(features))
+        """Lease whole frames (JSON, or msgpack on request); they return if not acked.
+        409 `feature_required` when the consumer lacks a feature these groups need."""
+        declared = _features(features)
+        service.check_features(declared)
+        encoding = negotiate(accept, declared)
         body = parse_body(LeaseRequest, await read_body(request, settings.max_request_bytes))
         payload = await service.lease(
             body.consumer, body.max_groups, body.wait_s, encoding, groups_per_step

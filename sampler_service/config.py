@@ -109,6 +109,35 @@ class ScheduleStep(_Live):
     set: dict[str, Any] = Field(min_length=1)
 
 
+class EpisodeKnobs(_Live):
+    """Bounds of a multi-turn episode (prompts whose row names an environment)."""
+
+    max_turns: int = Field(8, ge=1, le=1_000, description="model turns per episode")
+    max_total_tokens: int = Field(
+        4096,
+        ge=1,
+        le=10_000_000,
+        description="tokens after the prompt, sampled and observation alike; the context "
+        "length caps it too",
+    )
+    max_tokens_per_turn: int = Field(
+        1024, ge=1, le=10_000_000, description="sampled tokens per model turn"
+    )
+    obs_max_tokens: int = Field(
+        1024, ge=1, le=10_000_000, description="tokens kept of one observation (cut at the end)"
+    )
+    env_timeout_s: float = Field(
+        30.0, gt=0.0, le=86_400.0, description="seconds an environment call may take"
+    )
+    max_env_errors: int = Field(
+        3,
+        ge=1,
+        le=1_000,
+        description="environment failures of one prompt (each episode re-run) before the "
+        "prompt is dropped as env_error",
+    )
+
+
 class SamplerConfig(_Live):
     """Everything PATCH /v1/config may change while a run is live."""
 
@@ -150,6 +179,9 @@ class SamplerConfig(_Live):
         None, description="divide advantages by the std; null: the estimator's own choice"
     )
     est: EstKnobs = Field(default_factory=EstKnobs, description="the Est estimator")
+    episode: EpisodeKnobs = Field(
+        default_factory=EpisodeKnobs, description="multi-turn episodes (rows with an env)"
+    )
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="sampling temperature")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling")
     top_k: int | None = Field(None, ge=1, le=10_000_000, description="top-k sampling; null: off")
@@ -459,6 +491,12 @@ class ServeSettings(_Strict):
     verifier: str = Field(
         "exact",
         description="default verifier for rows without one: exact | math | python:module:function",
+    )
+    env: str | None = Field(
+        None,
+        description="default environment for rows without one (their prompts are answered "
+        "by multi-turn episodes): a built-in name | python:module:factory; unset: rows "
+        "without an env get single answers",
     )
     backend: Literal["hf", "vllm", "http"] = Field(
         "hf",

@@ -30,6 +30,9 @@ class PromptRow:
     domain: str
     verifier: str | None = None
     metadata: dict[str, Any] | None = None
+    #: The environment an episode of this prompt runs against (a spec, as verifiers);
+    #: None: single answers (unless the service has a default environment).
+    env: str | None = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
 
@@ -92,7 +95,14 @@ def _to_row(record: dict[str, Any], default_domain: str, where: str) -> PromptRo
         domain=str(record.get("domain") or default_domain),
         verifier=record.get("verifier"),
         metadata=record.get("metadata"),
+        env=_env_spec(record.get("env"), where),
     )
+
+
+def _env_spec(value: Any, where: str) -> str | None:
+    if value is None or isinstance(value, str) and value:
+        return value
+    raise DatasetError(f"{where}: 'env' must be an environment spec string, got {value!r}")
 
 
 class Dataset:
@@ -115,6 +125,10 @@ class Dataset:
         # after it was finished, e.g. too stale to train on), per domain, oldest first.
         self._again: dict[str, deque[PromptRow]] = {d: deque() for d in self.domains}
         self._by_id: dict[tuple[str, str], PromptRow] | None = None
+
+    def env_specs(self) -> set[str]:
+        """The environment specs the rows name (each loaded once at start-up)."""
+        return {row.env for rows in self.rows.values() for row in rows if row.env}
 
     def prompt_ids(self) -> list[str]:
         return [row.id for rows in self.rows.values() for row in rows]

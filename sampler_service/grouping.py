@@ -61,6 +61,7 @@ def build_group(
     verdicts: Sequence[Verdict],
     n_pos: int,
     stop_reason: str,
+    n_env_errors: int = 0,
     make_id: Callable[[], str] = new_id,
 ) -> GroupResult:
     """Turn a prompt's answers (generation order) into its training group.
@@ -114,6 +115,8 @@ def build_group(
             policy_version=completions[i].policy_version,
             verifier_error=verdicts[i].error,
             advantage=float(a),
+            loss_mask=completions[i].loss_mask,
+            num_turns=completions[i].num_turns,
         )
         for i, a in zip(kept.tolist(), adv, strict=True)
     ]
@@ -136,6 +139,7 @@ def build_group(
             n_neg=n_gen - n_pos,
             reward_mean=float(rewards.mean()),
             reward_std=float(rewards.std(ddof=1)) if n_gen > 1 else 0.0,
+            n_env_errors=n_env_errors,
         ),
         samples=samples,
         batch_id="",

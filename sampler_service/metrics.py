@@ -6,7 +6,7 @@ process, as tests and benchmarks run them, from colliding.
 
 from __future__ import annotations
 
-from typing import get_args
+from typing import Any, get_args
 
 from prometheus_client import (
     CollectorRegistry,
@@ -38,6 +38,7 @@ VERIFIER_ERROR_KINDS = ("timeout", "error", "crash", "unavailable")
 # stale: a READY frame that fell more than max_staleness versions behind the weights.
 DROP_REASONS = (
     "engine_error",
+    "env_error",
     "verifier_unavailable",
     "too_few_samples",
     "stale",
@@ -199,6 +200,37 @@ class Metrics:
             registry=r,
         )
 
+        self.episode_turns = Histogram(
+            PREFIX + "episode_turns",
+            "Model turns per finished episode",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+        self.env_errors = Counter(
+            PREFIX + "env_errors",
+            "Environment failures (exception or time-out); each episode was run again",
+            registry=r,
+        )
+        self.env_seconds = Counter(
+            PREFIX + "env_seconds", "Seconds spent in environment calls", registry=r
+        )
+        self.episode_tokens = Counter(
+            PREFIX + "episode_tokens",
+            "Tokens of finished episodes: model (sampled) or observation",
+            ["kind"],
+            registry=r,
+        )
+
+    def observe_episodes(self, wave: Any) -> None:
+        """A wave of episodes (`sampler_service.episodes.EpisodeWave`) finished."""
+        for episode in wave.completions:
+            sampled = sum(episode.loss_mask) if episode.loss_mask is not None else 0
+            self.episode_turns.observe(episode.num_turns)
+            self.episode_tokens.labels("model").inc(sampled)
+            self.episode_tokens.labels("observation").inc(len(episode.token_ids) - sampled)
+        self.env_errors.inc(len(wave.env_errors))
+        self.env_seconds.inc(wave.env_seconds)
+
     def precreate(self, domains: list[str]) -> None:
         """Create every known label set at zero.
 
@@ -218,6 +250,8 @@ class Metrics:
             self.verifier_errors.labels(kind)
         for reason in WEIGHT_FAILURE_REASONS:
             self.weight_update_failures.labels(reason)
+        for kind in ("model", "observation"):
+            self.episode_tokens.labels(kind)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

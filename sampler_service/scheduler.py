@@ -28,6 +28,7 @@ from sampler_service.aio import wait_event
 from sampler_service.backends.base import Backend, Completion, GenerationAborted, SamplingParams
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.episodes import EpisodeRunner, EpisodeWave
 from sampler_service.metrics import Metrics
 from sampler_service.verifiers.base import Verdict
 from strategies import mixing
@@ -95,6 +96,8 @@ class PromptRun:
     cut: bool = False
     #: The allocation budget when last asked (None without a policy).
     budget: int | None = None
+    #: Environment failures met by this prompt's episodes (each one re-run).
+    env_errors: int = 0
 
     @property
     def n_generated(self) -> int:
@@ -148,6 +151,44 @@ class AllocationStats:
         }
 
 
+@dataclass
+class EpisodeStats:
+    """Multi-turn episodes finished, and what they spent (since start)."""
+
+    episodes: int = 0
+    turns: Counter[int] = field(default_factory=Counter)  # model turns -> episodes
+    env_errors: int = 0
+    env_seconds: float = 0.0
+    model_tokens: int = 0  # sampled tokens (loss mask 1)
+    observation_tokens: int = 0  # tokens appended from observations (loss mask 0)
+    last_env_error: str | None = None
+
+    def record(self, wave: EpisodeWave) -> None:
+        for episode in wave.completions:
+            sampled = sum(episode.loss_mask) if episode.loss_mask is not None else 0
+            self.episodes += 1
+            self.turns[episode.num_turns] += 1
+            self.model_tokens += sampled
+            self.observation_tokens += len(episode.token_ids) - sampled
+        self.env_errors += len(wave.env_errors)
+        self.env_seconds += wave.env_seconds
+        if wave.env_errors:
+            self.last_env_error = wave.env_errors[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        turns = sum(k * v for k, v in self.turns.items())
+        return {
+            "episodes": self.episodes,
+            "turns_per_episode": turns / self.episodes if self.episodes else None,
+            "turns": {str(k): v for k, v in sorted(self.turns.items())},
+            "env_errors": self.env_errors,
+            "last_env_error": self.last_env_error,
+            "env_seconds": self.env_seconds,
+            "model_tokens": self.model_tokens,
+            "observation_tokens": self.observation_tokens,
+        }
+
+
 class SchedulerStats:
     """Counters behind GET /v1/stats (Prometheus gets the same events via Metrics)."""
 
@@ -159,6 +200,7 @@ class SchedulerStats:
         self.stop_reasons: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
         self.allocation = AllocationStats()
+        self.episodes = EpisodeStats()
         self.samples = 0
         self.tokens = 0
         self.groups_emitted = 0
@@ -179,6 +221,7 @@ class SchedulerStats:
             "stop_reasons": dict(self.stop_reasons),
             "dropped": dict(self.dropped),
             "skipped": {d: ds.skipped for d, ds in self.domains.items()},
+            "episodes": self.episodes.to_dict(),
         }
 
 
@@ -195,8 +238,10 @@ class Scheduler:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         seed: int = 0,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.backend = backend
+        self.episodes = episodes
         self.dataset = dataset
         self._verify = verify
         self.sink = sink
@@ -540,10 +585,7 @@ class Scheduler:
         failures = 0
         while completions is None:
             try:
-                async with self._generating():
-                    completions = await self.backend.generate(
-                        run.row.token_ids, n, run.plan.sampling
-                    )
+                completions = await self._answers(run, n)
             except GenerationAborted:
                 continue  # a weight update aborted it: re-issue once the gate reopens
             except Exception as exc:  # noqa: BLE001 - any engine failure is retried, then reported
@@ -561,6 +603,8 @@ class Scheduler:
                     return "engine_error"
                 await asyncio.sleep(0.5 * 2**failures)
         self.engine_errors.append(None)
+        if run.env_errors >= run.plan.cfg.episode.max_env_errors:
+            return "env_error"
         verdicts = await asyncio.gather(*(self._score(run.row, c) for c in completions))
         if any(v.kind == "unavailable" for v in verdicts):
             return "verifier_unavailable"
@@ -583,9 +627,46 @@ class Scheduler:
         self.metrics.wave_latency.observe(self.clock() - started)
         return None
 
+    async def _answers(self, run: PromptRun, n: int) -> list[Completion]:
+        """One wave's answers: n single answers in one engine call, or n episodes."""
+        row = run.row
+        factory = self.episodes.factory_for(row) if self.episodes is not None else None
+        if factory is None:
+            async with self._generating():
+                return await self.backend.generate(
+                    row.token_ids, n, run.plan.sampling, affinity_key=row.id
+                )
+        assert self.episodes is not None
+        knobs = run.plan.cfg.episode
+
+        async def turn(ids: list[int], sampling: SamplingParams) -> Completion:
+            while True:  # a weight update's abort re-issues the turn, not the episode
+                try:
+                    async with self._generating():
+                        [answer] = await self.backend.generate(
+                            ids, 1, sampling, affinity_key=row.id
+                        )
+                    return answer
+                except GenerationAborted:
+                    continue
+
+        wave = await self.episodes.wave(
+            row, factory, n, run.plan.sampling, knobs, turn, knobs.max_env_errors - run.env_errors
+        )
+        run.env_errors += len(wave.env_errors)
+        self.stats.episodes.record(wave)
+        if wave.env_errors:
+            log.warning("environment of prompt %s: %s", row.id, wave.env_errors[-1])
+        self.metrics.observe_episodes(wave)
+        return wave.completions
+
     async def _score(self, row: PromptRow, completion: Completion) -> Verdict:
-        """A truncated answer scores 0 without being verified: its final answer is missing."""
-        if completion.finish_reason == "length":
+        """A truncated answer scores 0 without being verified: its final answer is missing.
+        So does an episode that ran out of turns; one whose environment gave a terminal
+        reward scores that."""
+        if completion.env_reward is not None:
+            return Verdict(completion.env_reward, None)
+        if completion.finish_reason in ("length", "turns"):
             return Verdict(0.0, None)
         return await self._verify(row, completion)
 
@@ -630,6 +711,7 @@ class Scheduler:
             verdicts=run.verdicts,
             n_pos=run.n_pos,
             stop_reason=stop_reason,
+            n_env_errors=run.env_errors,
         )
         reward_mean = float(np.mean([v.reward for v in run.verdicts]))
         self.mixer.observe(row.domain, reward_mean, result.mean_abs_advantage)

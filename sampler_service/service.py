@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from sampler_service import episodes
 from sampler_service.aio import wait_event
 from sampler_service.backends.base import (
     Backend,
@@ -48,6 +49,7 @@ from sampler_service.state_dir import StateDirError, fingerprint, open_state_dir
 from sampler_service.store import ACKED_KEY, AsyncStore, Store, StoredFrame, StoredGroup
 from sampler_service.verifiers.base import Verdict
 from sampler_service.verifiers.pool import VerifierPool
+from trainer_client.contract import features as wire_features
 from trainer_client.contract.protocol import AckResponse, Group, Health, Heartbeat, WeightsResponse
 from trainer_client.contract.wire import pack_group, unpack_group
 
@@ -291,6 +293,7 @@ class SamplerService:
         self._schedule_applied = 0
         self._engine_failure_logged = False
         self._prepared = False
+        self._env_factories: dict[str, Any] = {}
         #: One line on what this process delivered, set when it stops (the CLI prints it).
         self.shutdown_summary: str | None = None
         self._acked_at_start = 0
@@ -322,6 +325,11 @@ class SamplerService:
         except DatasetError as exc:
             raise StartupError(str(exc)) from exc
         self.context_length = _context_length(s.model)
+        specs = self.dataset.env_specs() | ({s.env} if s.env else set())
+        try:
+            self._env_factories = episodes.load_factories(specs)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
         try:
             if "max_tokens" in self._given:
                 self._check_context(self._initial_config)
@@ -425,6 +433,7 @@ class SamplerService:
             config_version=version,
             metrics=self.metrics,
             seed=s.seed,
+            episodes=self._episode_runner(),
         )
         state = await self.store.call(self.store.sync.get, "scheduler_state")
         if state:
@@ -584,9 +593,40 @@ class SamplerService:
             )
             row.token_ids = list(self.tokenizer(row.text, add_special_tokens=False)["input_ids"])
 
+    def _episode_runner(self) -> episodes.EpisodeRunner | None:
+        """The runner of multi-turn episodes, when a row or --env names an environment."""
+        if not self._env_factories:
+            return None
+        return episodes.EpisodeRunner(
+            self.tokenizer,
+            episodes.observation_renderer(self.tokenizer),
+            self._env_factories,
+            default_env=self.settings.env,
+            max_context=self.context_length,
+        )
+
+    def required_features(self) -> frozenset[str]:
+        """Wire features a consumer must declare: `loss_mask` while episodes are served
+        (their observation tokens must not be trained on)."""
+        return frozenset({wire_features.LOSS_MASK}) if self._env_factories else frozenset()
+
+    def check_features(self, declared: frozenset[str]) -> None:
+        """409 `feature_required` for a consumer that would mistrain on these groups."""
+        if missing := sorted(self.required_features() - declared):
+            raise ServiceError(
+                409,
+                "feature_required",
+                f"this sampler serves multi-turn episodes: declare the feature"
+                f"{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                f"(?{wire_features.QUERY_PARAM}={','.join(missing)}) and train on "
+                "Sample.loss_mask == 1 tokens only",
+                wire_features.QUERY_PARAM,
+            )
+
     async def _verify(self, row: PromptRow, completion: Completion) -> Verdict:
         spec = row.verifier or self.settings.verifier
-        verdict = await self.verifiers.verify(spec, completion.text, row.answer, row.metadata)
+        text = completion.text if completion.answer_text is None else completion.answer_text
+        verdict = await self.verifiers.verify(spec, text, row.answer, row.metadata)
         self.metrics.verifier_latency.observe(verdict.seconds)
         if verdict.kind != "ok":
             self.metrics.verifier_errors.labels(verdict.kind).inc()

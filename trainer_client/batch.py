@@ -109,7 +109,16 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
         input_ids[i, :p] = torch.tensor(g.prompt_token_ids, dtype=torch.long)
         input_ids[i, p : p + r] = torch.tensor(s.response_token_ids, dtype=torch.long)
         attention[i, : p + r] = 1
-        response[i, p : p + r] = 1.0
+        if s.loss_mask is None:
+            response[i, p : p + r] = 1.0
+        elif len(s.loss_mask) == r:
+            # an episode: observation tokens (mask 0) are context, not trained on
+            response[i, p : p + r] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        else:
+            raise ValueError(
+                f"group {g.group_id} sample {s.sample_id}: {len(s.loss_mask)} loss mask "
+                f"values for {r} tokens"
+            )
         behaviour[i, p : p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
         tw = s.token_weights if s.token_weights is not None else [1.0] * r
         if len(tw) != r:

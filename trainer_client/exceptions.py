@@ -10,7 +10,8 @@
         ├── AuthError          401, 403: missing or wrong API key
         ├── NotFound           404
         ├── ConflictError      409: a version that does not increase, a stale
-        │                      config_version, a consumer name in use
+        │                      config_version, a consumer name in use, a wire feature
+        │                      the sampler's groups need (`feature_required`)
         ├── PayloadTooLarge    413
         └── ServerError        5xx (502, 503 and 504 are retried before they are raised)
 

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from trainer_client.batch import BatchAssembler, TrainBatch
 from trainer_client.client import SamplerClient
-from trainer_client.contract.features import NO_TEXT
+from trainer_client.contract.features import LOSS_MASK, NO_TEXT
 from trainer_client.contract.flags import command_line
 from trainer_client.train_config import TrainConfig
 
@@ -135,21 +135,27 @@ def ppo_clip_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean PPO-clip: sum_t w_t max(-A r_t, -A clip(r_t, 1-lo, 1+hi)) / #tokens."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    """Token-mean PPO-clip: sum_t w_t max(-A r_t, -A clip(r_t, 1-lo, 1+hi)) / #tokens,
+    over the tokens where `mask` is 1."""
+    keep = mask > 0
+    # Masked-out positions (an episode's observation tokens) get ratio 1 and weight 0
+    # before any arithmetic: whatever was recorded there, even an inf, reaches neither
+    # the loss nor its gradient (a product with the mask would turn inf into NaN).
+    ratio = torch.exp(logprobs - torch.where(keep, old_logprobs, logprobs.detach()))
+    weights = torch.where(keep, weights, 0.0)
     adv = advantages[:, None]
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped) * weights
     n_tokens = mask.sum().clamp(min=1.0)
-    loss = (per_token * mask).sum() / n_tokens
+    loss = per_token.sum() / n_tokens
     clip_frac = ((clipped > unclipped).float() * mask).sum() / n_tokens
     return loss, {"clip_frac": clip_frac.item()}
 
 
 def approx_kl(logprobs: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> float:
     """k3 estimate of KL(sampler || policy) over response tokens: E[r - 1 - log r]."""
-    log_r = (logprobs - behaviour) * mask
+    log_r = torch.where(mask > 0, logprobs - behaviour, 0.0)
     return ((torch.exp(log_r) - 1 - log_r) * mask).sum().item() / max(mask.sum().item(), 1.0)
 
 
@@ -166,9 +172,9 @@ class GRPOTrainer:
             watchdog_s=cfg.watchdog_s,
             max_unacked=cfg.max_unacked or 2 * cfg.batch_groups,
             groups_per_step=cfg.batch_groups,
-            # It trains on token ids and logprobs and never reads a text: a third fewer
-            # bytes per group on the wire.
-            features=[NO_TEXT],
+            # It trains on token ids and logprobs and never reads a text (a third fewer
+            # bytes per group on the wire), and on an episode's sampled tokens only.
+            features=[NO_TEXT, LOSS_MASK],
         )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
@@ -202,9 +208,10 @@ class GRPOTrainer:
         adv = (
             b.advantages if cfg.advantage == "server" else grpo_advantages(b.rewards, b.group_index)
         )
-        weights = b.sample_weights[:, None] * b.token_weights
+        weights = b.sample_weights[:, None] * torch.where(mask > 0, b.token_weights, 0.0)
         if cfg.tis_cap:
-            weights = weights * torch.exp(old_lp - b.behaviour_logprobs).clamp(max=cfg.tis_cap)
+            log_r = torch.where(mask > 0, old_lp - b.behaviour_logprobs, 0.0)
+            weights = weights * torch.exp(log_r).clamp(max=cfg.tis_cap)
         losses, clip_fracs, grad_norms = [], [], []
         for _ in range(cfg.ppo_epochs):
             for idx in torch.randperm(b.size).chunk(cfg.minibatches):

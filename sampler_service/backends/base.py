@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+#: Why an answer ended. An episode adds `turns` (max_turns reached) and `timeout` (an
+#: environment step ran past env_timeout_s at the last turn); `length` is also an episode
+#: that used up its token budget.
+FinishReason = Literal["stop", "length", "abort", "turns", "timeout"]
 
 
 class GenerationAborted(RuntimeError):
@@ -46,6 +49,11 @@ class SamplingParams:
     top_k: int | None = None
     max_tokens: int = 16
     seed: int | None = None
+    #: Strings and token ids that end an answer besides EOS (an episode's turn ends at
+    #: the environment's stop strings, e.g. `</tool_call>`); the stop is kept in the
+    #: answer's tokens, which are never re-encoded.
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def check_request(
@@ -82,13 +90,24 @@ def check_request(
 
 @dataclass
 class Completion:
-    """One generated answer with the behaviour policy's per-token logprobs."""
+    """One generated answer with the behaviour policy's per-token logprobs.
+
+    An episode of several turns is one completion too: `token_ids` hold everything after
+    the prompt (sampled and observation tokens alike), `loss_mask` is 1 on the sampled
+    ones only (None: all sampled, a single-turn answer) and `logprobs` are 0.0 where the
+    mask is 0. `answer_text` is what the verifier scores when it is not `text` (an
+    episode's last turn), `env_reward` the environment's terminal reward if it gave one.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     text: str
     finish_reason: FinishReason
     policy_version: int = 0
+    loss_mask: list[int] | None = None
+    num_turns: int = 1
+    answer_text: str | None = None
+    env_reward: float | None = None
 
 
 @dataclass(frozen=True)
@@ -138,9 +157,19 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
-        """Return n independent samples for one prompt; never blocks the event loop."""
+        """Return n independent samples for one prompt; never blocks the event loop.
+
+        `affinity_key` (the prompt's id) keeps the calls of one prompt on one replica,
+        so the turns of an episode find their prefix in its cache; without it a
+        multi-replica backend keys on the prompt's tokens.
+        """
 
     @abc.abstractmethod
     def weight_specs(self) -> Mapping[str, TensorSpec]:

@@ -236,7 +236,12 @@ class EngineProcess(Backend):
         return await future
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         return await self._call("generate", list(prompt_token_ids), n, sampling)
 

@@ -288,7 +288,12 @@ class HFBackend(Backend):
     # ------------------------------------------------------------------ generation
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         self._require_running()
         check_request(prompt_token_ids, n, sampling, vocab_size=self._vocab_size)
@@ -402,21 +407,26 @@ class HFBackend(Backend):
                 generation_config=self._generation_config(sampling),
                 logits_processor=LogitsProcessorList([recorder]),
                 stopping_criteria=StoppingCriteriaList([_AbortCriteria(batch.abort)]),
+                # transformers matches stop strings through the tokenizer's vocabulary
+                **({"tokenizer": self._tokenizer} if sampling.stop else {}),
             )
         self.model_calls += 1
         logprobs = recorder.finish(out.sequences)
         completions = []
         for tokens, lps in zip(out.sequences[:, width:].tolist(), logprobs, strict=True):
-            completions.append(self._completion(tokens, lps, sampling.max_tokens, version))
+            completions.append(self._completion(tokens, lps, sampling, version))
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
         return completions
 
     def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
         """Every knob that shapes the distribution is explicit: nothing comes from defaults
         (transformers would otherwise apply its global top_k=50)."""
+        if sampling.stop and self._tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer, which was not found")
         common: dict[str, Any] = {
             "max_new_tokens": sampling.max_tokens,
-            "eos_token_id": self._eos_ids or None,
+            "eos_token_id": [*self._eos_ids, *sampling.stop_token_ids] or None,
+            "stop_strings": list(sampling.stop) or None,
             "pad_token_id": self._pad_id,
             "return_dict_in_generate": True,
         }
@@ -431,17 +441,30 @@ class HFBackend(Backend):
         )
 
     def _completion(
-        self, tokens: list[int], logprobs: list[float], max_tokens: int, version: int
+        self, tokens: list[int], logprobs: list[float], sampling: SamplingParams, version: int
     ) -> Completion:
-        """Cut a generated row after its first eos (the rest is padding) and label it."""
-        stop = next((i for i, token in enumerate(tokens) if token in self._eos_ids), None)
+        """Cut a generated row after its first stop (the rest is padding) and label it."""
+        stop = self._stop_index(tokens, sampling)
         reason: FinishReason
         if stop is not None:
             tokens, reason = tokens[: stop + 1], "stop"
-        else:  # without eos a row is only short of max_tokens when abort_all cut it
-            reason = "length" if len(tokens) >= max_tokens else "abort"
+        else:  # without a stop a row is only short of max_tokens when abort_all cut it
+            reason = "length" if len(tokens) >= sampling.max_tokens else "abort"
         text = self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
         return Completion(tokens, logprobs[: len(tokens)], text, reason, version)
+
+    def _stop_index(self, tokens: list[int], sampling: SamplingParams) -> int | None:
+        """Index of the token that ended the row: an eos or stop id, or the token that
+        completed a stop string (found by decoding growing prefixes, as generate did)."""
+        stop_ids = {*self._eos_ids, *sampling.stop_token_ids}
+        at_id = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+        if not sampling.stop or self._tokenizer is None:
+            return at_id
+        for i in range(len(tokens) if at_id is None else at_id):
+            text = self._tokenizer.decode(tokens[: i + 1], skip_special_tokens=True)
+            if any(s in text for s in sampling.stop):
+                return i
+        return at_id
 
     def _add_completions(self, req: _Request, completions: list[Completion]) -> None:
         if req.future.done():  # cancelled by its caller or aborted: drop its rows

@@ -64,7 +64,8 @@ def _vllm_request(
     stop_ids: Sequence[int],
     request_id: str,
 ) -> dict[str, Any]:
-    """Every distribution knob explicit, so a server's generation_config changes nothing."""
+    """Every distribution knob explicit, so a server's generation_config changes nothing;
+    `stop_ids` are the model's end-of-sequence ids."""
     return {
         "model": model,
         "prompt": prompt,
@@ -79,7 +80,9 @@ def _vllm_request(
         "presence_penalty": 0.0,
         "seed": sampling.seed,
         "logprobs": 0,
-        "stop_token_ids": list(stop_ids),
+        "stop_token_ids": [*stop_ids, *sampling.stop_token_ids],
+        "stop": list(sampling.stop),
+        "include_stop_str_in_output": True,
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
         "request_id": request_id,
@@ -119,7 +122,9 @@ def _sglang_request(
         "repetition_penalty": 1.0,
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
-        "stop_token_ids": list(stop_ids),
+        "stop_token_ids": [*stop_ids, *sampling.stop_token_ids],
+        "stop": list(sampling.stop),
+        "no_stop_trim": True,  # the stop string stays in the answer, as vLLM's does
         "skip_special_tokens": False,
     }
     if sampling.seed is not None:

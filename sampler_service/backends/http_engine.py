@@ -73,7 +73,7 @@ from sampler_service.backends.engine_service import (
     system_resolver,
 )
 from sampler_service.backends.http_dialects import VLLM, Answer, Dialect
-from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter
+from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter, affinity
 from sampler_service.backends.vllm import eos_token_ids, read_checkpoint
 from sampler_service.metrics import Metrics
 
@@ -393,7 +393,12 @@ class HTTPEngineBackend(Backend):
         return self._dialect.request(srv.model, prompt, n, sampling, self._eos, request_id)
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         prompt = list(prompt_token_ids)
         lens = [s.max_model_len for s in self._servers if s.max_model_len]
@@ -404,7 +409,7 @@ class HTTPEngineBackend(Backend):
             vocab_size=self._vocab_size,
             max_model_len=min(lens) if lens else None,
         )
-        key = hash(tuple(prompt))
+        key = affinity(prompt, affinity_key)
         reissue = False
         while True:
             srv = await self._router.acquire(key, n, reissue)

@@ -51,7 +51,7 @@ from sampler_service.backends.base import (
 )
 from sampler_service.backends.replica import NotStarted, Replica
 from sampler_service.backends.replica_channel import ReplicaChannel
-from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter
+from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, Route, WaveRouter, affinity
 from sampler_service.backends.vllm_nccl import nccl_rank_offsets, nccl_replica_init_infos
 from sampler_service.metrics import Metrics
 
@@ -382,11 +382,16 @@ class RayPoolBackend(Backend):
         return await self._router.acquire(key, n, reissue)
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         self._serving = True  # the sampler restored its weights before the first wave
         prompt = list(prompt_token_ids)
-        key = hash(tuple(prompt))
+        key = affinity(prompt, affinity_key)
         reissue = False
         while True:
             rep = await self._acquire(key, n, reissue)

@@ -59,7 +59,12 @@ class ReplicaChannel:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         loop = asyncio.get_running_loop()
         call_id = next(self._ids)

@@ -38,6 +38,13 @@ Route = Literal["sticky", "least-loaded"]
 Decision = Literal["sticky", "moved", "new"]
 
 
+def affinity(prompt_token_ids: Sequence[int], affinity_key: str | None) -> int:
+    """The key a prompt's waves are sticky on: the caller's affinity key (the prompt's
+    id, which stays the same across an episode's turns while the tokens grow), else the
+    prompt's tokens."""
+    return hash(affinity_key) if affinity_key is not None else hash(tuple(prompt_token_ids))
+
+
 class Target(Protocol):
     """An engine as the router sees it: its position in the pool and its load."""
 

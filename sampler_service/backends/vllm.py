@@ -341,13 +341,22 @@ class VLLMBackend(Backend):
             max_tokens=sampling.max_tokens,
             seed=sampling.seed,
             logprobs=0,
-            stop_token_ids=list(self._eos),
-            detokenize=False,
+            stop_token_ids=[*self._eos, *sampling.stop_token_ids],
+            # Stop strings are matched on text: only then is the answer detokenized, and
+            # the stop stays in it as it stays in the tokens.
+            stop=list(sampling.stop) or None,
+            include_stop_str_in_output=bool(sampling.stop),
+            detokenize=bool(sampling.stop),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         engine = self._require_running()
         self._check(prompt_token_ids, n, sampling)

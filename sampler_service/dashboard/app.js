@@ -142,7 +142,23 @@ function renderStats(stats) {
   fillRows($("#stop-reasons tbody"), pairs(stats.stop_reasons));
   fillRows($("#drops tbody"), pairs(stats.dropped).length ? pairs(stats.dropped) : [["none", "0"]]);
   renderReplicas(stats.replicas);
+  renderEpisodes(stats.episodes);
   updateCharts(stats);
+}
+
+// Multi-turn episodes: shown once the sampler has run any.
+function renderEpisodes(ep) {
+  const panel = $("#episodes-panel");
+  panel.hidden = !(ep && ep.episodes > 0);
+  if (panel.hidden) return;
+  const tokens = ep.model_tokens + ep.observation_tokens;
+  fillRows($("#episodes tbody"), [
+    ["episodes", fmt(ep.episodes)],
+    ["turns per episode", fmt(ep.turns_per_episode, 2)],
+    ["environment errors", fmt(ep.env_errors) + (ep.last_env_error ? ` (last: ${ep.last_env_error})` : "")],
+    ["environment seconds", fmt(ep.env_seconds, 1)],
+    ["model / observation tokens", `${fmt(ep.model_tokens)} / ${fmt(ep.observation_tokens)} (${pct(tokens ? ep.observation_tokens / tokens : null)} observation)`],
+  ]);
 }
 
 function renderReplicas(replicas) {

@@ -10,7 +10,7 @@ import torch
 from client_helpers import group, sample
 
 from trainer_client.batch import BatchAssembler, collate
-from trainer_client.contract.features import NO_TEXT
+from trainer_client.contract.features import LOSS_MASK, NO_TEXT
 from trainer_client.contract.protocol import Group
 from trainer_client.grpo import (
     GRPOTrainer,
@@ -204,11 +204,77 @@ def test_train_step_loss_matches_hand_computed_value(tiny_model_dir: Path) -> No
     assert metrics["version_lag_mean"] == 0.0
 
 
-def test_the_reference_trainer_declares_it_takes_no_text(tiny_model_dir: Path) -> None:
-    """It trains on token ids alone, so its stream and leases ask for groups without texts."""
+def test_the_reference_trainer_declares_no_text_and_loss_mask(tiny_model_dir: Path) -> None:
+    """It trains on token ids alone, so its stream and leases ask for groups without texts,
+    and on sampled tokens only, so it takes multi-turn episodes."""
     trainer = GRPOTrainer(TrainConfig(url="http://unused", model=tiny_model_dir))
     try:
-        assert trainer.client.features == NO_TEXT
-        assert trainer.client._query_params(None)["features"] == NO_TEXT
+        assert trainer.client.features == f"{LOSS_MASK},{NO_TEXT}"
+        assert trainer.client._query_params(None)["features"] == f"{LOSS_MASK},{NO_TEXT}"
     finally:
         trainer.client.close()
+
+
+def _episode(logprob_at_obs: float, weight_at_obs: float) -> Group:
+    """One group of two episodes: tokens 9 and 10 of the first came from an observation
+    (mask 0), with whatever logprob and token weight were recorded there."""
+    return G(
+        "ep",
+        prompt=[3, 4],
+        samples=[
+            sample(
+                [5, 9, 10, 6],
+                logprobs=[-2.0, logprob_at_obs, logprob_at_obs, -2.5],
+                reward=1.0,
+                advantage=0.75,
+                token_weights=[0.5, weight_at_obs, weight_at_obs, 1.5],
+                loss_mask=[1, 0, 0, 1],
+                num_turns=2,
+            ),
+            sample([7], logprobs=[-0.01], reward=0.0, advantage=-0.75),
+        ],
+    )
+
+
+def test_collate_takes_the_response_mask_from_the_loss_mask() -> None:
+    b = collate([_episode(0.0, 1.0)], pad_id=0)
+    assert b.response_mask.tolist() == [[0, 0, 1, 0, 0, 1], [0, 0, 1, 0, 0, 0]]
+    with pytest.raises(ValueError, match="3 loss mask values for 4 tokens"):
+        collate([G("x", samples=[sample([5, 6, 7, 8], loss_mask=[1, 0, 1])])], pad_id=0)
+
+
+def test_the_loss_has_no_term_at_observation_tokens(tiny_model_dir: Path) -> None:
+    """What was recorded at mask-0 positions (logprob, token weight, even inf) changes
+    neither the step's loss nor its gradient; the same change at a mask-1 position does."""
+    cfg = TrainConfig(
+        url="http://unused", model=tiny_model_dir, tis_cap=2.0, advantage="server", lr=0.0
+    )
+    trainer = GRPOTrainer(cfg, client=_NoClient())  # type: ignore[arg-type]
+    trainer._temperatures[0] = 1.0
+    runs = [
+        trainer.train_step(collate([_episode(lp, w)], pad_id=0))
+        for lp, w in ((0.0, 1.0), (-7.0, 3.0), (-math.inf, math.inf))
+    ]
+    for other in runs[1:]:  # equal up to float32 summation order (minibatches shuffle)
+        for key in ("loss", "grad_norm", "approx_kl"):
+            assert other[key] == pytest.approx(runs[0][key], rel=1e-6, abs=1e-9), key
+    assert math.isfinite(runs[0]["loss"]) and runs[0]["grad_norm"] > 0
+    # the check can fail: the same episode with its observation tokens trained on differs
+    unmasked = _episode(-7.0, 3.0)
+    unmasked.samples[0].loss_mask = None
+    changed = trainer.train_step(collate([unmasked], pad_id=0))["loss"]
+    assert changed != pytest.approx(runs[0]["loss"], rel=1e-3)
+
+    # and at the loss itself: the gradient w.r.t. the policy's logprobs is zero there
+    logprobs = torch.tensor([[-1.0, -0.5, -0.7, -1.2]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    grads = []
+    for old_at_obs, w_at_obs in ((-1.0, 1.0), (math.inf, math.inf)):
+        old = torch.tensor([[-1.1, old_at_obs, old_at_obs, -1.0]])
+        weights = torch.tensor([[1.0, w_at_obs, w_at_obs, 1.0]])
+        loss, _ = ppo_clip_loss(logprobs, old, torch.tensor([0.5]), weights, mask)
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        grads.append((loss.item(), grad))
+    assert grads[0][0] == grads[1][0]
+    assert torch.equal(grads[0][1], grads[1][1])
+    assert grads[0][1][0, 1] == 0 and grads[0][1][0, 2] == 0 and grads[0][1][0, 0] != 0

@@ -63,6 +63,18 @@ def test_data_errors_are_one_line_naming_the_file_and_create_nothing(
     assert not state.exists()
 
 
+def test_an_environment_that_cannot_load_is_refused_at_start_naming_it(
+    toy: Any, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    for spec in ("python:no_such_module:make", "no-such-builtin"):
+        assert spec in one_line_error(serve(toy, state, "--env", spec))
+    row = tmp_path / "row.jsonl"
+    row.write_text('{"prompt": "1+1=", "answer": "2", "env": "python:no_such_module:f"}\n')
+    assert "python:no_such_module:f" in one_line_error(serve(toy, state, data=[row]))
+    assert not state.exists()
+
+
 def test_a_max_tokens_past_the_context_is_refused_at_start_naming_the_flag(
     toy: Any, tmp_path: Path
 ) -> None:

@@ -262,3 +262,27 @@ def test_v0_advantage_block_with_service_outputs(reinforce_ada_sampler) -> None:
     assert data_metrics["critic/score/mean"] == pytest.approx(
         float(np.mean([s.reward for g in groups for s in g.samples]))
     )
+
+
+def test_an_episode_trains_on_its_sampled_tokens_only() -> None:
+    """An episode's observation tokens (loss mask 0) are context in verl's batch: its
+    `response_mask` is the loss mask, the reward sits on the last sampled token, verl's
+    GRPO advantage is zero on observation tokens, and the record counts verl's turns."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    from trainer_client.verl.convert import tq_records
+
+    episode = _sample(0, [1, 2, 3, 4, 5], 1.0, adv=1.0)
+    episode.loss_mask, episode.num_turns = [1, 0, 0, 1, 0], 2  # ends on an observation
+    group = _group("e1", [5, 6], [episode, _sample(1, [7], 0.0, adv=-1.0)])
+    tensors, non_tensors = groups_to_tensors([group], 0, n=2)
+    assert tensors["response_mask"][0].tolist() == [1, 0, 0, 1, 0]
+    assert tensors["rm_scores"][0].tolist() == [0.0, 0.0, 0.0, 1.0, 0.0]
+    adv, _ = compute_grpo_outcome_advantage(
+        tensors["rm_scores"], tensors["response_mask"], non_tensors["uid"]
+    )
+    assert adv[0, [1, 2, 4]].tolist() == [0.0, 0.0, 0.0] and adv[0, 0] > 0 and adv[0, 3] > 0
+    records = tq_records([group], n=2, global_steps=1)
+    assert records.fields[0]["response_mask"].tolist() == [1, 0, 0, 1, 0]
+    assert records.fields[0]["rm_scores"].tolist() == [0.0, 0.0, 0.0, 1.0, 0.0]
+    assert [r["num_turns"] for r in records.fields] == [4, 2]

@@ -357,3 +357,71 @@ def test_cuda_engine_args_leave_room_for_a_trainer(toy, monkeypatch) -> None:
     assert args["gpu_memory_utilization"] <= 0.5
     mine = VLLMBackend(toy.model_dir, gpu_memory_utilization=0.8)
     assert mine.build_engine_args()["gpu_memory_utilization"] == 0.8
+
+
+class _AskAgain:
+    """A two-turn environment: after the first answer it says `+1=`, then it is done."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def reset(self, row: Any, *, seed: int | None) -> Any:
+        from sampler_service.environments.base import Reset
+
+        return Reset()
+
+    async def step(self, action: str) -> Any:
+        from sampler_service.environments.base import Step
+
+        self.turns += 1
+        return Step(observation="+1=", done=self.turns >= 2)
+
+    async def close(self) -> None:
+        return None
+
+
+def test_episodes_and_stop_strings_match_hf(engines: Engines) -> None:
+    """Greedy episodes on vLLM (prefix caching on, stop strings matched on text) are the
+    hf engine's: the same tokens, masks and turns, logprobs within LOGPROB_TOL."""
+    from sampler_service.config import EpisodeKnobs
+    from sampler_service.dataset import PromptRow
+    from sampler_service.episodes import EpisodeRunner, EpisodeWave, observation_renderer
+
+    assert engines.vllm.engine_args.get("enable_prefix_caching") is not False  # V1's default
+    tok = engines.tokenizer
+    # a two-token stop string stays a string; a one-token one becomes a stop id
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, stop=("23", "9"))
+    prompts = _prompts(tok, per_domain=2)
+    outs = engines.run(
+        _gather(
+            *(engines.vllm.generate(p, 1, sampling) for p in prompts),
+            *(engines.hf.generate(p, 1, sampling) for p in prompts),
+        )
+    )
+    for [v], [h] in zip(outs[: len(prompts)], outs[len(prompts) :], strict=True):
+        assert v.token_ids == h.token_ids and v.finish_reason == h.finish_reason
+        if v.finish_reason == "stop" and v.token_ids[-1] != tok.eos_token_id:
+            assert v.text.endswith(("23", "9"))
+    runner = EpisodeRunner(tok, observation_renderer(tok), {"ask": _AskAgain}, max_context=64)
+    knobs = EpisodeKnobs(max_turns=4, max_tokens_per_turn=8)
+
+    async def episodes(engine: Any) -> list[Any]:
+        async def turn(ids: list[int], s: SamplingParams) -> Any:
+            [answer] = await engine.generate(ids, 1, s, affinity_key="p")
+            return answer
+
+        out = []
+        for i, ids in enumerate(prompts):
+            row = PromptRow(id=f"p{i}", prompt=tok.decode(ids), answer="", domain="d")
+            row.token_ids = ids
+            wave: EpisodeWave = await runner.wave(
+                row, _AskAgain, 1, SamplingParams(temperature=0.0), knobs, turn, 1
+            )
+            out.extend(wave.completions)
+        return out
+
+    v_eps, h_eps = engines.run(episodes(engines.vllm)), engines.run(episodes(engines.hf))
+    for v, h in zip(v_eps, h_eps, strict=True):
+        assert v.token_ids == h.token_ids and v.loss_mask == h.loss_mask
+        assert v.num_turns == h.num_turns == 2 and 0 in v.loss_mask
+        assert _max_diff(v.logprobs, h.logprobs) <= LOGPROB_TOL

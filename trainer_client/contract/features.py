@@ -16,8 +16,14 @@ from collections.abc import Iterable
 #: the texts are about a third of a group's bytes.
 NO_TEXT = "no_text"
 
+#: Samples may be episodes of several turns: `Sample.loss_mask` is 0 on the tokens an
+#: environment's observations put in the response, which must not be trained on. A
+#: sampler that serves episodes refuses (409 `feature_required`) a consumer that did not
+#: declare it, rather than hand it tokens it would train on by mistake.
+LOSS_MASK = "loss_mask"
+
 #: Every feature this version knows.
-FEATURES: frozenset[str] = frozenset({NO_TEXT})
+FEATURES: frozenset[str] = frozenset({NO_TEXT, LOSS_MASK})
 
 #: The query parameter that carries them.
 QUERY_PARAM = "features"

@@ -42,6 +42,13 @@ class Sample(_Wire):
     advantage: float = 0.0
     weight: float = Field(1.0, description="sample weight, mean 1 over its batch frame")
     token_weights: list[float] | None = None
+    loss_mask: list[int] | None = Field(
+        None,
+        description="per response token: 1 where the policy sampled it, 0 where an "
+        "environment's observation put it (train on mask 1 only); null: all 1 (one turn). "
+        "Sent only to a consumer that declared the loss_mask feature",
+    )
+    num_turns: int = Field(1, description="model turns of the episode (1: a single answer)")
 
 
 class GroupStats(_Wire):
@@ -52,6 +59,9 @@ class GroupStats(_Wire):
     n_neg: int
     reward_mean: float
     reward_std: float
+    n_env_errors: int = Field(
+        0, description="episodes whose environment failed (run again, not counted above)"
+    )
 
 
 class Group(_Wire):

@@ -29,7 +29,7 @@ _DTYPES: dict[int, np.dtype[Any]] = {
 }
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 _INT_FIELDS = ("prompt_token_ids",)
-_SAMPLE_INT_FIELDS = ("response_token_ids",)
+_SAMPLE_INT_FIELDS = ("response_token_ids", "loss_mask")
 _SAMPLE_FLOAT_FIELDS = ("logprobs", "token_weights")
 
 
@@ -68,7 +68,8 @@ def pack_group(group: Group) -> bytes:
     for model in group.samples:
         sample = _fields(model)
         for name in _SAMPLE_INT_FIELDS:
-            sample[name] = _array(sample[name], "int")
+            if sample.get(name) is not None:
+                sample[name] = _array(sample[name], "int")
         for name in _SAMPLE_FLOAT_FIELDS:
             if sample.get(name) is not None:
                 sample[name] = _array(sample[name], "float")

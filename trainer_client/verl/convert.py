@@ -9,9 +9,9 @@ One group of n samples becomes n rows. What each row carries, and where verl rea
 | ``input_ids`` | P+R | prompts then responses | model forward |
 | ``attention_mask`` | P+R | DataProto only (records are unpadded) | model forward |
 | ``position_ids`` | P+R | cumsum(attention_mask) - 1, clipped at 0 | model forward |
-| ``response_mask`` / ``loss_mask`` | R | 1 on response tokens | losses, advantages |
+| ``response_mask`` / ``loss_mask`` | R | 1 on sampled response tokens, 0 on an episode's observation tokens (``Sample.loss_mask``) | losses, advantages |
 | ``rollout_log_probs`` | R | the sampler's behaviour log-probs | rollout correction, bypass mode, debug metrics |
-| ``rm_scores`` (= ``token_level_scores``) | R | the sample's reward at its last response token, 0 elsewhere | verl's advantage estimators |
+| ``rm_scores`` (= ``token_level_scores``) | R | the sample's reward at its last sampled response token, 0 elsewhere | verl's advantage estimators |
 | ``rollout_is_weights`` | R | service sample weight x token weight (1 when unweighted) | ``ppo_loss`` multiplies the per-token policy loss |
 | ``sampler_advantages`` | R | the service's advantage on every response token | our trainers, when the service's advantages are used |
 | ``uid`` | - | the group id in hex (no ``_``) | GRPO grouping, record keys |
@@ -80,9 +80,20 @@ def _response(sample: Sample, pad_id: int) -> tuple[list[int], list[float], list
         raise ValueError(
             f"sample {sample.sample_id}: {len(tw)} token weights for {len(ids)} tokens"
         )
+    mask = list(sample.loss_mask) if sample.loss_mask is not None else [1] * len(ids)
+    if len(mask) != len(ids):
+        raise ValueError(
+            f"sample {sample.sample_id}: {len(mask)} loss mask values for {len(ids)} tokens"
+        )
     if not ids:
         return [pad_id], [0.0], [0.0], [0]
-    return ids, list(sample.logprobs), [float(w) for w in tw], [1] * len(ids)
+    return ids, list(sample.logprobs), [float(w) for w in tw], mask
+
+
+def last_sampled(mask: Sequence[int]) -> int:
+    """Where a sample's reward goes: its last sampled token (an episode may end with an
+    observation, which the policy did not produce)."""
+    return max((i for i, m in enumerate(mask) if m), default=len(mask) - 1)
 
 
 def per_token_weights(sample: Sample) -> list[float]:
@@ -139,7 +150,7 @@ def tq_records(
             response_mask = torch.tensor(mask, dtype=torch.int64)
             input_ids = torch.cat([prompt, responses])
             rm_scores = torch.zeros(len(ids), dtype=torch.float32)
-            rm_scores[-1] = float(sample.reward)
+            rm_scores[last_sampled(mask)] = float(sample.reward)
             weights = (
                 torch.tensor(per_token_weights(sample) or [0.0], dtype=torch.float32)
                 * response_mask
@@ -159,7 +170,8 @@ def tq_records(
                 * response_mask,
                 "sampler_weights": weights,
                 "multi_modal_inputs": {},
-                "num_turns": 2,
+                # verl counts messages: the prompt, then each model turn and observation
+                "num_turns": 2 * sample.num_turns,
                 "uid": uid,
                 "session_id": session,
                 "global_steps": global_steps,
@@ -231,7 +243,7 @@ def groups_to_tensors(
         response_mask[i, :r] = torch.tensor(mask, dtype=torch.int64)
         response_attention[i, :r] = 1
         logprobs[i, :r] = torch.tensor(lps, dtype=torch.float32)
-        scores[i, r - 1] = float(sample.reward)
+        scores[i, last_sampled(mask)] = float(sample.reward)
         if sample.response_token_ids:
             weights[i, :r] = torch.tensor(per_token_weights(sample), dtype=torch.float32)
             advantages[i, :r] = float(sample.advantage)

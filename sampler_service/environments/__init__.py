@@ -1,0 +1,1 @@
+"""Environments an episode runs against (placeholder until the package lands)."""

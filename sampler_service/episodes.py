@@ -1,0 +1,363 @@
+"""The episode runner: a prompt's multi-turn rollouts, each one a `Completion`.
+
+A prompt whose row names an environment is answered by episodes instead of single
+answers: per turn the engine generates (ending at the environment's stop strings or EOS),
+the environment steps on the text, and its observation is appended as tokens, until the
+environment says done, `max_turns` is reached or the token budget is spent. A wave of n
+is n episodes run concurrently; the stopping rule is asked when the wave is done, as for
+single answers, and counts episodes by their terminal reward.
+
+Token-in/token-out: the sampled tokens are kept as the engine returned them, never
+re-encoded from text, and every observation is rendered once into tokens that are
+appended with loss mask 0 and logprob 0.0. So the ids sent at each turn are exactly the
+prompt plus everything before it, which is what the trainer scores.
+
+Environments are user code: each episode gets a fresh instance whose calls run on a
+thread of its own (its own event loop), under `env_timeout_s` per call, so an environment
+that blocks or hangs costs its episode, never the service's event loop. A failure (an
+exception or a time-out) is neither a positive nor a negative answer: the episode is run
+again, and the scheduler drops the prompt as `env_error` after `max_env_errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar
+
+from sampler_service.backends.base import Completion, FinishReason, SamplingParams
+from sampler_service.config import EpisodeKnobs
+from sampler_service.dataset import PromptRow
+from sampler_service.environments.base import Environment, load_environment_factory
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: One engine call of one turn: the ids so far and the turn's sampling knobs.
+GenerateTurn = Callable[[list[int], SamplingParams], Awaitable[Completion]]
+#: Renders an observation (text, chat messages or token ids) into the tokens appended.
+RenderObservation = Callable[[Any], list[int]]
+
+
+class EpisodeTokenizer(Protocol):
+    """What the runner needs of a tokenizer: stop strings to ids, token ids to text."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class EnvironmentFailed(RuntimeError):
+    """The environment raised or timed out: the episode is neither right nor wrong."""
+
+
+@dataclass
+class EpisodeWave:
+    """What a wave of episodes produced: the finished episodes, the environment
+    failures met on the way (each one an episode run again) and the seconds spent in
+    environment calls."""
+
+    completions: list[Completion] = field(default_factory=list)
+    env_errors: list[str] = field(default_factory=list)
+    env_seconds: float = 0.0
+
+
+class EnvThread:
+    """A thread with its own event loop for one episode's environment.
+
+    An environment's `async` methods may still block (a subprocess, a socket, a sleep):
+    on a loop of their own they stall only this episode. A call that runs past its
+    time-out is abandoned (cancelled where it awaits; a blocking one finishes on its
+    daemon thread later, unobserved).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            # Calls handed over just before the stop (a close() while the episode was
+            # cancelled) are started, then cancelled, so none is left unawaited.
+            self._loop.run_until_complete(asyncio.sleep(0))
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self._loop.close()
+
+    async def call(self, make: Callable[[], Awaitable[T]], timeout_s: float, what: str) -> T:
+        """Run `make()` on the environment's loop; `EnvironmentFailed` if it raises or
+        takes longer than `timeout_s`."""
+
+        async def invoke() -> T:
+            return await make()
+
+        future = asyncio.run_coroutine_threadsafe(invoke(), self._loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except TimeoutError as exc:
+            future.cancel()
+            raise EnvironmentFailed(f"{what} took longer than env_timeout_s={timeout_s}") from exc
+        except (asyncio.CancelledError, EnvironmentFailed):
+            future.cancel()
+            raise
+        except Exception as exc:  # user code: any failure is the environment's
+            raise EnvironmentFailed(f"{what} raised {exc!r}") from exc
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def row_view(row: PromptRow) -> dict[str, Any]:
+    """The row as an environment's `reset` sees it."""
+    return {
+        "id": row.id,
+        "prompt": row.prompt,
+        "answer": row.answer,
+        "domain": row.domain,
+        "metadata": row.metadata,
+    }
+
+
+def turn_seed(seed: int | None, episode: int, turn: int) -> int | None:
+    """A distinct seed per episode and turn of a seeded wave (one seed for all would
+    make the wave's episodes identical)."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + episode * 10_007 + turn) % 2**31
+
+
+class EpisodeRunner:
+    """Runs episodes for the scheduler; knows the tokenizer and the context length."""
+
+    def __init__(
+        self,
+        tokenizer: EpisodeTokenizer,
+        render: RenderObservation,
+        factories: Mapping[str, Callable[[], Environment]],
+        *,
+        default_env: str | None = None,
+        max_context: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.render = render
+        self.factories = dict(factories)
+        self.default_env = default_env
+        self.max_context = max_context
+        self.clock = clock
+
+    def factory_for(self, row: PromptRow) -> Callable[[], Environment] | None:
+        """The environment factory of a row (its own `env`, else the default), or None:
+        the row is answered by single answers."""
+        spec = row.env or self.default_env
+        return self.factories[spec] if spec is not None else None
+
+    def stop_params(self, stop: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Stop strings that are one token become stop ids (every engine matches those
+        exactly and cheaply); the rest stay strings."""
+        strings, ids = [], []
+        for text in stop:
+            encoded = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(encoded) == 1 and self.tokenizer.decode(encoded) == text:
+                ids.append(encoded[0])
+            else:
+                strings.append(text)
+        return tuple(strings), tuple(ids)
+
+    async def wave(
+        self,
+        row: PromptRow,
+        factory: Callable[[], Environment],
+        n: int,
+        sampling: SamplingParams,
+        limits: EpisodeKnobs,
+        generate: GenerateTurn,
+        error_budget: int,
+    ) -> EpisodeWave:
+        """n finished episodes, re-running those whose environment failed while fewer
+        than `error_budget` failures were met. Engine errors propagate (the scheduler
+        retries the wave)."""
+        result = EpisodeWave()
+        started = 0
+        while len(result.completions) < n and len(result.env_errors) < error_budget:
+            want = n - len(result.completions)
+            outcomes = await asyncio.gather(
+                *(
+                    self.episode(row, factory, sampling, limits, generate, started + i, result)
+                    for i in range(want)
+                ),
+                return_exceptions=True,
+            )
+            started += want
+            for outcome in outcomes:
+                if isinstance(outcome, EnvironmentFailed):
+                    result.env_errors.append(str(outcome))
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                else:
+                    result.completions.append(outcome)
+        return result
+
+    async def episode(
+        self,
+        row: PromptRow,
+        factory: Callable[[], Environment],
+        sampling: SamplingParams,
+        limits: EpisodeKnobs,
+        generate: GenerateTurn,
+        index: int,
+        totals: EpisodeWave,
+    ) -> Completion:
+        """One episode, start to end; `EnvironmentFailed` if its environment failed."""
+        thread = EnvThread(f"env-{row.id}-{index}")
+        timeout = limits.env_timeout_s
+        env: Environment | None = None
+
+        async def timed(make: Callable[[], Awaitable[T]], what: str) -> T:
+            began = self.clock()
+            try:
+                return await thread.call(make, timeout, what)
+            finally:
+                totals.env_seconds += self.clock() - began
+
+        async def construct() -> Environment:
+            return factory()
+
+        try:
+            env = await timed(construct, "creating the environment")
+            live = env
+            reset = await timed(
+                lambda: live.reset(row_view(row), seed=turn_seed(sampling.seed, index, 0)),
+                "reset",
+            )
+            return await self._turns(row, live, reset, sampling, limits, generate, index, timed)
+        finally:
+            if env is not None:
+                closing = env
+                try:
+                    await thread.call(closing.close, timeout, "close")
+                except EnvironmentFailed as exc:  # the episode is over: only worth a log line
+                    log.warning("environment of prompt %s: %s", row.id, exc)
+            thread.stop()
+
+    async def _turns(
+        self,
+        row: PromptRow,
+        env: Environment,
+        reset: Any,
+        sampling: SamplingParams,
+        limits: EpisodeKnobs,
+        generate: GenerateTurn,
+        index: int,
+        timed: Callable[[Callable[[], Awaitable[Any]], str], Awaitable[Any]],
+    ) -> Completion:
+        prompt = list(row.token_ids)
+        ids: list[int] = []
+        mask: list[int] = []
+        logprobs: list[float] = []
+        pieces: list[str] = []
+        versions: list[int] = []
+        budget = limits.max_total_tokens
+        if self.max_context is not None:
+            # every turn's request must leave the engine room for at least one token
+            budget = min(budget, self.max_context - len(prompt) - 1)
+
+        def observe(observation: Any) -> bool:
+            """Append an observation (mask 0); False when it used up the budget."""
+            tokens = self.render(observation)[: limits.obs_max_tokens]
+            room = budget - len(ids)
+            cut = tokens[: max(room, 0)]
+            ids.extend(cut)
+            mask.extend([0] * len(cut))
+            logprobs.extend([0.0] * len(cut))
+            pieces.append(self.tokenizer.decode(cut, skip_special_tokens=True))
+            return len(cut) < room
+
+        stop: Sequence[str] = tuple(reset.stop)
+        extra = list(reset.messages) or reset.observation
+        finish: FinishReason = "turns"
+        reward: float | None = None
+        last_text = ""
+        turns = 0
+        if extra and not observe(extra):
+            finish = "length"
+        while finish == "turns" and turns < limits.max_turns:
+            room = budget - len(ids)
+            if room <= 0:
+                finish = "length"
+                break
+            strings, stop_ids = self.stop_params(stop)
+            turn_sampling = replace(
+                sampling,
+                max_tokens=min(limits.max_tokens_per_turn, room),
+                stop=strings,
+                stop_token_ids=stop_ids,
+                seed=turn_seed(sampling.seed, index, turns + 1),
+            )
+            out = await generate(prompt + ids, turn_sampling)
+            turns += 1
+            ids.extend(out.token_ids)
+            mask.extend([1] * len(out.token_ids))
+            logprobs.extend(out.logprobs)
+            versions.append(out.policy_version)
+            pieces.append(out.text)
+            last_text = out.text
+            step = await timed(functools.partial(env.step, out.text), f"step {turns}")
+            if step.done:
+                finish, reward = "stop", step.reward
+                break
+            stop = tuple(step.stop) or stop
+            if step.observation is not None and not observe(step.observation):
+                finish = "length"
+        return Completion(
+            token_ids=ids,
+            logprobs=logprobs,
+            text="".join(pieces),
+            finish_reason=finish,
+            policy_version=min(versions) if versions else 0,
+            loss_mask=mask,
+            num_turns=turns,
+            answer_text=last_text,
+            env_reward=reward,
+        )
+
+
+def load_factories(specs: set[str]) -> dict[str, Callable[[], Environment]]:
+    """Every environment spec resolved once, at start-up; ValueError names a bad one."""
+    factories = {}
+    for spec in sorted(specs):
+        try:
+            factories[spec] = load_environment_factory(spec)
+        except ValueError:
+            raise
+        except Exception as exc:  # an import of user code can fail in any way
+            raise ValueError(f"environment {spec!r} cannot be loaded: {exc!r}") from exc
+    return factories
+
+
+def observation_renderer(tokenizer: Any) -> RenderObservation:
+    """Observations as tokens: text encoded without special tokens, token ids as they
+    are, chat messages as the chat template's delta."""
+
+    def render(observation: Any) -> list[int]:
+        if isinstance(observation, str):
+            return list(tokenizer.encode(observation, add_special_tokens=False))
+        if isinstance(observation, list) and all(isinstance(t, int) for t in observation):
+            return list(observation)
+        raise EnvironmentFailed(
+            f"an observation must be text, chat messages or token ids, got {observation!r:.200}"
+        )
+
+    return render

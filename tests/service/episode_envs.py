@@ -1,0 +1,87 @@
+"""Environments the episode tests run (imported by the sampler as `python:episode_envs:...`).
+
+They speak the toy's alphabet (digits, `+ - * =`, space), so their observations are
+tokens the toy model knows; rewards come from the row's verifier on the last turn.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from sampler_service.environments.base import Reset, Step
+
+ALPHABET = "0123456789+-*= "
+
+
+class Retell:
+    """Asks the model to answer again: each observation is a few random toy characters
+    (a different length and content per episode, so the token layout varies), and the
+    episode ends after `turns` model turns."""
+
+    def __init__(self, turns: int = 2) -> None:
+        self.turns = turns
+        self.turn = 0
+        self.rng = random.Random()
+
+    async def reset(self, row: Mapping[str, Any], *, seed: int | None) -> Reset:
+        self.rng = random.Random(seed)
+        return Reset()
+
+    async def step(self, action: str) -> Step:
+        self.turn += 1
+        if self.turn >= self.turns:
+            return Step(observation=None, done=True)
+        text = "".join(self.rng.choice(ALPHABET) for _ in range(self.rng.randint(1, 5)))
+        return Step(observation=text + "=", done=False)
+
+    async def close(self) -> None:
+        return None
+
+
+def retell() -> Retell:
+    return Retell(turns=2)
+
+
+def retell_three() -> Retell:
+    return Retell(turns=3)
+
+
+#: Step calls across every flaky environment of the process: every third one fails.
+_calls = itertools.count(1)
+
+
+class Flaky(Retell):
+    """Every third step raises (`raises`) or blocks its thread past any sane time-out
+    (`hangs`: a blocking sleep, which would freeze an event loop it ran on)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__(turns=2)
+        self.mode = mode
+
+    async def step(self, action: str) -> Step:
+        if next(_calls) % 3 == 0:
+            if self.mode == "raises":
+                raise RuntimeError("the tool crashed")
+            time.sleep(3.0)
+        return await super().step(action)
+
+
+def raises() -> Flaky:
+    return Flaky("raises")
+
+
+def hangs() -> Flaky:
+    return Flaky("hangs")
+
+
+class Broken(Retell):
+    async def step(self, action: str) -> Step:
+        raise RuntimeError("this environment always fails")
+
+
+def broken() -> Broken:
+    return Broken()

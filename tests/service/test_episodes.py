@@ -1,0 +1,243 @@
+"""Multi-turn episodes in-process: the scheduler, the episode runner, the real transformers
+backend on the toy model, and the environments of `episode_envs.py`.
+
+The networked side (409 `feature_required`, stats, a kill -9) is in
+tests/service/test_episodes_live.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+from support import rows_with, write_jsonl
+from test_scheduler import make_scheduler, run_until
+from transformers import AutoTokenizer
+
+from sampler_service.backends.base import Completion, SamplingParams
+from sampler_service.backends.hf import HFBackend
+from sampler_service.episodes import EpisodeRunner, load_factories, observation_renderer
+from sampler_service.scheduler import MemorySink, Scheduler
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class RecordingHF(HFBackend):
+    """The real hf engine, remembering the ids of every request it was sent."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.requests: list[tuple[list[int], SamplingParams, str | None]] = []
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
+    ) -> list[Completion]:
+        self.requests.append((list(prompt_token_ids), sampling, affinity_key))
+        return await super().generate(prompt_token_ids, n, sampling, affinity_key=affinity_key)
+
+
+@pytest_asyncio.fixture
+async def engine(toy) -> Any:
+    backend = RecordingHF(toy.model_dir, tokenizer=AutoTokenizer.from_pretrained(toy.model_dir))
+    await backend.start()
+    yield backend
+    await backend.close()
+
+
+def episode_data(toy, where: Path, env: str, domain: int = 1) -> list[Path]:
+    """The toy's add2 prompts, each answered by episodes against `env`."""
+    path = where / f"{env.rsplit(':', 1)[-1]}.jsonl"
+    return [write_jsonl(path, rows_with(toy.data_files[domain], env=env))]
+
+
+def with_episodes(
+    toy, engine: HFBackend, data: list[Path], **cfg: Any
+) -> tuple[Scheduler, MemorySink]:
+    scheduler, sink = make_scheduler(toy, engine, data, **cfg)
+    tokenizer = AutoTokenizer.from_pretrained(toy.model_dir)
+    scheduler.episodes = EpisodeRunner(
+        tokenizer,
+        observation_renderer(tokenizer),
+        load_factories(scheduler.dataset.env_specs()),
+        max_context=64,
+    )
+    return scheduler, sink
+
+
+FIXED4 = {"rule": "fixed", "n_max": 4, "wave_size": 4, "group_size": 4}
+
+
+async def test_episode_tokens_masks_and_the_ids_of_every_turn(toy, engine, tmp_path) -> None:
+    """The mask is 1 exactly on sampled tokens, logprobs are 0.0 elsewhere, and every
+    request was the prompt plus everything the episode held before it (a property over
+    every turn of every episode, with observations of random length and content)."""
+    tokenizer = AutoTokenizer.from_pretrained(toy.model_dir)
+    data = episode_data(toy, tmp_path, "python:episode_envs:retell_three")
+    scheduler, sink = with_episodes(toy, engine, data, **FIXED4)
+    groups = await run_until(scheduler, sink, 6)
+    prompts = {g.prompt_id: g.prompt_token_ids for g in groups}
+    turns_seen = set()
+    for group in groups:
+        assert group.stats.n_generated == len(group.samples) == 4
+        for sample in group.samples:
+            mask, ids = sample.loss_mask, sample.response_token_ids
+            assert mask is not None and len(mask) == len(ids) == len(sample.logprobs)
+            assert set(mask) <= {0, 1} and 1 in mask
+            assert all(lp == 0.0 for lp, m in zip(sample.logprobs, mask, strict=True) if not m)
+            assert all(lp <= 0.0 for lp in sample.logprobs)
+            # the turns are the runs of mask 1; each ends at eos or the turn's budget,
+            # and each observation (a run of 0s) is what the environment said, encoded once
+            runs = _runs(mask)
+            turns = [r for r in runs if r[0] == 1]
+            turns_seen.add(len(turns))
+            assert sample.num_turns == len(turns)
+            for value, start, end in runs:
+                if value == 0:
+                    text = tokenizer.decode(ids[start:end])
+                    assert text.endswith("=") and ids[start:end] == tokenizer.encode(
+                        text, add_special_tokens=False
+                    )
+            # each turn was requested with the prompt plus the episode before it
+            for _, start, _ in turns:
+                sent = prompts[group.prompt_id] + ids[:start]
+                assert any(req == sent for req, _, _ in engine.requests), "turn ids not sent"
+    assert turns_seen == {3}  # three model turns, two observations between them
+    # every request was the prompt plus a prefix of a finished or unfinished episode, and
+    # carried the prompt's id as its affinity key
+    by_key = {g.prompt_id: g.prompt_token_ids for g in groups}
+    for ids, sampling, key in engine.requests:
+        assert key is not None
+        if key in by_key:
+            assert ids[: len(by_key[key])] == by_key[key]
+        assert len(ids) + sampling.max_tokens <= 63  # the toy's context, one token spare
+
+
+async def test_the_engine_scores_reproduce_the_sampled_logprobs(toy, engine, tmp_path) -> None:
+    """At every mask-1 position the engine's own score of the whole episode is the
+    logprob the sampler recorded (observation tokens in between are context)."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:retell")
+    scheduler, sink = with_episodes(toy, engine, data, **FIXED4)
+    groups = await run_until(scheduler, sink, 2)
+    checked = 0
+    for group in groups:
+        for sample in group.samples:
+            scores = await engine.score(group.prompt_token_ids, sample.response_token_ids)
+            assert sample.loss_mask is not None
+            kept = [i for i, m in enumerate(sample.loss_mask) if m]
+            torch.testing.assert_close(
+                torch.tensor([scores[i] for i in kept]),
+                torch.tensor([sample.logprobs[i] for i in kept]),
+                atol=1e-4,
+                rtol=0,
+            )
+            checked += len(kept)
+    assert checked > 0
+
+
+async def test_groups_obey_the_rule_counted_in_episodes(toy, engine, tmp_path) -> None:
+    """Balanced 1/1 with n_max 8, waves of 2: a group stops at its first wave holding a
+    right and a wrong episode, or at n_max; every episode generated is in its group."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:retell")
+    scheduler, sink = with_episodes(
+        toy,
+        engine,
+        data,
+        rule="balanced",
+        k_pos=1,
+        k_neg=1,
+        n_max=8,
+        wave_size=2,
+        group_size=0,
+        downsample="none",
+    )
+    groups = await run_until(scheduler, sink, 8)
+    for group in groups:
+        right = [s.reward > 0.5 for s in group.samples]
+        assert group.stats.n_generated == len(group.samples)
+        assert group.stats.n_pos == sum(right)
+        assert all(s.num_turns == 2 for s in group.samples)
+        if group.stop_reason == "rule":
+            assert group.stats.n_pos >= 1 and group.stats.n_neg >= 1
+            # it stopped at the first wave that met the rule
+            earlier = right[:-2]
+            assert not (any(earlier) and not all(earlier))
+        else:
+            assert group.stop_reason == "n_max" and group.stats.n_generated == 8
+    assert scheduler.stats.episodes.episodes >= sum(len(g.samples) for g in groups)
+
+
+@pytest.mark.parametrize("env", ["raises", "hangs"])
+async def test_a_failing_environment_never_stalls_nor_counts_as_wrong(
+    toy, engine, tmp_path, env
+) -> None:
+    """Every third environment step raises or blocks its thread for 3 s (past the 0.5 s
+    time-out): the failed episodes are run again, never scored, and the event loop keeps
+    ticking while a blocked call waits."""
+    data = episode_data(toy, tmp_path, f"python:episode_envs:{env}")
+    scheduler, sink = with_episodes(
+        toy,
+        engine,
+        data,
+        **FIXED4,
+        episode={"env_timeout_s": 0.5, "max_env_errors": 1000},
+    )
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    started = asyncio.get_running_loop().time()
+    try:
+        groups = await run_until(scheduler, sink, 4)
+    finally:
+        ticker.cancel()
+    elapsed = asyncio.get_running_loop().time() - started
+    stats = scheduler.stats.episodes
+    assert stats.env_errors > 0
+    expected = "raised RuntimeError" if env == "raises" else "took longer than env_timeout_s"
+    assert stats.last_env_error is not None and expected in stats.last_env_error
+    assert sum(g.stats.n_env_errors for g in groups) > 0
+    for group in groups:  # only finished episodes are in a group, all of them scored
+        assert group.stats.n_generated == len(group.samples) == 4
+        assert group.stats.n_pos + group.stats.n_neg == 4
+    # A loop frozen by a 3 s blocking call would tick far less than once per 10 ms.
+    assert ticks > elapsed / 0.01 / 4, (ticks, elapsed)
+
+
+async def test_an_environment_that_always_fails_drops_its_prompts(toy, engine, tmp_path) -> None:
+    data = episode_data(toy, tmp_path, "python:episode_envs:broken")
+    scheduler, sink = with_episodes(toy, engine, data, **FIXED4, episode={"max_env_errors": 2})
+    scheduler.start()
+    try:
+        async with asyncio.timeout(120):
+            while scheduler.stats.dropped["env_error"] < 3:
+                await asyncio.sleep(0.05)
+    finally:
+        await scheduler.stop()
+    assert not sink.groups()
+    assert scheduler.stats.samples == 0  # no failed episode was counted as an answer
+    assert scheduler.stats.episodes.env_errors >= 6
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal values."""
+    runs: list[tuple[int, int, int]] = []
+    for i, m in enumerate(mask):
+        if runs and runs[-1][0] == m:
+            runs[-1] = (m, runs[-1][1], i + 1)
+        else:
+            runs.append((m, i, i + 1))
+    return runs

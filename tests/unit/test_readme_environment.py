@@ -1,0 +1,27 @@
+"""The README's example environment is code that runs, with the protocol the runner calls."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_readme_calculator_environment_runs() -> None:
+    section = README.read_text().split("## Multi-turn episodes", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code, "no python block in the README's episodes section"
+    namespace: dict = {}
+    exec(compile(code.group(1), "README.md", "exec"), namespace)
+
+    async def episode() -> list:
+        env = namespace["make"]()
+        reset = await env.reset({"id": "p", "prompt": "37*48="}, seed=0)
+        call = await env.step("[37*48]")
+        answer = await env.step("1776")
+        await env.close()
+        return [reset.stop, call.observation, call.done, answer.done, answer.reward]
+
+    assert asyncio.run(episode()) == [("]",), "1776;", False, True, None]
