@@ -27,6 +27,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from sampler_service.backends.engine_service import ServiceName
 from strategies import admission, mixing, reweighting, selection, stopping
 from strategies.allocation import ALLOCATIONS, AllocationPolicy
 from strategies.estimator import Estimator, EstKnobs
@@ -580,15 +581,37 @@ class ServeSettings(_Strict):
         description="with --backend http: base URL of one vllm serve server (its own "
         "address, not a load balancer: each is paused and reloaded by itself); repeatable",
     )
+    engine_service: list[str] = Field(
+        default_factory=list,
+        description="with --backend http: NAME:PORT of a Kubernetes headless Service whose DNS "
+        "name lists the servers (one per pod IP); re-resolved every --engine-resolve-s, new "
+        "pods are synced before they are routed to; repeatable",
+    )
+    engine_resolve_s: float = Field(
+        10.0, gt=0, description="how often --engine-service names are re-resolved (seconds)"
+    )
+    engine_dialect: Literal["vllm", "sglang"] = Field(
+        "vllm",
+        description="with --backend http: the servers' API, vllm (vllm serve, tested live) or "
+        "sglang (SGLang's native /generate and weight endpoints, tested against its "
+        "documented shapes)",
+    )
 
     @model_validator(mode="after")
     def _engine_urls(self) -> ServeSettings:
         if self.backend != "http":
-            if self.engine_url:
-                raise ValueError("engine_url is for --backend http")
+            if self.engine_url or self.engine_service:
+                raise ValueError("engine_url and engine_service are for --backend http")
+            if self.engine_dialect != "vllm":
+                raise ValueError("engine_dialect is for --backend http")
             return self
-        if not self.engine_url:
-            raise ValueError("--backend http needs at least one --engine-url (one per server)")
+        if not (self.engine_url or self.engine_service):
+            raise ValueError(
+                "--backend http needs at least one --engine-url (one per server) or "
+                "--engine-service (a headless Service)"
+            )
+        for name in self.engine_service:
+            ServiceName.parse(name)
         seen: set[str] = set()
         for url in self.engine_url:
             parsed = urlsplit(url)

@@ -195,6 +195,8 @@ def build_replica_pool(
 
 def build_http_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics) -> Backend:
     """`vllm serve` servers the user runs (`--engine-url`), driven over HTTP."""
+    from sampler_service.backends.engine_service import ServiceName
+    from sampler_service.backends.http_dialects import DIALECTS
     from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
 
     assert settings.weights_dir is not None  # required by ServeSettings
@@ -203,6 +205,9 @@ def build_http_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics
         instance_id=_instance_id(settings.state_dir),
         weights_dir=settings.weights_dir,
         replica=settings.replica,
+        dialect=DIALECTS[settings.engine_dialect],
+        services=tuple(ServiceName.parse(name) for name in settings.engine_service),
+        resolve_s=settings.engine_resolve_s,
     )
     return HTTPEngineBackend(settings.model, pool, tokenizer=tokenizer, metrics=metrics)
 

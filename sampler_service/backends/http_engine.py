@@ -30,7 +30,12 @@ into them through their own API, and takes a dead one out of routing.
   waves are re-issued whole on another server (their partial answers are dropped, so no
   answer is counted twice).
 
-The servers need `VLLM_SERVER_DEV_MODE=1` (the RL endpoints) and, for the sampler's
+Paths and field names are the servers' dialect (`http_dialects.py`: vLLM's or SGLang's);
+servers are listed by URL or found behind headless Services (`engine_service.py`),
+re-resolved every `resolve_s` (joining servers are synced before they are routed to,
+leaving ones are `gone`).
+
+vLLM servers need `VLLM_SERVER_DEV_MODE=1` (the RL endpoints) and, for the sampler's
 logprob semantics, `--logprobs-mode processed_logprobs` (checked at start-up).
 """
 
@@ -42,7 +47,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -61,6 +66,13 @@ from sampler_service.backends.base import (
     WeightsRejected,
     check_request,
 )
+from sampler_service.backends.engine_service import (
+    ServiceName,
+    membership,
+    resolve_service,
+    system_resolver,
+)
+from sampler_service.backends.http_dialects import VLLM, Answer, Dialect
 from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, WaveRouter, affinity
 from sampler_service.backends.vllm import eos_token_ids, read_checkpoint
 from sampler_service.config import ReplicaSettings
@@ -68,9 +80,8 @@ from sampler_service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-ServerState = Literal["starting", "ok", "syncing", "paused", "down"]
-_STATES: tuple[ServerState, ...] = ("starting", "ok", "syncing", "paused", "down")
-_DEV_MODE_HINT = "start the server with VLLM_SERVER_DEV_MODE=1 (vLLM's RL endpoints)"
+ServerState = Literal["starting", "ok", "syncing", "paused", "down", "gone"]
+_STATES: tuple[ServerState, ...] = ("starting", "ok", "syncing", "paused", "down", "gone")
 _LOGPROBS_MODE = "processed_logprobs"
 
 
@@ -88,6 +99,15 @@ class HTTPPoolSettings:
     request_timeout_s: float = 600.0
     #: How long start-up waits for at least one server's /health.
     start_timeout_s: float = 300.0
+    #: The servers' API (paths and field names).
+    dialect: Dialect = VLLM
+    #: Headless Services whose DNS name lists the servers (one per pod IP), re-resolved
+    #: every `resolve_s`: new addresses join (synced before they are routed to), vanished
+    #: ones leave.
+    services: tuple[ServiceName, ...] = ()
+    resolve_s: float = 10.0
+    #: How a name becomes addresses (injectable so tests need no DNS server).
+    resolver: Callable[[str, int], list[str]] | None = None
 
 
 class ServerError(RuntimeError):
@@ -164,6 +184,9 @@ class HTTPEngineBackend(Backend):
         self.settings = settings
         self._tokenizer = tokenizer
         self._client = client
+        self._dialect = settings.dialect
+        #: Append-only (a server's index is its position, which the router keys on); a
+        #: server that left a Service stays as `gone` and comes back if its address does.
         self._servers = [_Server(i, url.rstrip("/")) for i, url in enumerate(settings.urls)]
         self._router: WaveRouter[_Server] = WaveRouter(
             lambda: self._servers,
@@ -230,6 +253,7 @@ class HTTPEngineBackend(Backend):
             )
         deadline = time.monotonic() + self.settings.start_timeout_s
         while True:
+            await self._discover()
             results = await asyncio.gather(
                 *(self._attach(s) for s in self._servers), return_exceptions=True
             )
@@ -248,6 +272,8 @@ class HTTPEngineBackend(Backend):
             )
         self._started = True
         self._spawn(self._probe_loop(), "http-engine-probes")
+        if self.settings.services:
+            self._spawn(self._discover_loop(), "http-engine-discovery")
         log.info(
             "%d of %d engine servers up: %s",
             len(up),
@@ -265,8 +291,11 @@ class HTTPEngineBackend(Backend):
             return
         card = models["data"][0]
         srv.model, srv.max_model_len = str(card["id"]), int(card.get("max_model_len") or 0)
-        info = await self._get(srv, "/server_info?config_format=json", 60.0)
-        mode = info.get("vllm_config", {}).get("model_config", {}).get("logprobs_mode")
+        if self._dialect.server_info is None:
+            mode = _LOGPROBS_MODE
+        else:
+            info = await self._get(srv, self._dialect.server_info, 60.0)
+            mode = info.get("vllm_config", {}).get("model_config", {}).get("logprobs_mode")
         if mode != _LOGPROBS_MODE:
             raise ServerError(
                 f"{srv.url} computes logprobs as {mode!r}; start it with --logprobs-mode "
@@ -346,7 +375,7 @@ class HTTPEngineBackend(Backend):
 
     def _fail(self, srv: _Server, epoch: int, error: str) -> None:
         """Take a server out of routing once per failure; its waves re-issue elsewhere."""
-        if epoch != srv.epoch or srv.state == "down":
+        if epoch != srv.epoch or srv.state in ("down", "gone"):
             return
         srv.epoch += 1
         srv.error = error
@@ -359,28 +388,8 @@ class HTTPEngineBackend(Backend):
     def request_body(
         self, srv: _Server, prompt: list[int], n: int, sampling: SamplingParams, request_id: str
     ) -> dict[str, Any]:
-        """One wave as a `/v1/completions` request (every distribution knob explicit)."""
-        return {
-            "model": srv.model,
-            "prompt": prompt,
-            "n": n,
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else 0,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "frequency_penalty": 0.0,
-            "presence_penalty": 0.0,
-            "seed": sampling.seed,
-            "logprobs": 0,
-            "stop_token_ids": [*self._eos, *sampling.stop_token_ids],
-            "stop": list(sampling.stop),
-            "include_stop_str_in_output": True,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-            "request_id": request_id,
-        }
+        """One wave as the dialect's generate request."""
+        return self._dialect.request(srv.model, prompt, n, sampling, self._eos, request_id)
 
     async def generate(
         self,
@@ -430,7 +439,7 @@ class HTTPEngineBackend(Backend):
         assert self._client is not None and srv.down is not None
         request_id = f"ar-{uuid.uuid4().hex}"
         body = self.request_body(srv, prompt, n, sampling, request_id)
-        call = asyncio.ensure_future(self._client.post(srv.url + "/v1/completions", json=body))
+        call = asyncio.ensure_future(self._client.post(srv.url + self._dialect.generate, json=body))
         srv.requests.add(request_id)
         try:
             waiters: set[asyncio.Future[Any]] = {call, srv.down}
@@ -451,26 +460,22 @@ class HTTPEngineBackend(Backend):
             raise ValueError(
                 f"{srv.url} refused the wave: {response.status_code} {response.text[:300]}"
             )
-        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
-        if len(choices) != n:
-            raise GenerationAborted(f"{srv.url} returned {len(choices)} of {n} answers")
+        answers = self._dialect.answers(response.json())
+        if len(answers) != n:
+            raise GenerationAborted(f"{srv.url} returned {len(answers)} of {n} answers")
         srv.waves += 1
-        return [self._completion(c, version) for c in choices]
+        return [self._completion(a, version) for a in answers]
 
-    def _completion(self, choice: dict[str, Any], version: int) -> Completion:
-        reason = choice.get("finish_reason")
+    def _completion(self, answer: Answer, version: int) -> Completion:
+        ids, values, reason = answer
         if reason == "abort":
             raise GenerationAborted("the server aborted the request")
-        if reason not in ("stop", "length"):
+        if reason != "stop" and reason != "length":
             raise RuntimeError(f"the server finished an answer with {reason!r}")
-        logprobs = choice.get("logprobs") or {}
-        tokens = [int(t.removeprefix("token_id:")) for t in logprobs.get("tokens") or []]
-        ids = [int(t) for t in choice.get("token_ids") or tokens]
-        values = [float(v) for v in logprobs.get("token_logprobs") or []]
-        if len(values) != len(ids) or (tokens and tokens != ids):
+        if len(values) != len(ids):
             raise RuntimeError("the server's token ids and logprobs do not line up")
         text = self._tokenizer.decode(ids, skip_special_tokens=True) if self._tokenizer else ""
-        return Completion(ids, values, text, reason, version)
+        return Completion(ids, values, text, "stop" if reason == "stop" else "length", version)
 
     async def abort_all(self) -> int:
         """Abort this sampler's in-flight requests on every server (weight update `abort`)."""
@@ -479,9 +484,10 @@ class HTTPEngineBackend(Backend):
             if srv.requests and srv.state == "ok":
                 srv.aborted |= srv.requests
                 aborted += len(srv.requests)
-                calls.append(
-                    self._post(srv, "/abort_requests", {"request_ids": sorted(srv.requests)})
-                )
+                calls += [
+                    self._post(srv, self._dialect.abort, body)
+                    for body in self._dialect.abort_bodies(sorted(srv.requests))
+                ]
         await asyncio.gather(*calls, return_exceptions=True)
         return aborted
 
@@ -498,20 +504,23 @@ class HTTPEngineBackend(Backend):
         response = await self._client.post(srv.url + path, json=body, timeout=timeout)
         return self._answer(srv, path, response)
 
-    @staticmethod
-    def _answer(srv: _Server, path: str, response: httpx.Response) -> Any:
+    def _answer(self, srv: _Server, path: str, response: httpx.Response) -> Any:
         if response.status_code in (403, 404, 405) and path != "/health":
-            raise ServerError(f"{srv.url}{path} answered {response.status_code}: {_DEV_MODE_HINT}")
+            raise ServerError(
+                f"{srv.url}{path} answered {response.status_code}: {self._dialect.hint}"
+            )
         if response.status_code != 200:
             raise ServerError(f"{srv.url}{path}: {response.status_code} {response.text[:500]}")
         return response.json() if response.content else None
 
     async def _weight_label(self, srv: _Server) -> str:
-        info = await self._get(srv, "/weight_info", self.settings.replica.probe_timeout_s)
+        info = await self._get(
+            srv, self._dialect.weight_label, self.settings.replica.probe_timeout_s
+        )
         return str(info.get("weight_version"))
 
     async def _set_label(self, srv: _Server, version: int) -> None:
-        await self._post(srv, "/update_weight_version", {"new_version": self.label(version)})
+        await self._post(srv, self._dialect.set_label, {"new_version": self.label(version)})
         srv.label = self.label(version)
 
     async def _reload(self, srv: _Server, source: Path | None) -> None:
@@ -521,21 +530,59 @@ class HTTPEngineBackend(Backend):
         started = time.monotonic()
         await self._post(
             srv,
-            "/collective_rpc",
-            {"method": "reload_weights", "kwargs": {"weights_path": path}},
+            self._dialect.reload,
+            self._dialect.reload_body(path),
             timeout=self.settings.request_timeout_s,
         )
-        await self._post(srv, "/reset_prefix_cache?reset_running_requests=true")
+        if self._dialect.reset_cache is not None:
+            await self._post(srv, self._dialect.reset_cache)
         self.metrics.replica_weight_load_seconds.labels(str(srv.index)).observe(
             time.monotonic() - started
         )
 
     # -- probes and syncing -----------------------------------------------------------
+    async def _discover(self) -> None:
+        """Resolve the Services: new addresses join (attached and synced by the probes'
+        recovery, so routed to only once they serve the committed label), vanished ones
+        are retired (their in-flight waves re-issue elsewhere). A failed lookup changes
+        nothing: a DNS hiccup must not empty the pool."""
+        if not self.settings.services:
+            return
+        resolve = self.settings.resolver or system_resolver
+        found: list[str] = list(self.settings.urls)
+        for service in self.settings.services:
+            try:
+                found += await asyncio.to_thread(resolve_service, service, resolve)
+            except OSError as exc:
+                log.warning("engine service %s did not resolve: %r", service, exc)
+                return
+        present = [s.url for s in self._servers if s.state != "gone"]
+        added, retired = membership(present, [u.rstrip("/") for u in found])
+        by_url = {s.url: s for s in self._servers}
+        for url in retired:
+            srv = by_url[url]
+            self._fail(srv, srv.epoch, "left the engine service")
+            self._set_state(srv, "gone")
+            log.info("engine server %s left the service", url)
+        for url in added:
+            srv = by_url.get(url) or _Server(len(self._servers), url)
+            if srv.index == len(self._servers):
+                self._servers.append(srv)
+            srv.state, srv.label = "down", None
+            log.info("engine server %s joined the service", url)
+            if self._started:
+                self._spawn_recovery(srv)
+
+    async def _discover_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.resolve_s)
+            await self._discover()
+
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.replica.probe_s)
             for srv in self._servers:
-                if not (srv.probing or srv.recovering):
+                if not (srv.probing or srv.recovering or srv.state == "gone"):
                     srv.probing = True
                     self._spawn(self._probe(srv), f"probe-{srv.index}")
 
@@ -547,7 +594,11 @@ class HTTPEngineBackend(Backend):
             if srv.state == "down":  # back (restarted by its owner): attach and sync it
                 self._spawn_recovery(srv)
                 return
-            paused = (await self._get(srv, "/is_paused", timeout))["is_paused"]
+            paused = (
+                (await self._get(srv, self._dialect.is_paused, timeout))["is_paused"]
+                if self._dialect.is_paused is not None
+                else srv.state == "paused"
+            )
             label = await self._weight_label(srv)
         except (httpx.HTTPError, ServerError) as exc:
             if srv.state == "down":
@@ -577,6 +628,8 @@ class HTTPEngineBackend(Backend):
         epoch = srv.epoch
         try:
             async with self._weights_lock:
+                if srv.state == "gone":
+                    return
                 if srv.state == "down":
                     await self._attach(srv)
                 else:
@@ -663,7 +716,7 @@ class HTTPEngineBackend(Backend):
         epochs = {s.index: s.epoch for s in targets}
         self._loading = True
         try:
-            await self._each(targets, epochs, lambda s: self._post(s, "/pause?mode=wait"))
+            await self._each(targets, epochs, lambda s: self._post(s, self._dialect.pause))
             # a server labelled with `version` by an earlier run serves it already
             loaded = [s for s in targets if s.state != "down" and s.label != self.label(version)]
             results = await asyncio.gather(
@@ -690,7 +743,7 @@ class HTTPEngineBackend(Backend):
             await self._each(
                 [s for s in targets if s.state != "down"],
                 epochs,
-                lambda s: self._post(s, "/resume"),
+                lambda s: self._post(s, self._dialect.resume),
             )
 
     async def _roll_back(self, servers: list[_Server], epochs: dict[int, int]) -> None:

@@ -31,6 +31,8 @@ DOCKERFILES = [DEPLOY / "docker" / "Dockerfile.cpu", DEPLOY / "docker" / "Docker
 COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
 K8S = DEPLOY / "k8s"
 RAYCLUSTER = K8S / "raycluster.yaml"
+#: The variant in front of a vLLM Deployment the user runs (`--backend http`).
+HTTP_FLEET = K8S / "http-fleet"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 ALERT_RULES = DEPLOY / "prometheus" / "alerts.yml"
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
@@ -185,6 +187,10 @@ def pod_templates() -> list[tuple[str, dict[str, Any]]]:
     for group in cluster["spec"].get("workerGroupSpecs", []):
         out.append((f"RayCluster workerGroup {group['groupName']}", group["template"]))
     return out
+
+
+def http_fleet_files() -> list[Path]:
+    return sorted(p for p in HTTP_FLEET.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
 def ray_cluster() -> dict[str, Any]:

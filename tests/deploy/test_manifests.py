@@ -14,6 +14,7 @@ from deployfiles import (
     COMPOSE,
     DASHBOARDS,
     DOCKERFILES,
+    HTTP_FLEET,
     K8S,
     PROMETHEUS_CONFIG,
     REPO,
@@ -22,6 +23,7 @@ from deployfiles import (
     docker_exec_form,
     dockerfile_arg,
     dockerfile_instructions,
+    http_fleet_files,
     images,
     k8s_files,
     pod_templates,
@@ -249,6 +251,37 @@ def test_kustomization_service_and_claims_fit_together() -> None:
     for where in others:
         (template,) = [t for w, t in pod_templates() if w == where]
         assert not service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+
+
+def test_the_http_fleet_variant_finds_the_vllm_pods_behind_a_headless_service() -> None:
+    """The front's command line parses, names the headless Service at its port, and the
+    Services and claims it uses are in the kustomization."""
+    kustomization = yaml.safe_load((HTTP_FLEET / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in http_fleet_files())
+    objects = [d for p in http_fleet_files() for d in yaml_documents(p)]
+    (front,) = [d for d in objects if d["kind"] == "Deployment"]
+    template = front["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    line = CommandLine("http-fleet front", container["args"])
+    assert container["command"] == ["adaptive-rollout"] and not _parse_errors([line])
+    args = container["args"]
+    assert args[args.index("--backend") + 1] == "http"
+    name, port = args[args.index("--engine-service") + 1].split(":")
+    services = {d["metadata"]["name"]: d for d in objects if d["kind"] == "Service"}
+    engines = services[name]
+    assert engines["spec"]["clusterIP"] == "None"  # headless: one A record per pod
+    assert int(port) in {p["port"] for p in engines["spec"]["ports"]}
+    assert not engines["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    fronts = [s for s in services.values() if s is not engines]
+    assert all(
+        s["spec"]["selector"].items() <= template["metadata"]["labels"].items() for s in fronts
+    )
+    claims = {d["metadata"]["name"] for d in objects if d["kind"] == "PersistentVolumeClaim"}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    for volume in template["spec"]["volumes"]:
+        assert volume["persistentVolumeClaim"]["claimName"] in claims
+    weights = args[args.index("--weights-dir") + 1]
+    assert any(weights.startswith(path + "/") for path in mounts.values())
 
 
 def test_compose_mounts_provisioning_that_matches_the_dashboard() -> None:

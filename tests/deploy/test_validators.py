@@ -14,6 +14,7 @@ from deployfiles import (
     PROMETHEUS_CONFIG,
     as_promql,
     dashboard_queries,
+    http_fleet_files,
     k8s_files,
     pod_templates,
     run_tool,
@@ -40,7 +41,8 @@ def test_compose_file_follows_the_compose_specification() -> None:
 def test_kubernetes_objects_and_pod_templates_validate(tmp_path: Path) -> None:
     """Native objects as they are; each RayCluster pod template as a v1 PodTemplate (the
     RayCluster itself is a custom resource, which Kubernetes' schemas do not cover)."""
-    docs = [d for f in k8s_files() for d in yaml_documents(f) if d["kind"] != "RayCluster"]
+    files = [*k8s_files(), *http_fleet_files()]
+    docs = [d for f in files for d in yaml_documents(f) if d["kind"] != "RayCluster"]
     for where, template in pod_templates():
         name = where.split()[-1].lower()
         docs.append(

@@ -114,6 +114,12 @@ def test_http_backend_flags(tmp_path: Path) -> None:
     urls = ["--engine-url", "http://10.0.0.1:8000", "--engine-url", "http://10.0.0.2:8000/"]
     settings = _serve("--backend", "http", *urls, *wd)
     assert settings.engine_url == ["http://10.0.0.1:8000", "http://10.0.0.2:8000/"]
+    found = _serve("--backend", "http", "--engine-service", "engines.ns.svc:8000", *wd)
+    assert found.engine_service == ["engines.ns.svc:8000"] and found.engine_dialect == "vllm"
+    assert (
+        _serve("--backend", "http", *urls, *wd, "--engine-dialect", "sglang").engine_dialect
+        == "sglang"
+    )
     for bad in (
         ["--backend", "http", *wd],  # no server
         ["--backend", "http", *urls],  # no shared weights dir
@@ -122,6 +128,9 @@ def test_http_backend_flags(tmp_path: Path) -> None:
         ["--backend", "http", *urls, "--engine-url", "http://10.0.0.1:8000", *wd],  # twice
         ["--backend", "http", *urls, *wd, "--replicas", "2"],
         ["--backend", "vllm", *urls],  # URLs without the http backend
+        ["--backend", "http", "--engine-service", "engines", *wd],  # no port
+        ["--backend", "vllm", "--engine-service", "engines:8000"],
+        ["--backend", "vllm", "--engine-dialect", "sglang"],
     ):
         with pytest.raises(SystemExit):
             _serve(*bad)

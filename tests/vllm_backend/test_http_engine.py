@@ -179,6 +179,40 @@ def test_groups_stream_from_both_servers_and_obey_the_rule(fleet: Fleet) -> None
     assert [_weight_label(s) for s in fleet.servers] == [fleet.label(0)] * 2
 
 
+def test_seeded_answers_match_the_in_process_backend(
+    fleet: Fleet, toy, loop_thread, tmp_path: Path
+) -> None:
+    """Same weights, same seed: the HTTP hop returns the in-process engine's tokens (the
+    server's label is the fleet's v0, so this second client resyncs nothing)."""
+    from sampler_service.backends.base import SamplingParams
+    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+    from sampler_service.backends.vllm import VLLMBackend
+
+    http = HTTPEngineBackend(
+        toy.model_dir,
+        HTTPPoolSettings(
+            urls=(fleet.servers[0].url,), instance_id=fleet.instance, weights_dir=tmp_path
+        ),
+    )
+    local = VLLMBackend(toy.model_dir, seed=0, max_model_len=64)
+    sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
+    started = time.monotonic()
+    loop_thread.run(local.start(), timeout=600)
+    REPORT["in-process engine start beside the servers (s)"] = round(time.monotonic() - started, 1)
+    try:
+        loop_thread.run(http.start())
+        for prompt in (PROMPT, [9, 10, 11]):
+            there = loop_thread.run(http.generate(prompt, 4, sampling))
+            here = loop_thread.run(local.generate(prompt, 4, sampling))
+            assert [c.token_ids for c in there] == [c.token_ids for c in here]
+            for a, b in zip(there, here, strict=True):
+                assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-3
+        assert _weight_label(fleet.servers[0]) == fleet.label(0)
+    finally:
+        loop_thread.run(http.close())
+        loop_thread.run(local.close(), timeout=120)
+
+
 def test_nccl_is_refused_for_http_servers(fleet: Fleet) -> None:
     with httpx.Client(base_url=fleet.sampler.url, timeout=60) as c:
         r = c.get("/v1/weights/nccl")

@@ -1,0 +1,195 @@
+"""What differs between inference servers the HTTP engine backend drives: paths and
+field names, one small table per server kind.
+
+Everything else (routing, labels, the weight barrier, probes, re-issue) is the same for
+every kind, so a kind is only this: where to ask, how to spell a wave, how to read an
+answer back as token ids and logprobs, and how to reload weights from a path.
+
+- `vllm`: `vllm serve` with `VLLM_SERVER_DEV_MODE=1` (its RL endpoints). Waves are
+  `/v1/completions` with token-id prompts; weights reload through `/collective_rpc`
+  `reload_weights`; labels through `/weight_info` and `/update_weight_version`.
+- `sglang`: SGLang's native API. Waves are `/generate` with `input_ids` and
+  `sampling_params` (`n` answers, `sampling_seed`), `return_logprob` giving
+  `meta_info.output_token_logprobs` as `[logprob, token_id, text]` triples; weights reload
+  through `/update_weights_from_disk` (`model_path`), which flushes the radix cache
+  itself; `/pause_generation` and `/continue_generation` hold the scheduler around it;
+  labels through `/get_weight_version` and `/update_weight_version`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sampler_service.backends.base import SamplingParams
+
+DialectName = Literal["vllm", "sglang"]
+
+#: token ids, their logprobs, finish reason ("stop", "length", "abort" or the server's word)
+Answer = tuple[list[int], list[float], str | None]
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """One server kind's API: see the module docstring."""
+
+    name: DialectName
+    generate: str
+    weight_label: str
+    set_label: str
+    pause: str
+    resume: str
+    reload: str
+    abort: str
+    #: None: the server has no pause query; a pause is known only from our own calls.
+    is_paused: str | None
+    #: None: the reload itself drops the prefix cache.
+    reset_cache: str | None
+    #: None: the server reports no logprob semantics to check at start-up.
+    server_info: str | None
+    #: Start-up hint when an endpoint answers 403/404.
+    hint: str
+    request: Callable[[str, list[int], int, SamplingParams, Sequence[int], str], dict[str, Any]]
+    answers: Callable[[Any], list[Answer]]
+    reload_body: Callable[[str], dict[str, Any]]
+    abort_bodies: Callable[[Sequence[str]], list[dict[str, Any]]]
+
+
+def _vllm_request(
+    model: str,
+    prompt: list[int],
+    n: int,
+    sampling: SamplingParams,
+    stop_ids: Sequence[int],
+    request_id: str,
+) -> dict[str, Any]:
+    """Every distribution knob explicit, so a server's generation_config changes nothing;
+    `stop_ids` are the model's end-of-sequence ids."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "n": n,
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "seed": sampling.seed,
+        "logprobs": 0,
+        "stop_token_ids": [*stop_ids, *sampling.stop_token_ids],
+        "stop": list(sampling.stop),
+        "include_stop_str_in_output": True,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "request_id": request_id,
+    }
+
+
+def _vllm_answers(body: Any) -> list[Answer]:
+    out: list[Answer] = []
+    for choice in sorted(body["choices"], key=lambda c: c["index"]):
+        logprobs = choice.get("logprobs") or {}
+        tokens = [int(t.removeprefix("token_id:")) for t in logprobs.get("tokens") or []]
+        ids = [int(t) for t in choice.get("token_ids") or tokens]
+        if tokens and tokens != ids:
+            raise RuntimeError("the server's token ids and logprob tokens differ")
+        values = [float(v) for v in logprobs.get("token_logprobs") or []]
+        out.append((ids, values, choice.get("finish_reason")))
+    return out
+
+
+def _sglang_request(
+    model: str,
+    prompt: list[int],
+    n: int,
+    sampling: SamplingParams,
+    stop_ids: Sequence[int],
+    request_id: str,
+) -> dict[str, Any]:
+    """SGLang reads no model name; top_k -1 is its "no top-k"."""
+    del model
+    params: dict[str, Any] = {
+        "n": n,
+        "max_new_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "stop_token_ids": [*stop_ids, *sampling.stop_token_ids],
+        "stop": list(sampling.stop),
+        "no_stop_trim": True,  # the stop string stays in the answer, as vLLM's does
+        "skip_special_tokens": False,
+    }
+    if sampling.seed is not None:
+        params["sampling_seed"] = sampling.seed
+    return {
+        "input_ids": prompt,
+        "sampling_params": params,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "stream": False,
+        "rid": request_id,
+    }
+
+
+def _sglang_answers(body: Any) -> list[Answer]:
+    """One answer is an object, `n` answers a list of them, in sample order."""
+    out: list[Answer] = []
+    for item in body if isinstance(body, list) else [body]:
+        meta = item.get("meta_info") or {}
+        triples = meta.get("output_token_logprobs") or []
+        ids = [int(t[1]) for t in triples] or [int(t) for t in item.get("output_ids") or []]
+        if item.get("output_ids") is not None and triples and ids != list(item["output_ids"]):
+            raise RuntimeError("the server's output_ids and logprob tokens differ")
+        reason = meta.get("finish_reason")
+        kind = reason.get("type") if isinstance(reason, dict) else reason
+        out.append((ids, [float(t[0]) for t in triples], kind))
+    return out
+
+
+VLLM = Dialect(
+    name="vllm",
+    generate="/v1/completions",
+    weight_label="/weight_info",
+    set_label="/update_weight_version",
+    pause="/pause?mode=wait",
+    resume="/resume",
+    reload="/collective_rpc",
+    abort="/abort_requests",
+    is_paused="/is_paused",
+    reset_cache="/reset_prefix_cache?reset_running_requests=true",
+    server_info="/server_info?config_format=json",
+    hint="start the server with VLLM_SERVER_DEV_MODE=1 (vLLM's RL endpoints)",
+    request=_vllm_request,
+    answers=_vllm_answers,
+    reload_body=lambda path: {"method": "reload_weights", "kwargs": {"weights_path": path}},
+    abort_bodies=lambda ids: [{"request_ids": sorted(ids)}],
+)
+
+SGLANG = Dialect(
+    name="sglang",
+    generate="/generate",
+    weight_label="/get_weight_version",
+    set_label="/update_weight_version",
+    pause="/pause_generation",
+    resume="/continue_generation",
+    reload="/update_weights_from_disk",
+    abort="/abort_request",
+    is_paused=None,
+    reset_cache=None,
+    server_info=None,
+    hint="is this an SGLang server recent enough for /get_weight_version?",
+    request=_sglang_request,
+    answers=_sglang_answers,
+    reload_body=lambda path: {"model_path": path},
+    abort_bodies=lambda ids: [{"rid": rid} for rid in sorted(ids)],
+)
+
+DIALECTS: dict[DialectName, Dialect] = {"vllm": VLLM, "sglang": SGLANG}

@@ -1,0 +1,276 @@
+"""The HTTP engine backend against SGLang's native API, and headless-Service discovery.
+
+SGLang cannot be installed here, so its server is a small aiohttp app on loopback that
+answers with the request and response shapes of SGLang's http_server.py and io_struct.py
+(`/generate` with `input_ids` and `sampling_params`, `meta_info.output_token_logprobs`
+triples, `/update_weights_from_disk`, `/pause_generation`, `/continue_generation`,
+`/get_weight_version`, `/update_weight_version`); the backend is the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from sampler_service.backends.base import SamplingParams, WeightsNotServed
+from sampler_service.backends.engine_service import ServiceName, membership, resolve_service
+from sampler_service.backends.http_dialects import SGLANG
+from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+
+
+class FakeSGLang:
+    """SGLang's answers, recorded: every call is logged as (path, body)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.version = "default"
+        self.refuse_loads = False
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/get_weight_version", self.get_version)
+        app.router.add_post("/update_weight_version", self.set_version)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/pause_generation", self.ok)
+        app.router.add_post("/continue_generation", self.ok)
+        app.router.add_post("/update_weights_from_disk", self.load)
+        return app
+
+    async def _log(self, request: web.Request) -> Any:
+        body = await request.json() if request.can_read_body else None
+        self.calls.append((request.path, body))
+        return body
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": "toy", "root": "toy", "max_model_len": 64}]}
+        )
+
+    async def get_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.version})
+
+    async def set_version(self, request: web.Request) -> web.Response:
+        body = await self._log(request)
+        self.version = body["new_version"]
+        return web.json_response(
+            {"success": True, "message": "ok", "new_version": body["new_version"]}
+        )
+
+    async def ok(self, request: web.Request) -> web.Response:
+        await self._log(request)
+        return web.json_response({"message": "done", "status": "ok"})
+
+    async def load(self, request: web.Request) -> web.Response:
+        await self._log(request)
+        if self.refuse_loads:
+            return web.json_response(
+                {"success": False, "message": "shape mismatch", "num_paused_requests": 0},
+                status=400,
+            )
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await self._log(request)
+        params = body["sampling_params"]
+        n = params.get("n", 1)
+        answers = []
+        for i in range(n):
+            ids = [5 + i, 6, 7][: params["max_new_tokens"]]
+            answers.append(
+                {
+                    "text": "x",
+                    "output_ids": ids,
+                    "meta_info": {
+                        "id": f"{body['rid']}_{i}",
+                        "finish_reason": {"type": "length", "length": len(ids)},
+                        "prompt_tokens": len(body["input_ids"]),
+                        "completion_tokens": len(ids),
+                        "cached_tokens": 0,
+                        "weight_version": self.version,
+                        "output_token_logprobs": [[-0.5 - i, t, None] for t in ids],
+                    },
+                }
+            )
+        return web.json_response(answers if n > 1 else answers[0])
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[..., Any]]:
+    runners: list[web.AppRunner] = []
+
+    async def start(fake: FakeSGLang, host: str = "127.0.0.1", port: int = 0) -> int:
+        runner = web.AppRunner(fake.app())
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        runners.append(runner)
+        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+def _backend(toy: Any, tmp_path: Path, **kw: Any) -> HTTPEngineBackend:
+    settings = HTTPPoolSettings(
+        instance_id="t", weights_dir=tmp_path / "w", dialect=SGLANG, probe_s=0.2, **kw
+    )
+    return HTTPEngineBackend(toy.model_dir, settings)
+
+
+async def test_sglang_waves_come_back_as_token_ids_and_logprobs(
+    toy: Any, tmp_path: Path, serve: Any
+) -> None:
+    fake = FakeSGLang()
+    port = await serve(fake)
+    backend = _backend(toy, tmp_path, urls=(f"http://127.0.0.1:{port}",))
+    await backend.start()
+    try:
+        assert fake.version == backend.label(0)  # a fresh server is labelled v0
+        sampling = SamplingParams(
+            max_tokens=3, temperature=0.7, top_p=0.9, seed=11, stop=("</a>",), stop_token_ids=(9,)
+        )
+        out = await backend.generate([1, 2, 3], 2, sampling)
+        assert [c.token_ids for c in out] == [[5, 6, 7], [6, 6, 7]]
+        assert [c.logprobs for c in out] == [[-0.5] * 3, [-1.5] * 3]
+        assert {c.finish_reason for c in out} == {"length"} and {c.policy_version for c in out} == {
+            0
+        }
+        (one,) = await backend.generate(
+            [1, 2], 1, sampling, affinity_key="p1"
+        )  # one answer: an object
+        assert one.token_ids == [5, 6, 7]
+        body = next(b for p, b in fake.calls if p == "/generate")
+        assert body["input_ids"] == [1, 2, 3] and body["return_logprob"] is True
+        params = body["sampling_params"]
+        assert params["n"] == 2 and params["sampling_seed"] == 11
+        assert params["max_new_tokens"] == 3 and params["top_k"] == -1
+        assert params["stop"] == ["</a>"] and params["no_stop_trim"] is True
+        assert params["stop_token_ids"][-1] == 9 and len(params["stop_token_ids"]) > 1  # EOS too
+    finally:
+        await backend.close()
+
+
+async def test_sglang_weight_load_pauses_loads_from_disk_labels_and_continues(
+    toy: Any, tmp_path: Path, serve: Any
+) -> None:
+    fakes = [FakeSGLang(), FakeSGLang()]
+    urls = tuple([f"http://127.0.0.1:{await serve(f)}" for f in fakes])
+    backend = _backend(toy, tmp_path, urls=urls)
+    await backend.start()
+    try:
+        weights = tmp_path / "v1.safetensors"
+        weights.write_bytes(b"")
+        names = list(backend._required)
+        for fake in fakes:
+            fake.calls.clear()
+        await backend.load_weight_files([str(weights)], 1, names)
+        assert backend.policy_version == 1
+        for fake in fakes:
+            paths = [p for p, _ in fake.calls]
+            assert paths == [
+                "/pause_generation",
+                "/update_weights_from_disk",
+                "/update_weight_version",
+                "/continue_generation",
+            ]
+            model_path = Path(fake.calls[1][1]["model_path"])
+            assert [p.resolve() for p in model_path.iterdir()] == [weights.resolve()]
+            assert fake.version == backend.label(1)
+        # one server refuses the next load: both go back to v1, nothing is committed
+        fakes[1].refuse_loads = True
+        with pytest.raises(WeightsNotServed, match="not committed"):
+            await backend.load_weight_files([str(weights)], 2, names)
+        assert backend.policy_version == 1
+        assert [f.version for f in fakes] == [backend.label(1)] * 2
+        assert [p for p, _ in fakes[0].calls][-3:] == [
+            "/update_weights_from_disk",
+            "/update_weight_version",
+            "/continue_generation",
+        ]
+    finally:
+        await backend.close()
+
+
+def test_service_names_resolve_to_one_url_per_address() -> None:
+    service = ServiceName.parse("vllm-headless.ns.svc:8000")
+    assert (service.host, service.port) == ("vllm-headless.ns.svc", 8000)
+    for bad in ("vllm", "vllm:http", "http://vllm:8000", ":8000", "vllm:0"):
+        with pytest.raises(ValueError, match="NAME:PORT"):
+            ServiceName.parse(bad)
+    pods = {"vllm": ["10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::1"]}
+    assert resolve_service(ServiceName("vllm", 8000), lambda h, p: pods[h]) == [
+        "http://10.0.0.1:8000",
+        "http://10.0.0.2:8000",
+        "http://[fd00::1]:8000",
+    ]
+    # the system resolver on a name every host resolves
+    assert "http://127.0.0.1:9" in resolve_service(ServiceName("localhost", 9))
+    assert membership(["a", "b"], ["b", "c"]) == (["c"], ["a"])
+
+
+async def test_servers_join_and_leave_with_the_service(
+    toy: Any, tmp_path: Path, serve: Any
+) -> None:
+    first = FakeSGLang()
+    port = await serve(first)
+    second = FakeSGLang()
+    try:
+        await serve(second, "127.0.0.2", port)
+    except OSError:
+        pytest.skip("127.0.0.2 is not a loopback address here")
+    pods = ["127.0.0.1"]
+
+    def resolver(host: str, p: int) -> list[str]:
+        if host != "engines":
+            raise socket.gaierror("unknown")
+        return list(pods)
+
+    backend = _backend(
+        toy,
+        tmp_path,
+        urls=(),
+        services=(ServiceName("engines", port),),
+        resolve_s=0.1,
+        resolver=resolver,
+    )
+    await backend.start()
+    try:
+        assert [s["url"] for s in backend.servers()] == [f"http://127.0.0.1:{port}"]
+        second.version = "adaptive-rollout/other/v7"  # started with other weights
+        pods.append("127.0.0.2")
+        for _ in range(100):
+            states = {s["url"]: s["state"] for s in backend.servers()}
+            if states.get(f"http://127.0.0.2:{port}") == "ok":
+                break
+            await asyncio.sleep(0.05)
+        assert states[f"http://127.0.0.2:{port}"] == "ok"
+        # synced to the committed weights (the base model) before its label made it routable
+        assert [p for p, _ in second.calls][:2] == [
+            "/update_weights_from_disk",
+            "/update_weight_version",
+        ]
+        assert second.calls[0][1]["model_path"] == str(toy.model_dir)
+        assert second.version == backend.label(0)
+        pods.remove("127.0.0.1")
+        for _ in range(100):
+            if backend.servers()[0]["state"] == "gone":
+                break
+            await asyncio.sleep(0.05)
+        assert [s["state"] for s in backend.servers()] == ["gone", "ok"]
+        first.calls.clear()
+        await backend.generate([1, 2], 1, SamplingParams(max_tokens=2))
+        assert not first.calls and second.calls[-1][0] == "/generate"
+    finally:
+        await backend.close()
