@@ -185,7 +185,12 @@ class SimBackend(Backend):
         return BackendHealth(ok=self._task is not None, detail={"queued": len(self._queue)})
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
     ) -> list[Completion]:
         if self._task is None:
             raise RuntimeError("sim engine not started")
