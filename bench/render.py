@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import front, learning
+from bench import episodes, front, learning
 from bench.common import RESULTS, ROOT, fmt, table
 from bench.step_time import COLUMNS, flat_rows
 
@@ -101,6 +101,17 @@ def _step_settings() -> str:
         f"quick mode: {s['quick']}; off-policy simulated at r in "
         f"{', '.join(fmt(r) for r in s['off_policy_r'])}; self-checks over {s['draws']} "
         f"prompt draws of {s['check_batch']} prompts.\n"
+    )
+
+
+def _episodes_settings() -> str:
+    s = _load("episodes")["settings"]
+    return (
+        f"Toy: {s['pairs']} pairs of runs, {s['toy_groups']} groups of 4 measured per run. "
+        f"Simulation: B = {s['batch']} groups per batch, 1 warm-up + {s['steps']} measured "
+        f"batches, turns per episode Pareto alpha {fmt(s['pareto_alpha'])} capped at "
+        f"{s['max_turns']} (mean {fmt(episodes.expected_turns())}), seed {s['seed']}, "
+        f"quick mode: {s['quick']}.\n"
     )
 
 
@@ -369,6 +380,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "learning.finals": _learning_finals,
     "learning.equal": _learning_equal,
     "learning.targets": _learning_targets,
+    "episodes.settings": _episodes_settings,
+    "episodes.toy": lambda: episodes.toy_table(_load("episodes")["toy"]),
+    "episodes.sim": lambda: episodes.sim_table(_load("episodes")["sim"]),
     "step_time.settings": _step_settings,
     "step_time.checks": _step_checks,
     "step_time.targets": _step_targets,
