@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_toy_episodes_have_two_turns_masks_and_a_loop_cost(toy) -> None:
-    result = episodes.measure_toy(toy.model_dir, toy.data_files[1], pairs=1, warmup=2, groups=6)
+    result = episodes.measure_toy(toy.model_dir, toy.data_files[1], pairs=1, warmup=8, groups=64)
     single, episode = result["runs"]["single"][0], result["runs"]["episodes"][0]
     # every episode ran its environment's two turns and carries observation tokens
     assert result["turns_per_episode"] == 2.0

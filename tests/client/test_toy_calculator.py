@@ -62,3 +62,10 @@ def test_shipped_weights_call_the_tool_sometimes_and_copy_the_result(
     expression, rest = called.text.split("]", 1)
     value, answer = rest.split(";", 1)
     assert expression.startswith("[") and answer.removesuffix("<eos>") == value
+
+
+def test_the_toy_syntax_is_the_calculator_environments() -> None:
+    from sampler_service.environments import calculator as env
+    from trainer_client.toy import calculator as toy
+
+    assert (toy.OPEN, toy.CLOSE, toy.END) == (env.OPEN, env.CLOSE, env.END)

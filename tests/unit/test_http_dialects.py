@@ -22,6 +22,7 @@ from sampler_service.backends.base import SamplingParams, WeightsNotServed
 from sampler_service.backends.engine_service import ServiceName, membership, resolve_service
 from sampler_service.backends.http_dialects import SGLANG
 from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+from sampler_service.config import ReplicaSettings
 
 
 class FakeSGLang:
@@ -124,7 +125,11 @@ async def serve() -> AsyncIterator[Callable[..., Any]]:
 
 def _backend(toy: Any, tmp_path: Path, **kw: Any) -> HTTPEngineBackend:
     settings = HTTPPoolSettings(
-        instance_id="t", weights_dir=tmp_path / "w", dialect=SGLANG, probe_s=0.2, **kw
+        instance_id="t",
+        weights_dir=tmp_path / "w",
+        dialect=SGLANG,
+        replica=ReplicaSettings(probe_s=0.2),
+        **kw,
     )
     return HTTPEngineBackend(toy.model_dir, settings)
 

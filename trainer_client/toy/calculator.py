@@ -35,12 +35,14 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from sampler_service.environments.calculator import CLOSE, END, OPEN, CalculatorEnvironment
 from trainer_client.toy import task
 from trainer_client.toy.model import CHARS, MAX_LEN, _batch, build_tokenizer, save
 from trainer_client.toy.shipped import CALCULATOR_WEIGHTS_DIR, WEIGHTS_DIR
 
 #: The toy's characters and the tool syntax's, appended so the toy's ids are unchanged.
+#: The tool syntax, the same characters as the sampler's built-in `calculator`
+#: environment (a test checks they agree; the trainer side imports no server module).
+OPEN, CLOSE, END = "[", "]", ";"
 CALCULATOR_CHARS = CHARS + OPEN + CLOSE + END
 #: Turns an episode may take (a call, then the answer, with one spare).
 MAX_TURNS = 3
@@ -163,7 +165,7 @@ class EpisodeResult:
     text: str
 
 
-async def _steps(envs: Sequence[CalculatorEnvironment], actions: Sequence[str]) -> list[Any]:
+async def _steps(envs: Sequence[Any], actions: Sequence[str]) -> list[Any]:
     return list(await asyncio.gather(*(env.step(a) for env, a in zip(envs, actions, strict=True))))
 
 
@@ -182,6 +184,9 @@ def run_episodes(
     tokens (never re-encoding what was sampled); the final answer is the text of the last
     turn, the one after the last observation.
     """
+    # the warm-start's check runs the sampler's own environment (a server install)
+    from sampler_service.environments.calculator import CalculatorEnvironment
+
     torch.manual_seed(seed)
     eos, close = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CLOSE)
     episodes = [row for row in rows for _ in range(samples)]
