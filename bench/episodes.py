@@ -276,7 +276,9 @@ def summarize_toy(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "turns_per_s": turn_rate,
         "episode_rate_ratio": episode_rate / single_rate,
         "turn_rate_ratio": turn_rate / single_rate,
-        "turns_per_episode": total("episodes", "turns") / total("episodes", "answers"),
+        # Both counted when an episode ends (answers are counted when their wave is
+        # verified, so a window's answers and turns may be a wave apart).
+        "turns_per_episode": total("episodes", "turns") / total("episodes", "episodes"),
         "tokens_per_answer": total("single", "tokens") / total("single", "answers"),
         "tokens_per_episode": total("episodes", "tokens") / total("episodes", "answers"),
         "loop_cpu_ms_per_answer": 1e3 * cpu_answer,
