@@ -24,7 +24,7 @@ space := $(empty) $(empty)
 CORE_EXPR = not $(subst $(space), and not ,$(strip $(SUITE_MARKERS)))
 LINT_PATHS := strategies sampler_service trainer_client tests bench
 
-.PHONY: venv test test-core test-unit lint format demo clean
+.PHONY: venv test test-core test-unit lint format demo demo-calculator clean
 
 venv: $(STAMP)
 
@@ -70,5 +70,9 @@ format: venv
 demo: venv
 	$(BIN)/adaptive-rollout demo
 
+# The same loop on multi-turn episodes: the toy calculator tool task.
+demo-calculator: venv
+	$(BIN)/adaptive-rollout demo --task calculator --out demo_calculator_out
+
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-verl demo_out .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm .venv-verl demo_out demo_calculator_out .pytest_cache .hypothesis

@@ -45,10 +45,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     import json
 
     from trainer_client.contract.flags import add_model_arguments
-    from trainer_client.demo import DemoSettings
+    from trainer_client.demo import CALCULATOR_SAMPLER, DemoSettings, default_sampler
 
     add_model_arguments(p, DemoSettings, skip={"sampler"})
-    defaults = DemoSettings().sampler
+    defaults = default_sampler("arithmetic")
     p.add_argument(
         "--set",
         dest="sampler_overrides",
@@ -57,7 +57,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a sampler config key for the demo (value parsed as JSON if it can be), "
         'e.g. --set n_max=32 --set \'mixing={"name": "reward_gap"}\'. Defaults: '
-        + ", ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in defaults.items()),
+        + ", ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in defaults.items())
+        + "; --task calculator sets "
+        + ", ".join(
+            f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in CALCULATOR_SAMPLER.items()
+        ),
     )
     p.set_defaults(func=demo_command, parser=p)
 
@@ -73,7 +77,7 @@ def demo_command(args: argparse.Namespace) -> None:
     except argparse.ArgumentTypeError as exc:
         args.parser.error(str(exc))
     settings = model_from_args(args.parser, DemoSettings, args)
-    settings.sampler.update(overrides)
+    settings.sampler = {**settings.sampler_config(), **overrides}
     try:
         code = run_demo(settings)
     except TrainingStopped as exc:

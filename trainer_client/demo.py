@@ -10,6 +10,10 @@
    figures from the service (answers per group, stop reasons, mixing shares), and writes
    `demo_out/report.png`.
 
+`--task calculator` runs the same loop on multi-turn episodes: the toy model, warm-started
+to call a calculator tool (`[37*4]`, answered `148;`) on some answers, is trained on
+episodes (the loss over its own tokens only) and scored by greedy episode success.
+
 The sampler is started through the console script, not imported: the trainer side of the
 project never imports the server (only processes talk to each other, over HTTP).
 """
@@ -26,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainer_client.launch import SamplerProcess
+from trainer_client.toy.build import ToyTask
 
 #: Reinforce-Ada's Seq-Balance: K_pos = K_neg = 2, n_max 16, adaptive waves of up to 8,
 #: balanced down-sampling to n = 4 (the demo's rule, and the learning benchmark's).
@@ -46,6 +51,12 @@ class DemoSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    task: ToyTask = Field(
+        "arithmetic",
+        description="arithmetic: single answers, scored by greedy accuracy; calculator: "
+        "episodes with the toy's calculator tool (call, read the result, answer), scored by "
+        "greedy episode success",
+    )
     out_dir: Path = Field(
         Path("demo_out"), description="output directory", json_schema_extra={"cli_flag": "out"}
     )
@@ -65,30 +76,50 @@ class DemoSettings(BaseModel):
     batch_groups: int = Field(16, ge=1, description="groups per training batch")
     lr: float = Field(5e-5, gt=0.0, allow_inf_nan=False, description="learning rate")
     sync_every: int = Field(1, ge=1, description="push weights every N steps")
-    # Sampler: balanced adaptive sampling (Reinforce-Ada) with the global baseline,
-    # uniform domain mixing, and at most one policy version of lag.
-    sampler: dict[str, Any] = Field(
-        default_factory=lambda: {
-            **SEQ_BALANCE,
-            "advantage": "global",
-            "temperature": 1.0,
-            "max_tokens": 6,
-            "max_active_prompts": 24,
-            "max_buffered_groups": 32,
-            "max_staleness": 1,
-            "mixing": {"name": "static"},
-        },
-        description="the sampler's initial config",
+    sampler: dict[str, Any] | None = Field(
+        None, description="the sampler's initial config (unset: the task's default_sampler)"
     )
+
+    def sampler_config(self) -> dict[str, Any]:
+        """The sampler's initial config: `sampler` as given, else the task's default."""
+        return dict(self.sampler) if self.sampler is not None else default_sampler(self.task)
+
+
+#: The demo's sampler: balanced adaptive sampling (Reinforce-Ada) with the global
+#: baseline, uniform domain mixing, and at most one policy version of lag.
+ARITHMETIC_SAMPLER: dict[str, Any] = {
+    **SEQ_BALANCE,
+    "advantage": "global",
+    "temperature": 1.0,
+    "max_tokens": 6,
+    "max_active_prompts": 24,
+    "max_buffered_groups": 32,
+    "max_staleness": 1,
+    "mixing": {"name": "static"},
+}
+#: What the calculator task changes: a turn stops at the call's `]` (the environment's
+#: stop string) or eos, so a turn is a call (`[37*4]`) or an answer; three turns leave
+#: one spare after a call and its answer.
+CALCULATOR_SAMPLER: dict[str, Any] = {
+    "max_tokens": 12,
+    "episode": {"max_turns": 3, "max_tokens_per_turn": 12},
+}
+
+
+def default_sampler(task: ToyTask) -> dict[str, Any]:
+    """The demo's sampler config for `task`."""
+    extra = CALCULATOR_SAMPLER if task == "calculator" else {}
+    return {**ARITHMETIC_SAMPLER, **extra}
 
 
 def run_demo(settings: DemoSettings) -> int:
-    """Run the demo; returns 0 when held-out accuracy improved on average, else 1."""
+    """Run the demo; returns 0 when the held-out score improved on average, else 1."""
     import torch
     from transformers.utils import logging as hf_logging
 
     from trainer_client.client import SamplerClient
-    from trainer_client.grpo import GRPOTrainer, TrainConfig
+    from trainer_client.evaluate import greedy_accuracy_of
+    from trainer_client.grpo import Evaluator, GRPOTrainer, TrainConfig
     from trainer_client.report import accuracy_table, plot_report, sampling_tables
     from trainer_client.toy import build_toy
 
@@ -101,15 +132,23 @@ def run_demo(settings: DemoSettings) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     hf_logging.disable_progress_bar()  # no "Loading weights" bars between ours
 
-    print("== adaptive-rollout demo: toy arithmetic, sampler + GRPO trainer over loopback HTTP ==")
-    toy = build_toy(out / "toy", seed=settings.seed)
+    episodes = settings.task == "calculator"
+    evaluate_rows: Evaluator = greedy_accuracy_of
+    score_name = "greedy accuracy"
+    if episodes:
+        from trainer_client.toy.calculator import greedy_episode_success_of
+
+        evaluate_rows, score_name = greedy_episode_success_of, "greedy episode success"
+    what = "calculator tool episodes" if episodes else "arithmetic"
+    print(f"== adaptive-rollout demo: toy {what}, sampler + GRPO trainer over loopback HTTP ==")
+    toy = build_toy(out / "toy", seed=settings.seed, toy_task=settings.task)
     model_dir, data, evals = toy.model_dir, toy.data_files, toy.eval_files
     print(
         f"toy model {model_dir}; domains: {', '.join(f.stem for f in data)} "
-        f"(held-out: {sum(1 for f in evals for _ in f.open())} prompts)"
+        f"(held-out: {sum(len(f.read_text().splitlines()) for f in evals)} prompts)"
     )
 
-    config = {**settings.sampler, "batch_groups": settings.batch_groups}
+    config = {**settings.sampler_config(), "batch_groups": settings.batch_groups}
     sampler = SamplerProcess(
         model_dir, data, out / "sampler_state", config, out / "sampler.log", seed=settings.seed
     )
@@ -146,7 +185,7 @@ def run_demo(settings: DemoSettings) -> int:
             eval_files=evals,
             time_limit_s=budget,
         )
-        trainer = GRPOTrainer(cfg)
+        trainer = GRPOTrainer(cfg, evaluate_rows=evaluate_rows)
         with trainer.client:
             trainer.train()
             with SamplerClient(sampler.url) as client:
@@ -161,7 +200,9 @@ def run_demo(settings: DemoSettings) -> int:
         stats,
         before,
         after,
-        title=f"adaptive-rollout demo: {len(history)} GRPO steps, balanced adaptive sampling",
+        title=f"adaptive-rollout demo ({what}): {len(history)} GRPO steps, balanced "
+        "adaptive sampling",
+        score_name=score_name,
     )
 
     mean_before = sum(before.values()) / len(before)
@@ -169,10 +210,19 @@ def run_demo(settings: DemoSettings) -> int:
     improved = mean_after > mean_before
     wall = time.monotonic() - started
     print()
-    print("greedy accuracy on the held-out split (exact match):")
+    print(f"{score_name} on the held-out split (exact match):")
     print(accuracy_table(before, after))
     print()
     print(sampling_tables(history, stats))
+    episode_stats = stats.get("episodes") or {}
+    if episode_stats.get("episodes"):
+        turns = ", ".join(f"{k}: {v}" for k, v in episode_stats["turns"].items())
+        print(
+            f"episodes (sampler): {episode_stats['episodes']}, turns per episode "
+            f"{episode_stats['turns_per_episode']:.2f} ({turns}); environment errors "
+            f"{episode_stats['env_errors']}; tokens sampled {episode_stats['model_tokens']}, "
+            f"from observations {episode_stats['observation_tokens']} (never trained on)"
+        )
     print()
     groups = sum(r["groups"] for r in history)
     acked = sum(r["acked"] for r in history)
@@ -182,10 +232,12 @@ def run_demo(settings: DemoSettings) -> int:
     )
     print(f"report: {report}; train log: {out / 'train' / 'train_log.jsonl'}")
     print(
-        f"wall time {wall:.0f}s; held-out accuracy {mean_before:.3f} -> {mean_after:.3f}: "
+        f"wall time {wall:.0f}s; held-out {score_name} {mean_before:.3f} -> {mean_after:.3f}: "
         + ("improved" if improved else "NOT improved")
     )
     summary = {
+        "task": settings.task,
+        "score": score_name,
         "before": before,
         "after": after,
         "mean_before": mean_before,

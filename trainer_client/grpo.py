@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 # Seconds between progress lines when stderr is not a terminal.
 PIPED_PROGRESS_INTERVAL_S = 30.0
+#: Scores a model on held-out prompt rows: (model, tokenizer, rows) -> score per domain.
+Evaluator = Callable[[Any, Any, list[dict[str, Any]]], dict[str, float]]
 
 
 class TrainingStopped(Exception):
@@ -160,10 +162,21 @@ def approx_kl(logprobs: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tenso
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: TrainConfig, client: SamplerClient | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        client: SamplerClient | None = None,
+        evaluate_rows: Evaluator | None = None,
+    ) -> None:
+        """`evaluate_rows` scores the model on the held-out rows of `cfg.eval_files`, per
+        domain (default: greedy exact-match accuracy of single answers; an episode task
+        passes its own, e.g. greedy episode success with the task's tool)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from trainer_client.evaluate import greedy_accuracy_of
+
         self.cfg = cfg
+        self.evaluate_rows = evaluate_rows or greedy_accuracy_of
         torch.manual_seed(cfg.seed)
         self.client = client or SamplerClient(
             cfg.url,
@@ -349,10 +362,10 @@ class GRPOTrainer:
         )
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy exact-match accuracy per domain on `cfg.eval_files` (held-out prompts)."""
-        from trainer_client.evaluate import greedy_accuracy_of, read_rows
+        """The held-out score per domain on `cfg.eval_files` (greedy accuracy by default)."""
+        from trainer_client.evaluate import read_rows
 
-        return greedy_accuracy_of(self.model, self.tokenizer, read_rows(self.cfg.eval_files))
+        return self.evaluate_rows(self.model, self.tokenizer, read_rows(self.cfg.eval_files))
 
     def _log_eval(self, when: str) -> dict[str, float]:
         acc = self.evaluate()

@@ -101,9 +101,10 @@ def plot_report(
     before: dict[str, float] | None = None,
     after: dict[str, float] | None = None,
     title: str = "adaptive-rollout",
+    score_name: str = "greedy accuracy",
 ) -> Path:
     """Write a 2x4 PNG. Top: reward and pass rate, samples per group and domain shares per
-    step, greedy accuracy before/after. Bottom: the sampler's answers-per-group histogram,
+    step, the held-out score (`score_name`) before/after. Bottom: the sampler's answers-per-group histogram,
     answers per group by domain, stop reasons, and mixing shares (target/admitted/emitted)."""
     import matplotlib
 
@@ -191,7 +192,7 @@ def plot_report(
             )
         ax.set_xticks(x, names)
         ax.legend(fontsize=8)
-    ax.set(title="greedy accuracy, held-out split", ylim=(0, 1.05))
+    ax.set(title=f"{score_name}, held-out split", ylim=(0, 1.05))
 
     ax = axes[1, 0]
     hist = stats.get("samples_per_group", {})

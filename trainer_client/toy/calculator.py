@@ -123,12 +123,22 @@ def _collate(
 
 
 def _sample_turn(
-    model: Any, seqs: Sequence[list[int]], stop_ids: list[int], pad_id: int, temperature: float
+    model: Any,
+    seqs: Sequence[list[int]],
+    stop_ids: list[int],
+    pad_id: int,
+    temperature: float | None,
 ) -> list[list[int]]:
     """One turn per sequence: sampled ids up to and including a stop id (or the context's end).
 
-    Sequences of equal length are generated together, so no padding enters the model.
+    Sequences of equal length are generated together, so no padding enters the model;
+    `temperature` None decodes greedily.
     """
+    sampling: dict[str, Any] = (
+        {"do_sample": False}
+        if temperature is None
+        else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    )
     out: list[list[int]] = [[] for _ in seqs]
     by_length: dict[int, list[int]] = defaultdict(list)
     for i, ids in enumerate(seqs):
@@ -140,11 +150,8 @@ def _sample_turn(
         gen = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
             max_new_tokens=MAX_LEN - length,
+            **sampling,
             eos_token_id=stop_ids,
             pad_token_id=pad_id,
         )
@@ -175,14 +182,14 @@ def run_episodes(
     rows: Sequence[dict[str, str]],
     samples: int,
     *,
-    temperature: float = 1.0,
+    temperature: float | None = 1.0,
     seed: int = 0,
 ) -> list[EpisodeResult]:
     """``samples`` episodes per row with the calculator environment, scored by exact match.
 
-    Each turn is sampled until ``]`` or eos; the environment's observation is appended as
-    tokens (never re-encoding what was sampled); the final answer is the text of the last
-    turn, the one after the last observation.
+    Each turn is sampled (greedy where ``temperature`` is None) until ``]`` or eos; the
+    environment's observation is appended as tokens (never re-encoding what was sampled);
+    the final answer is the text of the last turn, the one after the last observation.
     """
     # the warm-start's check runs the sampler's own environment (a server install)
     from sampler_service.environments.calculator import CalculatorEnvironment
@@ -220,6 +227,25 @@ def run_episodes(
         )
         for c, f, r, ids in zip(called, final, episodes, seqs, strict=True)
     ]
+
+
+def greedy_episode_success_of(
+    model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]]
+) -> dict[str, float]:
+    """Per-domain share of rows whose greedy episode (the tool called or not) ends right:
+    the calculator task's held-out score, as greedy accuracy is the arithmetic task's."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):  # run_episodes seeds; the caller's RNG stays
+            results = run_episodes(model, tokenizer, rows, 1, temperature=None)
+    finally:
+        model.train(was_training)
+    hits: dict[str, list[int]] = {row["domain"]: [0, 0] for row in rows}
+    for row, result in zip(rows, results, strict=True):
+        hits[row["domain"]][0] += result.correct
+        hits[row["domain"]][1] += 1
+    return {domain: ok / n for domain, (ok, n) in hits.items()}
 
 
 def summarize(results: Sequence[EpisodeResult]) -> dict[str, float]:
