@@ -278,6 +278,8 @@ def test_an_episode_trains_on_its_sampled_tokens_only() -> None:
     tensors, non_tensors = groups_to_tensors([group], 0, n=2)
     assert tensors["response_mask"][0].tolist() == [1, 0, 0, 1, 0]
     assert tensors["rm_scores"][0].tolist() == [0.0, 0.0, 0.0, 1.0, 0.0]
+    assert tensors["sampler_advantages"][0].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert non_tensors["__num_turns__"].tolist() == [4, 2]
     adv, _ = compute_grpo_outcome_advantage(
         tensors["rm_scores"], tensors["response_mask"], non_tensors["uid"]
     )

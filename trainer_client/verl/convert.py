@@ -246,7 +246,7 @@ def groups_to_tensors(
         scores[i, last_sampled(mask)] = float(sample.reward)
         if sample.response_token_ids:
             weights[i, :r] = torch.tensor(per_token_weights(sample), dtype=torch.float32)
-            advantages[i, :r] = float(sample.advantage)
+            advantages[i, :r] = float(sample.advantage) * response_mask[i, :r]
     attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
     tensors = {
         "prompts": prompts,
@@ -271,6 +271,8 @@ def groups_to_tensors(
             [{"ground_truth": g.answer or "", "style": "rule"} for g, _, _ in rows], dtype=object
         ),
         "sampler_group_id": np.array([g.group_id for g, _, _ in rows], dtype=object),
+        # verl's agent loop counts messages: the prompt, then each model turn and observation
+        "__num_turns__": np.array([2 * s.num_turns for _, s, _ in rows], dtype=np.int32),
     }
     return tensors, non_tensors
 
