@@ -204,6 +204,34 @@ METHODS: dict[str, dict[str, Any]] = {
             "allocation": {"name": "pilot_commit", "params": {"pilot": 4}},
         },
     },
+    "seqpos1_posterior_replay": {
+        "label": "Seq-Pos K_pos 1 + posterior budget + history skip + replay",
+        "kind": "adaptive",
+        "config": {
+            **SEQ_BALANCE,
+            "rule": "positive",
+            "k_pos": 1,
+            "advantage": "global",
+            "allocation": {"name": "posterior", "params": {"pilot": 4}},
+            "admission_policies": _HISTORY_SKIP,
+            "replay": {"per_prompt": 2, "max_version_lag": 4},
+        },
+    },
+    "grpo4_replay": {
+        "label": "GRPO n=4 + replay of earlier right answers",
+        "kind": "adaptive",
+        "config": {**_GRPO4, "replay": {"per_prompt": 2, "max_version_lag": 4}},
+    },
+    "est": {
+        "label": "Est (budget ~ 1/sqrt(p), mean 8, n=4)",
+        "kind": "adaptive",
+        "config": {**SEQ_BALANCE, "rule": "est", "advantage": "global"},
+    },
+    "seqbal_maxrl": {
+        "label": "Seq-Balance, MaxRL advantages",
+        "kind": "adaptive",
+        "config": {**SEQ_BALANCE, "advantage": "maxrl"},
+    },
     "grpo4_global": {
         "label": "GRPO n=4, global baseline",
         "kind": "ablation",

@@ -272,7 +272,12 @@ def create_app(service: SamplerService) -> FastAPI:
         service.check_features(declared)
         encoding = negotiate(accept, declared)
         messages = service.open_stream(
-            consumer, max_unacked, heartbeat_s or settings.heartbeat_s, encoding, groups_per_step
+            consumer,
+            max_unacked,
+            heartbeat_s or settings.heartbeat_s,
+            encoding,
+            groups_per_step,
+            declared,
         )
         return StreamingResponse(messages, media_type=encoding.stream_media_type)
 

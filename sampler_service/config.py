@@ -138,6 +138,21 @@ class EpisodeKnobs(_Live):
     )
 
 
+class ReplayKnobs(_Live):
+    """Replay of earlier right answers into all-wrong groups (`sampler_service.replay`)."""
+
+    per_prompt: int = Field(
+        2, ge=1, le=64, description="right answers kept per prompt (the newest)"
+    )
+    max_version_lag: int = Field(
+        4,
+        ge=0,
+        le=1_000_000,
+        description="policy versions a kept answer may lag the served weights and still be "
+        "replayed",
+    )
+
+
 class SamplerConfig(_Live):
     """Everything PATCH /v1/config may change while a run is live."""
 
@@ -197,6 +212,12 @@ class SamplerConfig(_Live):
         description="bounds each prompt's answers from its history (posterior, knapsack, "
         "pilot_commit; strategies.allocation), within n_max; a group it stops has stop "
         "reason `budget`; null: the rule alone decides",
+    )
+    replay: ReplayKnobs | None = Field(
+        None,
+        description="a group whose answers are all wrong gets one earlier right answer of "
+        "its prompt in place of one of its own (flagged `replayed`, off-policy; consumers "
+        "declare ?features=replayed); null: off",
     )
     group_policies: list[PolicySpec] = Field(
         default_factory=list,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,14 @@ def _policies(knob: str) -> str:
     return "; ".join(entries)
 
 
+def _optional_model(field: FieldInfo) -> type[BaseModel] | None:
+    """The settings model of a knob that is such a model or null (off), else None."""
+    for arg in typing.get_args(field.annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
 def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
     rows = []
     for name, field in model.model_fields.items():
@@ -104,6 +113,9 @@ def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
         if name in POLICY_FAMILIES:
             meaning += f'; as `{{"name", "params"}}`: {_policies(name)}'
         rows.append(f"| `{prefix}{name}` | {_value(default)}{_bounds(field)} | {meaning} |")
+        settings = _optional_model(field) if default is None else None
+        if settings is not None and name not in POLICY_FAMILIES:
+            rows.extend(_rows(settings, prefix=f"{prefix}{name}."))  # once it is set
     return rows
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from sampler_service.backends.base import Completion
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import PromptRow
+from sampler_service.replay import Replayed
 from sampler_service.verifiers.base import Verdict
 from strategies import advantage, downsample, reweighting, views
 from trainer_client.contract.protocol import Group, GroupStats, Sample, StopReason
@@ -62,18 +63,23 @@ def build_group(
     n_pos: int,
     stop_reason: str,
     n_env_errors: int = 0,
+    replay: Replayed | None = None,
     make_id: Callable[[], str] = new_id,
 ) -> GroupResult:
     """Turn a prompt's answers (generation order) into its training group.
 
     ``n_pos`` counts answers whose reward is above ``cfg.positive_threshold``; the
-    caller has it already from the stopping rule's bookkeeping.
+    caller has it already from the stopping rule's bookkeeping. ``replay``, given when
+    every answer is wrong, takes the place of the last kept answer after down-sampling
+    (`sampler_service.replay`): it counts in the advantages' baseline as one more answer,
+    and not in the group's generated counts or policy versions.
     """
     if len(completions) != len(verdicts) or not completions:
         raise ValueError(f"{len(completions)} completions for {len(verdicts)} verdicts")
     rewards = np.array([v.reward for v in verdicts], dtype=np.float64)
     lengths = np.array([len(c.token_ids) for c in completions], dtype=np.float64)
     n_gen = len(rewards)
+    generated_rewards = rewards
 
     def advantages(kept: np.ndarray) -> np.ndarray:
         return advantage.compute(rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std)
@@ -83,7 +89,16 @@ def build_group(
         dtype=np.int64,
     )
     adv = advantages(kept)
+    # The domain's own signal (what the mixers observe): a replay does not count in it.
     mean_abs = float(np.abs(adv).mean()) if len(adv) else 0.0
+    if replay is not None:
+        if n_pos:
+            raise ValueError(f"a replay for prompt {row.id}, which has {n_pos} right answers")
+        completions = [*completions, replay.completion]
+        rewards = np.append(rewards, replay.reward)
+        lengths = np.append(lengths, len(replay.completion.token_ids))
+        kept = np.append(kept[:-1], n_gen)
+        adv = advantages(kept)
 
     for policy in cfg.group_policy_objects():
         view = views.GroupView(
@@ -113,14 +128,16 @@ def build_group(
             reward=float(rewards[i]),
             finish_reason=completions[i].finish_reason,
             policy_version=completions[i].policy_version,
-            verifier_error=verdicts[i].error,
+            verifier_error=verdicts[i].error if i < n_gen else None,
             advantage=float(a),
             loss_mask=completions[i].loss_mask,
             num_turns=completions[i].num_turns,
+            replayed=i >= n_gen,
         )
         for i, a in zip(kept.tolist(), adv, strict=True)
     ]
-    versions = [s.policy_version for s in samples]
+    # A replayed answer is old by design: the group's versions are its fresh answers'.
+    versions = [s.policy_version for s in samples if not s.replayed]
     group = Group.model_construct(
         group_id=make_id(),
         prompt_id=row.id,
@@ -137,8 +154,8 @@ def build_group(
             n_generated=n_gen,
             n_pos=n_pos,
             n_neg=n_gen - n_pos,
-            reward_mean=float(rewards.mean()),
-            reward_std=float(rewards.std(ddof=1)) if n_gen > 1 else 0.0,
+            reward_mean=float(generated_rewards.mean()),
+            reward_std=float(generated_rewards.std(ddof=1)) if n_gen > 1 else 0.0,
             n_env_errors=n_env_errors,
         ),
         samples=samples,

@@ -64,6 +64,11 @@ class Metrics:
         self.groups_dropped = Counter(
             PREFIX + "groups_dropped", "Finalized groups not emitted", ["reason"], registry=r
         )
+        self.replayed_answers = Counter(
+            PREFIX + "replayed_answers",
+            "Earlier right answers put into all-wrong groups (config replay)",
+            registry=r,
+        )
         self.prompts_skipped = Counter(
             PREFIX + "prompts_skipped",
             "Prompts an admission policy passed over before generating any answer",

@@ -30,6 +30,7 @@ from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.episodes import EpisodeRunner, EpisodeWave
 from sampler_service.metrics import Metrics
+from sampler_service.replay import Replayed, ReplayStore
 from sampler_service.verifiers.base import Verdict
 from strategies import mixing
 from strategies.allocation import AllocationPolicy
@@ -192,8 +193,9 @@ class EpisodeStats:
 class SchedulerStats:
     """Counters behind GET /v1/stats (Prometheus gets the same events via Metrics)."""
 
-    def __init__(self, domains: list[str], clock: Callable[[], float]) -> None:
+    def __init__(self, domains: list[str], clock: Callable[[], float], replay: ReplayStore) -> None:
         self._clock = clock
+        self.replay = replay
         self.started = clock()
         self.domains = {d: DomainStats() for d in domains}
         self.samples_per_group: Counter[int] = Counter()
@@ -222,6 +224,7 @@ class SchedulerStats:
             "dropped": dict(self.dropped),
             "skipped": {d: ds.skipped for d, ds in self.domains.items()},
             "episodes": self.episodes.to_dict(),
+            "replay": self.replay.stats(),
         }
 
 
@@ -262,7 +265,9 @@ class Scheduler:
         self._allocation = config.build_allocation()
         for domain in dataset.domains:
             self.metrics.prompts_skipped.labels(domain)  # every domain's series from the start
-        self.stats = SchedulerStats(dataset.domains, clock)
+        #: Earlier right answers per prompt, for all-wrong groups (config `replay`).
+        self.replay = ReplayStore()
+        self.stats = SchedulerStats(dataset.domains, clock, self.replay)
         self._rng = np.random.default_rng(seed)
         self._unframed: list[Group] = []
         self._frame_lock = asyncio.Lock()
@@ -395,6 +400,7 @@ class Scheduler:
             "admitter": self.admitter.state_dict(),
             "estimator": self.estimator.state_dict(),
             "dataset": self.dataset.state_dict(),
+            "replay": self.replay.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -403,6 +409,7 @@ class Scheduler:
             ("admitter", self.admitter),
             ("estimator", self.estimator),
             ("dataset", self.dataset),
+            ("replay", self.replay),
         ):
             if key in state:
                 target.load_state_dict(state[key])
@@ -703,6 +710,7 @@ class Scheduler:
         else:  # a new estimator is being built from the live one's state
             self._estimator_updates.append((row.id, n_gen, run.n_pos))
 
+        replay = self._replay_for(run)
         result = grouping.build_group(
             row=row,
             cfg=run.plan.cfg,
@@ -712,6 +720,7 @@ class Scheduler:
             n_pos=run.n_pos,
             stop_reason=stop_reason,
             n_env_errors=run.env_errors,
+            replay=replay,
         )
         reward_mean = float(np.mean([v.reward for v in run.verdicts]))
         self.mixer.observe(row.domain, reward_mean, result.mean_abs_advantage)
@@ -719,6 +728,9 @@ class Scheduler:
         if group is None:
             self._drop(run, str(result.drop_reason))
             return
+        if replay is not None and any(s.replayed for s in group.samples):
+            self.replay.replayed += 1
+            self.metrics.replayed_answers.inc()
         async with self._frame_lock:
             state = None
             if self.clock() - self._state_saved_at >= _STATE_EVERY_S:
@@ -730,6 +742,19 @@ class Scheduler:
                 state = None
             self._unframed.append(group)
             await self._form_frames(state)
+
+    def _replay_for(self, run: PromptRun) -> Replayed | None:
+        """An earlier right answer for a prompt whose answers are all wrong (config
+        `replay`), or None; a prompt with right answers has them kept for later."""
+        knobs = run.plan.cfg.replay
+        if knobs is None:
+            return None
+        if run.n_pos == 0:
+            return self.replay.take(run.row.id, self.backend.policy_version, knobs.max_version_lag)
+        rewards = [v.reward for v in run.verdicts]
+        threshold = run.plan.cfg.positive_threshold
+        self.replay.remember(run.row.id, run.completions, rewards, threshold, knobs.per_prompt)
+        return None
 
     async def form_frames(self) -> None:
         """Re-check framing (e.g. after batch_groups was lowered by a PATCH)."""

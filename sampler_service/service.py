@@ -255,6 +255,8 @@ class SamplerService:
         self._tasks: list[asyncio.Task[None]] = []
         # Live streams: token -> (consumer, heartbeat_s, when its socket last took a message).
         self._streams: dict[object, tuple[str, float, float]] = {}
+        #: The wire features each live stream declared (token -> names).
+        self._stream_features: dict[object, frozenset[str]] = {}
         self._closing = asyncio.Event()
         #: Groups acked since the state dir was created (schedules key on it).
         self.trained_groups = 0
@@ -585,23 +587,44 @@ class SamplerService:
             max_context=self.context_length,
         )
 
-    def required_features(self) -> frozenset[str]:
-        """Wire features a consumer must declare: `loss_mask` while episodes are served
-        (their observation tokens must not be trained on)."""
-        return frozenset({wire_features.LOSS_MASK}) if self._env_factories else frozenset()
+    def required_features(self) -> dict[str, str]:
+        """Wire features a consumer must declare, each with what it must do about them:
+        `loss_mask` while episodes are served (their observation tokens must not be
+        trained on), `replayed` while replay is on (a replayed answer is off-policy)."""
+        required = {}
+        if self._env_factories:
+            required[wire_features.LOSS_MASK] = "train on Sample.loss_mask == 1 tokens only"
+        if self.scheduler.config.replay is not None:
+            required[wire_features.REPLAYED] = (
+                "treat Sample.replayed answers as off-policy (clip their importance ratio or "
+                "drop them)"
+            )
+        return required
 
     def check_features(self, declared: frozenset[str]) -> None:
         """409 `feature_required` for a consumer that would mistrain on these groups."""
-        if missing := sorted(self.required_features() - declared):
+        required = self.required_features()
+        if missing := sorted(set(required) - declared):
             raise ServiceError(
                 409,
                 "feature_required",
-                f"this sampler serves multi-turn episodes: declare the feature"
-                f"{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
-                f"(?{wire_features.QUERY_PARAM}={','.join(missing)}) and train on "
-                "Sample.loss_mask == 1 tokens only",
+                f"this sampler's groups need the feature{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(missing)}: declare {'them' if len(missing) > 1 else 'it'} "
+                f"(?{wire_features.QUERY_PARAM}={','.join(missing)}) and "
+                + "; ".join(required[name] for name in missing),
                 wire_features.QUERY_PARAM,
             )
+
+    def _end_streams_lacking_features(self) -> None:
+        """End the live streams that did not declare a feature the groups now need (replay
+        switched on): their consumers reconnect and are told (409 `feature_required`),
+        and what they held is READY again for the others."""
+        required = set(self.required_features())
+        for token, declared in list(self._stream_features.items()):
+            if required - declared and token in self._streams:
+                consumer = self._streams[token][0]
+                log.warning("stream %s lacks features %s: ended", consumer, required - declared)
+                self.outbox.disconnect(consumer, token)
 
     async def _verify(self, row: PromptRow, completion: Completion) -> Verdict:
         spec = row.verifier or self.settings.verifier
@@ -746,6 +769,7 @@ class SamplerService:
         )
         self._schedule_applied = applied
         await self.scheduler.apply_config(cfg, version)
+        self._end_streams_lacking_features()
         await self.scheduler.form_frames()
         log.info("config v%d (%s): %s", version, source, diff)
         await self._drop_stale_frames()  # a lowered max_staleness applies to what is READY
@@ -876,8 +900,10 @@ class SamplerService:
         heartbeat_s: float,
         encoding: Encoding,
         groups_per_step: int | None = None,
+        features: frozenset[str] = frozenset(),
     ) -> AsyncIterator[bytes]:
-        """Claim the stream name `name` (409 while another live stream holds it)."""
+        """Claim the stream name `name` (409 while another live stream holds it);
+        `features` are those the consumer declared (checked by `check_features`)."""
         self._check_step(groups_per_step)
         consumer = stream_consumer(name)
         token = self.outbox.connect(consumer)
@@ -889,6 +915,7 @@ class SamplerService:
                 "consumer",
             )
         self._streams[token] = (consumer, heartbeat_s, time.monotonic())
+        self._stream_features[token] = features
         self._declare_step(consumer, groups_per_step, math.inf)
         return self._stream(consumer, token, max_unacked, heartbeat_s, encoding)
 
@@ -930,6 +957,7 @@ class SamplerService:
                 yield encoding.message(self._heartbeat(consumer, closing=True))
         finally:
             self._streams.pop(token, None)
+            self._stream_features.pop(token, None)
             self.outbox.disconnect(consumer, token)
             if self._declared_steps.pop(consumer, None) is not None:
                 self._update_step_groups()
@@ -946,6 +974,7 @@ class SamplerService:
             if now - since > 2 * heartbeat_s:
                 log.warning("stream %s took no message for %.0f s: dropped", consumer, now - since)
                 del self._streams[token]
+                self._stream_features.pop(token, None)
                 self.outbox.disconnect(consumer, token)
                 self.scheduler.poke()
 

@@ -36,6 +36,7 @@ class TrainBatch:
     rewards: torch.Tensor  # [B]
     group_index: torch.Tensor  # [B] long, index into `groups` of each sample's group
     policy_versions: torch.Tensor  # [B] long, the policy version that generated the sample
+    replayed: torch.Tensor  # [B] bool, an earlier answer replayed into its group (off-policy)
     groups: list[Group] = field(default_factory=list)
 
     @property
@@ -85,6 +86,7 @@ TENSOR_FIELDS = (
     "rewards",
     "group_index",
     "policy_versions",
+    "replayed",
 )
 
 
@@ -137,6 +139,7 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
         rewards=torch.tensor([s.reward for _, _, s in rows], dtype=torch.float32),
         group_index=torch.tensor([gi for gi, _, _ in rows], dtype=torch.long),
         policy_versions=torch.tensor([s.policy_version for _, _, s in rows], dtype=torch.long),
+        replayed=torch.tensor([s.replayed for _, _, s in rows], dtype=torch.bool),
         groups=list(groups),
     )
 

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from trainer_client.batch import BatchAssembler, TrainBatch
 from trainer_client.client import SamplerClient
-from trainer_client.contract.features import LOSS_MASK, NO_TEXT
+from trainer_client.contract.features import LOSS_MASK, NO_TEXT, REPLAYED
 from trainer_client.contract.flags import command_line
 from trainer_client.train_config import TrainConfig
 
@@ -186,8 +186,9 @@ class GRPOTrainer:
             max_unacked=cfg.max_unacked or 2 * cfg.batch_groups,
             groups_per_step=cfg.batch_groups,
             # It trains on token ids and logprobs and never reads a text (a third fewer
-            # bytes per group on the wire), and on an episode's sampled tokens only.
-            features=[NO_TEXT, LOSS_MASK],
+            # bytes per group on the wire), on an episode's sampled tokens only, and on
+            # replayed answers as off-policy ones (`cfg.replayed`).
+            features=[NO_TEXT, LOSS_MASK, REPLAYED],
         )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
@@ -222,9 +223,21 @@ class GRPOTrainer:
             b.advantages if cfg.advantage == "server" else grpo_advantages(b.rewards, b.group_index)
         )
         weights = b.sample_weights[:, None] * torch.where(mask > 0, b.token_weights, 0.0)
-        if cfg.tis_cap:
-            log_r = torch.where(mask > 0, old_lp - b.behaviour_logprobs, 0.0)
-            weights = weights * torch.exp(log_r).clamp(max=cfg.tis_cap)
+        # Importance weights pi_old / pi_sampled per token: truncated for every sample
+        # (tis_cap), and for a replayed answer, sampled by an older policy, capped at
+        # replay_is_cap (or zero: dropped) in place of that.
+        log_r = torch.where(mask > 0, old_lp - b.behaviour_logprobs, 0.0)
+        is_weights = torch.exp(log_r).clamp(max=cfg.tis_cap) if cfg.tis_cap else None
+        if b.replayed.any():
+            replay_w = (
+                torch.exp(log_r).clamp(max=cfg.replay_is_cap)
+                if cfg.replayed == "clip"
+                else torch.zeros_like(log_r)
+            )
+            fresh_w = is_weights if is_weights is not None else torch.ones_like(log_r)
+            is_weights = torch.where(b.replayed[:, None], replay_w, fresh_w)
+        if is_weights is not None:
+            weights = weights * is_weights
         losses, clip_fracs, grad_norms = [], [], []
         for _ in range(cfg.ppo_epochs):
             for idx in torch.randperm(b.size).chunk(cfg.minibatches):

@@ -54,6 +54,18 @@ class TrainConfig(BaseModel):
         allow_inf_nan=False,
         description="truncated importance correction min(pi_old / pi_sampler, CAP); unset: off",
     )
+    replayed: Literal["clip", "drop"] = Field(
+        "clip",
+        description="answers the sampler replayed into all-wrong groups (off-policy): "
+        "clip: weight each token by min(pi_old / pi_sampled, --replay-is-cap); drop: "
+        "leave them out of the loss",
+    )
+    replay_is_cap: float = Field(
+        1.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="cap of a replayed answer's per-token importance ratio",
+    )
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     minibatches: int = Field(
         1, ge=1, description="optimizer steps per epoch (the batch is split this many ways)"

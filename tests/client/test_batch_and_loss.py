@@ -10,7 +10,7 @@ import torch
 from client_helpers import group, sample
 
 from trainer_client.batch import BatchAssembler, collate
-from trainer_client.contract.features import LOSS_MASK, NO_TEXT
+from trainer_client.contract.features import LOSS_MASK, NO_TEXT, REPLAYED
 from trainer_client.contract.protocol import Group
 from trainer_client.grpo import (
     GRPOTrainer,
@@ -204,15 +204,73 @@ def test_train_step_loss_matches_hand_computed_value(tiny_model_dir: Path) -> No
     assert metrics["version_lag_mean"] == 0.0
 
 
-def test_the_reference_trainer_declares_no_text_and_loss_mask(tiny_model_dir: Path) -> None:
+def test_the_reference_trainer_declares_no_text_loss_mask_and_replayed(
+    tiny_model_dir: Path,
+) -> None:
     """It trains on token ids alone, so its stream and leases ask for groups without texts,
-    and on sampled tokens only, so it takes multi-turn episodes."""
+    on sampled tokens only, so it takes multi-turn episodes, and on replayed answers as
+    off-policy ones."""
     trainer = GRPOTrainer(TrainConfig(url="http://unused", model=tiny_model_dir))
+    declared = f"{LOSS_MASK},{NO_TEXT},{REPLAYED}"
     try:
-        assert trainer.client.features == f"{LOSS_MASK},{NO_TEXT}"
-        assert trainer.client._query_params(None)["features"] == f"{LOSS_MASK},{NO_TEXT}"
+        assert trainer.client.features == declared
+        assert trainer.client._query_params(None)["features"] == declared
     finally:
         trainer.client.close()
+
+
+def _with_replay() -> Group:
+    """A fresh wrong answer and a replayed right one, sampled by an older policy with
+    logprobs far from the model's (-3.0 and -0.05 per token)."""
+    return G(
+        "r",
+        prompt=[3, 4],
+        samples=[
+            sample([7, 8], logprobs=[-1.0, -1.0], reward=0.0, advantage=-0.5),
+            sample(
+                [5, 6],
+                logprobs=[-3.0, -0.05],
+                reward=1.0,
+                advantage=0.5,
+                replayed=True,
+                policy_version=0,
+            ),
+        ],
+    )
+
+
+@pytest.mark.parametrize("mode", ["clip", "drop"])
+def test_a_replayed_answer_is_weighted_as_off_policy(tiny_model_dir: Path, mode: str) -> None:
+    """At the start of a step the PPO ratio is 1, so the loss is -sum_t A w_t / #tokens:
+    the fresh answer's tokens weigh 1 (no tis_cap), the replayed answer's weigh
+    min(pi_old / pi_sampled, replay_is_cap) under `clip` and 0 under `drop`."""
+    cap = 1.0
+    cfg = TrainConfig(
+        url="http://unused",
+        model=tiny_model_dir,
+        advantage="server",
+        lr=0.0,
+        replayed=mode,
+        replay_is_cap=cap,
+    )
+    trainer = GRPOTrainer(cfg, client=_NoClient())  # type: ignore[arg-type]
+    trainer._temperatures[0] = 1.0
+    batch = collate([_with_replay()], pad_id=0)
+    assert batch.replayed.tolist() == [False, True]
+    with torch.no_grad():
+        lp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, torch.ones(2))
+    terms = [0.5, 0.5]  # the fresh answer: -(-0.5) x 1 per token
+    for col in (2, 3):
+        ratio = math.exp(lp[1, col].item() - batch.behaviour_logprobs[1, col].item())
+        terms.append(-0.5 * (min(ratio, cap) if mode == "clip" else 0.0))
+    metrics = trainer.train_step(batch)
+    assert metrics["loss"] == pytest.approx(sum(terms) / 4, rel=1e-5, abs=1e-7)
+    # the check can fail: taken as fresh, every token weighs 1, (0.5 + 0.5 - 0.5 - 0.5) / 4
+    fresh = _with_replay()
+    fresh.samples[1].replayed = False
+    as_fresh = trainer.train_step(collate([fresh], pad_id=0))["loss"]
+    assert as_fresh == pytest.approx(0.0, abs=1e-7)
+    assert metrics["loss"] > 0.05
 
 
 def _episode(logprob_at_obs: float, weight_at_obs: float) -> Group:

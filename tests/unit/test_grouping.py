@@ -16,6 +16,7 @@ from sampler_service.backends.base import Completion
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import PromptRow
 from sampler_service.grouping import TOO_FEW_SAMPLES, apply_batch_policies, build_group
+from sampler_service.replay import Replayed
 from sampler_service.verifiers.base import Verdict
 from strategies import reweighting, selection
 from trainer_client.contract.protocol import Group, GroupStats, Sample
@@ -37,8 +38,10 @@ def _answers(
 
 def _build(rewards: list[float], **cfg: Any) -> Any:
     completions, verdicts = _answers(rewards, cfg.pop("versions", None), cfg.pop("lengths", None))
+    replay = cfg.pop("replay", None)
     counter = itertools.count()
     return build_group(
+        replay=replay,
         row=ROW,
         cfg=SamplerConfig(**cfg),
         config_version=7,
@@ -225,3 +228,46 @@ def test_token_weights_from_logprobs_and_frame_positions() -> None:
         for s in g.samples:
             assert s.token_weights == pytest.approx([6 / 7, 8 / 7])
             assert s.weight == pytest.approx(1.0)
+
+
+def test_a_replay_takes_the_last_kept_place_of_an_all_wrong_group() -> None:
+    # Six wrong answers at version 5; balanced down-sampling of all-negative answers keeps
+    # the first four (0, 1, 2, 3); the replay (reward 1, version 2) takes the place of 3.
+    # GRPO baseline over the kept rewards 0 0 0 1: mean 1/4, no std division ->
+    # -1/4, -1/4, -1/4, 3/4.
+    earlier = Completion([7, 8, 9], [-0.5, -0.25, -0.125], "old", "stop", 2)
+    result = _build(
+        [0] * 6,
+        group_size=4,
+        versions=[5] * 6,
+        advantage="grpo",
+        norm_by_std=False,
+        replay=Replayed(earlier, 1.0),
+    )
+    g = result.group
+    assert [s.response_text for s in g.samples] == ["a0", "a1", "a2", "old"]
+    assert [s.replayed for s in g.samples] == [False, False, False, True]
+    assert [s.advantage for s in g.samples] == pytest.approx([-0.25, -0.25, -0.25, 0.75])
+    # The replayed answer keeps what it was sampled with.
+    old = g.samples[-1]
+    assert (old.policy_version, old.reward, old.logprobs) == (2, 1.0, [-0.5, -0.25, -0.125])
+    assert old.response_token_ids == [7, 8, 9]
+    # The group's versions and counts are its own answers': all six at version 5, none
+    # right, mean 0; the mixers' signal is the group's own (all wrong: 0).
+    assert (g.policy_version_min, g.policy_version_max) == (5, 5)
+    assert (g.stats.n_generated, g.stats.n_pos, g.stats.reward_mean) == (6, 0, 0.0)
+    assert result.mean_abs_advantage == 0.0
+
+
+def test_a_replay_with_the_global_baseline_counts_as_one_more_answer() -> None:
+    # Two wrong answers (group_size 2) and the replay: the global baseline is the mean
+    # over the three rewards 0 0 1 = 1/3; kept 0 and the replay -> -1/3, 2/3.
+    earlier = Completion([1], [-1.0], "old", "stop", 0)
+    result = _build([0, 0], group_size=2, advantage="global", replay=Replayed(earlier, 1.0))
+    assert [s.advantage for s in result.group.samples] == pytest.approx([-1 / 3, 2 / 3])
+
+
+def test_a_replay_into_a_group_with_right_answers_is_refused() -> None:
+    earlier = Completion([1], [-1.0], "old", "stop", 0)
+    with pytest.raises(ValueError, match="1 right answers"):
+        _build([0, 1], group_size=2, replay=Replayed(earlier, 1.0))

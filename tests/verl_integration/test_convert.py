@@ -288,3 +288,27 @@ def test_an_episode_trains_on_its_sampled_tokens_only() -> None:
     assert records.fields[0]["response_mask"].tolist() == [1, 0, 0, 1, 0]
     assert records.fields[0]["rm_scores"].tolist() == [0.0, 0.0, 0.0, 1.0, 0.0]
     assert [r["num_turns"] for r in records.fields] == [4, 2]
+
+
+def test_a_replayed_answer_is_left_out_of_the_loss_unless_kept() -> None:
+    """A replayed answer (sampled by an older policy) has response_mask 0 by default, its
+    reward still in the group's scores (verl's GRPO baseline sees the right answer);
+    kept, it trains with its own rollout log-probs for verl's rollout correction."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    from trainer_client.verl.convert import tq_records
+
+    old = _sample(1, [7, 8], 1.0, adv=0.5)
+    old.replayed = True
+    group = _group("r1", [5, 6], [_sample(0, [9, 9], 0.0, adv=-0.5), old])
+    tensors, non_tensors = groups_to_tensors([group], 0, n=2)
+    assert tensors["response_mask"].tolist() == [[1, 1], [0, 0]]
+    assert tensors["rm_scores"].tolist() == [[0.0, 0.0], [0.0, 1.0]]
+    adv, _ = compute_grpo_outcome_advantage(
+        tensors["rm_scores"], tensors["response_mask"], non_tensors["uid"]
+    )
+    assert (adv[0] < 0).all() and (adv[1] == 0).all()  # the fresh wrong answer is pushed down
+    assert tq_records([group], n=2, global_steps=1).fields[1]["response_mask"].tolist() == [0, 0]
+    kept, _ = groups_to_tensors([group], 0, n=2, drop_replayed=False)
+    assert kept["response_mask"].tolist() == [[1, 1], [1, 1]]
+    assert kept["rollout_log_probs"][1].tolist() == pytest.approx([-0.1, -0.2])

@@ -233,7 +233,12 @@ def test_v0_trainer_start_and_batches_from_the_sampler(sampler, toy) -> None:
         assert sampler_config["batch_groups"] == 3 and session.use_sampler_advantages is False
         groups = session.source.take(3)
         batch = lease_batch_proto(
-            groups, cfg, AutoTokenizer.from_pretrained(toy.model_dir), 1, sample_weights=True
+            groups,
+            cfg,
+            AutoTokenizer.from_pretrained(toy.model_dir),
+            1,
+            sample_weights=True,
+            drop_replayed=True,
         )
         assert len(groups) == 3 and len(batch) == 12
         assert batch.meta_info["temperature"] == 1.0

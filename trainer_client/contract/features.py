@@ -22,8 +22,14 @@ NO_TEXT = "no_text"
 #: declare it, rather than hand it tokens it would train on by mistake.
 LOSS_MASK = "loss_mask"
 
+#: Groups may hold a replayed answer (`Sample.replayed`): an earlier right answer of the
+#: prompt, sampled by an older policy, put into a group whose answers were all wrong. A
+#: sampler that replays refuses (409 `feature_required`) a consumer that did not declare
+#: it, rather than let it train on an off-policy answer as if it were fresh.
+REPLAYED = "replayed"
+
 #: Every feature this version knows.
-FEATURES: frozenset[str] = frozenset({NO_TEXT, LOSS_MASK})
+FEATURES: frozenset[str] = frozenset({NO_TEXT, LOSS_MASK, REPLAYED})
 
 #: The query parameter that carries them.
 QUERY_PARAM = "features"

@@ -49,6 +49,13 @@ class Sample(_Wire):
         "Sent only to a consumer that declared the loss_mask feature",
     )
     num_turns: int = Field(1, description="model turns of the episode (1: a single answer)")
+    replayed: bool = Field(
+        False,
+        description="an earlier right answer of the prompt put in place of one of an "
+        "all-wrong group's answers: sampled by an older policy (`policy_version`, "
+        "`logprobs` are its own), so off-policy; sent to a consumer that declared the "
+        "replayed feature",
+    )
 
 
 class GroupStats(_Wire):

@@ -21,7 +21,10 @@ Record keys are ``{uid}_{session}_{index}`` with session = the sample's position
 group and index 0 (one output per session); the group's prompt key ``{uid}`` carries the
 tag ``{"is_prompt": True, "status": "finished", "global_steps": step}``, which is what
 verl's ReplayBuffer waits for. A sample with an empty response gets one padding token with
-mask 0 (verl assumes R >= 1).
+mask 0 (verl assumes R >= 1). A replayed answer (``Sample.replayed``: an earlier right
+answer of the prompt, sampled by an older policy) is dropped from the loss by default
+(mask 0; its reward still counts in its group's scores), or kept with its own
+``rollout_log_probs`` for verl's rollout correction to weight (``drop_replayed=False``).
 
 torch and numpy only; `groups_to_dataproto` imports verl when called.
 """
@@ -68,7 +71,9 @@ def check_group_size(group: Group, n: int) -> None:
         )
 
 
-def _response(sample: Sample, pad_id: int) -> tuple[list[int], list[float], list[float], list[int]]:
+def _response(
+    sample: Sample, pad_id: int, drop_replayed: bool
+) -> tuple[list[int], list[float], list[float], list[int]]:
     """(token ids, logprobs, token weights, mask) of one response, at least one token long."""
     ids = list(sample.response_token_ids)
     if len(sample.logprobs) != len(ids):
@@ -87,6 +92,8 @@ def _response(sample: Sample, pad_id: int) -> tuple[list[int], list[float], list
         )
     if not ids:
         return [pad_id], [0.0], [0.0], [0]
+    if sample.replayed and drop_replayed:
+        mask = [0] * len(ids)
     return ids, list(sample.logprobs), [float(w) for w in tw], mask
 
 
@@ -126,6 +133,7 @@ def tq_records(
     pad_token_id: int = 0,
     version_offset: int = 0,
     sample_weights: bool = True,
+    drop_replayed: bool = True,
 ) -> Records:
     """Rows for verl's ReplayBuffer: one record per sample, one finished prompt tag per group.
 
@@ -145,7 +153,7 @@ def tq_records(
         min_step = max(0, group.policy_version_min - version_offset)
         max_step = max(0, group.policy_version_max - version_offset)
         for session, sample in enumerate(group.samples):
-            ids, logprobs, _, mask = _response(sample, pad_token_id)
+            ids, logprobs, _, mask = _response(sample, pad_token_id, drop_replayed)
             responses = torch.tensor(ids, dtype=torch.int64)
             response_mask = torch.tensor(mask, dtype=torch.int64)
             input_ids = torch.cat([prompt, responses])
@@ -210,7 +218,12 @@ def tq_records(
 
 # -- padded batch (DataProto, verl <= 0.8 and the legacy trainer of 0.9) ---------------------
 def groups_to_tensors(
-    groups: Sequence[Group], pad_token_id: int, *, n: int | None = None, sample_weights: bool = True
+    groups: Sequence[Group],
+    pad_token_id: int,
+    *,
+    n: int | None = None,
+    sample_weights: bool = True,
+    drop_replayed: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     """(tensors, non-tensors) of a padded batch: prompts left-padded, responses right-padded."""
     rows = []
@@ -218,7 +231,7 @@ def groups_to_tensors(
         if n is not None:
             check_group_size(group, n)
         for sample in group.samples:
-            rows.append((group, sample, _response(sample, pad_token_id)))
+            rows.append((group, sample, _response(sample, pad_token_id, drop_replayed)))
     if not rows:
         raise ValueError("no samples in these groups")
     B = len(rows)
@@ -283,13 +296,14 @@ def groups_to_dataproto(
     *,
     n: int | None = None,
     sample_weights: bool = True,
+    drop_replayed: bool = True,
     meta_info: dict[str, Any] | None = None,
 ) -> Any:
     """A verl `DataProto` of these groups, as verl's agent loop would have produced it."""
     from verl import DataProto
 
     tensors, non_tensors = groups_to_tensors(
-        groups, pad_token_id, n=n, sample_weights=sample_weights
+        groups, pad_token_id, n=n, sample_weights=sample_weights, drop_replayed=drop_replayed
     )
     return DataProto.from_dict(
         tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info or {})

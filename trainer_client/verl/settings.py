@@ -33,6 +33,7 @@ from strategies.allocation import ALLOCATIONS
 from strategies.estimator import EstimatorParams
 from strategies.stopping import StoppingParams
 from trainer_client.contract.dtypes import ServingDType
+from trainer_client.contract.features import LOSS_MASK, REPLAYED
 
 #: The name our trainer mode and checkpoint engine are registered under in verl.
 MODE = "adaptive_rollout"
@@ -86,6 +87,11 @@ class SamplerSettings(BaseModel):
     advantages: Literal["auto", "sampler", "verl"] = "auto"
     #: Multiply the service's sample/token weights into verl's ``rollout_is_weights``.
     use_sample_weights: bool = True
+    #: Answers the sampler replayed into all-wrong groups (its ``replay`` config), which
+    #: an older policy sampled: ``drop`` leaves them out of the loss (their reward still
+    #: counts in the group's); ``keep`` trains on them with their own rollout log-probs,
+    #: for verl's rollout correction (algorithm.rollout_correction) to weight.
+    replayed: Literal["drop", "keep"] = "drop"
     #: Refuse to start when the sampler's config is incompatible (see the module docstring).
     check_config: bool = True
     #: PATCH the sampler's batch_groups to the trainer's train_batch_size at start-up.
@@ -141,7 +147,14 @@ class SamplerSettings(BaseModel):
         return self.model_dump()
 
     def client_kwargs(self) -> dict[str, Any]:
-        return {"api_key": self.api_key, "consumer": self.consumer, "watchdog_s": self.watchdog_s}
+        return {
+            "api_key": self.api_key,
+            "consumer": self.consumer,
+            "watchdog_s": self.watchdog_s,
+            # The conversion trains on Sample.loss_mask == 1 tokens only and handles
+            # replayed answers (`replayed`), so episodes and replay may be served to it.
+            "features": [LOSS_MASK, REPLAYED],
+        }
 
     def sampler_advantages(self, sampler_config: Mapping[str, Any]) -> bool:
         """Whether verl should train on the service's advantages (see `advantages`)."""

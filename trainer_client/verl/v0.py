@@ -160,6 +160,7 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
                         self.tokenizer,
                         self.global_steps,
                         sample_weights=self.settings.use_sample_weights,
+                        drop_replayed=self.settings.replayed == "drop",
                     )
                 batch = self.train_step(batch, metrics, timing_raw)
                 if self.config.trainer.save_freq > 0 and (
@@ -244,7 +245,13 @@ class SamplerRayPPOTrainer(RayPPOTrainer):
 
 
 def lease_batch_proto(
-    groups: list[Group], config: Any, tokenizer: Any, global_steps: int, *, sample_weights: bool
+    groups: list[Group],
+    config: Any,
+    tokenizer: Any,
+    global_steps: int,
+    *,
+    sample_weights: bool,
+    drop_replayed: bool,
 ) -> DataProto:
     """Leased groups as verl's DataProto (rollout.n samples each, the rollout temperature)."""
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -255,6 +262,7 @@ def lease_batch_proto(
         int(pad or 0),
         n=int(config.actor_rollout_ref.rollout.n),
         sample_weights=sample_weights,
+        drop_replayed=drop_replayed,
         meta_info={
             "temperature": config.actor_rollout_ref.rollout.temperature,
             "global_steps": global_steps,

@@ -145,6 +145,7 @@ class SamplerAgentLoopManager:
             global_steps=global_steps,
             version_offset=self.version_offset,
             sample_weights=self.settings.use_sample_weights,
+            drop_replayed=self.settings.replayed == "drop",
         )
         # Trajectories first, then the prompt tags: the ReplayBuffer must never see a
         # finished group whose records are not in yet.

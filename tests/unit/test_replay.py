@@ -1,0 +1,46 @@
+"""The replay store: which earlier right answers it keeps and which it offers, worked
+out by hand."""
+
+from __future__ import annotations
+
+import json
+
+from sampler_service.backends.base import Completion
+from sampler_service.replay import ReplayStore
+
+
+def _answer(text: str, version: int) -> Completion:
+    return Completion([1, 2], [-0.5, -0.5], text, "stop", version)
+
+
+def test_only_right_answers_are_kept_the_newest_per_prompt() -> None:
+    store = ReplayStore()
+    # rewards 1, 0, 1 over threshold 0.5: a and c are right; b is not kept.
+    store.remember("p", [_answer("a", 0), _answer("b", 0), _answer("c", 0)], [1, 0, 1], 0.5, 2)
+    # d is right too; with at most 2 per prompt the oldest (a) goes.
+    store.remember("p", [_answer("d", 1)], [1.0], 0.5, 2)
+    store.remember("q", [_answer("e", 1)], [0.0], 0.5, 2)  # nothing right: no entry
+    assert store.stats() == {"prompts": 1, "answers": 2, "stored": 3, "replayed": 0}
+    taken = store.take("p", served_version=1, max_version_lag=4)
+    assert taken is not None and (taken.completion.text, taken.reward) == ("d", 1.0)
+    assert store.take("q", served_version=1, max_version_lag=4) is None
+
+
+def test_answers_older_than_the_lag_are_forgotten() -> None:
+    store = ReplayStore()
+    store.remember("p", [_answer("old", 1), _answer("new", 3)], [1, 1], 0.5, 2)
+    # Served v5, lag 2: v1 is 4 behind (forgotten), v3 is 2 behind (offered).
+    assert store.take("p", served_version=5, max_version_lag=2).completion.text == "new"
+    assert store.stats()["answers"] == 1
+    # Served v6: v3 is 3 behind, past the lag: nothing left, the prompt is gone.
+    assert store.take("p", served_version=6, max_version_lag=2) is None
+    assert store.stats()["prompts"] == 0
+
+
+def test_the_store_survives_a_json_round_trip() -> None:
+    store = ReplayStore()
+    store.remember("p", [_answer("a", 2)], [1.0], 0.5, 2)
+    restored = ReplayStore()
+    restored.load_state_dict(json.loads(json.dumps(store.state_dict())))
+    taken = restored.take("p", served_version=2, max_version_lag=0)
+    assert taken is not None and taken.completion == _answer("a", 2) and taken.reward == 1.0
