@@ -154,6 +154,38 @@ def rows() -> list[Row]:
             {**bal, "wave": "adaptive", "admission_policies": skip},
         ),
         Row(
+            "seqpos1_posterior_skip",
+            "Seq-Pos K_pos 1 + posterior budget + history skip",
+            {
+                **ada,
+                "rule": "positive",
+                "k_pos": 1,
+                "allocation": {"name": "posterior", "params": {"pilot": 4}},
+                "admission_policies": skip,
+            },
+        ),
+        Row(
+            "seqbal_knapsack",
+            "Seq-Balance + knapsack (mean budget 6, n_min 4)",
+            {**bal, "allocation": {"name": "knapsack", "params": {"mean_budget": 6, "n_min": 4}}},
+        ),
+        Row(
+            "seqbal_pilot_commit",
+            "Seq-Balance + pilot-commit (pilot 4)",
+            {**bal, "allocation": {"name": "pilot_commit", "params": {"pilot": 4}}},
+        ),
+        Row(
+            "grpo4_replay",
+            "GRPO n=4 + replay",
+            {
+                **grpo,
+                "group_size": 4,
+                "wave_size": 4,
+                "n_max": 4,
+                "replay": {"per_prompt": 2, "max_version_lag": 4},
+            },
+        ),
+        Row(
             "dapo4_skip",
             "DAPO refill n=4 + history skip",
             {

@@ -14,18 +14,23 @@ importance ratio or dropped, by their setting).
 
 The store keeps at most `per_prompt` right answers per prompt, the newest last, and
 offers only those at most `max_version_lag` policy versions older than the served
-weights. It is bounded by `per_prompt` x prompts seen solved, and it is saved with the
-rest of the scheduler's state so a restart keeps it.
+weights. It is bounded by `per_prompt` x prompts seen solved. It is saved with the rest
+of the scheduler's state, incrementally: each save writes only the prompts whose kept
+answers changed since the last one, each under a key of its own (`KEY_PREFIX` + prompt
+id), so a save costs what changed, not the whole store.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from sampler_service.backends.base import Completion
+
+#: Where a prompt's kept answers are saved (a key per prompt in the state store).
+KEY_PREFIX = "replay/"
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class ReplayStore:
     """Per prompt, the newest right answers (see the module docstring)."""
 
     _answers: dict[str, deque[Replayed]] = field(default_factory=dict)
+    #: Prompts whose kept answers changed since `changes` was last asked.
+    _changed: set[str] = field(default_factory=set)
     #: Right answers stored and answers replayed into groups since start (or restore).
     stored: int = 0
     replayed: int = 0
@@ -66,6 +73,7 @@ class ReplayStore:
         while len(kept) > per_prompt:
             kept.popleft()
         self.stored += len(right)
+        self._changed.add(prompt_id)
 
     def take(self, prompt_id: str, served_version: int, max_version_lag: int) -> Replayed | None:
         """The prompt's newest right answer within `max_version_lag` versions of the served
@@ -73,6 +81,7 @@ class ReplayStore:
         kept = self._answers.get(prompt_id)
         while kept and served_version - kept[0].completion.policy_version > max_version_lag:
             kept.popleft()
+            self._changed.add(prompt_id)
         if not kept:
             self._answers.pop(prompt_id, None)
             return None
@@ -87,16 +96,27 @@ class ReplayStore:
             "replayed": self.replayed,
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "answers": {
-                prompt_id: [{"completion": asdict(r.completion), "reward": r.reward} for r in kept]
-                for prompt_id, kept in self._answers.items()
-            }
+    def changes(self) -> dict[str, list[dict[str, Any]]]:
+        """The saved form of every prompt changed since the last call, by key (an empty
+        list for a prompt with nothing kept any more)."""
+        out = {
+            KEY_PREFIX + prompt_id: [
+                # a shallow copy: the lists are encoded later, on the store's thread
+                {"completion": dict(vars(r.completion)), "reward": r.reward}
+                for r in self._answers.get(prompt_id, ())
+            ]
+            for prompt_id in self._changed
         }
+        self._changed.clear()
+        return out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def restore(self, saved: dict[str, list[dict[str, Any]]]) -> None:
+        """Load what `changes` saved (keys with `KEY_PREFIX`; empty lists are skipped)."""
         self._answers = {
-            prompt_id: deque(Replayed(Completion(**r["completion"]), r["reward"]) for r in kept)
-            for prompt_id, kept in state.get("answers", {}).items()
+            key.removeprefix(KEY_PREFIX): deque(
+                Replayed(Completion(**r["completion"]), r["reward"]) for r in kept
+            )
+            for key, kept in saved.items()
+            if kept
         }
+        self._changed.clear()

@@ -30,6 +30,7 @@ from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.episodes import EpisodeRunner, EpisodeWave
 from sampler_service.metrics import Metrics
+from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
 from sampler_service.replay import Replayed, ReplayStore
 from sampler_service.verifiers.base import Verdict
 from strategies import mixing
@@ -51,12 +52,17 @@ _ADMIT_CHUNK = 64
 #: prompts' estimator state takes ~27 ms of the event loop. A crash loses at most this
 #: much state (a few prompts are served again), never a finished group.
 _STATE_EVERY_S = 1.0
+#: The state store's key of the scheduler's learned state (`Scheduler.state_dict`).
+STATE_KEY = "scheduler_state"
 
 
 class GroupSink(Protocol):
     """Where finished groups go: the durable store in the service, memory in benchmarks."""
 
-    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None: ...
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        """Store a group that waits for its frame, with `state` (`Scheduler.saved_state`:
+        state keys and their values) when given."""
+        ...
 
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
@@ -400,8 +406,18 @@ class Scheduler:
             "admitter": self.admitter.state_dict(),
             "estimator": self.estimator.state_dict(),
             "dataset": self.dataset.state_dict(),
-            "replay": self.replay.state_dict(),
         }
+
+    def saved_state(self) -> dict[str, Any]:
+        """What a save writes, by state key: the learned state (`state_dict`) and the
+        replay store's prompts changed since the last save."""
+        return {STATE_KEY: self.state_dict(), **self.replay.changes()}
+
+    def restore_state(self, saved: dict[str, Any]) -> None:
+        """Load what `saved_state` wrote (every key of it, however many saves ago)."""
+        if saved.get(STATE_KEY):
+            self.load_state_dict(saved[STATE_KEY])
+        self.replay.restore({k: v for k, v in saved.items() if k.startswith(REPLAY_KEY_PREFIX)})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, target in (
@@ -409,7 +425,6 @@ class Scheduler:
             ("admitter", self.admitter),
             ("estimator", self.estimator),
             ("dataset", self.dataset),
-            ("replay", self.replay),
         ):
             if key in state:
                 target.load_state_dict(state[key])
@@ -734,7 +749,7 @@ class Scheduler:
         async with self._frame_lock:
             state = None
             if self.clock() - self._state_saved_at >= _STATE_EVERY_S:
-                state, self._state_saved_at = self.state_dict(), self.clock()
+                state, self._state_saved_at = self.saved_state(), self.clock()
             # A group that completes its frame is stored once, framed; one that waits
             # for the rest of its frame is stored now, so a restart still finds it.
             if len(self._unframed) + 1 < self.config.batch_groups:

@@ -41,7 +41,8 @@ from sampler_service.environments.render import check_prefix_preserving
 from sampler_service.errors import ServiceError
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Delivered, Outbox, lease_consumer, stream_consumer
-from sampler_service.scheduler import Scheduler
+from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
+from sampler_service.scheduler import STATE_KEY, Scheduler
 from sampler_service.state_dir import StateDirError, fingerprint, open_state_dir
 from sampler_service.store import ACKED_KEY, AsyncStore, Store, StoredFrame, StoredGroup
 from sampler_service.verifiers.base import Verdict
@@ -90,7 +91,7 @@ class StoreSink:
         self._pending.add(group_id)
 
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
-        items = {"scheduler_state": state} if state is not None else None
+        items = state
         await self._store.call(
             self._store.sync.add_pending, group.group_id, pack_group(group), items
         )
@@ -101,7 +102,7 @@ class StoreSink:
     ) -> None:
         members = [(g.group_id, pack_group(g)) for g in groups]
         batch_id = groups[0].batch_id if groups else uuid.uuid4().hex
-        items = {"scheduler_state": state} if state is not None else None
+        items = state
         seqs = await self._store.call(self._store.sync.frame, batch_id, members, dropped, items)
         self._pending.difference_update(dropped)
         self._pending.difference_update(gid for gid, _ in members)
@@ -417,9 +418,8 @@ class SamplerService:
             installed=self._weights_installed,
         )
         await self.weights.restore()
-        state = await self.store.call(self.store.sync.get, "scheduler_state")
-        if state:
-            self.scheduler.load_state_dict(state)
+        saved = await self.store.call(self.store.sync.get_many, [STATE_KEY], REPLAY_KEY_PREFIX)
+        self.scheduler.restore_state(saved)
         restored = await self.outbox.restore(_described)
         pending = await self.store.call(self.store.sync.pending)
         for stored in pending:
@@ -480,9 +480,7 @@ class SamplerService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if hasattr(self, "scheduler"):
             await self.scheduler.stop()
-            await self.store.call(
-                self.store.sync.put, {"scheduler_state": self.scheduler.state_dict()}
-            )
+            await self.store.call(self.store.sync.put, self.scheduler.saved_state())
         if hasattr(self, "verifiers"):
             self.verifiers.close()
         if hasattr(self, "backend"):

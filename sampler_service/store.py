@@ -269,6 +269,19 @@ class Store:
         row = self._db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return default if row is None else json.loads(row[0])
 
+    def get_many(self, keys: Sequence[str], prefix: str | None = None) -> dict[str, Any]:
+        """The values of `keys` that are set, and of every key that starts with `prefix`."""
+        rows = self._db.execute(
+            f"SELECT key, value FROM kv WHERE key IN ({','.join('?' * len(keys))})", tuple(keys)
+        ).fetchall()
+        if prefix is not None:
+            # [prefix, prefix + U+10FFFF): every key that starts with it, by the index
+            rows += self._db.execute(
+                "SELECT key, value FROM kv WHERE key >= ? AND key < ?",
+                (prefix, prefix + "\U0010ffff"),
+            ).fetchall()
+        return {key: json.loads(value) for key, value in rows}
+
     # -- event log ------------------------------------------------------------------
     def add_event(
         self, kind: str, source: str, data: dict[str, Any], state: dict[str, Any] | None = None

@@ -69,6 +69,15 @@ def test_groups_and_frames_survive_reopening(tmp_path: Path) -> None:
     reopened.close()
 
 
+def test_keys_are_read_by_name_and_by_prefix(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite", checkpoint_every_s=None)
+    store.put({"a": 1, "replay/p": [1], "replay/q": [], "replayz": 2, "replay": 3, "b": 4})
+    # by name (a missing one is left out), and every key that starts with "replay/"
+    assert store.get_many(["a", "missing"], "replay/") == {"a": 1, "replay/p": [1], "replay/q": []}
+    assert store.get_many(["b"]) == {"b": 4}
+    store.close()
+
+
 def test_each_kind_of_event_keeps_its_own_history(tmp_path: Path, monkeypatch) -> None:
     """A weight update every step must not push the config changes out of the log."""
     monkeypatch.setattr(store_module, "EVENTS_KEPT", 5)

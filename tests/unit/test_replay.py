@@ -37,10 +37,20 @@ def test_answers_older_than_the_lag_are_forgotten() -> None:
     assert store.stats()["prompts"] == 0
 
 
-def test_the_store_survives_a_json_round_trip() -> None:
+def test_a_save_writes_only_the_prompts_that_changed() -> None:
     store = ReplayStore()
     store.remember("p", [_answer("a", 2)], [1.0], 0.5, 2)
+    store.remember("q", [_answer("b", 2)], [1.0], 0.5, 2)
+    first = json.loads(json.dumps(store.changes()))  # as the state store keeps it
+    assert sorted(first) == ["replay/p", "replay/q"]
+    assert store.changes() == {}  # nothing changed since
+    store.remember("q", [_answer("c", 3)], [1.0], 0.5, 2)
+    assert store.take("p", served_version=9, max_version_lag=0) is None  # p's answer aged out
+    second = json.loads(json.dumps(store.changes()))
+    assert second["replay/p"] == [] and len(second["replay/q"]) == 2
+    # A restart loads every saved key: the newer save of a prompt wins, emptied ones go.
     restored = ReplayStore()
-    restored.load_state_dict(json.loads(json.dumps(store.state_dict())))
-    taken = restored.take("p", served_version=2, max_version_lag=0)
-    assert taken is not None and taken.completion == _answer("a", 2) and taken.reward == 1.0
+    restored.restore({**first, **second})
+    assert restored.stats()["prompts"] == 1 and restored.stats()["answers"] == 2
+    taken = restored.take("q", served_version=3, max_version_lag=0)
+    assert taken is not None and taken.completion == _answer("c", 3) and taken.reward == 1.0
