@@ -214,13 +214,13 @@ METHODS: dict[str, dict[str, Any]] = {
             "advantage": "global",
             "allocation": {"name": "posterior", "params": {"pilot": 4}},
             "admission_policies": _HISTORY_SKIP,
-            "replay": {"per_prompt": 2, "max_version_lag": 4},
+            "replay": {"per_prompt": 2, "max_version_lag": 64},
         },
     },
     "grpo4_replay": {
         "label": "GRPO n=4 + replay of earlier right answers",
         "kind": "adaptive",
-        "config": {**_GRPO4, "replay": {"per_prompt": 2, "max_version_lag": 4}},
+        "config": {**_GRPO4, "replay": {"per_prompt": 2, "max_version_lag": 64}},
     },
     "est": {
         "label": "Est (budget ~ 1/sqrt(p), mean 8, n=4)",

@@ -182,7 +182,7 @@ def rows() -> list[Row]:
                 "group_size": 4,
                 "wave_size": 4,
                 "n_max": 4,
-                "replay": {"per_prompt": 2, "max_version_lag": 4},
+                "replay": {"per_prompt": 2, "max_version_lag": 64},
             },
         ),
         Row(

@@ -145,11 +145,11 @@ class ReplayKnobs(_Live):
         2, ge=1, le=64, description="right answers kept per prompt (the newest)"
     )
     max_version_lag: int = Field(
-        4,
+        1000,
         ge=0,
         le=1_000_000,
         description="policy versions a kept answer may lag the served weights and still be "
-        "replayed",
+        "replayed (a prompt comes back once an epoch: at least the steps of an epoch)",
     )
 
 
