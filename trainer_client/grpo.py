@@ -255,7 +255,9 @@ class GRPOTrainer:
                 self.optimizer.step()
                 losses.append(loss.item())
                 clip_fracs.append(st["clip_frac"])
-        lag = (self.version - b.policy_versions).float()
+        # How far behind the sampler generates: replayed answers are old by design.
+        fresh = ~b.replayed
+        lag = (self.version - b.policy_versions[fresh if fresh.any() else slice(None)]).float()
         return {
             "loss": sum(losses) / len(losses),
             "clip_frac": sum(clip_fracs) / len(clip_fracs),

@@ -226,7 +226,7 @@ def _with_replay() -> Group:
         "r",
         prompt=[3, 4],
         samples=[
-            sample([7, 8], logprobs=[-1.0, -1.0], reward=0.0, advantage=-0.5),
+            sample([7, 8], logprobs=[-1.0, -1.0], reward=0.0, advantage=-0.5, policy_version=5),
             sample(
                 [5, 6],
                 logprobs=[-3.0, -0.05],
@@ -255,6 +255,7 @@ def test_a_replayed_answer_is_weighted_as_off_policy(tiny_model_dir: Path, mode:
     )
     trainer = GRPOTrainer(cfg, client=_NoClient())  # type: ignore[arg-type]
     trainer._temperatures[0] = 1.0
+    trainer.version = 5  # the fresh answer is current; the replayed one is 5 versions old
     batch = collate([_with_replay()], pad_id=0)
     assert batch.replayed.tolist() == [False, True]
     with torch.no_grad():
@@ -265,6 +266,8 @@ def test_a_replayed_answer_is_weighted_as_off_policy(tiny_model_dir: Path, mode:
         terms.append(-0.5 * (min(ratio, cap) if mode == "clip" else 0.0))
     metrics = trainer.train_step(batch)
     assert metrics["loss"] == pytest.approx(sum(terms) / 4, rel=1e-5, abs=1e-7)
+    # the sampler's lag is its fresh answers': a replayed one is old by design
+    assert metrics["version_lag_max"] == 0.0
     # the check can fail: taken as fresh, every token weighs 1, (0.5 + 0.5 - 0.5 - 0.5) / 4
     fresh = _with_replay()
     fresh.samples[1].replayed = False
