@@ -135,6 +135,8 @@ class _Server:
     epoch: int = 0
     error: str | None = None
     waves: int = 0
+    #: Seconds its finished waves took, in all (the mean is what /v1/stats shows).
+    wave_seconds: float = 0.0
     reissued: int = 0
     probing: bool = False
     recovering: bool = False
@@ -154,6 +156,7 @@ class _Server:
             "policy_version": _parse_label(self.label, prefix),
             "weight_label": self.label,
             "waves": self.waves,
+            "mean_wave_s": round(self.wave_seconds / self.waves, 3) if self.waves else None,
             "reissued_waves": self.reissued,
             "error": self.error,
         }
@@ -439,7 +442,9 @@ class HTTPEngineBackend(Backend):
                 continue
             finally:
                 self._router.release(srv, n)
-            self.metrics.replica_wave_seconds.labels(label).observe(time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            srv.wave_seconds += elapsed
+            self.metrics.replica_wave_seconds.labels(label).observe(elapsed)
             self.metrics.replica_generated_tokens.labels(label).inc(
                 sum(len(c.token_ids) for c in out)
             )
