@@ -42,6 +42,8 @@ logprob semantics, `--logprobs-mode processed_logprobs` (checked at start-up).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -138,6 +140,11 @@ class _Server:
     #: Seconds its finished waves took, in all (the mean is what /v1/stats shows).
     wave_seconds: float = 0.0
     reissued: int = 0
+    #: Digest of its /weight_checker checksums, as last computed (--engine-compare-checksums).
+    checksum: str | None = None
+    #: It read back another label after a load, or its checksums differ from the other
+    #: servers': not routed to until it is reloaded (and, comparing, agrees).
+    mismatch: bool = False
     probing: bool = False
     recovering: bool = False
     #: Set when the server is found down: its in-flight waves stop waiting and re-issue.
@@ -158,6 +165,8 @@ class _Server:
             "waves": self.waves,
             "mean_wave_s": round(self.wave_seconds / self.waves, 3) if self.waves else None,
             "reissued_waves": self.reissued,
+            "weights_checksum": self.checksum[:16] if self.checksum else None,
+            "weights_mismatch": self.mismatch,
             "error": self.error,
         }
 
@@ -211,6 +220,9 @@ class HTTPEngineBackend(Backend):
         )
         self._prefix = f"adaptive-rollout/{settings.instance_id}/v"
         self._committed = 0
+        #: The committed weights' checksum digest, as the servers agreed on it at the load
+        #: (None: not compared); a resynced server must match it.
+        self._checksum: str | None = None
         #: The directory the committed weights are reloaded from (None: the base model).
         self._source: Path | None = None
         self._specs: dict[str, TensorSpec] = {}
@@ -361,7 +373,12 @@ class HTTPEngineBackend(Backend):
         self._router.dispatch()
 
     def _routable(self, srv: _Server) -> bool:
-        return srv.state == "ok" and srv.label == self.label(self._committed) and not self._loading
+        return (
+            srv.state == "ok"
+            and srv.label == self.label(self._committed)
+            and not srv.mismatch
+            and not self._loading
+        )
 
     def _charge(self, srv: _Server, n: int) -> None:
         srv.inflight += n
@@ -630,7 +647,7 @@ class HTTPEngineBackend(Backend):
         if self._weights_lock.locked() or srv.epoch != epoch or srv.state == "syncing":
             return  # a weight update or a sync owns the server's label and pause now
         srv.label = label
-        if label != self.label(self._committed):
+        if label != self.label(self._committed) or srv.mismatch:
             log.warning("engine server %s carries %r: syncing it", srv.url, label)
             self._set_state(srv, "syncing")
             self._spawn_recovery(srv)
@@ -663,12 +680,21 @@ class HTTPEngineBackend(Backend):
             srv.recovering = False
 
     async def _sync(self, srv: _Server) -> None:
-        """Bring a server to the committed weights and label, then route to it."""
-        if srv.label != self.label(self._committed):
+        """Bring a server to the committed weights and label, then route to it (when
+        comparing checksums, only once they are the committed weights' checksums)."""
+        if srv.label != self.label(self._committed) or srv.mismatch:
             self._set_state(srv, "syncing")
             await self._reload(srv, self._source)
             await self._set_label(srv, self._committed)
-            log.info("engine server %s loaded v%d", srv.url, self._committed)
+            if self._checksum is not None:
+                srv.mismatch = await self._weights_checksum(srv) != self._checksum
+            else:
+                srv.mismatch = False
+            if srv.mismatch:
+                srv.error = f"its checksums of v{self._committed} differ from the other servers'"
+                log.warning("engine server %s: %s", srv.url, srv.error)
+            else:
+                log.info("engine server %s loaded v%d", srv.url, self._committed)
         self._set_state(srv, "ok")
 
     # -- weights ----------------------------------------------------------------------
@@ -699,12 +725,12 @@ class HTTPEngineBackend(Backend):
         async with self._weights_lock:
             source = await asyncio.to_thread(self._link_dir, files, version)
             try:
-                await self._load_all(source, version)
+                checksum = await self._load_all(source, version)
             except BaseException:
                 shutil.rmtree(source, ignore_errors=True)
                 raise
             old, self._source = self._source, source
-            self._committed = version
+            self._committed, self._checksum = version, checksum
             if old is not None:
                 await asyncio.to_thread(shutil.rmtree, old, ignore_errors=True)
         self._router.dispatch()
@@ -728,7 +754,9 @@ class HTTPEngineBackend(Backend):
                 os.symlink(target, link)
         return where
 
-    async def _load_all(self, source: Path, version: int) -> None:
+    async def _load_all(self, source: Path, version: int) -> str | None:
+        """Load `version` into every server up under one pause; the servers' agreed
+        checksum digest when they are compared."""
         targets = [s for s in self._servers if s.state in ("ok", "paused")]
         if not targets:
             raise WeightsNotServed("no engine server is up to load the weights")
@@ -757,6 +785,7 @@ class HTTPEngineBackend(Backend):
                 raise WeightsNotServed(f"no engine server installed v{version}")
             installed = [s for s in loaded if s.state != "down"]
             await self._each(installed, epochs, lambda s: self._set_label(s, version))
+            return await self._confirm([s for s in targets if s.state != "down"], epochs, version)
         finally:
             self._loading = False
             await self._each(
@@ -764,6 +793,76 @@ class HTTPEngineBackend(Backend):
                 epochs,
                 lambda s: self._post(s, self._dialect.resume),
             )
+
+    async def _confirm(
+        self, servers: list[_Server], epochs: dict[int, int], version: int
+    ) -> str | None:
+        """After a load: each server's label read back and, with --engine-compare-checksums,
+        the servers' checksums compared with each other. A server that reads back another
+        label or is outside the largest group of equal checksums is taken out of routing
+        (the probes reload it). Returns the agreed digest (None: not compared).
+
+        Raises WeightsNotServed when no server confirms `version`, or when the largest
+        groups tie (with two servers that disagree, neither can be trusted); the servers
+        are then reloaded with the committed weights by the probes.
+        """
+        labels = await asyncio.gather(
+            *(self._weight_label(s) for s in servers), return_exceptions=True
+        )
+        confirmed = []
+        for srv, label in zip(servers, labels, strict=True):
+            if isinstance(label, httpx.TransportError):
+                self._fail(srv, epochs[srv.index], repr(label))
+            elif label == self.label(version):
+                srv.mismatch = False
+                confirmed.append(srv)
+            else:
+                self._distrust(srv, f"read back {label!r} after loading v{version}")
+        if not confirmed:
+            raise WeightsNotServed(f"no engine server confirmed v{version} (its label)")
+        if not self.settings.replica.compare_checksums:
+            return None
+        digests = await asyncio.gather(
+            *(self._weights_checksum(s) for s in confirmed), return_exceptions=True
+        )
+        groups: dict[str, list[_Server]] = {}
+        for srv, digest in zip(confirmed, digests, strict=True):
+            if isinstance(digest, BaseException):
+                self._distrust(srv, f"no checksums of v{version}: {digest!r}")
+            else:
+                groups.setdefault(digest, []).append(srv)
+        ranked = sorted(groups.items(), key=lambda kv: len(kv[1]), reverse=True)
+        tie = len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1])
+        for _, members in ranked if tie else ranked[1:]:
+            for srv in members:
+                self._distrust(srv, f"its checksums of v{version} differ from the other servers'")
+        if not ranked:
+            raise WeightsNotServed(f"no engine server gave checksums of v{version}")
+        if tie:
+            raise WeightsNotServed(
+                f"v{version} not committed: the engine servers' weight checksums disagree "
+                + ", ".join(f"{s.url}: {d[:16]}" for d, m in ranked for s in m)
+            )
+        return ranked[0][0]
+
+    def _distrust(self, srv: _Server, why: str) -> None:
+        """Out of routing until the probes reload it with the committed weights."""
+        log.warning("engine server %s is out of routing until reloaded: %s", srv.url, why)
+        srv.mismatch, srv.error = True, why
+
+    async def _weights_checksum(self, srv: _Server) -> str:
+        """One digest of the server's /weight_checker checksums (one per tensor, under
+        vLLM's fused run-time names and its parallel ranks)."""
+        assert self._dialect.weight_checker is not None  # refused by the settings otherwise
+        body = await self._post(
+            srv,
+            self._dialect.weight_checker,
+            {"action": "checksum"},
+            timeout=self.settings.request_timeout_s,
+        )
+        canonical = json.dumps(body["checksums"], sort_keys=True).encode()
+        srv.checksum = hashlib.sha256(canonical).hexdigest()
+        return srv.checksum
 
     async def _roll_back(self, servers: list[_Server], epochs: dict[int, int]) -> None:
         """Reload the committed weights into servers that may hold refused ones."""

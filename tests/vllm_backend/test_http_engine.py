@@ -68,7 +68,7 @@ def fleet(toy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             root / "sampler.log",
             heartbeat_s=0.5,
             extra=["--backend", "http", *urls, "--weights-dir", str(root / "weights"),
-                   "--replica-probe-s", "0.5"],
+                   "--replica-probe-s", "0.5", "--engine-compare-checksums"],
         )  # fmt: skip
         began = time.monotonic()
         sampler.start(120)
@@ -285,6 +285,10 @@ def test_a_weight_push_reaches_both_servers(fleet: Fleet, toy) -> None:
         REPORT["PUT /v1/weights to two HTTP servers (s)"] = round(time.monotonic() - started, 2)
         assert c.get("/health").json()["policy_version"] == 1
         assert [_weight_label(s) for s in fleet.servers] == [fleet.label(1)] * 2
+        # the servers' /weight_checker checksums were compared after the load: they agree
+        checked = _servers(c)
+        assert checked[0]["weights_checksum"] == checked[1]["weights_checksum"] is not None
+        assert not any(s["weights_mismatch"] for s in checked)
         after = [_greedy(s) for s in fleet.servers]
         assert after[0] == pytest.approx(after[1], abs=1e-5)
         assert after[0] != pytest.approx(before[0], abs=1e-3)
@@ -369,6 +373,9 @@ def test_a_server_with_other_weights_serves_only_after_it_loads_the_committed_on
             time.sleep(1.0)
         REPORT["restarted server to routable (s)"] = round(time.monotonic() - started, 1)
         assert _weight_label(back) == fleet.label(2)
+        # synced, it was checked against the checksums the servers agreed on at v2
+        synced = _servers(c)
+        assert synced[1]["weights_checksum"] == synced[0]["weights_checksum"] is not None
         # it serves the committed weights now, not the ones it was started with
         assert _greedy(back) == pytest.approx(_greedy(fleet.servers[0]), abs=1e-5)
         groups += collect(c, 8, timeout_s=180, wait_s=20)
