@@ -24,7 +24,11 @@ into them through their own API, and takes a dead one out of routing.
   is labelled, and resumed. If any server that answers fails to load, every server goes
   back to the committed weights and nothing is committed; a server that does not answer
   is taken out of routing and synced when it is back. Updates name every tensor (the
-  server reloads whole checkpoints).
+  server reloads whole checkpoints). Each server's label is read back after the load
+  and, with `--engine-compare-checksums`, the servers' `/weight_checker` checksums are
+  compared with each other (vLLM names them after its fused run-time tensors, so they
+  cannot be compared with the trainer's); a server that disagrees is out of routing until
+  a reload makes it agree.
 - Health: probes (`/health`, `/is_paused`, `/weight_info`) every `probe_s`. A server that
   refuses connections, times out or answers 5xx is taken out of routing; its in-flight
   waves are re-issued whole on another server (their partial answers are dropped, so no
