@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import episodes, front, learning
+from bench import episodes, front, http_hop, learning
 from bench.common import RESULTS, ROOT, fmt, table
 from bench.step_time import COLUMNS, flat_rows
 
@@ -381,6 +381,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "learning.equal": _learning_equal,
     "learning.targets": _learning_targets,
     "episodes.settings": _episodes_settings,
+    "http_hop.run": lambda: http_hop.run_line(_load("http_hop")),
+    "http_hop.results": lambda: http_hop.results_table(_load("http_hop")),
+    "http_hop.targets": lambda: http_hop.targets_table(_load("http_hop")),
     "episodes.toy": lambda: episodes.toy_table(_load("episodes")["toy"]),
     "episodes.sim": lambda: episodes.sim_table(_load("episodes")["sim"]),
     "step_time.settings": _step_settings,

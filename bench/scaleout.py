@@ -136,7 +136,7 @@ class Timed(Backend):
         affinity_key: str | None = None,
     ) -> list[Completion]:
         started = time.monotonic()
-        out = await self.inner.generate(prompt_token_ids, n, sampling)
+        out = await self.inner.generate(prompt_token_ids, n, sampling, affinity_key=affinity_key)
         self.calls.append((started, time.monotonic()))
         return out
 

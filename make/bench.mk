@@ -3,7 +3,7 @@
 #   make bench                   every benchmark in its quick mode (each < 10 minutes on 2 cores)
 #   make bench BENCH_ARGS=       the full runs (more batches, seeds and repeats)
 #   make bench-step | bench-sim | bench-overhead | bench-stream | bench-learning |
-#   bench-scaleout | bench-soak | bench-front | bench-episodes    one of them
+#   bench-scaleout | bench-soak | bench-front | bench-episodes | bench-http-hop    one of them
 #   make bench-render            rewrite BENCHMARKS.md's tables from bench/results/*.json
 #
 # Results go to bench/results/*.json and *.png. Performance figures are ratios measured
@@ -11,10 +11,10 @@
 BENCH_ARGS ?= --quick
 
 .PHONY: bench bench-step bench-sim bench-overhead bench-stream bench-learning \
-	bench-scaleout bench-soak bench-front bench-episodes bench-render
+	bench-scaleout bench-soak bench-front bench-episodes bench-http-hop bench-render
 
 bench: bench-step bench-sim bench-overhead bench-stream bench-learning bench-scaleout \
-	bench-soak bench-front bench-episodes
+	bench-soak bench-front bench-episodes bench-http-hop
 
 bench-step: venv
 	$(BIN)/python -m bench.step_time $(BENCH_ARGS)
@@ -45,3 +45,7 @@ bench-front: venv
 
 bench-episodes: venv
 	$(BIN)/python -m bench.episodes $(BENCH_ARGS)
+
+# The HTTP hop against the in-process vLLM backend: both run in .venv-vllm.
+bench-http-hop: venv venv-vllm
+	$(BIN)/python -m bench.http_hop $(BENCH_ARGS)

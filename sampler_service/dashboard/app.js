@@ -141,7 +141,9 @@ function renderStats(stats) {
   const pairs = (obj) => Object.entries(obj || {}).sort((a, b) => b[1] - a[1]).map(([k, v]) => [k, String(v)]);
   fillRows($("#stop-reasons tbody"), pairs(stats.stop_reasons));
   fillRows($("#drops tbody"), pairs(stats.dropped).length ? pairs(stats.dropped) : [["none", "0"]]);
-  renderReplicas(stats.replicas);
+  // Engine replicas (Ray actors), or the servers of --backend http.
+  const servers = (stats.engine || {}).servers;
+  renderReplicas(stats.replicas || servers, stats.replicas ? "Replicas" : "Engine servers");
   renderEpisodes(stats.episodes);
   updateCharts(stats);
 }
@@ -161,11 +163,12 @@ function renderEpisodes(ep) {
   ]);
 }
 
-function renderReplicas(replicas) {
+function renderReplicas(replicas, title) {
   const panel = $("#replicas-panel");
   const list = Array.isArray(replicas) ? replicas.filter((r) => r && typeof r === "object") : [];
   panel.hidden = list.length === 0;
   if (!list.length) return;
+  setText("#replicas-title", title);
   const columns = [...new Set(list.flatMap((r) => Object.keys(r)))];
   const head = document.createElement("tr");
   for (const c of columns) { const th = document.createElement("th"); th.textContent = c; head.append(th); }

@@ -136,6 +136,7 @@ def test_dashboard(sampler: SamplerProcess, browser: Any, toy: Any) -> None:
     first = page.inner_text("#total-samples")
     wait_for("the answers counter to move", lambda: page.inner_text("#total-samples") != first)
     assert page.inner_text("#health") == "ok"
+    assert page.is_hidden("#replicas-panel")  # one engine in the sampler's process
     # The time charts run from the page's first sample, a minute at least: not over years
     # (uPlot's own range for a lone point).
     for chart in ("rates", "queue"):
@@ -208,6 +209,62 @@ def test_dashboard(sampler: SamplerProcess, browser: Any, toy: Any) -> None:
     foreign = [u for u in requests if urlsplit(u)[:2] != origin[:2] and not u.startswith("data:")]
     assert not foreign, foreign
     api.close()
+
+
+def test_the_dashboard_lists_the_engine_servers_of_backend_http(
+    sampler: SamplerProcess, browser: Any, toy: Any, tmp_path: Path
+) -> None:
+    """With `--backend http` the servers are in /v1/stats under engine.servers (no Ray
+    replicas): the replicas panel lists them. The sampler's own stats are served with the
+    server list of an HTTP engine backend (its real rows) spliced in."""
+    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+
+    backend = HTTPEngineBackend(
+        toy.model_dir,
+        HTTPPoolSettings(
+            urls=("http://10.0.0.1:8000", "http://10.0.0.2:8000"),
+            instance_id="dashboard-test",
+            weights_dir=tmp_path,
+        ),
+    )
+    servers = backend.servers()
+    servers[0] |= {
+        "state": "ok",
+        "inflight_samples": 24,
+        "policy_version": 3,
+        "waves": 40,
+        "mean_wave_s": 1.25,
+    }
+    servers[1] |= {"state": "down", "error": "ConnectError('refused')", "reissued_waves": 2}
+
+    def with_servers(route: Any) -> None:
+        response = route.fetch()
+        stats = response.json()
+        stats["replicas"] = None
+        stats["engine"] = {**stats["engine"], "servers": servers}
+        route.fulfill(response=response, json=stats)
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1300})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(f"uncaught: {exc}"))
+    page.route("**/v1/stats", with_servers)
+    page.goto(f"{sampler.url}/dashboard")
+    page.fill("#key-input", KEY)
+    page.click("#key-submit")
+    wait_for("the server list", lambda: page.locator("#replicas tbody tr").count() == 2)
+    assert page.inner_text("#replicas-title") == "Engine servers"
+    header = page.locator("#replicas thead th").all_inner_texts()
+    for column in ("url", "state", "inflight_samples", "mean_wave_s", "policy_version"):
+        assert column in header, header
+    rows = [
+        dict(zip(header, row.locator("td").all_inner_texts(), strict=True))
+        for row in page.locator("#replicas tbody tr").all()
+    ]
+    assert [r["state"] for r in rows] == ["ok", "down"]
+    assert rows[0]["url"] == "http://10.0.0.1:8000"
+    assert (rows[0]["inflight_samples"], rows[0]["policy_version"]) == ("24", "3")
+    assert rows[0]["mean_wave_s"] == "1.25" and rows[1]["reissued_waves"] == "2"
+    assert not errors, errors
 
 
 def test_the_api_reference_renders_with_nothing_but_the_sampler(

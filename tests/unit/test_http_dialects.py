@@ -10,6 +10,7 @@ triples, `/update_weights_from_disk`, `/pause_generation`, `/continue_generation
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -32,6 +33,8 @@ class FakeSGLang:
         self.calls: list[tuple[str, Any]] = []
         self.version = "default"
         self.refuse_loads = False
+        #: What /weight_checker answers (vLLM's shape), for a dialect that names it.
+        self.checksums = {"model.layers.0.qkv_proj.weight": "00ff"}
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -43,6 +46,7 @@ class FakeSGLang:
         app.router.add_post("/pause_generation", self.ok)
         app.router.add_post("/continue_generation", self.ok)
         app.router.add_post("/update_weights_from_disk", self.load)
+        app.router.add_post("/weight_checker", self.weight_checker)
         return app
 
     async def _log(self, request: web.Request) -> Any:
@@ -80,6 +84,10 @@ class FakeSGLang:
                 status=400,
             )
         return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def weight_checker(self, request: web.Request) -> web.Response:
+        assert (await self._log(request)) == {"action": "checksum"}
+        return web.json_response({"checksums": dict(self.checksums)})
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await self._log(request)
@@ -127,9 +135,7 @@ def _backend(toy: Any, tmp_path: Path, **kw: Any) -> HTTPEngineBackend:
     settings = HTTPPoolSettings(
         instance_id="t",
         weights_dir=tmp_path / "w",
-        dialect=SGLANG,
-        replica=ReplicaSettings(probe_s=0.2),
-        **kw,
+        **{"dialect": SGLANG, "replica": ReplicaSettings(probe_s=0.2), **kw},
     )
     return HTTPEngineBackend(toy.model_dir, settings)
 
@@ -204,6 +210,71 @@ async def test_sglang_weight_load_pauses_loads_from_disk_labels_and_continues(
             "/update_weight_version",
             "/continue_generation",
         ]
+    finally:
+        await backend.close()
+
+
+async def test_a_server_whose_weight_checksums_disagree_is_taken_out_of_routing(
+    toy: Any, tmp_path: Path, serve: Any
+) -> None:
+    """The pool's checksum comparison (--engine-compare-checksums), on fakes whose dialect
+    names vLLM's /weight_checker: after a load the servers are compared with each other,
+    the odd one out is not routed to until a reload makes it agree; two servers that
+    disagree commit nothing."""
+    fakes = [FakeSGLang() for _ in range(3)]
+    urls = tuple([f"http://127.0.0.1:{await serve(f)}" for f in fakes])
+    backend = _backend(
+        toy,
+        tmp_path,
+        urls=urls,
+        dialect=dataclasses.replace(SGLANG, weight_checker="/weight_checker"),
+        replica=ReplicaSettings(probe_s=0.2, compare_checksums=True),
+    )
+    await backend.start()
+    try:
+        weights = tmp_path / "v1.safetensors"
+        weights.write_bytes(b"")
+        names = list(backend._required)
+        fakes[2].checksums = {"model.layers.0.qkv_proj.weight": "0bad"}
+        await backend.load_weight_files([str(weights)], 1, names)
+        assert backend.policy_version == 1
+        servers = backend.servers()
+        assert [s["weights_mismatch"] for s in servers] == [False, False, True]
+        assert servers[0]["weights_checksum"] == servers[1]["weights_checksum"] is not None
+        assert "differ" in servers[2]["error"]
+        fakes[2].calls.clear()
+        for i in range(6):
+            await backend.generate([1, 2, i], 2, SamplingParams(max_tokens=2))
+        assert "/generate" not in [p for p, _ in fakes[2].calls]
+        # its reloads keep failing the comparison until it serves what the others serve
+        for _ in range(50):
+            if [p for p, _ in fakes[2].calls].count("/update_weights_from_disk") >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert backend.servers()[2]["weights_mismatch"]
+        fakes[2].checksums = dict(fakes[0].checksums)
+        for _ in range(50):
+            if not backend.servers()[2]["weights_mismatch"]:
+                break
+            await asyncio.sleep(0.1)
+        assert backend.servers()[2]["weights_mismatch"] is False
+        assert backend.servers()[2]["policy_version"] == 1
+        # two servers that disagree: neither is trusted, nothing is committed
+        await backend.close()
+        backend = _backend(
+            toy,
+            tmp_path,
+            urls=urls[:2],
+            dialect=dataclasses.replace(SGLANG, weight_checker="/weight_checker"),
+            replica=ReplicaSettings(probe_s=0.2, compare_checksums=True),
+        )
+        await backend.start()
+        fakes[1].checksums = {"model.layers.0.qkv_proj.weight": "0bad"}
+        before = backend.policy_version
+        with pytest.raises(WeightsNotServed, match="checksums disagree"):
+            await backend.load_weight_files([str(weights)], 2, names)
+        assert backend.policy_version == before
+        assert [s["weights_mismatch"] for s in backend.servers()] == [True, True]
     finally:
         await backend.close()
 

@@ -120,6 +120,8 @@ def test_http_backend_flags(tmp_path: Path) -> None:
         _serve("--backend", "http", *urls, *wd, "--engine-dialect", "sglang").engine_dialect
         == "sglang"
     )
+    checked = _serve("--backend", "http", *urls, *wd, "--engine-compare-checksums")
+    assert checked.replica.compare_checksums
     for bad in (
         ["--backend", "http", *wd],  # no server
         ["--backend", "http", *urls],  # no shared weights dir
@@ -131,6 +133,16 @@ def test_http_backend_flags(tmp_path: Path) -> None:
         ["--backend", "http", "--engine-service", "engines", *wd],  # no port
         ["--backend", "vllm", "--engine-service", "engines:8000"],
         ["--backend", "vllm", "--engine-dialect", "sglang"],
+        ["--backend", "vllm", "--engine-compare-checksums"],
+        [
+            "--backend",
+            "http",
+            *urls,
+            *wd,
+            "--engine-dialect",
+            "sglang",
+            "--engine-compare-checksums",
+        ],
     ):
         with pytest.raises(SystemExit):
             _serve(*bad)

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 from support import collect, perturbed_file
-from vllm_suite import REPORT, EngineServer
+from vllm_suite import REPORT
 
-from trainer_client.launch import SamplerProcess
+from trainer_client.launch import EngineServer, SamplerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -68,7 +68,7 @@ def fleet(toy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             root / "sampler.log",
             heartbeat_s=0.5,
             extra=["--backend", "http", *urls, "--weights-dir", str(root / "weights"),
-                   "--replica-probe-s", "0.5"],
+                   "--replica-probe-s", "0.5", "--engine-compare-checksums"],
         )  # fmt: skip
         began = time.monotonic()
         sampler.start(120)
@@ -179,26 +179,40 @@ def test_groups_stream_from_both_servers_and_obey_the_rule(fleet: Fleet) -> None
     assert [_weight_label(s) for s in fleet.servers] == [fleet.label(0)] * 2
 
 
-def test_seeded_answers_match_the_in_process_backend(
-    fleet: Fleet, toy, loop_thread, tmp_path: Path
-) -> None:
-    """Same weights, same seed: the HTTP hop returns the in-process engine's tokens (the
-    server's label is the fleet's v0, so this second client resyncs nothing)."""
-    from sampler_service.backends.base import SamplingParams
-    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+@pytest.fixture(scope="module")
+def local(toy, loop_thread) -> Iterator[Any]:
+    """The in-process vLLM backend on the same weights as the servers, beside them."""
     from sampler_service.backends.vllm import VLLMBackend
 
-    http = HTTPEngineBackend(
+    engine = VLLMBackend(toy.model_dir, seed=0, max_model_len=64)
+    started = time.monotonic()
+    loop_thread.run(engine.start(), timeout=600)
+    REPORT["in-process engine start beside the servers (s)"] = round(time.monotonic() - started, 1)
+    yield engine
+    loop_thread.run(engine.close(), timeout=120)
+
+
+def _http_backend(fleet: Fleet, toy, weights_dir: Path) -> Any:
+    """A second client of server 0 under the fleet's instance: its label is the fleet's
+    committed one, so this client resyncs nothing."""
+    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+
+    return HTTPEngineBackend(
         toy.model_dir,
         HTTPPoolSettings(
-            urls=(fleet.servers[0].url,), instance_id=fleet.instance, weights_dir=tmp_path
+            urls=(fleet.servers[0].url,), instance_id=fleet.instance, weights_dir=weights_dir
         ),
     )
-    local = VLLMBackend(toy.model_dir, seed=0, max_model_len=64)
+
+
+def test_seeded_answers_match_the_in_process_backend(
+    fleet: Fleet, toy, local, loop_thread, tmp_path: Path
+) -> None:
+    """Same weights, same seed: the HTTP hop returns the in-process engine's tokens."""
+    from sampler_service.backends.base import SamplingParams
+
+    http = _http_backend(fleet, toy, tmp_path)
     sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
-    started = time.monotonic()
-    loop_thread.run(local.start(), timeout=600)
-    REPORT["in-process engine start beside the servers (s)"] = round(time.monotonic() - started, 1)
     try:
         loop_thread.run(http.start())
         for prompt in (PROMPT, [9, 10, 11]):
@@ -210,7 +224,49 @@ def test_seeded_answers_match_the_in_process_backend(
         assert _weight_label(fleet.servers[0]) == fleet.label(0)
     finally:
         loop_thread.run(http.close())
-        loop_thread.run(local.close(), timeout=120)
+
+
+def test_the_http_hop_benchmark_measures_both_arms(
+    fleet: Fleet, toy, local, loop_thread, tmp_path: Path
+) -> None:
+    """bench/http_hop.py's alternating windows, briefly, on the in-process engine and a
+    server (which the fleet's sampler shares meanwhile: no rates are judged here)."""
+    from transformers import AutoTokenizer
+
+    from bench import http_hop
+
+    tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
+    http = _http_backend(fleet, toy, tmp_path)
+    loop_thread.run(http.start())
+    try:
+        runs = loop_thread.run(
+            http_hop.alternate(
+                {"in-process": (local, lambda: 0.0), "http": (http, lambda: 0.0)},
+                toy.data_files,
+                tokenizer,
+                answers=["toy"],
+                stop_id=tokenizer.eos_token_id,
+                pairs=2,
+                max_tokens=8,
+                n=4,
+                warmup_s=1.0,
+                measure_s=2.0,
+            ),
+            timeout=120,
+        )
+    finally:
+        loop_thread.run(http.close())
+    assert [(r["arm"], r["pair"]) for r in runs] == [
+        ("in-process", 0), ("http", 0), ("http", 1), ("in-process", 1)
+    ]  # fmt: skip
+    for r in runs:
+        assert r["groups"] > 0 and r["waves"] > 0 and r["driver_cpu_s"] > 0
+        assert r["answers"] == 4 * r["groups"] and r["tokens"] >= r["answers"]
+    (row,) = http_hop.summarize(runs)
+    assert row["answers"] == "toy" and len(row["pair_ratios"]) == 2
+    REPORT["HTTP hop, toy answers, 2 s windows (http / in-process tokens/s)"] = round(
+        row["ratio"], 2
+    )
 
 
 def test_nccl_is_refused_for_http_servers(fleet: Fleet) -> None:
@@ -229,6 +285,10 @@ def test_a_weight_push_reaches_both_servers(fleet: Fleet, toy) -> None:
         REPORT["PUT /v1/weights to two HTTP servers (s)"] = round(time.monotonic() - started, 2)
         assert c.get("/health").json()["policy_version"] == 1
         assert [_weight_label(s) for s in fleet.servers] == [fleet.label(1)] * 2
+        # the servers' /weight_checker checksums were compared after the load: they agree
+        checked = _servers(c)
+        assert checked[0]["weights_checksum"] == checked[1]["weights_checksum"] is not None
+        assert not any(s["weights_mismatch"] for s in checked)
         after = [_greedy(s) for s in fleet.servers]
         assert after[0] == pytest.approx(after[1], abs=1e-5)
         assert after[0] != pytest.approx(before[0], abs=1e-3)
@@ -313,6 +373,9 @@ def test_a_server_with_other_weights_serves_only_after_it_loads_the_committed_on
             time.sleep(1.0)
         REPORT["restarted server to routable (s)"] = round(time.monotonic() - started, 1)
         assert _weight_label(back) == fleet.label(2)
+        # synced, it was checked against the checksums the servers agreed on at v2
+        synced = _servers(c)
+        assert synced[1]["weights_checksum"] == synced[0]["weights_checksum"] is not None
         # it serves the committed weights now, not the ones it was started with
         assert _greedy(back) == pytest.approx(_greedy(fleet.servers[0]), abs=1e-5)
         groups += collect(c, 8, timeout_s=180, wait_s=20)
