@@ -411,6 +411,15 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
     _check_schedule(cfg, domains)
 
 
+def check_context(cfg: SamplerConfig, context_length: int | None) -> None:
+    """max_tokens beyond the model's context could never be generated."""
+    if context_length is not None and cfg.max_tokens > context_length:
+        raise ConfigError(
+            f"max_tokens ({cfg.max_tokens}) exceeds the model's context ({context_length} tokens)",
+            "max_tokens",
+        )
+
+
 def _check_schedule(cfg: SamplerConfig, domains: list[str]) -> None:
     """One key kind, strictly increasing thresholds, and every step valid when applied in
     order on top of this config; errors name `schedule[i].at...` or `schedule[i].set.<knob>`."""
