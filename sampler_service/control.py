@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from sampler_service.config import (
@@ -60,6 +61,7 @@ class EventLog:
         task.add_done_callback(self._tasks.discard)
 
 
+@dataclass(eq=False)
 class Control:
     """PATCH /v1/config and the live schedule, over the scheduler's config.
 
@@ -68,34 +70,22 @@ class Control:
     lowered max_staleness applies to frames already READY.
     """
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        events: EventLog,
-        domains: list[str],
-        *,
-        context_length: int | None,
-        policy_version: Callable[[], int],
-        drop_stale: Callable[[], Awaitable[None]],
-        trained_groups: int,
-        schedule_applied: int,
-    ) -> None:
-        self._scheduler = scheduler
-        self.events = events
-        self._domains = domains
-        self._context_length = context_length
-        self._policy_version = policy_version
-        self._drop_stale = drop_stale
-        self._lock = asyncio.Lock()
-        #: Groups acked since the state dir was created (schedules key on it).
-        self.trained_groups = trained_groups
-        #: Steps of the live schedule already applied (or skipped); they never run again.
-        self.schedule_applied = schedule_applied
+    scheduler: Scheduler
+    events: EventLog
+    domains: list[str]
+    context_length: int | None
+    policy_version: Callable[[], int]
+    drop_stale: Callable[[], Awaitable[None]]
+    #: Groups acked since the state dir was created (schedules key on it).
+    trained_groups: int
+    #: Steps of the live schedule already applied (or skipped); they never run again.
+    schedule_applied: int
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
 
     def get_config(self) -> dict[str, Any]:
         return {
-            "config_version": self._scheduler.config_version,
-            **self._scheduler.config.model_dump(),
+            "config_version": self.scheduler.config_version,
+            **self.scheduler.config.model_dump(),
         }
 
     async def patch_config(self, patch: Any) -> dict[str, Any]:
@@ -114,22 +104,22 @@ class Control:
                     "config_version: must be an integer (the version this change expects)",
                     "config_version",
                 )
-            if has_expected and expected != self._scheduler.config_version:
+            if has_expected and expected != self.scheduler.config_version:
                 raise ServiceError(
                     409,
                     "config_version_conflict",
-                    f"config_version is {self._scheduler.config_version}, not {expected}",
+                    f"config_version is {self.scheduler.config_version}, not {expected}",
                     "config_version",
                 )
-            old = self._scheduler.config
+            old = self.scheduler.config
             merged = merge_patch(old.model_dump(), patch)
             # Judged on what it changes (a knob it does not name is not held against it)
             # and on whether the result is consistent, as the start-up config is.
             try:
                 cfg = validate_config(merged)
-                check_consistency(cfg, self._domains)
+                check_consistency(cfg, self.domains)
                 if "max_tokens" in patch:
-                    check_context(cfg, self._context_length)
+                    check_context(cfg, self.context_length)
             except ConfigError as exc:
                 raise ServiceError(422, "invalid_config", str(exc), exc.field) from exc
             # A new schedule starts from its first step; steps already due apply below.
@@ -149,7 +139,7 @@ class Control:
         """Log a weight update and apply schedule steps keyed on the new policy version."""
         data = {"version": version, "transport": transport, "seconds": seconds}
         await self.events.record("weights", "api", {**data, "paused_s": paused_s})
-        await self._drop_stale()
+        await self.drop_stale()
         await self.advance_schedule()
 
     async def _commit(
@@ -157,10 +147,10 @@ class Control:
     ) -> None:
         """Persist and install `cfg` as the next version, logged with its diff, in one
         transaction with the schedule's progress. Callers hold the lock."""
-        old = self._scheduler.config.model_dump(mode="json")
+        old = self.scheduler.config.model_dump(mode="json")
         new = cfg.model_dump(mode="json")
         diff = {k: [old.get(k), v] for k, v in new.items() if old.get(k) != v}
-        version = self._scheduler.config_version + 1
+        version = self.scheduler.config_version + 1
         record = {"config": new, "version": version, "schedule_applied": applied}
         await self.events.record(
             "config",
@@ -169,17 +159,17 @@ class Control:
             {"config": record},
         )
         self.schedule_applied = applied
-        await self._scheduler.apply_config(cfg, version)
-        await self._scheduler.form_frames()
+        await self.scheduler.apply_config(cfg, version)
+        await self.scheduler.form_frames()
         log.info("config v%d (%s): %s", version, source, diff)
-        await self._drop_stale()  # a lowered max_staleness applies to what is READY
+        await self.drop_stale()  # a lowered max_staleness applies to what is READY
 
     def _schedule_due(self) -> bool:
-        schedule = self._scheduler.config.schedule
+        schedule = self.scheduler.config.schedule
         if self.schedule_applied >= len(schedule):
             return False
         kind, threshold = schedule[self.schedule_applied].at.key()
-        progress = self.trained_groups if kind == "trained_groups" else self._policy_version()
+        progress = self.trained_groups if kind == "trained_groups" else self.policy_version()
         return progress >= threshold
 
     async def advance_schedule(self) -> None:
@@ -192,16 +182,16 @@ class Control:
             return
         async with self._lock:
             while self._schedule_due():
-                cfg, i = self._scheduler.config, self.schedule_applied
+                cfg, i = self.scheduler.config, self.schedule_applied
                 step = cfg.schedule[i]
                 kind, threshold = step.at.key()
                 detail = {"step": i, "at": {kind: threshold}}
                 try:
-                    new = apply_step(cfg.model_dump(mode="json"), step.set, self._domains)
+                    new = apply_step(cfg.model_dump(mode="json"), step.set, self.domains)
                 except ConfigError as exc:
                     record = {
                         "config": cfg.model_dump(mode="json"),
-                        "version": self._scheduler.config_version,
+                        "version": self.scheduler.config_version,
                         "schedule_applied": i + 1,
                     }
                     await self.events.record(

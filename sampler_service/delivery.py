@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from sampler_service.aio import wait_event
@@ -33,73 +34,61 @@ log = logging.getLogger(__name__)
 STALENESS_WINDOW = 100
 
 
+@dataclass(eq=False)
 class Delivery:
-    """Streams, leases and acks; the groups delivered and their lag behind the weights.
+    """Streams, leases and acks; the groups delivered and their lag behind the weights."""
 
-    `engine_error` is what heartbeats report; `max_lease_wait_s` caps a lease's wait.
-    """
-
-    def __init__(
-        self,
-        outbox: Outbox,
-        scheduler: Scheduler,
-        backend: Backend,
-        store: AsyncStore,
-        dataset: Dataset,
-        metrics: Metrics,
-        *,
-        engine_error: Callable[[], str | None],
-        max_lease_wait_s: float,
-    ) -> None:
-        self._outbox = outbox
-        self._scheduler = scheduler
-        self._backend = backend
-        self._store = store
-        self._dataset = dataset
-        self._metrics = metrics
-        self._engine_error = engine_error
-        self._max_lease_wait_s = max_lease_wait_s
-        self._closing = asyncio.Event()
-        # Live streams: token -> (consumer, heartbeat_s, when its socket last took a message).
-        self._streams: dict[object, tuple[str, float, float]] = {}
-        #: Groups per training step declared by consumers (`groups_per_step`): consumer ->
-        #: (groups, until when). A stream's holds while it lives; a lease caller's for a
-        #: lease TTL after its last call.
-        self._declared_steps: dict[str, tuple[int, float]] = {}
-        #: Each recently delivered group's lag: served version at delivery minus its oldest
-        #: sample's (last, mean, max and histogram in /v1/stats).
-        self.lags: deque[int] = deque(maxlen=STALENESS_WINDOW)
-        self.groups_delivered = 0
+    outbox: Outbox
+    scheduler: Scheduler
+    backend: Backend
+    store: AsyncStore
+    dataset: Dataset
+    metrics: Metrics
+    #: What heartbeats report as the engine's failure.
+    engine_error: Callable[[], str | None]
+    #: A lease waits at most this long for a frame.
+    max_lease_wait_s: float
+    groups_delivered: int = field(default=0, init=False)
+    #: Each recently delivered group's lag: served version at delivery minus its oldest
+    #: sample's (last, mean, max and histogram in /v1/stats).
+    lags: deque[int] = field(default_factory=lambda: deque(maxlen=STALENESS_WINDOW), init=False)
+    _closing: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    # Live streams: token -> (consumer, heartbeat_s, when its socket last took a message).
+    _streams: dict[object, tuple[str, float, float]] = field(default_factory=dict, init=False)
+    #: Groups per training step declared by consumers (`groups_per_step`): consumer ->
+    #: (groups, until when). A stream's holds while it lives; a lease caller's for a
+    #: lease TTL after its last call.
+    _declared_steps: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
 
     def close(self) -> None:
         """Stop serving: open streams end (with a `closing` heartbeat), lease waits return."""
         self._closing.set()
-        self._outbox.wake()
+        self.outbox.wake()
 
     def tend(self) -> None:
         """Once a second: expire stale leases, free stalled streams' names, forget step
         sizes no consumer declares any more."""
-        if self._outbox.expire():
-            self._scheduler.poke()
+        if self.outbox.expire():
+            self.scheduler.poke()
         self._drop_stalled_streams()
         self._update_step_groups()
 
     def _heartbeat(self, consumer: str, closing: bool = False) -> dict[str, Any]:
         return Heartbeat(
             time=time.time(),
-            policy_version=self._backend.policy_version,
-            config_version=self._scheduler.config_version,
-            ready=self._outbox.ready_groups,
-            leased=self._outbox.leased_groups,
-            active_prompts=self._scheduler.active_prompts + self._scheduler.finalizing,
-            unacked=self._outbox.unacked(consumer),
-            engine_error=self._engine_error(),
+            policy_version=self.backend.policy_version,
+            config_version=self.scheduler.config_version,
+            ready=self.outbox.ready_groups,
+            leased=self.outbox.leased_groups,
+            active_prompts=self.scheduler.active_prompts + self.scheduler.finalizing,
+            unacked=self.outbox.unacked(consumer),
+            engine_error=self.engine_error(),
             closing=closing,
-            engine_state=self._backend.health().state,
+            engine_state=self.backend.health().state,
         ).model_dump()
 
     def _check_step(self, groups_per_step: int | None) -> None:
-        limit = self._scheduler.config.max_buffered_groups
+        limit = self.scheduler.config.max_buffered_groups
         if groups_per_step is not None and groups_per_step > limit:
             raise ServiceError(
                 422,
@@ -120,43 +109,43 @@ class Delivery:
         now = time.monotonic()
         self._declared_steps = {c: d for c, d in self._declared_steps.items() if d[1] > now}
         step = max((groups for groups, _ in self._declared_steps.values()), default=0)
-        if step != self._scheduler.consumer_step_groups:
-            self._scheduler.consumer_step_groups = step
-            self._scheduler.poke()
+        if step != self.scheduler.consumer_step_groups:
+            self.scheduler.consumer_step_groups = step
+            self.scheduler.poke()
 
     def _delivered(self, delivered: list[Delivered]) -> list[Delivered]:
         """Record each delivered group's lag behind the served weights."""
-        served = self._backend.policy_version
+        served = self.backend.policy_version
         for item in delivered:
             lag = served - item.group.policy_version_min
             self.lags.append(lag)
-            self._metrics.delivered_staleness.observe(lag)
-            self._metrics.staleness.set(lag)
+            self.metrics.delivered_staleness.observe(lag)
+            self.metrics.staleness.set(lag)
         self.groups_delivered += len(delivered)
         return delivered
 
     async def drop_stale_frames(self) -> None:
         """Drop READY frames more than max_staleness versions behind the served weights;
         their prompts are served again. Checked at every weight commit and config change."""
-        bound = self._scheduler.config.max_staleness
+        bound = self.scheduler.config.max_staleness
         if bound is None:
             return
-        frames = self._outbox.drop_stale(self._backend.policy_version, bound)
+        frames = self.outbox.drop_stale(self.backend.policy_version, bound)
         members = [m for f in frames for m in f.members]
         if not members:
             return
-        await self._store.call(self._store.sync.discard, [m.group_id for m in members])
+        await self.store.call(self.store.sync.discard, [m.group_id for m in members])
         for member in members:
-            self._dataset.serve_again(member.domain, member.prompt_id)
-        self._scheduler.count_dropped("stale", len(members))
-        self._scheduler.poke()
+            self.dataset.serve_again(member.domain, member.prompt_id)
+        self.scheduler.count_dropped("stale", len(members))
+        self.scheduler.poke()
         log.info(
             "dropped %d READY groups (%d frames) more than %d versions behind v%d; their "
             "prompts are served again",
             len(members),
             len(frames),
             bound,
-            self._backend.policy_version,
+            self.backend.policy_version,
         )
 
     def open_stream(
@@ -170,7 +159,7 @@ class Delivery:
         """Claim the stream name `name` (409 while another live stream holds it)."""
         self._check_step(groups_per_step)
         consumer = stream_consumer(name)
-        token = self._outbox.connect(consumer)
+        token = self.outbox.connect(consumer)
         if token is None:
             raise ServiceError(
                 409,
@@ -191,7 +180,7 @@ class Delivery:
         encoding: Encoding,
     ) -> AsyncIterator[bytes]:
         """Messages for one consumer: whole frames as credit allows, else heartbeats."""
-        outbox = self._outbox
+        outbox = self.outbox
 
         def sending() -> None:  # a yield returns once the socket has taken the message
             self._streams[token] = (consumer, heartbeat_s, time.monotonic())
@@ -206,7 +195,7 @@ class Delivery:
                 size = outbox.next_frame_size()
                 unacked = outbox.unacked(consumer)
                 if size is not None and (unacked + size <= max_unacked or unacked == 0):
-                    ttl = self._scheduler.config.lease_ttl_s
+                    ttl = self.scheduler.config.lease_ttl_s
                     sending()
                     delivered = self._delivered(outbox.take(consumer, ttl))
                     yield b"".join(map(encoding.group_message, delivered))
@@ -224,7 +213,7 @@ class Delivery:
             outbox.disconnect(consumer, token)
             if self._declared_steps.pop(consumer, None) is not None:
                 self._update_step_groups()
-            self._scheduler.poke()
+            self.scheduler.poke()
 
     def _drop_stalled_streams(self) -> None:
         """Free the name of a stream whose socket has not taken a message in 2 heartbeats.
@@ -237,13 +226,13 @@ class Delivery:
             if now - since > 2 * heartbeat_s:
                 log.warning("stream %s took no message for %.0f s: dropped", consumer, now - since)
                 del self._streams[token]
-                self._outbox.disconnect(consumer, token)
-                self._scheduler.poke()
+                self.outbox.disconnect(consumer, token)
+                self.scheduler.poke()
 
     async def ack(self, delivery_ids: list[str]) -> AckResponse:
-        acked, unknown = await self._outbox.ack(delivery_ids)
-        self._metrics.groups_acked.inc(acked)
-        self._scheduler.poke()
+        acked, unknown = await self.outbox.ack(delivery_ids)
+        self.metrics.groups_acked.inc(acked)
+        self.scheduler.poke()
         return AckResponse(acked=acked, unknown=unknown)
 
     async def lease(
@@ -256,18 +245,18 @@ class Delivery:
     ) -> bytes:
         """An encoded LeaseResponse, built from the stored group bytes."""
         self._check_step(groups_per_step)
-        ttl = self._scheduler.config.lease_ttl_s
+        ttl = self.scheduler.config.lease_ttl_s
         self._declare_step(lease_consumer(consumer), groups_per_step, time.monotonic() + ttl)
-        deadline = time.monotonic() + min(wait_s, self._max_lease_wait_s)
+        deadline = time.monotonic() + min(wait_s, self.max_lease_wait_s)
         while (
-            self._outbox.next_frame_size() is None
+            self.outbox.next_frame_size() is None
             and time.monotonic() < deadline
             and not self._closing.is_set()
         ):
-            await wait_event(self._outbox.changed(), deadline - time.monotonic())
-        ttl = self._scheduler.config.lease_ttl_s
+            await wait_event(self.outbox.changed(), deadline - time.monotonic())
+        ttl = self.scheduler.config.lease_ttl_s
         delivered = self._delivered(
-            self._outbox.take(lease_consumer(consumer), ttl, max_groups=max_groups)
+            self.outbox.take(lease_consumer(consumer), ttl, max_groups=max_groups)
         )
         return encoding.lease(
             {"lease_id": uuid.uuid4().hex, "expires_at": time.time() + ttl}, delivered

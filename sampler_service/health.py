@@ -4,6 +4,7 @@ works badly while it still serves. /health, /ready, heartbeats and /v1/stats rea
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from sampler_service.backends.base import Backend
@@ -29,30 +30,23 @@ def starting_health(settings: ServeSettings, started_at: float) -> Health:
     )
 
 
+@dataclass(eq=False)
 class ServiceHealth:
     """The health of a built service; while it is not `ready` (stopping) it reports none
     of its engine's troubles, which its own shutdown causes."""
 
-    def __init__(
-        self,
-        settings: ServeSettings,
-        started_at: float,
-        backend: Backend,
-        scheduler: Scheduler,
-        verifiers: VerifierPool,
-    ) -> None:
-        self._settings = settings
-        self._started_at = started_at
-        self._backend = backend
-        self._scheduler = scheduler
-        self._verifiers = verifiers
-        self.ready = False
+    settings: ServeSettings
+    started_at: float
+    backend: Backend
+    scheduler: Scheduler
+    verifiers: VerifierPool
+    ready: bool = field(default=False, init=False)
 
     def engine_error(self) -> str | None:
         """Why the engine cannot generate any more (it died or failed), or None."""
         if not self.ready:
             return None
-        health = self._backend.health()
+        health = self.backend.health()
         return (
             str(health.detail.get("error", "the engine reports it is unhealthy"))
             if health.state == "failed"
@@ -61,36 +55,36 @@ class ServiceHealth:
 
     def engine_degraded(self) -> bool:
         """No engine replica can serve now, but one is recovering (admission is paused)."""
-        return self.ready and self._backend.health().state == "degraded"
+        return self.ready and self.backend.health().state == "degraded"
 
     def replicas(self) -> list[dict[str, Any]] | None:
         """Per-replica state when engines run as replicas, else None."""
         if not self.ready:
             return None
-        return self._backend.health().detail.get("replicas")
+        return self.backend.health().detail.get("replicas")
 
     def warnings(self) -> list[str]:
         """Verifier specs failing or cut off, and an engine failing most of its calls."""
         if not self.ready:
             return []
-        engine = self._scheduler.engine_warning()
-        return [*self._verifiers.warnings(), *([engine] if engine else [])]
+        engine = self.scheduler.engine_warning()
+        return [*self.verifiers.warnings(), *([engine] if engine else [])]
 
     def health(self) -> Health:
         if not self.ready:
-            return starting_health(self._settings, self._started_at).model_copy(
-                update={"backend": str(self._backend.name)}
+            return starting_health(self.settings, self.started_at).model_copy(
+                update={"backend": str(self.backend.name)}
             )
         error = self.engine_error()
         status = "engine_failed" if error else "degraded" if self.engine_degraded() else "ok"
         return Health(
             status=status,
             replicas=self.replicas(),
-            backend=str(self._backend.name),
-            model=str(self._settings.model),
-            policy_version=self._backend.policy_version,
-            uptime_s=time.time() - self._started_at,
+            backend=str(self.backend.name),
+            model=str(self.settings.model),
+            policy_version=self.backend.policy_version,
+            uptime_s=time.time() - self.started_at,
             engine_error=error,
             warnings=self.warnings(),
-            auth_required=self._settings.api_key is not None,
+            auth_required=self.settings.api_key is not None,
         )

@@ -19,7 +19,7 @@ from sampler_service.backends.base import Backend, Completion
 from sampler_service.backends.factory import build_backend
 from sampler_service.config import SamplerConfig, ServeSettings
 from sampler_service.control import Control, EventLog
-from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.dataset import PromptRow
 from sampler_service.delivery import Delivery
 from sampler_service.errors import ServiceError
 from sampler_service.health import ServiceHealth
@@ -79,8 +79,6 @@ class SamplerService:
     settings: ServeSettings
     state_dir: StateDir
     store: AsyncStore
-    dataset: Dataset
-    metrics: Metrics
     outbox: Outbox
     sink: StoreSink
     verifiers: VerifierPool
@@ -160,18 +158,18 @@ class SamplerService:
             store,
             dataset,
             metrics,
-            engine_error=health.engine_error,
-            max_lease_wait_s=s.max_lease_wait_s,
+            health.engine_error,
+            s.max_lease_wait_s,
         )
         control = Control(
             scheduler,
             events,
             dataset.domains,
-            context_length=p.context_length,
-            policy_version=lambda: backend.policy_version,
-            drop_stale=delivery.drop_stale_frames,
-            trained_groups=int(await store.call(store.sync.get, ACKED_KEY, 0)),
-            schedule_applied=p.schedule_applied,
+            p.context_length,
+            lambda: backend.policy_version,
+            delivery.drop_stale_frames,
+            int(await store.call(store.sync.get, ACKED_KEY, 0)),
+            p.schedule_applied,
         )
         weights = WeightsManager(
             backend,
@@ -184,15 +182,7 @@ class SamplerService:
         )
         await weights.restore()
         stats = Stats(
-            scheduler=scheduler,
-            outbox=outbox,
-            sink=sink,
-            backend=backend,
-            verifiers=verifiers,
-            metrics=metrics,
-            health=health,
-            delivery=delivery,
-            control=control,
+            scheduler, outbox, sink, backend, verifiers, metrics, health, delivery, control
         )
         if state := await store.call(store.sync.get, "scheduler_state"):
             scheduler.load_state_dict(state)
@@ -209,21 +199,19 @@ class SamplerService:
         # Steps whose condition was met just before a crash apply now.
         await control.advance_schedule()
         service = cls(
-            settings=s,
-            state_dir=p.state_dir,
-            store=store,
-            dataset=dataset,
-            metrics=metrics,
-            outbox=outbox,
-            sink=sink,
-            verifiers=verifiers,
-            backend=backend,
-            scheduler=scheduler,
-            health=health,
-            delivery=delivery,
-            control=control,
-            weights=weights,
-            stats=stats,
+            s,
+            p.state_dir,
+            store,
+            outbox,
+            sink,
+            verifiers,
+            backend,
+            scheduler,
+            health,
+            delivery,
+            control,
+            weights,
+            stats,
             required_features=(
                 frozenset({wire_features.LOSS_MASK}) if p.env_factories else frozenset()
             ),

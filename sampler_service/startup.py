@@ -155,18 +155,18 @@ def prepare(
         raise StartupError(str(exc)) from exc
     store = Store(s.state_dir / "sampler.sqlite", s.store_checkpoint_s or None)
     prepared = Prepared(
-        settings=s,
-        started_at=started_at,
-        dataset=dataset,
-        tokenize=tokenize,
-        context_length=context_length,
-        env_factories=env_factories,
-        state_dir=state_dir,
-        store=AsyncStore(store),
-        config=initial,
-        config_version=0,
-        schedule_applied=0,
-        fit_max_tokens="max_tokens" not in given,
+        s,
+        started_at,
+        dataset,
+        tokenize,
+        context_length,
+        env_factories,
+        state_dir,
+        AsyncStore(store),
+        initial,
+        0,
+        0,
+        "max_tokens" not in given,
     )
     if (saved := store.get("config")) is not None:
         prepared.fit_max_tokens = False

@@ -3,9 +3,9 @@ mixing shares per domain, throughput over a window, and delivered groups' stalen
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sampler_service.backends.base import Backend
@@ -21,43 +21,31 @@ from sampler_service.verifiers.pool import VerifierPool
 RATE_WINDOW_S = 60.0
 
 
+@dataclass(eq=False)
 class Stats:
     """Reads every part of a running sampler; keeps only the window its rates need."""
 
-    def __init__(
-        self,
-        *,
-        scheduler: Scheduler,
-        outbox: Outbox,
-        sink: StoreSink,
-        backend: Backend,
-        verifiers: VerifierPool,
-        metrics: Metrics,
-        health: ServiceHealth,
-        delivery: Delivery,
-        control: Control,
-    ) -> None:
-        self._scheduler = scheduler
-        self._outbox = outbox
-        self._sink = sink
-        self._backend = backend
-        self._verifiers = verifiers
-        self._metrics = metrics
-        self._health = health
-        self._delivery = delivery
-        self._control = control
-        #: (monotonic time, groups emitted, answers, tokens, groups acked), once a second.
-        self._samples: deque[tuple[float, int, int, int, int]] = deque(
-            maxlen=int(RATE_WINDOW_S) + 1
-        )
+    scheduler: Scheduler
+    outbox: Outbox
+    sink: StoreSink
+    backend: Backend
+    verifiers: VerifierPool
+    metrics: Metrics
+    health: ServiceHealth
+    delivery: Delivery
+    control: Control
+    #: (monotonic time, groups emitted, answers, tokens, groups acked), once a second.
+    _samples: deque[tuple[float, int, int, int, int]] = field(
+        default_factory=lambda: deque(maxlen=int(RATE_WINDOW_S) + 1), init=False
+    )
 
     def sample(self) -> None:
         """Called once a second: the rate window's next point."""
         self._samples.append(self._counters())
 
     def _counters(self) -> tuple[float, int, int, int, int]:
-        st = self._scheduler.stats
-        acked = self._control.trained_groups
+        st = self.scheduler.stats
+        acked = self.control.trained_groups
         return (time.monotonic(), st.groups_emitted, st.samples, st.tokens, acked)
 
     def _rates(self) -> dict[str, float]:
@@ -73,8 +61,8 @@ class Stats:
         return {"window_s": dt, **rates}
 
     def _domain_shares(self) -> dict[str, dict[str, Any]]:
-        st = self._scheduler.stats
-        targets = self._scheduler.mixer.proportions()
+        st = self.scheduler.stats
+        targets = self.scheduler.mixer.proportions()
         out = {}
         for domain, ds in st.domains.items():
             rates = ds.recent_pass_rates
@@ -93,56 +81,56 @@ class Stats:
     def _staleness(self) -> dict[str, Any]:
         """Delivered groups' lag behind the served weights (over the last ones delivered)
         and what bounds it."""
-        lags = self._delivery.lags
+        lags = self.delivery.lags
         return {
             "last": lags[-1] if lags else None,
             "mean": sum(lags) / len(lags) if lags else None,
             "max": max(lags) if lags else None,
             "window": len(lags),
             "histogram": {str(lag): n for lag, n in sorted(Counter(lags).items())},
-            "max_staleness": self._scheduler.config.max_staleness,
-            "step_groups": self._scheduler.step_groups,
-            "dropped_stale": self._scheduler.stats.dropped.get("stale", 0),
+            "max_staleness": self.scheduler.config.max_staleness,
+            "step_groups": self.scheduler.step_groups,
+            "dropped_stale": self.scheduler.stats.dropped.get("stale", 0),
         }
 
     def document(self) -> dict[str, Any]:
         """The /v1/stats body."""
-        scheduler, outbox = self._scheduler, self._outbox
+        scheduler, outbox = self.scheduler, self.outbox
         return {
-            "policy_version": self._backend.policy_version,
+            "policy_version": self.backend.policy_version,
             "config_version": scheduler.config_version,
             "queue": {
                 "ready": outbox.ready_groups,
                 "leased": outbox.leased_groups,
-                "pending": self._sink.pending,
+                "pending": self.sink.pending,
                 "active_prompts": scheduler.active_prompts,
                 "finalizing": scheduler.finalizing,
             },
             "paused": scheduler.paused,
             "last_error": scheduler.last_error,
-            "engine_error": self._health.engine_error(),
-            "warnings": self._health.warnings(),
-            "verifiers": dataclasses.asdict(self._verifiers.stats),
-            "engine": self._backend.health().detail,
-            "replicas": self._health.replicas(),
+            "engine_error": self.health.engine_error(),
+            "warnings": self.health.warnings(),
+            "verifiers": asdict(self.verifiers.stats),
+            "engine": self.backend.health().detail,
+            "replicas": self.health.replicas(),
             "domains": self._domain_shares(),
             **scheduler.stats.to_dict(),
             "rates": self._rates(),
             "staleness": self._staleness(),
             "allocation": scheduler.allocation_stats(),
-            "trained_groups": self._control.trained_groups,
+            "trained_groups": self.control.trained_groups,
             "schedule": {
                 "steps": len(scheduler.config.schedule),
-                "applied": self._control.schedule_applied,
+                "applied": self.control.schedule_applied,
             },
         }
 
     def update_gauges(self) -> None:
-        m = self._metrics
-        m.queue_depth.labels("ready").set(self._outbox.ready_groups)
-        m.queue_depth.labels("leased").set(self._outbox.leased_groups)
-        m.queue_depth.labels("pending").set(self._sink.pending)
-        m.engine_failed.set(self._health.engine_error() is not None)
+        m = self.metrics
+        m.queue_depth.labels("ready").set(self.outbox.ready_groups)
+        m.queue_depth.labels("leased").set(self.outbox.leased_groups)
+        m.queue_depth.labels("pending").set(self.sink.pending)
+        m.engine_failed.set(self.health.engine_error() is not None)
         for domain, shares in self._domain_shares().items():
             for kind in ("target", "admitted", "emitted"):
                 m.mixing_share.labels(domain, kind).set(shares[f"{kind}_share"])
@@ -150,4 +138,4 @@ class Stats:
     def metrics_text(self) -> bytes:
         """The Prometheus exposition, its gauges current."""
         self.update_gauges()
-        return self._metrics.render()
+        return self.metrics.render()
