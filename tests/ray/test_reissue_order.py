@@ -1,15 +1,13 @@
-"""Re-issued waves go first, through the pool: a recovering replica takes none, and a
-re-issued wave moves to the replica with room (no cluster). The router's own order is
-tests/unit/test_reissue_order.py's.
+"""The pool routes through the wave router (no cluster): only replicas in state `ok` take
+waves, re-issued ones too, and a replica is charged with what it runs. The router's
+re-issue order is tests/unit/test_reissue_order.py's.
 
-The real `RayPoolBackend` routing (`_acquire`, `_dispatch`, `_release`) on replicas that
-are only bookkeeping: nothing is called on them, so the order in which waiting waves get
-a replica is exact.
+The real `RayPoolBackend` routing (`_acquire`, `_release`) on replicas that are only
+bookkeeping: nothing is called on them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -35,32 +33,12 @@ def _pool(replicas: int) -> RayPoolBackend:
     return pool
 
 
-async def _settle() -> None:
-    """Let every woken waiter run (a granted wave resumes a few loop turns later)."""
-    for _ in range(20):
-        await asyncio.sleep(0)
-
-
-async def _waiting(pool: RayPoolBackend, order: list[str], name: str, key: int, **kw: bool):
-    task = asyncio.create_task(pool._acquire(key, 8, **kw))
-    task.add_done_callback(lambda _: order.append(name))
-    await _settle()
-    assert not task.done(), name
-    return task
-
-
-async def test_a_reissued_wave_moves_to_the_replica_with_room() -> None:
+async def test_the_pool_routes_waves_to_ok_replicas_and_charges_them() -> None:
     pool = _pool(2)
     a, b = pool._replicas
-    assert await pool._acquire(1, 8) is a  # prompt 1 ran on replica 0
-    assert await pool._acquire(2, 16) is b  # replica 1 full
-    a.state = "recovering"  # replica 0 failed: its wave is re-issued
-    pool._release(a, 8)
-    order: list[str] = []
-    fresh = await _waiting(pool, order, "fresh", 3)
-    reissued = await _waiting(pool, order, "reissued", 1, reissue=True)
+    a.state = "recovering"  # replica 0 failed: no wave goes to it, re-issued ones neither
+    assert await pool._acquire(1, 8, reissue=True) is b
+    assert await pool._acquire(2, 8) is b
+    assert (a.inflight, b.inflight) == (0, 16)
     pool._release(b, 8)
-    await _settle()
-    assert order == ["reissued"] and await reissued is b
-    pool._release(b, 16)
-    assert await fresh is b
+    assert b.inflight == 8 and not pool._router.queue
