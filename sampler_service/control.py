@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sampler_service.aio import TaskSet
 from sampler_service.config import (
     ConfigError,
     SamplerConfig,
@@ -34,7 +35,7 @@ class EventLog:
 
     def __init__(self, store: AsyncStore) -> None:
         self._store = store
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet()
 
     async def record(
         self, kind: str, source: str, data: dict[str, Any], state: dict[str, Any] | None = None
@@ -56,9 +57,7 @@ class EventLog:
             except Exception as exc:  # noqa: BLE001 - the store may be closing; the log says so
                 log.warning("replica event not recorded (%s): %s", exc, detail)
 
-        task = asyncio.get_running_loop().create_task(record())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(record())
 
 
 @dataclass(eq=False)
