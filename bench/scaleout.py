@@ -65,7 +65,7 @@ from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
 from sampler_service.backends.base import Backend, Completion, SamplingParams, TensorSpec
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
-from sampler_service.scheduler import Scheduler
+from sampler_service.scheduler import Scheduler, VolatileSink
 from sampler_service.verifiers.base import Verdict
 from trainer_client.contract.protocol import Group
 
@@ -83,14 +83,11 @@ SIM_SPEC = EngineSpec(
 PROMPTS = 512
 
 
-class RateSink:
+class RateSink(VolatileSink):
     """Counts formed groups by time; nothing is buffered, so admission never stops."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-
-    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
-        return None
 
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
@@ -531,7 +528,7 @@ def shard_of(prompt_id: str, shards: int) -> int:
     return int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:8], "big") % shards
 
 
-class ShardSink:
+class ShardSink(VolatileSink):
     """One front's frames, READY until the trainer takes them and LEASED until it acks."""
 
     def __init__(self, arrived: asyncio.Event) -> None:
@@ -539,9 +536,6 @@ class ShardSink:
         self.frames: collections.deque[tuple[float, list[Group]]] = collections.deque()
         self.leased = 0
         self._arrived = arrived
-
-    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
-        return None
 
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None

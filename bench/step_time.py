@@ -71,7 +71,7 @@ from bench import adaptive_sim, virtual_clock
 from bench.common import table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
 from sampler_service.config import SamplerConfig, check_consistency
-from sampler_service.scheduler import Scheduler
+from sampler_service.scheduler import Scheduler, VolatileSink
 from trainer_client.contract.protocol import Group
 
 ENGINE = EngineSpec(
@@ -196,7 +196,7 @@ def pipeline_config(row: Row, pipeline: str, batch: int) -> dict[str, Any]:
     }
 
 
-class Trainer:
+class Trainer(VolatileSink):
     """The scheduler's sink: a trainer that takes frames one at a time, trains on each
     for its trainer phase, pushes weights, then acks it (frees its buffer space)."""
 
@@ -211,9 +211,6 @@ class Trainer:
         self.groups: list[tuple[float, int, bool]] = []  # (pass rate, answers, informative)
         self.scheduler: Scheduler | None = None
         self.engine: SimBackend | None = None
-
-    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
-        return None
 
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None

@@ -802,15 +802,20 @@ class Scheduler:
         await self._drained.wait()
 
 
-class MemorySink:
+class VolatileSink:
+    """Base of the in-memory sinks (benchmarks, tests): nothing is stored, so a group that
+    waits for the rest of its frame needs no write."""
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        return None
+
+
+class MemorySink(VolatileSink):
     """In-memory sink for benchmarks and tests: frames are 'acked' by popping them."""
 
     def __init__(self) -> None:
         self.frames: list[list[Group]] = []
         self.dropped: list[str] = []
-
-    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
-        return None
 
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
