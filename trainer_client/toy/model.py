@@ -26,12 +26,14 @@ torch build and CPU give the same weights bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -177,6 +179,78 @@ def _stop_reached(pass_rates: dict[str, float], greedy: dict[str, float]) -> boo
     )
 
 
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class Schedule(Protocol):
+    """What a warm-start's loop reads of its settings."""
+
+    @property
+    def lr(self) -> float: ...
+    @property
+    def max_steps(self) -> int: ...
+    @property
+    def check_every(self) -> int: ...
+
+
+@contextlib.contextmanager
+def repeatable(seed: int) -> Iterator[random.Random]:
+    """Seeded torch and a seeded `random.Random`, on one thread: repeatable bits on a given
+    CPU and torch build (the shipped weights are made so)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        yield random.Random(seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_until(
+    model: Qwen2ForCausalLM,
+    settings: Schedule,
+    stop: object,
+    next_batch: Callable[[int], Batch],
+    check: Callable[[int, float], tuple[dict[str, object], bool]],
+) -> tuple[int, list[dict[str, object]]]:
+    """AdamW steps on `next_batch(step)` until a check (every `check_every` steps, given the
+    step and the loss) says the warm-start is done: (steps, every check's record). Past
+    `max_steps` a RuntimeError names `stop`, the criterion never met."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    history: list[dict[str, object]] = []
+    step = 0
+    while step < settings.max_steps:
+        model.train()
+        input_ids, mask, labels = next_batch(step)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if step % settings.check_every:
+            continue
+        model.eval()
+        record, done = check(step, loss.item())
+        history.append({"step": step, "loss": round(loss.item(), 4), **record})
+        if done:
+            return step, history
+    raise RuntimeError(
+        f"warm-start did not reach {stop} within {settings.max_steps} steps; see the printed checks"
+    )
+
+
+def save_warm_start(
+    out_dir: Path,
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    summary: dict[str, object],
+) -> dict[str, object]:
+    """Save the model and `summary` (how the weights were made, beside them); the summary."""
+    save(out_dir, model, tokenizer)
+    (out_dir / "warm_start.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
 def warm_start(out_dir: Path, settings: TrainSettings = TrainSettings()) -> dict[str, object]:
     """Train the tiny model from scratch on the train split and save it to ``out_dir``.
 
@@ -186,63 +260,33 @@ def warm_start(out_dir: Path, settings: TrainSettings = TrainSettings()) -> dict
     to ``out_dir/warm_start.json`` so the shipped weights say how they were made.
     """
     started = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: repeatable bits on a given CPU and torch build
-    try:
-        torch.manual_seed(settings.seed)
-        rng = random.Random(settings.seed)
+    with repeatable(settings.seed) as rng:
         tokenizer = build_tokenizer()
         config = build_config(
             len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id
         )
         model = Qwen2ForCausalLM(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
-
         train = {d: task.train_rows(d, None, seed=settings.seed) for d in task.DOMAIN_NAMES}
         encoded = {d: [_encode_example(tokenizer, r) for r in rs] for d, rs in train.items()}
         probe = [r for rs in train.values() for r in rs[: settings.probe_prompts]]
         per_domain = settings.batch_size // len(encoded)
 
-        history: list[dict[str, object]] = []
-        step = 0
-        while step < settings.max_steps:
-            model.train()
+        def next_batch(step: int) -> Batch:
             examples = [ex for exs in encoded.values() for ex in rng.choices(exs, k=per_domain)]
-            input_ids, mask, labels = _batch(examples, tokenizer.pad_token_id)
-            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            if step % settings.check_every:
-                continue
-            model.eval()
+            return _batch(examples, tokenizer.pad_token_id)
+
+        def check(step: int, loss: float) -> tuple[dict[str, object], bool]:
             rates = pass_rates_of(
                 model, tokenizer, probe, settings.probe_samples, 1.0, seed=settings.seed
             )
             greedy = greedy_accuracy_of(model, tokenizer, probe)
-            history.append(
-                {
-                    "step": step,
-                    "loss": round(loss.item(), 4),
-                    "pass_rate_t1": rates,
-                    "greedy": greedy,
-                }
-            )
             print(
-                f"step {step:5d} loss {loss.item():.3f} T=1 {_fmt(rates)} greedy {_fmt(greedy)}",
+                f"step {step:5d} loss {loss:.3f} T=1 {_fmt(rates)} greedy {_fmt(greedy)}",
                 flush=True,
             )
-            if _stop_reached(rates, greedy):
-                break
-        else:
-            raise RuntimeError(
-                f"warm-start did not reach {STOP} within {settings.max_steps} steps; "
-                "see the printed checks"
-            )
-    finally:
-        torch.set_num_threads(threads)
+            return {"pass_rate_t1": rates, "greedy": greedy}, _stop_reached(rates, greedy)
 
+        step, history = train_until(model, settings, STOP, next_batch, check)
     summary: dict[str, object] = {
         "settings": settings.__dict__,
         "stop": STOP.__dict__,
@@ -250,9 +294,7 @@ def warm_start(out_dir: Path, settings: TrainSettings = TrainSettings()) -> dict
         "wall_s": round(time.perf_counter() - started, 1),
         "checks": history,
     }
-    save(out_dir, model, tokenizer)
-    (out_dir / "warm_start.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+    return save_warm_start(out_dir, model, tokenizer, summary)
 
 
 def save(out_dir: Path, model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast) -> None:
