@@ -21,7 +21,6 @@ measured by running episodes with the service's calculator environment and
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from collections import defaultdict
@@ -44,7 +43,9 @@ from trainer_client.toy.model import (
     repeatable,
     save_warm_start,
     train_until,
+    warm_start_args,
 )
+from trainer_client.toy.model import TrainSettings as ToySettings
 from trainer_client.toy.shipped import CALCULATOR_WEIGHTS_DIR, WEIGHTS_DIR
 
 #: The toy's characters and the tool syntax's, appended so the toy's ids are unchanged.
@@ -80,19 +81,16 @@ STOP = StopCriterion()
 
 
 @dataclass(frozen=True)
-class TrainSettings:
-    """Warm-start hyperparameters (the defaults produce the shipped weights)."""
+class TrainSettings(ToySettings):
+    """Warm-start hyperparameters (the defaults produce the shipped calculator weights)."""
 
-    seed: int = 0
-    batch_size: int = 96
     lr: float = 1e-3
     max_steps: int = 1500
     check_every: int = 50
+    probe_samples: int = 8
     copy_steps: int = 150
     call_fraction: float = 0.6
     decide_fraction: float = 0.3
-    probe_prompts: int = 64
-    probe_samples: int = 8
 
 
 def _encode(
@@ -335,22 +333,9 @@ def warm_start(out_dir: Path, settings: TrainSettings = TrainSettings()) -> dict
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m trainer_client.toy.calculator --train [--out DIR] [--seed N]``."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    args = warm_start_args(
+        argv, __doc__, CALCULATOR_WEIGHTS_DIR, "the shipped calculator weights dir"
     )
-    parser.add_argument(
-        "--train", action="store_true", help="run the warm-start and save the weights"
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=CALCULATOR_WEIGHTS_DIR,
-        help="output directory [the shipped calculator weights dir]",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="training seed [0]")
-    args = parser.parse_args(argv)
-    if not args.train:
-        parser.error("nothing to do: pass --train")
     summary = warm_start(args.out, TrainSettings(seed=args.seed))
     tok = AutoTokenizer.from_pretrained(args.out)
     model = Qwen2ForCausalLM.from_pretrained(args.out).eval()

@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -182,17 +181,6 @@ def _stop_reached(pass_rates: dict[str, float], greedy: dict[str, float]) -> boo
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class Schedule(Protocol):
-    """What a warm-start's loop reads of its settings."""
-
-    @property
-    def lr(self) -> float: ...
-    @property
-    def max_steps(self) -> int: ...
-    @property
-    def check_every(self) -> int: ...
-
-
 @contextlib.contextmanager
 def repeatable(seed: int) -> Iterator[random.Random]:
     """Seeded torch and a seeded `random.Random`, on one thread: repeatable bits on a given
@@ -208,7 +196,7 @@ def repeatable(seed: int) -> Iterator[random.Random]:
 
 def train_until(
     model: Qwen2ForCausalLM,
-    settings: Schedule,
+    settings: TrainSettings,
     stop: object,
     next_batch: Callable[[int], Batch],
     check: Callable[[int, float], tuple[dict[str, object], bool]],
@@ -319,21 +307,27 @@ def _fmt(values: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.2f}" for k, v in values.items())
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m trainer_client.toy.model --train [--out DIR] [--seed N]``."""
+def warm_start_args(
+    argv: Sequence[str] | None, doc: str | None, out: Path, out_name: str
+) -> argparse.Namespace:
+    """A warm-start command's arguments: ``--train [--out DIR] [--seed N]``."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--train", action="store_true", help="run the warm-start and save the weights"
     )
-    parser.add_argument(
-        "--out", type=Path, default=WEIGHTS_DIR, help="output directory [the shipped weights dir]"
-    )
+    parser.add_argument("--out", type=Path, default=out, help=f"output directory [{out_name}]")
     parser.add_argument("--seed", type=int, default=0, help="training seed [0]")
     args = parser.parse_args(argv)
     if not args.train:
         parser.error("nothing to do: pass --train")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m trainer_client.toy.model --train [--out DIR] [--seed N]``."""
+    args = warm_start_args(argv, __doc__, WEIGHTS_DIR, "the shipped weights dir")
     summary = warm_start(args.out, TrainSettings(seed=args.seed))
     eval_rows = [r for d in task.DOMAIN_NAMES for r in task.eval_rows(d, 256)]
     tok = AutoTokenizer.from_pretrained(args.out)
