@@ -319,16 +319,9 @@ def warm_start(out_dir: Path, settings: TrainSettings = TrainSettings()) -> dict
             print(f"step {step:5d} loss {loss:.3f} mul T=1 {_fmt(probe_stats)}", flush=True)
             return {"mul_t1": probe_stats}, _stop_reached(step, probe_stats)
 
-        step, history = train_until(model, settings, STOP, next_batch, check)
-    summary: dict[str, object] = {
-        "settings": settings.__dict__,
-        "stop": STOP.__dict__,
-        "steps": step,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "checks": history,
-    }
+        checks = train_until(model, settings, STOP, next_batch, check)
     model.config.vocab_size = len(tokenizer)
-    return save_warm_start(out_dir, model, tokenizer, summary)
+    return save_warm_start(out_dir, model, tokenizer, settings, STOP, started, checks)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -231,9 +231,22 @@ def save_warm_start(
     out_dir: Path,
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
-    summary: dict[str, object],
+    settings: TrainSettings,
+    stop: object,
+    started: float,
+    checks: tuple[int, list[dict[str, object]]],
 ) -> dict[str, object]:
-    """Save the model and `summary` (how the weights were made, beside them); the summary."""
+    """Save the model and, beside it, a summary of how it was made: the settings, the stop
+    criterion, the wall time since `started` (perf_counter) and what `train_until`
+    returned."""
+    steps, history = checks
+    summary: dict[str, object] = {
+        "settings": settings.__dict__,
+        "stop": stop.__dict__,
+        "steps": steps,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "checks": history,
+    }
     save(out_dir, model, tokenizer)
     (out_dir / "warm_start.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
@@ -274,15 +287,8 @@ def warm_start(out_dir: Path, settings: TrainSettings = TrainSettings()) -> dict
             )
             return {"pass_rate_t1": rates, "greedy": greedy}, _stop_reached(rates, greedy)
 
-        step, history = train_until(model, settings, STOP, next_batch, check)
-    summary: dict[str, object] = {
-        "settings": settings.__dict__,
-        "stop": STOP.__dict__,
-        "steps": step,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "checks": history,
-    }
-    return save_warm_start(out_dir, model, tokenizer, summary)
+        checks = train_until(model, settings, STOP, next_batch, check)
+    return save_warm_start(out_dir, model, tokenizer, settings, STOP, started, checks)
 
 
 def save(out_dir: Path, model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast) -> None:
