@@ -74,17 +74,9 @@ from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.scheduler import Scheduler, VolatileSink
 from trainer_client.contract.protocol import Group
 
-ENGINE = EngineSpec(
-    max_num_seqs=256,
-    step_base_s=0.012,
-    step_per_seq_s=0.00005,
-    prefill_per_token_s=0.00002,
-    length_median=700.0,
-    length_sigma=0.6,
-    wrong_length_factor=1.3,
-    difficulty_length=0.5,
-    kv_token_s=8.5e-9,
-)
+#: The simulated engine's defaults (a ~1.5B model on one GPU), with wrong and hard
+#: answers longer and the KV cache's cost per token held.
+ENGINE = EngineSpec(wrong_length_factor=1.3, difficulty_length=0.5, kv_token_s=8.5e-9)
 ENGINE_FLAT = replace(ENGINE, wrong_length_factor=1.0, difficulty_length=0.0)
 MAX_TOKENS = 4096
 #: Weight sync after each step, simulated seconds (stated constant).
