@@ -509,14 +509,7 @@ async def call_costs(bursts: int, waves: int) -> dict[str, Any]:
 
 #: Each front's engine in the fronts simulation: a ~1.5B model on one GPU (the step-time
 #: benchmark's decode step), 64 sequences, answers log-normal around 700 tokens.
-FRONT_ENGINE = EngineSpec(
-    max_num_seqs=64,
-    step_base_s=0.012,
-    step_per_seq_s=0.00005,
-    prefill_per_token_s=0.00002,
-    length_median=700.0,
-    length_sigma=0.6,
-)
+FRONT_ENGINE = EngineSpec(max_num_seqs=64)
 FRONT_PROMPTS = 1024
 FRONT_BATCH = 64
 #: Simulated seconds the trainer spends on a step's batch, then weights go to every front.
