@@ -49,7 +49,7 @@ import numpy as np
 
 from bench import adaptive_sim, step_time, virtual_clock
 from bench.common import RESULTS, table, write_json
-from bench.sim_backend import REWARD_TEXT, EngineSpec, SimBackend, verify_reward_text
+from bench.sim_backend import REWARD_TEXT, EngineSpec, SimBackend, sim_scheduler
 from sampler_service.backends.base import Completion
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.dataset import Dataset, PromptRow
@@ -361,15 +361,7 @@ async def sim_run(
     await engine.start()
     trainer = BatchTrainer(steps=warmup + steps, pass_rates=rates)
     loop = asyncio.get_running_loop()
-    scheduler = Scheduler(
-        backend=engine,
-        dataset=dataset,
-        verify=verify_reward_text,
-        sink=trainer,
-        config=cfg,
-        clock=loop.time,
-        seed=seed,
-    )
+    scheduler = sim_scheduler(engine, dataset, trainer, cfg, seed)
     tokenizer = _SimTokenizer()
     scheduler.episodes = EpisodeRunner(
         tokenizer, observation_renderer(tokenizer), load_factories({SIM_ENV}), clock=loop.time

@@ -61,7 +61,7 @@ import numpy as np
 
 from bench import virtual_clock
 from bench.common import ROOT, environment, table, write_json
-from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
+from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler, verify_reward_text
 from sampler_service.backends.base import Backend, Completion, SamplingParams, TensorSpec
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
@@ -654,15 +654,7 @@ async def simulate_fronts(
             batch_groups=batch_groups,
             max_active_prompts=32,
         )
-        scheduler = Scheduler(
-            backend=engine,
-            dataset=dataset,
-            verify=verify_reward_text,
-            sink=sink,
-            config=cfg,
-            clock=asyncio.get_running_loop().time,
-            seed=i,
-        )
+        scheduler = sim_scheduler(engine, dataset, sink, cfg, i)
         out.append(SimFront(scheduler, engine, sink, len(mine)))
     for front in out:
         await front.engine.start()

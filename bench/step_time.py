@@ -69,7 +69,7 @@ from tqdm.auto import tqdm
 
 from bench import adaptive_sim, virtual_clock
 from bench.common import table, write_json
-from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
+from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.scheduler import Scheduler, VolatileSink
 from trainer_client.contract.protocol import Group
@@ -288,15 +288,7 @@ async def simulate(
     trainer = Trainer(
         train_s_per_sample=train_s_per_sample, steps=warmup + steps, pass_rates=pass_rates
     )
-    scheduler = Scheduler(
-        backend=engine,
-        dataset=dataset,
-        verify=verify_reward_text,
-        sink=trainer,
-        config=cfg,
-        clock=asyncio.get_running_loop().time,
-        seed=seed,
-    )
+    scheduler = sim_scheduler(engine, dataset, trainer, cfg, seed)
     trainer.scheduler, trainer.engine = scheduler, engine
     if history_epochs:
         adaptive_sim.load_history(scheduler, pass_rates, history_epochs, seed)
