@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from sampler_service import episodes
+from sampler_service.aio import TaskSet
 from sampler_service.backends.base import Backend, Completion
 from sampler_service.backends.factory import build_backend
 from sampler_service.config import SamplerConfig, ServeSettings
@@ -94,7 +95,7 @@ class SamplerService:
     required_features: frozenset[str]
     #: One line on what this process delivered, set when it stops (the CLI prints it).
     shutdown_summary: str | None = None
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _tasks: TaskSet = field(default_factory=TaskSet)
     _acked_at_start: int = 0
 
     @classmethod
@@ -218,7 +219,7 @@ class SamplerService:
             _acked_at_start=control.trained_groups,
         )
         scheduler.start()
-        service._tasks.append(asyncio.create_task(service._housekeeping(), name="housekeeping"))
+        service._tasks.spawn(service._housekeeping(), "housekeeping")
         health.ready = True
         log.info(
             "sampler ready: backend=%s model=%s domains=%s restored %d groups (%d unframed)",
@@ -241,9 +242,7 @@ class SamplerService:
     async def stop(self) -> None:
         self.begin_shutdown()
         self.health.ready = False
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
         await self.scheduler.stop()
         await self.store.call(self.store.sync.put, {"scheduler_state": self.scheduler.state_dict()})
         self.verifiers.close()
