@@ -35,7 +35,7 @@ import numpy as np
 
 from bench import virtual_clock
 from bench.common import RESULTS, table, write_json
-from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
+from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.scheduler import MemorySink, Scheduler
@@ -294,15 +294,7 @@ async def simulate(
     holder: list[Scheduler] = []
     sink = BatchRecorder(loop.time, holder, engine)
     sink.want = warmup + batches
-    scheduler = Scheduler(
-        backend=engine,
-        dataset=dataset,
-        verify=verify_reward_text,
-        sink=sink,
-        config=cfg,
-        clock=loop.time,
-        seed=seed,
-    )
+    scheduler = sim_scheduler(engine, dataset, sink, cfg, seed)
     holder.append(scheduler)
     if history_epochs:
         load_history(scheduler, pass_rates, history_epochs, seed)

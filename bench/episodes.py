@@ -49,7 +49,7 @@ import numpy as np
 
 from bench import adaptive_sim, step_time, virtual_clock
 from bench.common import RESULTS, table, write_json
-from bench.sim_backend import REWARD_TEXT, EngineSpec, SimBackend, verify_reward_text
+from bench.sim_backend import REWARD_TEXT, EngineSpec, SimBackend, sim_scheduler
 from sampler_service.backends.base import Completion
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.dataset import Dataset, PromptRow
@@ -291,15 +291,9 @@ def summarize_toy(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 # -- simulation: filling a batch under a long tail --------------------------------------
-ENGINE = EngineSpec(
-    max_num_seqs=256,
-    step_base_s=0.012,
-    step_per_seq_s=0.00005,
-    prefill_per_token_s=0.00002,
-    length_median=300.0,
-    length_sigma=0.6,
-    kv_token_s=8.5e-9,
-)
+#: The simulated engine's defaults (a ~1.5B model on one GPU) with shorter answers (a
+#: turn's), and the KV cache's cost per token held.
+ENGINE = EngineSpec(length_median=300.0, kv_token_s=8.5e-9)
 EPISODE_KNOBS = {
     "max_turns": MAX_TURNS,
     "max_total_tokens": 65_536,
@@ -367,15 +361,7 @@ async def sim_run(
     await engine.start()
     trainer = BatchTrainer(steps=warmup + steps, pass_rates=rates)
     loop = asyncio.get_running_loop()
-    scheduler = Scheduler(
-        backend=engine,
-        dataset=dataset,
-        verify=verify_reward_text,
-        sink=trainer,
-        config=cfg,
-        clock=loop.time,
-        seed=seed,
-    )
+    scheduler = sim_scheduler(engine, dataset, trainer, cfg, seed)
     tokenizer = _SimTokenizer()
     scheduler.episodes = EpisodeRunner(
         tokenizer, observation_renderer(tokenizer), load_factories({SIM_ENV}), clock=loop.time

@@ -229,7 +229,7 @@ def _result_bytes(args: tuple[Any, ...], result: Any) -> int:
 #: (probe name, module, attribute path, bytes of a call or None). Loop-side probes time
 #: synchronous code on the event loop; `store.*` run on the store's thread.
 PROBES: list[tuple[str, str, str, Callable[[tuple[Any, ...], Any], int] | None]] = [
-    ("encode_for_store", "sampler_service.service", "pack_group", _result_bytes),
+    ("encode_for_store", "sampler_service.outbox", "pack_group", _result_bytes),
     ("build_group", "sampler_service.grouping", "build_group", None),
     ("frame_policies", "sampler_service.grouping", "apply_batch_policies", None),
     ("verify_inline", "sampler_service.verifiers.pool", "run_verifier", None),
@@ -370,12 +370,14 @@ def serve(spec: dict[str, Any]) -> None:
         batch_groups=1,
         max_staleness=None,  # the offered load is the bound: no trainer pushes weights
     )
-    service = SamplerService(settings, initial_config=config, backend=backend)
-    app = create_app(service)
+    app = create_app(
+        settings, functools.partial(SamplerService.build, settings, config, backend=backend)
+    )
 
     @app.get("/bench/counters")
     async def counters() -> Response:
         engine = backend.engine
+        service = app.state.service
         scheduler = service.scheduler
         body = {
             "time": time.time(),
@@ -390,7 +392,7 @@ def serve(spec: dict[str, Any]) -> None:
             "verifier_pids": service.verifiers.worker_pids(),
             "samples": scheduler.stats.samples,
             "groups_emitted": scheduler.stats.groups_emitted,
-            "queue": service.stats()["queue"],
+            "queue": service.stats.document()["queue"],
             "probes": probes.totals,
             "probes_missing": probes.missing,
             "code_root": str(Path(sys.modules["sampler_service"].__file__ or "").parent.parent),

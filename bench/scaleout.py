@@ -61,11 +61,11 @@ import numpy as np
 
 from bench import virtual_clock
 from bench.common import ROOT, environment, table, write_json
-from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
+from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler, verify_reward_text
 from sampler_service.backends.base import Backend, Completion, SamplingParams, TensorSpec
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
-from sampler_service.scheduler import Scheduler
+from sampler_service.scheduler import Scheduler, VolatileSink
 from sampler_service.verifiers.base import Verdict
 from trainer_client.contract.protocol import Group
 
@@ -83,14 +83,11 @@ SIM_SPEC = EngineSpec(
 PROMPTS = 512
 
 
-class RateSink:
+class RateSink(VolatileSink):
     """Counts formed groups by time; nothing is buffered, so admission never stops."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-
-    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
-        return None
 
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
@@ -512,14 +509,7 @@ async def call_costs(bursts: int, waves: int) -> dict[str, Any]:
 
 #: Each front's engine in the fronts simulation: a ~1.5B model on one GPU (the step-time
 #: benchmark's decode step), 64 sequences, answers log-normal around 700 tokens.
-FRONT_ENGINE = EngineSpec(
-    max_num_seqs=64,
-    step_base_s=0.012,
-    step_per_seq_s=0.00005,
-    prefill_per_token_s=0.00002,
-    length_median=700.0,
-    length_sigma=0.6,
-)
+FRONT_ENGINE = EngineSpec(max_num_seqs=64)
 FRONT_PROMPTS = 1024
 FRONT_BATCH = 64
 #: Simulated seconds the trainer spends on a step's batch, then weights go to every front.
@@ -531,7 +521,7 @@ def shard_of(prompt_id: str, shards: int) -> int:
     return int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:8], "big") % shards
 
 
-class ShardSink:
+class ShardSink(VolatileSink):
     """One front's frames, READY until the trainer takes them and LEASED until it acks."""
 
     def __init__(self, arrived: asyncio.Event) -> None:
@@ -539,9 +529,6 @@ class ShardSink:
         self.frames: collections.deque[tuple[float, list[Group]]] = collections.deque()
         self.leased = 0
         self._arrived = arrived
-
-    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
-        return None
 
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
@@ -667,15 +654,7 @@ async def simulate_fronts(
             batch_groups=batch_groups,
             max_active_prompts=32,
         )
-        scheduler = Scheduler(
-            backend=engine,
-            dataset=dataset,
-            verify=verify_reward_text,
-            sink=sink,
-            config=cfg,
-            clock=asyncio.get_running_loop().time,
-            seed=i,
-        )
+        scheduler = sim_scheduler(engine, dataset, sink, cfg, i)
         out.append(SimFront(scheduler, engine, sink, len(mine)))
     for front in out:
         await front.engine.start()

@@ -52,6 +52,9 @@ from sampler_service.backends.base import (
     SamplingParams,
     TensorSpec,
 )
+from sampler_service.config import SamplerConfig
+from sampler_service.dataset import Dataset
+from sampler_service.scheduler import GroupSink, Scheduler
 from sampler_service.verifiers.base import Verdict
 
 #: Completion text for a correct / incorrect simulated answer.
@@ -312,3 +315,19 @@ def realistic_payload(rng: np.random.Generator, length: int) -> tuple[list[int],
 async def verify_reward_text(row: Any, completion: Completion) -> Verdict:
     """The benchmark's verify fn: the engine wrote the drawn reward into the text."""
     return Verdict(1.0 if completion.text == REWARD_TEXT[True] else 0.0)
+
+
+def sim_scheduler(
+    engine: Backend, dataset: Dataset, sink: GroupSink, config: SamplerConfig, seed: int
+) -> Scheduler:
+    """A scheduler over a simulated engine, on the running loop's clock (a virtual clock's
+    in the simulations), scoring answers by the reward their text carries."""
+    return Scheduler(
+        backend=engine,
+        dataset=dataset,
+        verify=verify_reward_text,
+        sink=sink,
+        config=config,
+        clock=asyncio.get_running_loop().time,
+        seed=seed,
+    )

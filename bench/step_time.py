@@ -69,22 +69,14 @@ from tqdm.auto import tqdm
 
 from bench import adaptive_sim, virtual_clock
 from bench.common import table, write_json
-from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
+from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
-from sampler_service.scheduler import Scheduler
+from sampler_service.scheduler import Scheduler, VolatileSink
 from trainer_client.contract.protocol import Group
 
-ENGINE = EngineSpec(
-    max_num_seqs=256,
-    step_base_s=0.012,
-    step_per_seq_s=0.00005,
-    prefill_per_token_s=0.00002,
-    length_median=700.0,
-    length_sigma=0.6,
-    wrong_length_factor=1.3,
-    difficulty_length=0.5,
-    kv_token_s=8.5e-9,
-)
+#: The simulated engine's defaults (a ~1.5B model on one GPU), with wrong and hard
+#: answers longer and the KV cache's cost per token held.
+ENGINE = EngineSpec(wrong_length_factor=1.3, difficulty_length=0.5, kv_token_s=8.5e-9)
 ENGINE_FLAT = replace(ENGINE, wrong_length_factor=1.0, difficulty_length=0.0)
 MAX_TOKENS = 4096
 #: Weight sync after each step, simulated seconds (stated constant).
@@ -228,7 +220,7 @@ def pipeline_config(row: Row, pipeline: str, batch: int) -> dict[str, Any]:
     }
 
 
-class Trainer:
+class Trainer(VolatileSink):
     """The scheduler's sink: a trainer that takes frames one at a time, trains on each
     for its trainer phase, pushes weights, then acks it (frees its buffer space)."""
 
@@ -243,9 +235,6 @@ class Trainer:
         self.groups: list[tuple[float, int, bool]] = []  # (pass rate, answers, informative)
         self.scheduler: Scheduler | None = None
         self.engine: SimBackend | None = None
-
-    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
-        return None
 
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
@@ -331,15 +320,7 @@ async def simulate(
     trainer = Trainer(
         train_s_per_sample=train_s_per_sample, steps=warmup + steps, pass_rates=pass_rates
     )
-    scheduler = Scheduler(
-        backend=engine,
-        dataset=dataset,
-        verify=verify_reward_text,
-        sink=trainer,
-        config=cfg,
-        clock=asyncio.get_running_loop().time,
-        seed=seed,
-    )
+    scheduler = sim_scheduler(engine, dataset, trainer, cfg, seed)
     trainer.scheduler, trainer.engine = scheduler, engine
     if history_epochs:
         adaptive_sim.load_history(scheduler, pass_rates, history_epochs, seed)

@@ -153,8 +153,9 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
     config = SamplerConfig(
         max_active_prompts=1, max_buffered_groups=100_000, batch_groups=1, max_staleness=None
     )
-    service = SamplerService(settings, initial_config=config, backend=IdleBackend())
-    app = create_app(service)
+    app = create_app(
+        settings, functools.partial(SamplerService.build, settings, config, backend=IdleBackend())
+    )
     rng = np.random.default_rng(0)
     pool: list[tuple[list[int], list[float]]] = []
     state = {"injected": 0, "inject_s": 0.0}
@@ -174,9 +175,10 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
         group.batch_id, group.batch_index, group.batch_size = uuid.uuid4().hex, 0, 1
         finish = time.time()  # the moment the scheduler would hand the group over
         started = time.perf_counter()
-        await service.sink.add_pending(group, None)
+        sink = app.state.service.sink
+        await sink.add_pending(group, None)
         stored = time.time()
-        await service.sink.add_frame([group], [])
+        await sink.add_frame([group], [])
         times[group.group_id] = (finish, stored, time.time())
         state["inject_s"] += time.perf_counter() - started
         state["injected"] += 1
@@ -205,7 +207,7 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
     @app.get("/bench/state")
     async def get_state() -> Response:
         return Response(
-            orjson.dumps({**state, "ready": service.outbox.ready_groups}),
+            orjson.dumps({**state, "ready": app.state.service.outbox.ready_groups}),
             media_type="application/json",
         )
 

@@ -1,8 +1,10 @@
-"""Small asyncio helpers shared by the scheduler and the service."""
+"""Small asyncio helpers shared by the scheduler, the service and the engine pools."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -18,3 +20,22 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+class TaskSet:
+    """Background tasks held until they end: the event loop keeps only a weak reference
+    to a task, so one nobody holds can vanish before it finishes."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def cancel(self) -> None:
+        """Cancel every task and wait until each has ended."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -25,10 +26,11 @@ from starlette.routing import Match
 
 from sampler_service import package_version
 from sampler_service.api_docs import create_docs_router
-from sampler_service.config import MAX_PROMPTS, ConfigPatch, ConfigView
+from sampler_service.config import MAX_PROMPTS, ConfigPatch, ConfigView, ServeSettings
 from sampler_service.dashboard import create_dashboard_router
 from sampler_service.encoding import negotiate
 from sampler_service.errors import ServiceError
+from sampler_service.health import starting_health
 from sampler_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sampler_service.nccl_routes import create_nccl_router
 from sampler_service.request_body import parse_body, read_body
@@ -125,6 +127,21 @@ def _features(values: list[str] | None) -> frozenset[str]:
         raise ServiceError(422, "unknown_feature", str(exc), wire_features.QUERY_PARAM) from exc
 
 
+def _serving(app: FastAPI) -> SamplerService | None:
+    """The app's service once built and while it serves (not while it stops)."""
+    service: SamplerService | None = app.state.service
+    return service if service is not None and service.ready else None
+
+
+def _require_ready(request: Request) -> SamplerService:
+    if (service := _serving(request.app)) is None:
+        raise ServiceError(503, "not_ready", "the sampler is still starting")
+    return service
+
+
+#: The service, for a /v1 route (the router checked it is ready).
+_Service = Annotated[SamplerService, Depends(_require_ready)]
+
 _BEARER = HTTPBearer(auto_error=False, description="the API key, when one is configured")
 
 #: Request models declared through `_json_body`, added to the document's components.
@@ -136,12 +153,14 @@ _BODY_MODELS: tuple[type[BaseModel], ...] = (
 )
 
 
-def create_app(service: SamplerService) -> FastAPI:
-    settings = service.settings
+def create_app(settings: ServeSettings, build: Callable[[], Awaitable[SamplerService]]) -> FastAPI:
+    """The app over the service `build` returns, built when the app starts (its lifespan)
+    and stopped when it ends; `app.state.service` is the service once built."""
+    started_at = time.time()
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await service.start()
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service = app.state.service = await build()
         try:
             yield
         finally:
@@ -155,7 +174,7 @@ def create_app(service: SamplerService) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    app.state.service = service
+    app.state.service = None
 
     def require_key(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
@@ -167,10 +186,6 @@ def create_app(service: SamplerService) -> FastAPI:
             raise ServiceError(
                 401, "unauthorized", "missing or wrong API key (Authorization: Bearer <key>)"
             )
-
-    def require_ready() -> None:
-        if not service.ready:
-            raise ServiceError(503, "not_ready", "the sampler is still starting")
 
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, exc: ServiceError) -> Response:
@@ -200,37 +215,43 @@ def create_app(service: SamplerService) -> FastAPI:
     @app.get("/health", response_model=Health)
     async def health() -> Response:
         """Liveness, with no auth: status, backend, model, policy version, warnings."""
-        return _json(service.health())
+        service: SamplerService | None = app.state.service
+        if service is None:
+            return _json(starting_health(settings, started_at))
+        return _json(service.health.health())
 
     @app.get("/ready", responses={200: {"model": dict[str, str]}, **_errors(503)})
     async def ready() -> Response:
         """200 once the engine is loaded and the dataset open and while the engine lives."""
-        if not service.ready:
+        if (service := _serving(app)) is None:
             return _error(503, "not_ready", "the engine or dataset is still loading")
-        if error := service.engine_error():
+        if error := service.health.engine_error():
             return _error(503, "engine_failed", f"the engine failed and generates nothing: {error}")
-        if service.engine_degraded():
+        if service.health.engine_degraded():
             return _error(503, "degraded", "no engine replica can serve now; one is recovering")
         return _json({"status": "ready"})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         """Prometheus text exposition; open without a key (it carries no groups or config)."""
-        return Response(service.metrics_text(), media_type=METRICS_CONTENT_TYPE)
+        service: SamplerService | None = app.state.service
+        if service is None:
+            return _error(503, "not_ready", "the engine or dataset is still loading")
+        return Response(service.stats.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
     # Without a key there is no guard, so the document declares no security scheme: a
     # client generated from it sends no header the server would ignore.
     guards = [Depends(require_key)] if settings.api_key is not None else []
     v1 = APIRouter(
         prefix="/v1",
-        dependencies=[*guards, Depends(require_ready)],
+        dependencies=[*guards, Depends(_require_ready)],
         responses=_errors(*_V1_ERRORS, *((401,) if guards else ())),
     )
 
     @v1.get("/config", response_model=ConfigView)
-    async def get_config() -> Response:
+    async def get_config(service: _Service) -> Response:
         """The live sampler config with its config_version."""
-        return _json(service.get_config())
+        return _json(service.control.get_config())
 
     @v1.patch(
         "/config",
@@ -238,14 +259,14 @@ def create_app(service: SamplerService) -> FastAPI:
         responses=_errors(400, 409, 413),
         openapi_extra=_json_body(ConfigPatch),
     )
-    async def patch_config(request: Request) -> Response:
+    async def patch_config(request: Request, service: _Service) -> Response:
         """A JSON merge patch of config keys; validated as a whole, persisted."""
         body = await read_body(request, settings.max_request_bytes)
         try:
             patch = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise ServiceError(400, "invalid_json", f"body is not valid JSON: {exc}") from exc
-        return _json(await service.patch_config(patch))
+        return _json(await service.control.patch_config(patch))
 
     @v1.get(
         "/groups/stream",
@@ -259,6 +280,7 @@ def create_app(service: SamplerService) -> FastAPI:
         },
     )
     async def stream(
+        service: _Service,
         consumer: Annotated[str, Query(min_length=1, max_length=200)] = "default",
         max_unacked: Annotated[int, Query(ge=1, le=100_000)] = 8,
         heartbeat_s: Annotated[float | None, Query(gt=0, le=300)] = None,
@@ -269,9 +291,9 @@ def create_app(service: SamplerService) -> FastAPI:
         """Finished groups for one consumer; 409 while another live stream has its name,
         or when the consumer lacks a feature these groups need (`feature_required`)."""
         declared = _features(features)
-        service.check_features(declared)
+        service.delivery.check_features(declared)
         encoding = negotiate(accept, declared)
-        messages = service.open_stream(
+        messages = service.delivery.open_stream(
             consumer,
             max_unacked,
             heartbeat_s or settings.heartbeat_s,
@@ -287,7 +309,7 @@ def create_app(service: SamplerService) -> FastAPI:
         responses=_errors(400, 413),
         openapi_extra=_json_body(AckRequest),
     )
-    async def ack(request: Request) -> Response:
+    async def ack(request: Request, service: _Service) -> Response:
         """Delete acked groups durably; unknown ids are counted, not errors."""
         body = parse_body(AckRequest, await read_body(request, settings.max_request_bytes * 8))
         return _json(await service.ack(body.delivery_ids))
@@ -300,6 +322,7 @@ def create_app(service: SamplerService) -> FastAPI:
     )
     async def lease(
         request: Request,
+        service: _Service,
         groups_per_step: _GroupsPerStep = None,
         features: _Features = None,
         accept: Annotated[str | None, Header(include_in_schema=False)] = None,
@@ -307,10 +330,10 @@ def create_app(service: SamplerService) -> FastAPI:
         """Lease whole frames (JSON, or msgpack on request); they return if not acked.
         409 `feature_required` when the consumer lacks a feature these groups need."""
         declared = _features(features)
-        service.check_features(declared)
+        service.delivery.check_features(declared)
         encoding = negotiate(accept, declared)
         body = parse_body(LeaseRequest, await read_body(request, settings.max_request_bytes))
-        payload = await service.lease(
+        payload = await service.delivery.lease(
             body.consumer, body.max_groups, body.wait_s, encoding, groups_per_step
         )
         return Response(payload, media_type=encoding.lease_media_type)
@@ -330,6 +353,7 @@ def create_app(service: SamplerService) -> FastAPI:
     )
     async def put_weights(
         request: Request,
+        service: _Service,
         version: Annotated[int | None, Query(ge=0)] = None,
         x_policy_version: Annotated[int | None, Header(ge=0)] = None,
     ) -> Response:
@@ -356,26 +380,29 @@ def create_app(service: SamplerService) -> FastAPI:
         responses=_errors(400, 409, 413),
         openapi_extra=_json_body(WeightsLoadRequest),
     )
-    async def load_weights(request: Request) -> Response:
+    async def load_weights(request: Request, service: _Service) -> Response:
         """Load weights from a path the server can read."""
         body = parse_body(WeightsLoadRequest, await read_body(request, settings.max_request_bytes))
         return _json(await service.weights.load(body.path, body.version))
 
     @v1.get("/stats", response_model=dict[str, Any])
-    async def stats() -> Response:
+    async def stats(service: _Service) -> Response:
         """Pass rates, mixing shares, stop reasons, queue depths, throughput, warnings."""
-        return _json(service.stats())
+        return _json(service.stats.document())
 
     @v1.get("/events", response_model=dict[str, Any])
     async def events(
+        service: _Service,
         since: Annotated[int, Query(ge=0, le=1 << 62)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
         kind: Annotated[list[EventKind] | None, Query(max_length=8)] = None,
     ) -> Response:
         """The event log after `since`, oldest first; `kind` (repeatable) keeps those kinds."""
-        return _json(await service.events(since, limit, kind or ()))
+        return _json(await service.control.events.page(since, limit, kind or ()))
 
-    v1.include_router(create_nccl_router(lambda: service.weights), responses=_errors(400, 409, 413))
+    v1.include_router(
+        create_nccl_router(lambda: app.state.service.weights), responses=_errors(400, 409, 413)
+    )
     app.include_router(v1)
     app.include_router(create_dashboard_router())
     app.include_router(create_docs_router())

@@ -11,6 +11,7 @@ extra is missing says which one to install. `serve` is defined here too.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
@@ -90,7 +91,8 @@ def serve(args: argparse.Namespace) -> None:
 
     from sampler_service.app import create_app
     from sampler_service.config import ServeSettings
-    from sampler_service.service import SamplerService, StartupError
+    from sampler_service.service import SamplerService
+    from sampler_service.startup import StartupError, prepare
     from trainer_client.contract.flags import model_from_args
 
     logging.basicConfig(
@@ -100,16 +102,15 @@ def serve(args: argparse.Namespace) -> None:
     if not settings.model.is_dir():
         args.parser.error(f"--model {settings.model}: no such model directory")
     initial, given = initial_config(args.parser, args, settings.replica.count)
-    service = SamplerService(settings, initial_config=initial, given=frozenset(given))
     try:  # the data, the config against the model, and the state dir, before any loading
-        service.prepare()
+        prepared = prepare(settings, initial, frozenset(given))
     except StartupError as exc:
         args.parser.exit(2, f"adaptive-rollout serve: {exc}\n")
     if settings.torch_threads > 0:
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    app = create_app(service)
+    app = create_app(settings, functools.partial(SamplerService.build, settings, prepared=prepared))
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -129,6 +130,7 @@ def serve(args: argparse.Namespace) -> None:
         timer = threading.Timer(settings.shutdown_timeout_s, _exit_now, [settings])
         timer.daemon = True
         timer.start()
+        service = app.state.service  # built: a shutdown follows a start that succeeded
         service.begin_shutdown()
         await original_shutdown(sockets=sockets)  # the app's lifespan ends in here
         if service.shutdown_summary:  # uvicorn then re-raises the signal: say it now
@@ -146,7 +148,8 @@ def serve(args: argparse.Namespace) -> None:
                 # The one line scripts wait for: where the sampler listens.
                 print(f"adaptive-rollout sampler listening on http://{host}:{port}", flush=True)
         logging.getLogger("sampler_service").info(
-            "effective config: %s", json.dumps(service.get_config(), sort_keys=True)
+            "effective config: %s",
+            json.dumps(app.state.service.control.get_config(), sort_keys=True),
         )
 
     server.startup = startup  # type: ignore[method-assign]

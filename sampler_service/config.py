@@ -11,6 +11,7 @@ import copy
 import math
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -153,6 +154,22 @@ class ReplayKnobs(_Live):
     )
 
 
+Reweighting = reweighting.SampleReweighting | reweighting.TokenReweighting
+
+
+@dataclass(frozen=True)
+class PolicySet:
+    """One config version's group and batch policies, built once when the version is
+    installed: a policy holds only its parameters, so one object serves every prompt and
+    frame of that version."""
+
+    #: Applied to each finished group, in order.
+    group: tuple[selection.GroupSelection, ...]
+    #: A frame's selections, then its reweightings, each in the order given.
+    selections: tuple[selection.BatchSelection, ...]
+    weightings: tuple[Reweighting, ...]
+
+
 class SamplerConfig(_Live):
     """Everything PATCH /v1/config may change while a run is live."""
 
@@ -169,16 +186,16 @@ class SamplerConfig(_Live):
         "(k_pos right), balanced (k_pos right and k_neg wrong), est (a per-prompt budget "
         "from a pass-rate estimate); never past n_max",
     )
-    k_pos: stopping.KPos = 2
-    k_neg: stopping.KNeg = 2
-    n_max: stopping.NMax = 32
+    k_pos: stopping.KPos = stopping.DEFAULTS.k_pos
+    k_neg: stopping.KNeg = stopping.DEFAULTS.k_neg
+    n_max: stopping.NMax = stopping.DEFAULTS.n_max
     wave: stopping.Wave = Field(
-        "fixed",
+        stopping.DEFAULTS.wave,
         description="fixed: wave_size answers per wave; adaptive: sized from the expected "
         "answers still missing (a prompt seen before sizes its first wave from its pass rate)",
     )
-    wave_size: stopping.WaveSize = 8
-    group_size: stopping.GroupSize = 4
+    wave_size: stopping.WaveSize = stopping.DEFAULTS.wave_size
+    group_size: stopping.GroupSize = stopping.DEFAULTS.group_size
     positive_threshold: float = Field(
         0.5, ge=-1e9, le=1e9, description="an answer is right iff its reward > this"
     )
@@ -314,18 +331,24 @@ class SamplerConfig(_Live):
     def admission_policy_objects(self) -> list[admission.AdmissionPolicy]:
         return [admission.build(p.name, **p.params) for p in self.admission_policies]
 
-    def group_policy_objects(self) -> list[Any]:
-        return [selection.build(p.name, **p.params) for p in self.group_policies]
-
-    def batch_policy_objects(self) -> tuple[list[Any], list[Any]]:
-        """(batch selections, reweightings) in the order given."""
-        selections, weights = [], []
+    def policy_set(self) -> PolicySet:
+        """The group and batch policies this config names, built (their scopes are
+        `check_consistency`'s to check)."""
+        group: list[selection.GroupSelection] = []
+        for spec in self.group_policies:
+            policy = selection.build(spec.name, **spec.params)
+            assert isinstance(policy, selection.GroupSelection)
+            group.append(policy)
+        selections: list[selection.BatchSelection] = []
+        weightings: list[Reweighting] = []
         for spec in self.batch_policies:
             if spec.name in selection.SELECTIONS.names():
-                selections.append(selection.build(spec.name, **spec.params))
+                policy = selection.build(spec.name, **spec.params)
+                assert isinstance(policy, selection.BatchSelection)
+                selections.append(policy)
             else:
-                weights.append(reweighting.build(spec.name, **spec.params))
-        return selections, weights
+                weightings.append(reweighting.build(spec.name, **spec.params))
+        return PolicySet(tuple(group), tuple(selections), tuple(weightings))
 
 
 class ConfigView(SamplerConfig):
@@ -430,6 +453,15 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
     except PolicyError as exc:
         raise ConfigError(str(exc), _policy_field("mixing", exc.field)) from exc
     _check_schedule(cfg, domains)
+
+
+def check_context(cfg: SamplerConfig, context_length: int | None) -> None:
+    """max_tokens beyond the model's context could never be generated."""
+    if context_length is not None and cfg.max_tokens > context_length:
+        raise ConfigError(
+            f"max_tokens ({cfg.max_tokens}) exceeds the model's context ({context_length} tokens)",
+            "max_tokens",
+        )
 
 
 def _check_schedule(cfg: SamplerConfig, domains: list[str]) -> None:

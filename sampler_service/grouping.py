@@ -17,16 +17,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 
 from sampler_service.backends.base import Completion
-from sampler_service.config import SamplerConfig
+from sampler_service.config import Reweighting, SamplerConfig
 from sampler_service.dataset import PromptRow
 from sampler_service.replay import Replayed
 from sampler_service.verifiers.base import Verdict
 from strategies import advantage, downsample, reweighting, views
+from strategies.selection import BatchSelection, GroupSelection
 from trainer_client.contract.protocol import Group, GroupStats, Sample, StopReason
 
 #: Reason a group is dropped when group policies leave it with a single sample: a
@@ -58,6 +59,7 @@ def build_group(
     row: PromptRow,
     cfg: SamplerConfig,
     config_version: int,
+    group_policies: Sequence[GroupSelection],
     completions: Sequence[Completion],
     verdicts: Sequence[Verdict],
     n_pos: int,
@@ -100,7 +102,7 @@ def build_group(
         kept = np.append(kept[:-1], n_gen)
         adv = advantages(kept)
 
-    for policy in cfg.group_policy_objects():
+    for policy in group_policies:
         view = views.GroupView(
             rewards=rewards[kept],
             lengths=lengths[kept],
@@ -190,8 +192,8 @@ class FrameResult:
 
 def apply_batch_policies(
     groups: Sequence[Group],
-    selections: Sequence[Any],
-    weightings: Sequence[Any],
+    selections: Sequence[BatchSelection],
+    weightings: Sequence[Reweighting],
     batch_id: str,
 ) -> FrameResult:
     """Batch-scope selection, then reweighting, written into the groups of one frame.

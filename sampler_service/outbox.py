@@ -26,8 +26,11 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from sampler_service.store import AsyncStore, StoredFrame, StoredGroup
+from trainer_client.contract.protocol import Group
+from trainer_client.contract.wire import pack_group, unpack_group
 
 
 def stream_consumer(name: str) -> str:
@@ -263,3 +266,61 @@ class Outbox:
         if self._streams.get(consumer) is token:
             del self._streams[consumer]
             self.release_consumer(consumer)
+
+
+class StoreSink:
+    """Scheduler sink that persists groups in SQLite and offers frames to the outbox.
+
+    Each group is encoded once for its frame, and those bytes are what the store keeps
+    and the stream sends. A group that completes its frame as it finishes (frames of one
+    group, the default) goes to SQLite once, framed; only a group that waits for the rest
+    of its frame is stored as pending first.
+    """
+
+    def __init__(self, store: AsyncStore, outbox: Outbox) -> None:
+        self._store = store
+        self._outbox = outbox
+        self._pending: set[str] = set()  # stored, not yet framed
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def remember(self, group_id: str) -> None:
+        """A group stored as pending (now or before a restart)."""
+        self._pending.add(group_id)
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        await self._store.call(
+            self._store.sync.add_pending, group.group_id, pack_group(group), state
+        )
+        self.remember(group.group_id)
+
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
+        members = [(g.group_id, pack_group(g)) for g in groups]
+        batch_id = groups[0].batch_id if groups else uuid.uuid4().hex
+        seqs = await self._store.call(self._store.sync.frame, batch_id, members, dropped, state)
+        self._pending.difference_update(dropped)
+        self._pending.difference_update(gid for gid, _ in members)
+        stored = [
+            _stored(seq, g, payload)
+            for seq, g, (_, payload) in zip(seqs, groups, members, strict=True)
+        ]
+        if stored:
+            self._outbox.offer(StoredFrame(batch_id, stored))
+
+    def buffered(self) -> int:
+        return self._outbox.ready_groups + self._outbox.leased_groups
+
+
+def _stored(seq: int, group: Group, payload: bytes) -> StoredGroup:
+    return StoredGroup(
+        seq, group.group_id, payload, group.policy_version_min, group.prompt_id, group.domain
+    )
+
+
+def described(stored: StoredGroup) -> StoredGroup:
+    """A stored group with its version and prompt read back from its payload (a restart)."""
+    return _stored(stored.seq, unpack_group(stored.payload), stored.payload)

@@ -26,7 +26,7 @@ import numpy as np
 from sampler_service import grouping
 from sampler_service.aio import wait_event
 from sampler_service.backends.base import Backend, Completion, GenerationAborted, SamplingParams
-from sampler_service.config import SamplerConfig
+from sampler_service.config import PolicySet, SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.episodes import EpisodeRunner, EpisodeWave
 from sampler_service.metrics import Metrics
@@ -83,6 +83,7 @@ class PromptPlan:
     config_version: int
     cfg: SamplerConfig
     sampling: SamplingParams
+    policies: PolicySet
 
 
 @dataclass
@@ -258,6 +259,8 @@ class Scheduler:
         self.clock = clock
         self.config = config
         self.config_version = config_version
+        #: The live version's group and batch policies, built once per version.
+        self.policies = config.policy_set()
         self.estimator = config.build_estimator()
         self.estimator.set_prompts(dataset.prompt_ids())
         #: Set while a new estimator is built off the loop: (prompt, answers, correct) of
@@ -365,6 +368,7 @@ class Scheduler:
         if cfg.allocation != old.allocation or estimator is not self.estimator:
             self._allocation = cfg.build_allocation()
         self.config, self.config_version = cfg, version
+        self.policies = cfg.policy_set()
         self.estimator = estimator
         if cfg.mixing != old.mixing:
             self.mixer = mixing.build(
@@ -465,7 +469,7 @@ class Scheduler:
         sampling = SamplingParams(
             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens
         )
-        plan = PromptPlan(self.config_version, cfg, sampling)
+        plan = PromptPlan(self.config_version, cfg, sampling, self.policies)
         self.stats.domains[domain].admitted += 1
         self.stats.recent_admitted.append(domain)
         return PromptRun(
@@ -730,6 +734,7 @@ class Scheduler:
             row=row,
             cfg=run.plan.cfg,
             config_version=run.plan.config_version,
+            group_policies=run.plan.policies.group,
             completions=run.completions,
             verdicts=run.verdicts,
             n_pos=run.n_pos,
@@ -783,9 +788,9 @@ class Scheduler:
             # their frame is written they must still count as buffered, or admission
             # (max_staleness) would see room that the frame is about to take.
             members = self._unframed[: self.config.batch_groups]
-            selections, weightings = self.config.batch_policy_objects()
+            policies = self.policies
             frame = grouping.apply_batch_policies(
-                members, selections, weightings, batch_id=grouping.new_id()
+                members, policies.selections, policies.weightings, batch_id=grouping.new_id()
             )
             for _, reason in frame.dropped:
                 self.count_dropped(reason)
@@ -837,15 +842,20 @@ class Scheduler:
         await self._drained.wait()
 
 
-class MemorySink:
+class VolatileSink:
+    """Base of the in-memory sinks (benchmarks, tests): nothing is stored, so a group that
+    waits for the rest of its frame needs no write."""
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        return None
+
+
+class MemorySink(VolatileSink):
     """In-memory sink for benchmarks and tests: frames are 'acked' by popping them."""
 
     def __init__(self) -> None:
         self.frames: list[list[Group]] = []
         self.dropped: list[str] = []
-
-    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
-        return None
 
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None

@@ -53,6 +53,11 @@ class StoppingParams(Params):
     estimator: Estimator | None = None
 
 
+#: The stopping knobs' defaults, the one definition of them: the sampler's live config
+#: starts from these too.
+DEFAULTS = StoppingParams()
+
+
 class StoppingRule(Policy, ABC):
     """Base rule: subclasses define ``done`` and how many answers they still want."""
 

@@ -198,3 +198,16 @@ def train_command(url: str, model: Path, out: Path, steps: int, *flags: str) -> 
         "--url", url, "--model", str(model), "--out", str(out), "--steps", str(steps),
         "--batch-groups", "4", "--sync-every", "1", "--watchdog-s", "60", *flags,
     ]  # fmt: skip
+
+
+def report_measurements(
+    terminalreporter: Any, title: str, values: dict[str, Any], started: float, spec: str = ""
+) -> None:
+    """A suite's measurements (each formatted with `spec`) and its wall time since
+    `started` (monotonic), as a section of pytest's terminal summary; nothing if none."""
+    if not values:
+        return
+    terminalreporter.section(title)
+    for key, value in values.items():
+        terminalreporter.write_line(f"{key}: {value:{spec}}")
+    terminalreporter.write_line(f"suite wall time (s): {time.monotonic() - started:.0f}")

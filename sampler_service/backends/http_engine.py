@@ -60,6 +60,7 @@ from typing import Any, Literal
 
 import httpx
 
+from sampler_service.aio import TaskSet
 from sampler_service.backends.base import (
     Backend,
     BackendHealth,
@@ -237,7 +238,7 @@ class HTTPEngineBackend(Backend):
         self._loading = False
         self._started = False
         self._weights_lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
 
     # -- life cycle -------------------------------------------------------------------
     @property
@@ -302,9 +303,9 @@ class HTTPEngineBackend(Backend):
                 + "; ".join(f"{s.url}: {s.error}" for s in self._servers)
             )
         self._started = True
-        self._spawn(self._probe_loop(), "http-engine-probes")
+        self._tasks.spawn(self._probe_loop(), "http-engine-probes")
         if self.settings.services:
-            self._spawn(self._discover_loop(), "http-engine-discovery")
+            self._tasks.spawn(self._discover_loop(), "http-engine-discovery")
         log.info(
             "%d of %d engine servers up: %s",
             len(up),
@@ -348,17 +349,10 @@ class HTTPEngineBackend(Backend):
             await self._sync(srv)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
         self._router.cancel_all()
         for client in self._wave_clients:
             await client.aclose()
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- state ------------------------------------------------------------------------
     def _set_state(self, srv: _Server, state: ServerState) -> None:
@@ -624,7 +618,7 @@ class HTTPEngineBackend(Backend):
             for srv in self._servers:
                 if not (srv.probing or srv.recovering or srv.state == "gone"):
                     srv.probing = True
-                    self._spawn(self._probe(srv), f"probe-{srv.index}")
+                    self._tasks.spawn(self._probe(srv), f"probe-{srv.index}")
 
     async def _probe(self, srv: _Server) -> None:
         epoch = srv.epoch
@@ -660,7 +654,7 @@ class HTTPEngineBackend(Backend):
 
     def _spawn_recovery(self, srv: _Server) -> None:
         srv.recovering = True
-        self._spawn(self._recover(srv), f"recover-{srv.index}")
+        self._tasks.spawn(self._recover(srv), f"recover-{srv.index}")
 
     async def _recover(self, srv: _Server) -> None:
         """Attach a server that came back, or resync one whose label moved, under the

@@ -36,6 +36,7 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from sampler_service.aio import TaskSet
 from sampler_service.backends.base import (
     Backend,
     BackendHealth,
@@ -193,7 +194,7 @@ class RayPoolBackend(Backend):
         self._serving = False
         self._owns_ray = False
         self._weights_lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._info: dict[str, Any] = {"model_name": "", "specs": {}}
 
     # -- life cycle -------------------------------------------------------------------
@@ -256,7 +257,7 @@ class RayPoolBackend(Backend):
         for rep, result in zip(self._replicas, results, strict=True):
             if isinstance(result, BaseException):
                 self._fail(rep, rep.epoch, "start", repr(result), kill=True)
-        self._spawn(self._probe_loop(), "replica-probes")
+        self._tasks.spawn(self._probe_loop(), "replica-probes")
         log.info(
             "%d engine replicas: %s",
             s.count,
@@ -294,9 +295,7 @@ class RayPoolBackend(Backend):
         self._set_state(rep, "ok")
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
         for rep in self._replicas:
             await rep.channel.close()
         self._router.cancel_all()
@@ -306,11 +305,6 @@ class RayPoolBackend(Backend):
                     ray.kill(rep.handle, no_restart=True)
         if self._owns_ray and ray.is_initialized():
             await asyncio.to_thread(ray.shutdown)
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- state ------------------------------------------------------------------------
     def _set_state(self, rep: _Replica, state: ReplicaState) -> None:
@@ -427,7 +421,7 @@ class RayPoolBackend(Backend):
             with contextlib.suppress(Exception):
                 ray.kill(rep.handle, no_restart=False)
         self._set_state(rep, "recovering")
-        self._spawn(self._recover(rep), f"recover-replica-{rep.index}")
+        self._tasks.spawn(self._recover(rep), f"recover-replica-{rep.index}")
 
     async def _recover(self, rep: _Replica) -> None:
         """Wait for Ray's restart of the actor, then start it and load the committed weights.
@@ -502,7 +496,7 @@ class RayPoolBackend(Backend):
             for rep in self._replicas:
                 if rep.state == "ok" and not rep.probing:
                     rep.probing = True
-                    self._spawn(self._probe(rep), f"probe-replica-{rep.index}")
+                    self._tasks.spawn(self._probe(rep), f"probe-replica-{rep.index}")
 
     async def _probe(self, rep: _Replica) -> None:
         epoch = rep.epoch
@@ -594,7 +588,7 @@ class RayPoolBackend(Backend):
                 self.metrics.replica_policy_version.labels(str(rep.index)).set(rep.version)
                 if rep.state == "ok" and rep.version != version:
                     # Came back from a restart during the load, at the old version.
-                    self._spawn(self._resync(rep), f"resync-replica-{rep.index}")
+                    self._tasks.spawn(self._resync(rep), f"resync-replica-{rep.index}")
             self._dispatch()
 
     async def _roll_back(self, installed: list[_Replica], names: frozenset[str]) -> None:

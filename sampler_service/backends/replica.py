@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from sampler_service.aio import TaskSet
 from sampler_service.backends.base import (
     Backend,
     Completion,
@@ -91,7 +92,7 @@ class Replica:
         self._session = ""
         self._finished: list[Finished] = []
         self._has_finished = asyncio.Event()
-        self._wave_tasks: set[asyncio.Task[None]] = set()
+        self._wave_tasks = TaskSet()
         self._submit_calls = 0  # with _submitted_waves: how well the pool's batching works
         self._submitted_waves = 0
         # Orphan watch (module docstring): when a sampler last called, and whether an
@@ -266,11 +267,9 @@ class Replica:
         self._submit_calls += 1
         self._submitted_waves += len(waves)
         for call_id, prompt_token_ids, n, sampling in waves:
-            task = asyncio.create_task(
+            self._wave_tasks.spawn(
                 self._run_wave(engine, session, call_id, prompt_token_ids, n, sampling)
             )
-            self._wave_tasks.add(task)
-            task.add_done_callback(self._wave_tasks.discard)
 
     async def _run_wave(
         self,

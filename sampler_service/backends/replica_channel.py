@@ -31,6 +31,7 @@ import itertools
 import uuid
 from typing import Any
 
+from sampler_service.aio import TaskSet
 from sampler_service.backends.base import Completion, SamplingParams
 
 #: Seconds a collect call waits on the replica for a finished wave before it returns
@@ -56,7 +57,7 @@ class ReplicaChannel:
         self._outbox: list[Wave] = []
         # call id -> (generation it was sent in, the caller's future)
         self._waiting: dict[int, tuple[int, asyncio.Future[list[Completion]]]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
 
     async def generate(
         self,
@@ -75,7 +76,7 @@ class ReplicaChannel:
         self._outbox.append((call_id, prompt_token_ids, n, sampling))
         if not self._collecting:
             self._collecting = True
-            self._spawn(self._collect(self._generation))
+            self._tasks.spawn(self._collect(self._generation), "replica-channel")
         try:
             return await future
         finally:
@@ -86,20 +87,15 @@ class ReplicaChannel:
         self._fail_generation(self._generation, error)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro, name="replica-channel")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        await self._tasks.cancel()
 
     def _flush(self) -> None:
         waves, self._outbox = self._outbox, []
         if waves:
             ref = self._handle.submit_waves.remote(self.session, waves)
-            self._spawn(self._check_submit(ref, [wave[0] for wave in waves]))
+            self._tasks.spawn(
+                self._check_submit(ref, [wave[0] for wave in waves]), "replica-channel"
+            )
 
     async def _check_submit(self, ref: Any, call_ids: list[int]) -> None:
         try:

@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from bench import adaptive_sim, step_time
 from bench.sim_backend import EngineSpec
-from tests.bench.test_sim_engine import _generate
+from tests.bench.test_sim_engine import FLAT, _generate
 
-KV = EngineSpec(
-    max_num_seqs=2,
-    step_base_s=0.01,
-    step_per_seq_s=0.001,
-    prefill_per_token_s=0.0,
-    length_median=100,
-    length_sigma=0.0,
-    kv_token_s=1e-4,
-)
+KV = replace(FLAT, kv_token_s=1e-4)
 
 
 def test_decode_steps_pay_for_the_context_they_read() -> None:

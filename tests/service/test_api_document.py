@@ -4,6 +4,7 @@ enforces, and it asks for a key only when the sampler has one. Built from the ap
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from strategies.stopping import StoppingParams
 
 def _document(api_key: str | None = None) -> dict[str, Any]:
     settings = ServeSettings(model=Path("model"), data=[Path("data.jsonl")], api_key=api_key)
-    return create_app(SamplerService(settings)).openapi()
+    return create_app(settings, functools.partial(SamplerService.build, settings)).openapi()
 
 
 def _rule_bounds(knob: str) -> tuple[Any, Any]:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = textwrap.dedent(
     """
-    import asyncio, sys
+    import asyncio, functools, sys
     from pathlib import Path
 
     from sampler_service import cli  # the serve command's module, with its flags
@@ -27,9 +27,8 @@ SCRIPT = textwrap.dedent(
             model=Path(sys.argv[1]), data=[Path(sys.argv[2])], state_dir=Path(sys.argv[3]),
             replica=ReplicaSettings(count=1),
         )
-        service = SamplerService(settings)
-        create_app(service)
-        await service.start()
+        create_app(settings, functools.partial(SamplerService.build, settings))
+        service = await SamplerService.build(settings)
         await service.stop()
 
     asyncio.run(main())

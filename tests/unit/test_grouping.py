@@ -40,11 +40,13 @@ def _build(rewards: list[float], **cfg: Any) -> Any:
     completions, verdicts = _answers(rewards, cfg.pop("versions", None), cfg.pop("lengths", None))
     replay = cfg.pop("replay", None)
     counter = itertools.count()
+    config = SamplerConfig(**cfg)
     return build_group(
         replay=replay,
         row=ROW,
-        cfg=SamplerConfig(**cfg),
+        cfg=config,
         config_version=7,
+        group_policies=config.policy_set().group,
         completions=completions,
         verdicts=verdicts,
         n_pos=sum(r > 0.5 for r in rewards),
@@ -151,6 +153,7 @@ def test_mismatched_answers_and_verdicts_are_refused() -> None:
             row=ROW,
             cfg=SamplerConfig(),
             config_version=0,
+            group_policies=(),
             completions=completions,
             verdicts=verdicts[:1],
             n_pos=1,

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from support import report_measurements
 from verl_suite import GRPO_CONFIG, TIMINGS, Sampler
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,11 +31,7 @@ _SESSION_START = time.monotonic()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if TIMINGS:
-        terminalreporter.section("verl suite measurements")
-        for key, value in TIMINGS.items():
-            terminalreporter.write_line(f"{key}: {value:.1f}")
-        terminalreporter.write_line(f"suite wall time (s): {time.monotonic() - _SESSION_START:.0f}")
+    report_measurements(terminalreporter, "verl suite measurements", TIMINGS, _SESSION_START, ".1f")
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from support import report_measurements
 from vllm_suite import REPORT, LoopThread
 
 from trainer_client.toy import ToyPaths, build_toy
@@ -27,11 +28,7 @@ _SESSION_START = time.monotonic()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if REPORT:
-        terminalreporter.section("vLLM suite measurements")
-        for key, value in REPORT.items():
-            terminalreporter.write_line(f"{key}: {value}")
-        terminalreporter.write_line(f"suite wall time (s): {time.monotonic() - _SESSION_START:.0f}")
+    report_measurements(terminalreporter, "vLLM suite measurements", REPORT, _SESSION_START)
 
 
 @pytest.fixture(scope="session")

@@ -17,24 +17,12 @@ from typing import Any
 import httpx
 import pytest
 from support import collect, perturbed_file
-from vllm_suite import REPORT
+from vllm_suite import CONFIG, REPORT
 
 from trainer_client.launch import EngineServer, SamplerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-CONFIG = {
-    "rule": "balanced",
-    "k_pos": 2,
-    "k_neg": 2,
-    "n_max": 12,
-    "wave_size": 4,
-    "group_size": 4,
-    "max_tokens": 8,
-    "max_active_prompts": 8,
-    "max_buffered_groups": 8,
-    "max_staleness": None,  # groups are leased without training on them
-}
 PROMPT = [5, 6, 7, 8]
 
 

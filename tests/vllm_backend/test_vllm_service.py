@@ -11,22 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 from support import collect
-from vllm_suite import REPORT, ServeProcess
+from vllm_suite import CONFIG, REPORT, ServeProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-
-CONFIG = {
-    "rule": "balanced",
-    "k_pos": 2,
-    "k_neg": 2,
-    "n_max": 12,
-    "wave_size": 4,
-    "group_size": 4,
-    "max_tokens": 8,
-    "max_active_prompts": 8,
-    "max_buffered_groups": 8,
-    "max_staleness": None,  # groups are leased without training on them
-}
 
 
 @pytest.fixture(scope="module")

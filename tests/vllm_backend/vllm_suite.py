@@ -15,6 +15,20 @@ from trainer_client.launch import SamplerProcess
 from trainer_client.toy import ToyPaths
 
 T = TypeVar("T")
+
+#: A small balanced config whose groups the tests lease without training on them.
+CONFIG = {
+    "rule": "balanced",
+    "k_pos": 2,
+    "k_neg": 2,
+    "n_max": 12,
+    "wave_size": 4,
+    "group_size": 4,
+    "max_tokens": 8,
+    "max_active_prompts": 8,
+    "max_buffered_groups": 8,
+    "max_staleness": None,  # groups are leased without training on them
+}
 #: Measurements for the terminal summary (name -> value).
 REPORT: dict[str, Any] = {}
 

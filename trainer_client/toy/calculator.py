@@ -21,10 +21,7 @@ measured by running episodes with the service's calculator environment and
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import random
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -36,7 +33,19 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from trainer_client.toy import task
-from trainer_client.toy.model import CHARS, MAX_LEN, _batch, build_tokenizer, save
+from trainer_client.toy.model import (
+    CHARS,
+    MAX_LEN,
+    Batch,
+    _batch,
+    _fmt,
+    build_tokenizer,
+    repeatable,
+    save_warm_start,
+    train_until,
+    warm_start_args,
+)
+from trainer_client.toy.model import TrainSettings as ToySettings
 from trainer_client.toy.shipped import CALCULATOR_WEIGHTS_DIR, WEIGHTS_DIR
 
 #: The toy's characters and the tool syntax's, appended so the toy's ids are unchanged.
@@ -72,19 +81,16 @@ STOP = StopCriterion()
 
 
 @dataclass(frozen=True)
-class TrainSettings:
-    """Warm-start hyperparameters (the defaults produce the shipped weights)."""
+class TrainSettings(ToySettings):
+    """Warm-start hyperparameters (the defaults produce the shipped calculator weights)."""
 
-    seed: int = 0
-    batch_size: int = 96
     lr: float = 1e-3
     max_steps: int = 1500
     check_every: int = 50
+    probe_samples: int = 8
     copy_steps: int = 150
     call_fraction: float = 0.6
     decide_fraction: float = 0.3
-    probe_prompts: int = 64
-    probe_samples: int = 8
 
 
 def _encode(
@@ -285,23 +291,15 @@ def warm_start(out_dir: Path, settings: TrainSettings = TrainSettings()) -> dict
     Returns a summary, also written to ``out_dir/warm_start.json``.
     """
     started = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: repeatable bits on a given CPU and torch build
-    try:
-        torch.manual_seed(settings.seed)
-        rng = random.Random(settings.seed)
+    with repeatable(settings.seed) as rng:
         tokenizer = build_calculator_tokenizer()
         model = Qwen2ForCausalLM.from_pretrained(WEIGHTS_DIR)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
         train = {d: task.train_rows(d, None, seed=settings.seed) for d in task.DOMAIN_NAMES}
         probe = train["mul"][: settings.probe_prompts]
         per_domain = settings.batch_size // len(train)
 
-        history: list[dict[str, object]] = []
-        step = 0
-        while step < settings.max_steps:
-            model.train()
+        def next_batch(step: int) -> Batch:
             examples = [
                 _encode(
                     tokenizer,
@@ -312,65 +310,25 @@ def warm_start(out_dir: Path, settings: TrainSettings = TrainSettings()) -> dict
                 for rows in train.values()
                 for row in rng.choices(rows, k=per_domain)
             ]
-            input_ids, mask, labels = _collate(examples, tokenizer.pad_token_id)
-            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            if step % settings.check_every:
-                continue
-            model.eval()
+            return _collate(examples, tokenizer.pad_token_id)
+
+        def check(step: int, loss: float) -> tuple[dict[str, object], bool]:
             probe_stats = summarize(
                 run_episodes(model, tokenizer, probe, settings.probe_samples, seed=settings.seed)
             )
-            history.append({"step": step, "loss": round(loss.item(), 4), "mul_t1": probe_stats})
-            print(f"step {step:5d} loss {loss.item():.3f} mul T=1 {_fmt(probe_stats)}", flush=True)
-            if _stop_reached(step, probe_stats):
-                break
-        else:
-            raise RuntimeError(
-                f"warm-start did not reach {STOP} within {settings.max_steps} steps; "
-                "see the printed checks"
-            )
-    finally:
-        torch.set_num_threads(threads)
+            print(f"step {step:5d} loss {loss:.3f} mul T=1 {_fmt(probe_stats)}", flush=True)
+            return {"mul_t1": probe_stats}, _stop_reached(step, probe_stats)
 
-    summary: dict[str, object] = {
-        "settings": settings.__dict__,
-        "stop": STOP.__dict__,
-        "steps": step,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "checks": history,
-    }
+        checks = train_until(model, settings, STOP, next_batch, check)
     model.config.vocab_size = len(tokenizer)
-    save(out_dir, model, tokenizer)
-    (out_dir / "warm_start.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
-
-
-def _fmt(values: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:.2f}" for k, v in values.items())
+    return save_warm_start(out_dir, model, tokenizer, settings, STOP, started, checks)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m trainer_client.toy.calculator --train [--out DIR] [--seed N]``."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    args = warm_start_args(
+        argv, __doc__, CALCULATOR_WEIGHTS_DIR, "the shipped calculator weights dir"
     )
-    parser.add_argument(
-        "--train", action="store_true", help="run the warm-start and save the weights"
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=CALCULATOR_WEIGHTS_DIR,
-        help="output directory [the shipped calculator weights dir]",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="training seed [0]")
-    args = parser.parse_args(argv)
-    if not args.train:
-        parser.error("nothing to do: pass --train")
     summary = warm_start(args.out, TrainSettings(seed=args.seed))
     tok = AutoTokenizer.from_pretrained(args.out)
     model = Qwen2ForCausalLM.from_pretrained(args.out).eval()

@@ -26,10 +26,11 @@ torch build and CPU give the same weights bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,6 +178,80 @@ def _stop_reached(pass_rates: dict[str, float], greedy: dict[str, float]) -> boo
     )
 
 
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@contextlib.contextmanager
+def repeatable(seed: int) -> Iterator[random.Random]:
+    """Seeded torch and a seeded `random.Random`, on one thread: repeatable bits on a given
+    CPU and torch build (the shipped weights are made so)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        yield random.Random(seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_until(
+    model: Qwen2ForCausalLM,
+    settings: TrainSettings,
+    stop: object,
+    next_batch: Callable[[int], Batch],
+    check: Callable[[int, float], tuple[dict[str, object], bool]],
+) -> tuple[int, list[dict[str, object]]]:
+    """AdamW steps on `next_batch(step)` until a check (every `check_every` steps, given the
+    step and the loss) says the warm-start is done: (steps, every check's record). Past
+    `max_steps` a RuntimeError names `stop`, the criterion never met."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    history: list[dict[str, object]] = []
+    step = 0
+    while step < settings.max_steps:
+        model.train()
+        input_ids, mask, labels = next_batch(step)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if step % settings.check_every:
+            continue
+        model.eval()
+        record, done = check(step, loss.item())
+        history.append({"step": step, "loss": round(loss.item(), 4), **record})
+        if done:
+            return step, history
+    raise RuntimeError(
+        f"warm-start did not reach {stop} within {settings.max_steps} steps; see the printed checks"
+    )
+
+
+def save_warm_start(
+    out_dir: Path,
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    settings: TrainSettings,
+    stop: object,
+    started: float,
+    checks: tuple[int, list[dict[str, object]]],
+) -> dict[str, object]:
+    """Save the model and, beside it, a summary of how it was made: the settings, the stop
+    criterion, the wall time since `started` (perf_counter) and what `train_until`
+    returned."""
+    steps, history = checks
+    summary: dict[str, object] = {
+        "settings": settings.__dict__,
+        "stop": stop.__dict__,
+        "steps": steps,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "checks": history,
+    }
+    save(out_dir, model, tokenizer)
+    (out_dir / "warm_start.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
 def warm_start(out_dir: Path, settings: TrainSettings = TrainSettings()) -> dict[str, object]:
     """Train the tiny model from scratch on the train split and save it to ``out_dir``.
 
@@ -186,73 +261,34 @@ def warm_start(out_dir: Path, settings: TrainSettings = TrainSettings()) -> dict
     to ``out_dir/warm_start.json`` so the shipped weights say how they were made.
     """
     started = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: repeatable bits on a given CPU and torch build
-    try:
-        torch.manual_seed(settings.seed)
-        rng = random.Random(settings.seed)
+    with repeatable(settings.seed) as rng:
         tokenizer = build_tokenizer()
         config = build_config(
             len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id
         )
         model = Qwen2ForCausalLM(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
-
         train = {d: task.train_rows(d, None, seed=settings.seed) for d in task.DOMAIN_NAMES}
         encoded = {d: [_encode_example(tokenizer, r) for r in rs] for d, rs in train.items()}
         probe = [r for rs in train.values() for r in rs[: settings.probe_prompts]]
         per_domain = settings.batch_size // len(encoded)
 
-        history: list[dict[str, object]] = []
-        step = 0
-        while step < settings.max_steps:
-            model.train()
+        def next_batch(step: int) -> Batch:
             examples = [ex for exs in encoded.values() for ex in rng.choices(exs, k=per_domain)]
-            input_ids, mask, labels = _batch(examples, tokenizer.pad_token_id)
-            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            if step % settings.check_every:
-                continue
-            model.eval()
+            return _batch(examples, tokenizer.pad_token_id)
+
+        def check(step: int, loss: float) -> tuple[dict[str, object], bool]:
             rates = pass_rates_of(
                 model, tokenizer, probe, settings.probe_samples, 1.0, seed=settings.seed
             )
             greedy = greedy_accuracy_of(model, tokenizer, probe)
-            history.append(
-                {
-                    "step": step,
-                    "loss": round(loss.item(), 4),
-                    "pass_rate_t1": rates,
-                    "greedy": greedy,
-                }
-            )
             print(
-                f"step {step:5d} loss {loss.item():.3f} T=1 {_fmt(rates)} greedy {_fmt(greedy)}",
+                f"step {step:5d} loss {loss:.3f} T=1 {_fmt(rates)} greedy {_fmt(greedy)}",
                 flush=True,
             )
-            if _stop_reached(rates, greedy):
-                break
-        else:
-            raise RuntimeError(
-                f"warm-start did not reach {STOP} within {settings.max_steps} steps; "
-                "see the printed checks"
-            )
-    finally:
-        torch.set_num_threads(threads)
+            return {"pass_rate_t1": rates, "greedy": greedy}, _stop_reached(rates, greedy)
 
-    summary: dict[str, object] = {
-        "settings": settings.__dict__,
-        "stop": STOP.__dict__,
-        "steps": step,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "checks": history,
-    }
-    save(out_dir, model, tokenizer)
-    (out_dir / "warm_start.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+        checks = train_until(model, settings, STOP, next_batch, check)
+    return save_warm_start(out_dir, model, tokenizer, settings, STOP, started, checks)
 
 
 def save(out_dir: Path, model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast) -> None:
@@ -277,21 +313,27 @@ def _fmt(values: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.2f}" for k, v in values.items())
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m trainer_client.toy.model --train [--out DIR] [--seed N]``."""
+def warm_start_args(
+    argv: Sequence[str] | None, doc: str | None, out: Path, out_name: str
+) -> argparse.Namespace:
+    """A warm-start command's arguments: ``--train [--out DIR] [--seed N]``."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--train", action="store_true", help="run the warm-start and save the weights"
     )
-    parser.add_argument(
-        "--out", type=Path, default=WEIGHTS_DIR, help="output directory [the shipped weights dir]"
-    )
+    parser.add_argument("--out", type=Path, default=out, help=f"output directory [{out_name}]")
     parser.add_argument("--seed", type=int, default=0, help="training seed [0]")
     args = parser.parse_args(argv)
     if not args.train:
         parser.error("nothing to do: pass --train")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m trainer_client.toy.model --train [--out DIR] [--seed N]``."""
+    args = warm_start_args(argv, __doc__, WEIGHTS_DIR, "the shipped weights dir")
     summary = warm_start(args.out, TrainSettings(seed=args.seed))
     eval_rows = [r for d in task.DOMAIN_NAMES for r in task.eval_rows(d, 256)]
     tok = AutoTokenizer.from_pretrained(args.out)

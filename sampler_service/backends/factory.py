@@ -1,0 +1,112 @@
+"""The engine the settings ask for, built: one engine in this process or a child, Ray
+replicas, or `vllm serve` servers driven over HTTP. Each kind is imported only when
+chosen, so a default sampler never imports Ray or vLLM."""
+
+from __future__ import annotations
+
+import functools
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sampler_service.backends.base import Backend
+from sampler_service.config import ServeSettings
+from sampler_service.metrics import Metrics
+
+
+def _instance_id(state_dir: Path) -> str:
+    """This sampler's id, kept in its state dir: a restarted sampler finds its replicas."""
+    path = state_dir / "instance_id"
+    if not path.exists():
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()
+
+
+def _engine_factory(settings: ServeSettings) -> Any:
+    """A picklable recipe for one engine, built where it runs (a Ray actor)."""
+    if settings.backend == "vllm":
+        from sampler_service.backends.vllm import VLLMBackend
+
+        return functools.partial(VLLMBackend, settings.model, seed=settings.seed, **settings.vllm)
+    from sampler_service.backends.hf import HFBackend
+
+    return functools.partial(
+        HFBackend, settings.model, device=settings.device, dtype=settings.dtype
+    )
+
+
+def build_replica_pool(
+    settings: ServeSettings,
+    metrics: Metrics,
+    on_state_change: Callable[[dict[str, Any]], None] | None = None,
+) -> Backend:
+    """Engine replicas as Ray actors; the only place the service imports Ray."""
+    # Ray's C++ core would print a stack dump on every SIGTERM ("*** SIGTERM received ...
+    # PC: @ epoll_pwait"), which reads as a crash: the sampler handles SIGTERM itself, as
+    # a clean shutdown. Ray reads this when it is imported (and a local Ray's processes
+    # inherit it).
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    try:
+        from sampler_service.backends.ray_pool import RayPoolBackend
+    except ImportError as exc:
+        raise RuntimeError(
+            f"--replicas {settings.replica.count} / --ray-address need Ray: "
+            "pip install 'adaptive-rollout[ray]'"
+        ) from exc
+
+    return RayPoolBackend(
+        _engine_factory(settings),
+        settings.replica,
+        instance_id=_instance_id(settings.state_dir),
+        torch_threads=settings.torch_threads,
+        metrics=metrics,
+        on_state_change=on_state_change,
+    )
+
+
+def build_http_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics) -> Backend:
+    """`vllm serve` servers the user runs (`--engine-url`), driven over HTTP."""
+    from sampler_service.backends.engine_service import ServiceName
+    from sampler_service.backends.http_dialects import DIALECTS
+    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+
+    assert settings.weights_dir is not None  # required by ServeSettings
+    pool = HTTPPoolSettings(
+        urls=tuple(settings.engine_url),
+        instance_id=_instance_id(settings.state_dir),
+        weights_dir=settings.weights_dir,
+        replica=settings.replica,
+        dialect=DIALECTS[settings.engine_dialect],
+        services=tuple(ServiceName.parse(name) for name in settings.engine_service),
+        resolve_s=settings.engine_resolve_s,
+    )
+    return HTTPEngineBackend(settings.model, pool, tokenizer=tokenizer, metrics=metrics)
+
+
+def build_backend(
+    settings: ServeSettings,
+    tokenizer: Any,
+    metrics: Metrics,
+    on_replica_change: Callable[[dict[str, Any]], None] | None = None,
+) -> Backend:
+    """The engine `settings` name; `on_replica_change` hears a Ray replica's state changes."""
+    if settings.uses_ray:
+        return build_replica_pool(settings, metrics, on_replica_change)
+    if settings.backend == "http":
+        return build_http_backend(settings, tokenizer, metrics)
+    if settings.backend == "vllm":
+        from sampler_service.backends.vllm import VLLMBackend
+
+        return VLLMBackend(settings.model, tokenizer=tokenizer, seed=settings.seed, **settings.vllm)
+    from sampler_service.backends.hf import HFBackend
+
+    if settings.hf_engine == "process":
+        from sampler_service.backends.engine_process import EngineProcess
+
+        # The child loads the tokenizer itself (from the model directory) for response texts.
+        return EngineProcess(_engine_factory(settings), torch_threads=settings.torch_threads)
+    return HFBackend(
+        settings.model, device=settings.device, dtype=settings.dtype, tokenizer=tokenizer
+    )

@@ -1,0 +1,314 @@
+"""Delivery to trainers: streams, leases, acks and heartbeats over the outbox.
+
+A stream sends whole frames as its consumer's credit allows and a heartbeat when there
+is nothing to send; a lease hands out whole frames with a deadline. Both note the step
+size their consumer trains on, since admission under max_staleness counts in steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sampler_service.aio import wait_event
+from sampler_service.backends.base import Backend
+from sampler_service.dataset import Dataset
+from sampler_service.encoding import Encoding
+from sampler_service.errors import ServiceError
+from sampler_service.metrics import Metrics
+from sampler_service.outbox import Delivered, Outbox, lease_consumer, stream_consumer
+from sampler_service.scheduler import Scheduler
+from sampler_service.store import AsyncStore
+from trainer_client.contract import features as wire_features
+from trainer_client.contract.protocol import AckResponse, Heartbeat
+
+log = logging.getLogger(__name__)
+
+#: /v1/stats `staleness` covers this many of the last delivered groups.
+STALENESS_WINDOW = 100
+
+
+@dataclass(eq=False)
+class Delivery:
+    """Streams, leases and acks; the groups delivered and their lag behind the weights."""
+
+    outbox: Outbox
+    scheduler: Scheduler
+    backend: Backend
+    store: AsyncStore
+    dataset: Dataset
+    metrics: Metrics
+    #: What heartbeats report as the engine's failure.
+    engine_error: Callable[[], str | None]
+    #: A lease waits at most this long for a frame.
+    max_lease_wait_s: float
+    #: Rows name environments: groups hold episodes with observation tokens.
+    serves_episodes: bool = False
+    groups_delivered: int = field(default=0, init=False)
+    #: Each recently delivered group's lag: served version at delivery minus its oldest
+    #: sample's (last, mean, max and histogram in /v1/stats).
+    lags: deque[int] = field(default_factory=lambda: deque(maxlen=STALENESS_WINDOW), init=False)
+    _closing: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    # Live streams: token -> (consumer, heartbeat_s, when its socket last took a message).
+    _streams: dict[object, tuple[str, float, float]] = field(default_factory=dict, init=False)
+    #: The wire features each live stream declared (token -> names).
+    _stream_features: dict[object, frozenset[str]] = field(default_factory=dict, init=False)
+    #: Groups per training step declared by consumers (`groups_per_step`): consumer ->
+    #: (groups, until when). A stream's holds while it lives; a lease caller's for a
+    #: lease TTL after its last call.
+    _declared_steps: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
+
+    def close(self) -> None:
+        """Stop serving: open streams end (with a `closing` heartbeat), lease waits return."""
+        self._closing.set()
+        self.outbox.wake()
+
+    def tend(self) -> None:
+        """Once a second: expire stale leases, free stalled streams' names, forget step
+        sizes no consumer declares any more."""
+        if self.outbox.expire():
+            self.scheduler.poke()
+        self._drop_stalled_streams()
+        self._update_step_groups()
+
+    def _heartbeat(self, consumer: str, closing: bool = False) -> dict[str, Any]:
+        return Heartbeat(
+            time=time.time(),
+            policy_version=self.backend.policy_version,
+            config_version=self.scheduler.config_version,
+            ready=self.outbox.ready_groups,
+            leased=self.outbox.leased_groups,
+            active_prompts=self.scheduler.active_prompts + self.scheduler.finalizing,
+            unacked=self.outbox.unacked(consumer),
+            engine_error=self.engine_error(),
+            closing=closing,
+            engine_state=self.backend.health().state,
+        ).model_dump()
+
+    def _check_step(self, groups_per_step: int | None) -> None:
+        limit = self.scheduler.config.max_buffered_groups
+        if groups_per_step is not None and groups_per_step > limit:
+            raise ServiceError(
+                422,
+                "invalid_request",
+                f"groups_per_step ({groups_per_step}) exceeds max_buffered_groups ({limit}): "
+                "such a step could never fill; raise max_buffered_groups",
+                "groups_per_step",
+            )
+
+    def _declare_step(self, consumer: str, groups_per_step: int | None, until: float) -> None:
+        """Note the step size a consumer trains on (admission under max_staleness counts
+        steps); without a declaration a step is one frame (`batch_groups`)."""
+        if groups_per_step is not None:
+            self._declared_steps[consumer] = (groups_per_step, until)
+            self._update_step_groups()
+
+    def _update_step_groups(self) -> None:
+        now = time.monotonic()
+        self._declared_steps = {c: d for c, d in self._declared_steps.items() if d[1] > now}
+        step = max((groups for groups, _ in self._declared_steps.values()), default=0)
+        if step != self.scheduler.consumer_step_groups:
+            self.scheduler.consumer_step_groups = step
+            self.scheduler.poke()
+
+    def _delivered(self, delivered: list[Delivered]) -> list[Delivered]:
+        """Record each delivered group's lag behind the served weights."""
+        served = self.backend.policy_version
+        for item in delivered:
+            lag = served - item.group.policy_version_min
+            self.lags.append(lag)
+            self.metrics.delivered_staleness.observe(lag)
+            self.metrics.staleness.set(lag)
+        self.groups_delivered += len(delivered)
+        return delivered
+
+    async def drop_stale_frames(self) -> None:
+        """Drop READY frames more than max_staleness versions behind the served weights;
+        their prompts are served again. Checked at every weight commit and config change."""
+        bound = self.scheduler.config.max_staleness
+        if bound is None:
+            return
+        frames = self.outbox.drop_stale(self.backend.policy_version, bound)
+        members = [m for f in frames for m in f.members]
+        if not members:
+            return
+        await self.store.call(self.store.sync.discard, [m.group_id for m in members])
+        for member in members:
+            self.dataset.serve_again(member.domain, member.prompt_id)
+        self.scheduler.count_dropped("stale", len(members))
+        self.scheduler.poke()
+        log.info(
+            "dropped %d READY groups (%d frames) more than %d versions behind v%d; their "
+            "prompts are served again",
+            len(members),
+            len(frames),
+            bound,
+            self.backend.policy_version,
+        )
+
+    def required_features(self) -> dict[str, str]:
+        """Wire features a consumer must declare, each with what it must do about them:
+        `loss_mask` while episodes are served (their observation tokens must not be
+        trained on), `replayed` while replay is on (a replayed answer is off-policy)."""
+        required = {}
+        if self.serves_episodes:
+            required[wire_features.LOSS_MASK] = "train on Sample.loss_mask == 1 tokens only"
+        if self.scheduler.config.replay is not None:
+            required[wire_features.REPLAYED] = (
+                "treat Sample.replayed answers as off-policy (clip their importance ratio or "
+                "drop them)"
+            )
+        return required
+
+    def check_features(self, declared: frozenset[str]) -> None:
+        """409 `feature_required` for a consumer that would mistrain on these groups."""
+        required = self.required_features()
+        if missing := sorted(set(required) - declared):
+            raise ServiceError(
+                409,
+                "feature_required",
+                f"this sampler's groups need the feature{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(missing)}: declare {'them' if len(missing) > 1 else 'it'} "
+                f"(?{wire_features.QUERY_PARAM}={','.join(missing)}) and "
+                + "; ".join(required[name] for name in missing),
+                wire_features.QUERY_PARAM,
+            )
+
+    async def config_changed(self) -> None:
+        """After a config or weight change: READY frames now too stale are dropped, and
+        live streams that did not declare a feature the groups now need (replay switched
+        on) are ended; their consumers reconnect and are told (409 `feature_required`),
+        and what they held is READY again for the others."""
+        required = set(self.required_features())
+        for token, declared in list(self._stream_features.items()):
+            if required - declared and token in self._streams:
+                consumer = self._streams[token][0]
+                log.warning("stream %s lacks features %s: ended", consumer, required - declared)
+                self.outbox.disconnect(consumer, token)
+        await self.drop_stale_frames()
+
+    def open_stream(
+        self,
+        name: str,
+        max_unacked: int,
+        heartbeat_s: float,
+        encoding: Encoding,
+        groups_per_step: int | None = None,
+        features: frozenset[str] = frozenset(),
+    ) -> AsyncIterator[bytes]:
+        """Claim the stream name `name` (409 while another live stream holds it);
+        `features` are those the consumer declared (checked by `check_features`)."""
+        self._check_step(groups_per_step)
+        consumer = stream_consumer(name)
+        token = self.outbox.connect(consumer)
+        if token is None:
+            raise ServiceError(
+                409,
+                "consumer_busy",
+                f"consumer {name!r} already has a live stream; give each trainer its own name",
+                "consumer",
+            )
+        self._streams[token] = (consumer, heartbeat_s, time.monotonic())
+        self._stream_features[token] = features
+        self._declare_step(consumer, groups_per_step, math.inf)
+        return self._stream(consumer, token, max_unacked, heartbeat_s, encoding)
+
+    async def _stream(
+        self,
+        consumer: str,
+        token: object,
+        max_unacked: int,
+        heartbeat_s: float,
+        encoding: Encoding,
+    ) -> AsyncIterator[bytes]:
+        """Messages for one consumer: whole frames as credit allows, else heartbeats."""
+        outbox = self.outbox
+
+        def sending() -> None:  # a yield returns once the socket has taken the message
+            self._streams[token] = (consumer, heartbeat_s, time.monotonic())
+
+        try:
+            sending()
+            yield encoding.message(self._heartbeat(consumer))
+            next_beat = time.monotonic() + heartbeat_s
+            while outbox.is_current(consumer, token) and not self._closing.is_set():
+                self._streams[token] = (consumer, heartbeat_s, math.inf)
+                changed = outbox.changed()
+                size = outbox.next_frame_size()
+                unacked = outbox.unacked(consumer)
+                if size is not None and (unacked + size <= max_unacked or unacked == 0):
+                    ttl = self.scheduler.config.lease_ttl_s
+                    sending()
+                    delivered = self._delivered(outbox.take(consumer, ttl))
+                    yield b"".join(map(encoding.group_message, delivered))
+                    continue
+                now = time.monotonic()
+                if now >= next_beat:
+                    sending()
+                    yield encoding.message(self._heartbeat(consumer))
+                    next_beat = now + heartbeat_s
+                await wait_event(changed, next_beat - now)
+            if self._closing.is_set():
+                yield encoding.message(self._heartbeat(consumer, closing=True))
+        finally:
+            self._streams.pop(token, None)
+            self._stream_features.pop(token, None)
+            outbox.disconnect(consumer, token)
+            if self._declared_steps.pop(consumer, None) is not None:
+                self._update_step_groups()
+            self.scheduler.poke()
+
+    def _drop_stalled_streams(self) -> None:
+        """Free the name of a stream whose socket has not taken a message in 2 heartbeats.
+
+        A consumer that vanished without closing its connection would otherwise hold its
+        name (409 to its own reconnect) and its groups until their lease expires.
+        """
+        now = time.monotonic()
+        for token, (consumer, heartbeat_s, since) in list(self._streams.items()):
+            if now - since > 2 * heartbeat_s:
+                log.warning("stream %s took no message for %.0f s: dropped", consumer, now - since)
+                del self._streams[token]
+                self._stream_features.pop(token, None)
+                self.outbox.disconnect(consumer, token)
+                self.scheduler.poke()
+
+    async def ack(self, delivery_ids: list[str]) -> AckResponse:
+        acked, unknown = await self.outbox.ack(delivery_ids)
+        self.metrics.groups_acked.inc(acked)
+        self.scheduler.poke()
+        return AckResponse(acked=acked, unknown=unknown)
+
+    async def lease(
+        self,
+        consumer: str,
+        max_groups: int,
+        wait_s: float,
+        encoding: Encoding,
+        groups_per_step: int | None = None,
+    ) -> bytes:
+        """An encoded LeaseResponse, built from the stored group bytes."""
+        self._check_step(groups_per_step)
+        ttl = self.scheduler.config.lease_ttl_s
+        self._declare_step(lease_consumer(consumer), groups_per_step, time.monotonic() + ttl)
+        deadline = time.monotonic() + min(wait_s, self.max_lease_wait_s)
+        while (
+            self.outbox.next_frame_size() is None
+            and time.monotonic() < deadline
+            and not self._closing.is_set()
+        ):
+            await wait_event(self.outbox.changed(), deadline - time.monotonic())
+        ttl = self.scheduler.config.lease_ttl_s
+        delivered = self._delivered(
+            self.outbox.take(lease_consumer(consumer), ttl, max_groups=max_groups)
+        )
+        return encoding.lease(
+            {"lease_id": uuid.uuid4().hex, "expires_at": time.time() + ttl}, delivered
+        )
