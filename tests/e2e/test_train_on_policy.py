@@ -47,7 +47,8 @@ def test_max_staleness_zero_trains_every_step_on_the_current_weights(
         watchdog_s=60.0,
     )
     trainer = GRPOTrainer(cfg)
-    assert trainer.client.features == "loss_mask,no_text"  # no texts; episodes masked
+    # no texts; episodes masked; replayed answers weighted as off-policy
+    assert trainer.client.features == "loss_mask,no_text,replayed"
     with trainer.client:
         log = trainer.train()
         assert trainer.client.health().policy_version == STEPS
