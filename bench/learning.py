@@ -141,6 +141,16 @@ _GRPO4 = {
     "advantage": "grpo",
     "downsample": "none",
 }
+_SEQPOS1_POSTERIOR = {
+    **SEQ_BALANCE,
+    "rule": "positive",
+    "k_pos": 1,
+    "advantage": "global",
+    "allocation": {"name": "posterior", "params": {"pilot": 4}},
+    "admission_policies": _HISTORY_SKIP,
+}
+#: A prompt comes back once an epoch (16 steps here): the lag covers four.
+_REPLAY = {"per_prompt": 2, "max_version_lag": 64}
 #: kind: "baseline" (compared against), "adaptive" (the targets' candidates), "ablation".
 METHODS: dict[str, dict[str, Any]] = {
     "grpo4": {"label": "GRPO n=4", "kind": "baseline", "config": _GRPO4},
@@ -177,14 +187,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "seqpos1_posterior": {
         "label": "Seq-Pos K_pos 1 + posterior budget (pilot 4) + history skip",
         "kind": "adaptive",
-        "config": {
-            **SEQ_BALANCE,
-            "rule": "positive",
-            "k_pos": 1,
-            "advantage": "global",
-            "allocation": {"name": "posterior", "params": {"pilot": 4}},
-            "admission_policies": _HISTORY_SKIP,
-        },
+        "config": _SEQPOS1_POSTERIOR,
     },
     "seqbal_knapsack": {
         "label": "Seq-Balance + knapsack (mean budget 6, n_min 4)",
@@ -207,20 +210,12 @@ METHODS: dict[str, dict[str, Any]] = {
     "seqpos1_posterior_replay": {
         "label": "Seq-Pos K_pos 1 + posterior budget + history skip + replay",
         "kind": "adaptive",
-        "config": {
-            **SEQ_BALANCE,
-            "rule": "positive",
-            "k_pos": 1,
-            "advantage": "global",
-            "allocation": {"name": "posterior", "params": {"pilot": 4}},
-            "admission_policies": _HISTORY_SKIP,
-            "replay": {"per_prompt": 2, "max_version_lag": 64},
-        },
+        "config": {**_SEQPOS1_POSTERIOR, "replay": _REPLAY},
     },
     "grpo4_replay": {
         "label": "GRPO n=4 + replay of earlier right answers",
         "kind": "adaptive",
-        "config": {**_GRPO4, "replay": {"per_prompt": 2, "max_version_lag": 64}},
+        "config": {**_GRPO4, "replay": _REPLAY},
     },
     "est": {
         "label": "Est (budget ~ 1/sqrt(p), mean 8, n=4)",
