@@ -65,7 +65,12 @@ def test_shipped_weights_call_the_tool_sometimes_and_copy_the_result(
 
 
 def test_the_toy_syntax_is_the_calculator_environments() -> None:
-    from sampler_service.environments import calculator as env
+    import asyncio
+
+    from sampler_service.environments.calculator import CalculatorEnvironment
     from trainer_client.toy import calculator as toy
 
-    assert (toy.OPEN, toy.CLOSE, toy.END) == (env.OPEN, env.CLOSE, env.END)
+    # a call written in the toy's characters is answered by the sampler's environment
+    step = asyncio.run(CalculatorEnvironment().step(toy.OPEN + "37*4" + toy.CLOSE))
+    assert (step.observation, step.done) == ("148" + toy.END, False)
+    assert toy.CLOSE in asyncio.run(CalculatorEnvironment().reset({}, seed=None)).stop

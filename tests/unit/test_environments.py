@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from sampler_service.environments import EnvironmentFailure, load_environment_factory
-from sampler_service.environments.calculator import CalculatorEnvironment, call_of, evaluate
+from sampler_service.environments.calculator import CalculatorEnvironment
 from sampler_service.environments.tools import (
     STOP,
     MalformedCall,
@@ -17,6 +17,7 @@ from sampler_service.environments.tools import (
     parse_tool_calls,
     tool_environment,
 )
+from trainer_client.contract.calculator import call_of, evaluate
 
 
 def call(name: str, **arguments: object) -> str:

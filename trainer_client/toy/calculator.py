@@ -21,7 +21,6 @@ measured by running episodes with the service's calculator environment and
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
+from trainer_client.contract.calculator import CLOSE, END, OPEN, reply
 from trainer_client.toy import task
 from trainer_client.toy.model import (
     CHARS,
@@ -48,10 +48,8 @@ from trainer_client.toy.model import (
 from trainer_client.toy.model import TrainSettings as ToySettings
 from trainer_client.toy.shipped import CALCULATOR_WEIGHTS_DIR, WEIGHTS_DIR
 
-#: The toy's characters and the tool syntax's, appended so the toy's ids are unchanged.
-#: The tool syntax, the same characters as the sampler's built-in `calculator`
-#: environment (a test checks they agree; the trainer side imports no server module).
-OPEN, CLOSE, END = "[", "]", ";"
+#: The toy's characters and the tool syntax's (the contract's, which the sampler's
+#: built-in `calculator` environment answers), appended so the toy's ids are unchanged.
 CALCULATOR_CHARS = CHARS + OPEN + CLOSE + END
 #: Turns an episode may take (a call, then the answer, with one spare).
 MAX_TURNS = 3
@@ -178,10 +176,6 @@ class EpisodeResult:
     text: str
 
 
-async def _steps(envs: Sequence[Any], actions: Sequence[str]) -> list[Any]:
-    return list(await asyncio.gather(*(env.step(a) for env, a in zip(envs, actions, strict=True))))
-
-
 def run_episodes(
     model: Any,
     tokenizer: Any,
@@ -191,20 +185,17 @@ def run_episodes(
     temperature: float | None = 1.0,
     seed: int = 0,
 ) -> list[EpisodeResult]:
-    """``samples`` episodes per row with the calculator environment, scored by exact match.
+    """``samples`` episodes per row with the calculator tool, scored by exact match.
 
     Each turn is sampled (greedy where ``temperature`` is None) until ``]`` or eos; the
-    environment's observation is appended as tokens (never re-encoding what was sampled);
-    the final answer is the text of the last turn, the one after the last observation.
+    tool's answer (`trainer_client.contract.calculator.reply`, the one the sampler's
+    environment gives) is appended as tokens (never re-encoding what was sampled); the
+    final answer is the text of the last turn, the one after the last observation.
     """
-    # the warm-start's check runs the sampler's own environment (a server install)
-    from sampler_service.environments.calculator import CalculatorEnvironment
-
     torch.manual_seed(seed)
     eos, close = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CLOSE)
     episodes = [row for row in rows for _ in range(samples)]
     seqs = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in episodes]
-    envs = [CalculatorEnvironment() for _ in episodes]
     called = [False] * len(episodes)
     final: list[str | None] = [None] * len(episodes)
     active = list(range(len(episodes)))
@@ -214,15 +205,15 @@ def run_episodes(
                 break
             turns = _sample_turn(model, [seqs[i] for i in active], [eos, close], eos, temperature)
             texts = [tokenizer.decode([t for t in ids if t != eos]) for ids in turns]
-            steps = asyncio.run(_steps([envs[i] for i in active], texts))
             still = []
-            for i, ids, text, step in zip(active, turns, texts, steps, strict=True):
+            for i, ids, text in zip(active, turns, texts, strict=True):
                 seqs[i] = seqs[i] + ids
-                if step.done:
+                observation = reply(text)
+                if observation is None:
                     final[i] = text
                     continue
                 called[i] = True
-                seqs[i] += tokenizer.encode(step.observation, add_special_tokens=False)
+                seqs[i] += tokenizer.encode(observation, add_special_tokens=False)
                 still.append(i)
             active = still
     return [
