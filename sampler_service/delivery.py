@@ -25,7 +25,7 @@ from sampler_service.errors import ServiceError
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Delivered, Outbox, lease_consumer, stream_consumer
 from sampler_service.scheduler import Scheduler
-from sampler_service.store import AsyncStore
+from sampler_service.store import AsyncStore, StoredGroup
 from trainer_client.contract import features as wire_features
 from trainer_client.contract.protocol import AckResponse, Heartbeat
 
@@ -131,27 +131,39 @@ class Delivery:
 
     async def drop_stale_frames(self) -> None:
         """Drop READY frames more than max_staleness versions behind the served weights;
-        their prompts are served again. Checked at every weight commit and config change."""
+        their prompts are served again. Checked at every weight commit and config change,
+        and before every hand-out (a group finished after the check, or one given back by
+        a consumer, is checked then)."""
+        while stale := self._take_out_stale():
+            await self._discard_stale(stale)
+
+    def _take_out_stale(self) -> list[StoredGroup]:
+        """Take stale frames out of the outbox now, with no await between this and a
+        hand-out; returns their groups for `_discard_stale`."""
         bound = self.scheduler.config.max_staleness
         if bound is None:
-            return
+            return []
         frames = self.outbox.drop_stale(self.backend.policy_version, bound)
         members = [m for f in frames for m in f.members]
-        if not members:
-            return
+        if members:
+            for member in members:
+                self.dataset.serve_again(member.domain, member.prompt_id)
+            self.scheduler.count_dropped("stale", len(members))
+            self.scheduler.poke()
+            log.info(
+                "dropped %d READY groups (%d frames) more than %d versions behind v%d; "
+                "their prompts are served again",
+                len(members),
+                len(frames),
+                bound,
+                self.backend.policy_version,
+            )
+        return members
+
+    async def _discard_stale(self, members: list[StoredGroup]) -> None:
+        """Delete dropped groups from the store (a crash before this only means they are
+        restored READY and dropped again)."""
         await self.store.call(self.store.sync.discard, [m.group_id for m in members])
-        for member in members:
-            self.dataset.serve_again(member.domain, member.prompt_id)
-        self.scheduler.count_dropped("stale", len(members))
-        self.scheduler.poke()
-        log.info(
-            "dropped %d READY groups (%d frames) more than %d versions behind v%d; their "
-            "prompts are served again",
-            len(members),
-            len(frames),
-            bound,
-            self.backend.policy_version,
-        )
 
     def required_features(self) -> dict[str, str]:
         """Wire features a consumer must declare, each with what it must do about them:
@@ -240,6 +252,9 @@ class Delivery:
             next_beat = time.monotonic() + heartbeat_s
             while outbox.is_current(consumer, token) and not self._closing.is_set():
                 self._streams[token] = (consumer, heartbeat_s, math.inf)
+                if stale := self._take_out_stale():
+                    await self._discard_stale(stale)
+                    continue
                 changed = outbox.changed()
                 size = outbox.next_frame_size()
                 unacked = outbox.unacked(consumer)
@@ -299,11 +314,14 @@ class Delivery:
         ttl = self.scheduler.config.lease_ttl_s
         self._declare_step(lease_consumer(consumer), groups_per_step, time.monotonic() + ttl)
         deadline = time.monotonic() + min(wait_s, self.max_lease_wait_s)
-        while (
-            self.outbox.next_frame_size() is None
-            and time.monotonic() < deadline
-            and not self._closing.is_set()
-        ):
+        while True:
+            await self.drop_stale_frames()
+            if (
+                self.outbox.next_frame_size() is not None
+                or time.monotonic() >= deadline
+                or self._closing.is_set()
+            ):
+                break
             await wait_event(self.outbox.changed(), deadline - time.monotonic())
         ttl = self.scheduler.config.lease_ttl_s
         delivered = self._delivered(

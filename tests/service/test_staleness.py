@@ -148,3 +148,28 @@ def test_staleness_is_reported_for_delivered_groups_and_stale_frames_are_dropped
             _push(c, weights, version)
         assert c.get("/v1/stats").json()["dropped"]["stale"] > before
         assert all(5 - g["policy_version_min"] <= 1 for g in _lease(c, 8, "trainer", wait_s=0))
+
+
+def test_groups_given_back_after_the_bound_was_lowered_are_checked_before_they_are_handed_out(
+    make_server: Any, toy: Any
+) -> None:
+    # A stream holds groups made at v0 while the weights move on and the bound is lowered:
+    # held groups are not dropped (the consumer may be training on them), but once given
+    # back they are over the bound, and no lease may hand them out again.
+    server = make_server({**QUICK, "max_staleness": None})
+    weights = perturbed_file(toy.model_dir, 0.0)
+    with server.client() as c, SamplerClient(server.url, consumer="holder") as holder:
+        stream = holder.groups()
+        held = [next(stream) for _ in range(4)]
+        assert {g.policy_version_min for g in held} == {0}
+        for version in (1, 2, 3):
+            _push(c, weights, version)
+        r = c.patch("/v1/config", json={"max_staleness": 1})
+        assert r.status_code == 200, r.text
+        before = c.get("/v1/stats").json()["dropped"]["stale"]
+        stream.close()
+        _wait_for("the held groups back", lambda: c.get("/v1/stats").json()["queue"]["leased"] == 0)
+        got = _lease(c, 16, "trainer", groups_per_step=8)
+        assert got and all(3 - g["policy_version_min"] <= 1 for g in got)
+        assert not {g["group_id"] for g in got} & {g.group_id for g in held}
+        assert c.get("/v1/stats").json()["dropped"]["stale"] >= before + len(held)
