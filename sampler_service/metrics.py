@@ -6,6 +6,7 @@ process, as tests and benchmarks run them, from colliding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, get_args
 
 from prometheus_client import (
@@ -51,180 +52,144 @@ WEIGHT_FAILURE_REASONS = ("stale_version", "rejected", "error")
 
 class Metrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
-        self.samples_generated = Counter(
-            PREFIX + "samples_generated", "Answers generated", ["domain", "outcome"], registry=r
+        self.registry = CollectorRegistry(auto_describe=True)
+        counter, gauge, histogram = self._counter, self._gauge, self._histogram
+        self.samples_generated = counter(
+            "samples_generated", "Answers generated", "domain", "outcome"
         )
-        self.generated_tokens = Counter(
-            PREFIX + "generated_tokens", "Response tokens generated", registry=r
+        self.generated_tokens = counter("generated_tokens", "Response tokens generated")
+        self.groups_emitted = counter("groups_emitted", "Groups stored for delivery", "domain")
+        self.groups_dropped = counter("groups_dropped", "Finalized groups not emitted", "reason")
+        self.replayed_answers = counter(
+            "replayed_answers", "Earlier right answers put into all-wrong groups (config replay)"
         )
-        self.groups_emitted = Counter(
-            PREFIX + "groups_emitted", "Groups stored for delivery", ["domain"], registry=r
-        )
-        self.groups_dropped = Counter(
-            PREFIX + "groups_dropped", "Finalized groups not emitted", ["reason"], registry=r
-        )
-        self.replayed_answers = Counter(
-            PREFIX + "replayed_answers",
-            "Earlier right answers put into all-wrong groups (config replay)",
-            registry=r,
-        )
-        self.prompts_skipped = Counter(
-            PREFIX + "prompts_skipped",
+        self.prompts_skipped = counter(
+            "prompts_skipped",
             "Prompts an admission policy passed over before generating any answer",
-            ["domain"],
-            registry=r,
+            "domain",
         )
-        self.stop_reasons = Counter(
-            PREFIX + "stop_reasons", "Why prompts stopped sampling", ["reason"], registry=r
-        )
-        self.samples_per_group = Histogram(
-            PREFIX + "samples_per_group",
+        self.stop_reasons = counter("stop_reasons", "Why prompts stopped sampling", "reason")
+        self.samples_per_group = histogram(
+            "samples_per_group",
             "Answers generated per finalized prompt",
             buckets=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256),
-            registry=r,
         )
-        self.pass_rate = Histogram(
-            PREFIX + "pass_rate",
+        self.pass_rate = histogram(
+            "pass_rate",
             "Per-prompt pass rate over all answers",
             buckets=tuple(i / 10 for i in range(11)),
-            registry=r,
         )
-        self.queue_depth = Gauge(
-            PREFIX + "queue_depth", "Stored groups by state", ["state"], registry=r
-        )
-        self.active_prompts = Gauge(PREFIX + "active_prompts", "Prompts being sampled", registry=r)
-        self.policy_version = Gauge(PREFIX + "policy_version", "Served weights version", registry=r)
-        self.config_version = Gauge(PREFIX + "config_version", "Sampler config version", registry=r)
-        self.staleness = Gauge(
-            PREFIX + "staleness",
+        self.queue_depth = gauge("queue_depth", "Stored groups by state", "state")
+        self.active_prompts = gauge("active_prompts", "Prompts being sampled")
+        self.policy_version = gauge("policy_version", "Served weights version")
+        self.config_version = gauge("config_version", "Sampler config version")
+        self.staleness = gauge(
+            "staleness",
             "Policy versions between the weights served when the last group was delivered and "
             "that group's oldest sample",
-            registry=r,
         )
-        self.delivered_staleness = Histogram(
-            PREFIX + "delivered_staleness",
+        self.delivered_staleness = histogram(
+            "delivered_staleness",
             "Per delivered group: served policy version at delivery minus its oldest sample's",
             buckets=(0, 1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 1024),
-            registry=r,
         )
-        self.groups_acked = Counter(
-            PREFIX + "groups_acked", "Groups acked by a trainer (deleted)", registry=r
+        self.groups_acked = counter("groups_acked", "Groups acked by a trainer (deleted)")
+        self.wave_latency = histogram(
+            "wave_latency_seconds", "Time to generate and verify one wave"
         )
-        self.wave_latency = Histogram(
-            PREFIX + "wave_latency_seconds", "Time to generate and verify one wave", registry=r
+        self.verifier_errors = counter("verifier_errors", "Verifier failures", "kind")
+        self.verifier_latency = histogram("verifier_latency_seconds", "Time per verification")
+        self.mixing_share = gauge("mixing_share", "Domain shares", "domain", "kind")
+        self.weight_updates = counter("weight_updates", "Weight updates applied")
+        self.weight_update_seconds = histogram(
+            "weight_update_seconds", "Pause-to-resume time of weight updates"
         )
-        self.verifier_errors = Counter(
-            PREFIX + "verifier_errors", "Verifier failures", ["kind"], registry=r
+        self.weight_update_failures = counter(
+            "weight_update_failures", "Weight updates refused or failed", "reason"
         )
-        self.verifier_latency = Histogram(
-            PREFIX + "verifier_latency_seconds", "Time per verification", registry=r
-        )
-        self.mixing_share = Gauge(
-            PREFIX + "mixing_share", "Domain shares", ["domain", "kind"], registry=r
-        )
-        self.weight_updates = Counter(
-            PREFIX + "weight_updates", "Weight updates applied", registry=r
-        )
-        self.weight_update_seconds = Histogram(
-            PREFIX + "weight_update_seconds", "Pause-to-resume time of weight updates", registry=r
-        )
-        self.weight_update_failures = Counter(
-            PREFIX + "weight_update_failures",
-            "Weight updates refused or failed",
-            ["reason"],
-            registry=r,
-        )
-        self.engine_failed = Gauge(
-            PREFIX + "engine_failed",
-            "1 while the engine is failed and generates nothing, else 0",
-            registry=r,
+        self.engine_failed = gauge(
+            "engine_failed", "1 while the engine is failed and generates nothing, else 0"
         )
         # Engine replicas behind one sampler (the Ray pool, or the HTTP servers of --backend
         # http, labelled by their index); absent series mean one engine.
-        self.replica_state = Gauge(
-            PREFIX + "replica_state",
+        self.replica_state = gauge(
+            "replica_state",
             "1 for the state each engine replica is in (ok, recovering, failed; HTTP servers: "
             "starting, ok, syncing, paused, down)",
-            ["replica", "state"],
-            registry=r,
+            "replica",
+            "state",
         )
-        self.replica_inflight_samples = Gauge(
-            PREFIX + "replica_inflight_samples",
+        self.replica_inflight_samples = gauge(
+            "replica_inflight_samples",
             "Samples requested of a replica and not yet returned",
-            ["replica"],
-            registry=r,
+            "replica",
         )
-        self.replica_generated_tokens = Counter(
-            PREFIX + "replica_generated_tokens",
-            "Response tokens per replica",
-            ["replica"],
-            registry=r,
+        self.replica_generated_tokens = counter(
+            "replica_generated_tokens", "Response tokens per replica", "replica"
         )
-        self.replica_wave_seconds = Histogram(
-            PREFIX + "replica_wave_seconds",
-            "Engine time of one wave on a replica",
-            ["replica"],
-            registry=r,
+        self.replica_wave_seconds = histogram(
+            "replica_wave_seconds", "Engine time of one wave on a replica", "replica"
         )
-        self.replica_policy_version = Gauge(
-            PREFIX + "replica_policy_version",
-            "Weights version a replica serves",
-            ["replica"],
-            registry=r,
+        self.replica_policy_version = gauge(
+            "replica_policy_version", "Weights version a replica serves", "replica"
         )
-        self.replica_restarts = Counter(
-            PREFIX + "replica_restarts",
-            "Replica failures that led to a restart",
-            ["replica"],
-            registry=r,
+        self.replica_restarts = counter(
+            "replica_restarts", "Replica failures that led to a restart", "replica"
         )
-        self.replica_reissued_waves = Counter(
-            PREFIX + "replica_reissued_waves",
+        self.replica_reissued_waves = counter(
+            "replica_reissued_waves",
             "Waves lost with a failed replica and sent again to another",
-            ["replica", "reason"],
-            registry=r,
+            "replica",
+            "reason",
         )
-        self.replica_wasted_samples = Counter(
-            PREFIX + "replica_wasted_samples",
+        self.replica_wasted_samples = counter(
+            "replica_wasted_samples",
             "Samples of waves lost with a failed replica (generated again elsewhere)",
-            ["replica"],
-            registry=r,
+            "replica",
         )
-        self.replica_weight_load_seconds = Histogram(
-            PREFIX + "replica_weight_load_seconds",
-            "Time a replica took to install new weights",
-            ["replica"],
-            registry=r,
+        self.replica_weight_load_seconds = histogram(
+            "replica_weight_load_seconds", "Time a replica took to install new weights", "replica"
         )
-        self.route_decisions = Counter(
-            PREFIX + "route_decisions",
+        self.route_decisions = counter(
+            "route_decisions",
             "Replica choices: sticky (prompt's last replica), new (first wave), moved "
             "(last replica overloaded, full or gone)",
-            ["kind"],
-            registry=r,
+            "kind",
         )
 
-        self.episode_turns = Histogram(
-            PREFIX + "episode_turns",
+        self.episode_turns = histogram(
+            "episode_turns",
             "Model turns per finished episode",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
-            registry=r,
         )
-        self.env_errors = Counter(
-            PREFIX + "env_errors",
+        self.env_errors = counter(
+            "env_errors",
             "Environment failures (exception or time-out); each episode was run again",
-            registry=r,
         )
-        self.env_seconds = Counter(
-            PREFIX + "env_seconds", "Seconds spent in environment calls", registry=r
-        )
-        self.episode_tokens = Counter(
-            PREFIX + "episode_tokens",
+        self.env_seconds = counter("env_seconds", "Seconds spent in environment calls")
+        self.episode_tokens = counter(
+            "episode_tokens",
             "Tokens of finished episodes: model (sampled) or observation",
-            ["kind"],
-            registry=r,
+            "kind",
         )
+
+    # Every metric is named under PREFIX and registered in this instance's registry; the
+    # three makers below keep each definition to its name, help text and labels.
+
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _histogram(
+        self,
+        name: str,
+        doc: str,
+        *labels: str,
+        buckets: Sequence[float] = Histogram.DEFAULT_BUCKETS,
+    ) -> Histogram:
+        return Histogram(PREFIX + name, doc, labels, registry=self.registry, buckets=buckets)
 
     def observe_episodes(self, wave: Any) -> None:
         """A wave of episodes (`sampler_service.episodes.EpisodeWave`) finished."""
