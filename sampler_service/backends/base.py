@@ -11,6 +11,7 @@ import abc
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 #: Why an answer ended. An episode adds `turns` (max_turns reached) and `timeout` (an
@@ -248,3 +249,20 @@ class Backend(abc.ABC):
 
     def health(self) -> BackendHealth:
         return BackendHealth(ok=True)
+
+
+class CheckpointBackend(Backend):
+    """A backend serving one checkpoint directory: named by that path, and serving the
+    version it last installed (a fresh engine serves the checkpoint as version 0)."""
+
+    def __init__(self, model_dir: Path | str) -> None:
+        self._model_dir = Path(model_dir)
+        self._version = 0
+
+    @property
+    def model_name(self) -> str:
+        return str(self._model_dir)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version

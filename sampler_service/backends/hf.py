@@ -34,8 +34,8 @@ from transformers import (
 
 from sampler_service.aio import wait_event
 from sampler_service.backends.base import (
-    Backend,
     BackendHealth,
+    CheckpointBackend,
     Completion,
     FinishReason,
     GenerationAborted,
@@ -147,7 +147,7 @@ class _AbortCriteria(StoppingCriteria):
         return cast(torch.BoolTensor, stop)  # transformers' hint; torch types it a Tensor
 
 
-class HFBackend(Backend):
+class HFBackend(CheckpointBackend):
     """A transformers causal LM served on token ids, batching concurrent requests.
 
     `tokenizer` only turns responses into `Completion.text`; when omitted it is loaded from
@@ -179,7 +179,7 @@ class HFBackend(Backend):
             raise ValueError(f"dtype must be one of {sorted(SERVING_DTYPES)}, got {dtype!r}")
         if max_batch_rows < 1:
             raise ValueError("max_batch_rows must be >= 1")
-        self._model_dir = Path(model_dir)
+        super().__init__(model_dir)
         self._device = torch.device(device)
         self._dtype_name = dtype
         self._max_batch_rows = max_batch_rows
@@ -197,7 +197,6 @@ class HFBackend(Backend):
         self._batcher: asyncio.Task[None] | None = None
         self._inflight: _Batch | None = None
         self._failure: BaseException | None = None
-        self._version = 0
         self._eos_ids: list[int] = []
         self._pad_id = 0
         self._vocab_size = 0
@@ -208,14 +207,6 @@ class HFBackend(Backend):
         self.generated_tokens = 0
 
     # ------------------------------------------------------------------ lifecycle
-
-    @property
-    def model_name(self) -> str:
-        return str(self._model_dir)
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
 
     @property
     def queue_depth(self) -> int:

@@ -62,8 +62,8 @@ import httpx
 
 from sampler_service.aio import TaskSet
 from sampler_service.backends.base import (
-    Backend,
     BackendHealth,
+    CheckpointBackend,
     Completion,
     GenerationAborted,
     HealthState,
@@ -185,7 +185,7 @@ def _parse_label(label: str | None, prefix: str) -> int | None:
         return None
 
 
-class HTTPEngineBackend(Backend):
+class HTTPEngineBackend(CheckpointBackend):
     """See the module docstring."""
 
     name = "http"
@@ -200,7 +200,7 @@ class HTTPEngineBackend(Backend):
         client: httpx.AsyncClient | None = None,
         metrics: Metrics | None = None,
     ) -> None:
-        self._model_dir = Path(model_dir)
+        super().__init__(model_dir)
         #: Per-server series share the replica metrics (label `replica` = server index).
         self.metrics = metrics or Metrics()
         self.settings = settings
@@ -224,7 +224,6 @@ class HTTPEngineBackend(Backend):
             on_decision=lambda kind: self.metrics.route_decisions.labels(kind).inc(),
         )
         self._prefix = f"adaptive-rollout/{settings.instance_id}/v"
-        self._committed = 0
         #: The committed weights' checksum digest, as the servers agreed on it at the load
         #: (None: not compared); a resynced server must match it.
         self._checksum: str | None = None
@@ -241,14 +240,6 @@ class HTTPEngineBackend(Backend):
         self._tasks = TaskSet()
 
     # -- life cycle -------------------------------------------------------------------
-    @property
-    def model_name(self) -> str:
-        return str(self._model_dir)
-
-    @property
-    def policy_version(self) -> int:
-        return self._committed
-
     def label(self, version: int) -> str:
         """The `/weight_info` label of `version` (this sampler's namespace)."""
         return f"{self._prefix}{version}"
@@ -335,7 +326,7 @@ class HTTPEngineBackend(Backend):
                 "top-k and top-p)"
             )
         srv.label = await self._weight_label(srv)
-        if srv.label == self.label(self._committed):
+        if srv.label == self.label(self._version):
             self._set_state(srv, "ok")
         elif not self._started and _parse_label(srv.label, self._prefix) is not None:
             # Labelled by an earlier run of this sampler: the weights it restores next
@@ -373,7 +364,7 @@ class HTTPEngineBackend(Backend):
     def _routable(self, srv: _Server) -> bool:
         return (
             srv.state == "ok"
-            and srv.label == self.label(self._committed)
+            and srv.label == self.label(self._version)
             and not srv.mismatch
             and not self._loading
         )
@@ -391,8 +382,8 @@ class HTTPEngineBackend(Backend):
             self._loading and any(s.state == "ok" for s in self._servers)
         )
         detail: dict[str, Any] = {
-            "policy_version": self._committed,
-            "weight_label": self.label(self._committed),
+            "policy_version": self._version,
+            "weight_label": self.label(self._version),
             "servers": self.servers(),
         }
         if not usable:
@@ -442,7 +433,7 @@ class HTTPEngineBackend(Backend):
         reissue = False
         while True:
             srv = await self._router.acquire(key, n, reissue)
-            epoch, version, started = srv.epoch, self._committed, time.monotonic()
+            epoch, version, started = srv.epoch, self._version, time.monotonic()
             label = str(srv.index)
             try:
                 out = await self._wave(srv, prompt, n, sampling, version)
@@ -645,7 +636,7 @@ class HTTPEngineBackend(Backend):
         if self._weights_lock.locked() or srv.epoch != epoch or srv.state == "syncing":
             return  # a weight update or a sync owns the server's label and pause now
         srv.label = label
-        if label != self.label(self._committed) or srv.mismatch:
+        if label != self.label(self._version) or srv.mismatch:
             log.warning("engine server %s carries %r: syncing it", srv.url, label)
             self._set_state(srv, "syncing")
             self._spawn_recovery(srv)
@@ -680,19 +671,19 @@ class HTTPEngineBackend(Backend):
     async def _sync(self, srv: _Server) -> None:
         """Bring a server to the committed weights and label, then route to it (when
         comparing checksums, only once they are the committed weights' checksums)."""
-        if srv.label != self.label(self._committed) or srv.mismatch:
+        if srv.label != self.label(self._version) or srv.mismatch:
             self._set_state(srv, "syncing")
             await self._reload(srv, self._source)
-            await self._set_label(srv, self._committed)
+            await self._set_label(srv, self._version)
             if self._checksum is not None:
                 srv.mismatch = await self._weights_checksum(srv) != self._checksum
             else:
                 srv.mismatch = False
             if srv.mismatch:
-                srv.error = f"its checksums of v{self._committed} differ from the other servers'"
+                srv.error = f"its checksums of v{self._version} differ from the other servers'"
                 log.warning("engine server %s: %s", srv.url, srv.error)
             else:
-                log.info("engine server %s loaded v%d", srv.url, self._committed)
+                log.info("engine server %s loaded v%d", srv.url, self._version)
         self._set_state(srv, "ok")
 
     # -- weights ----------------------------------------------------------------------
@@ -728,7 +719,7 @@ class HTTPEngineBackend(Backend):
                 shutil.rmtree(source, ignore_errors=True)
                 raise
             old, self._source = self._source, source
-            self._committed, self._checksum = version, checksum
+            self._version, self._checksum = version, checksum
             if old is not None:
                 await asyncio.to_thread(shutil.rmtree, old, ignore_errors=True)
         self._router.dispatch()
@@ -776,7 +767,7 @@ class HTTPEngineBackend(Backend):
             if refused:
                 await self._roll_back([s for s in loaded if s.state != "down"], epochs)
                 raise WeightsNotServed(
-                    f"v{version} not committed (every server is back at v{self._committed}): "
+                    f"v{version} not committed (every server is back at v{self._version}): "
                     + "; ".join(refused)
                 )
             if all(s.state == "down" for s in targets):
@@ -867,7 +858,7 @@ class HTTPEngineBackend(Backend):
 
         async def one(srv: _Server) -> None:
             await self._reload(srv, self._source)
-            await self._set_label(srv, self._committed)
+            await self._set_label(srv, self._version)
 
         await self._each(servers, epochs, one)
 

@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sampler_service.backends.base import (
-    Backend,
     BackendHealth,
+    CheckpointBackend,
     Completion,
     GenerationAborted,
     NCCLDescription,
@@ -159,7 +159,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-class VLLMBackend(Backend):
+class VLLMBackend(CheckpointBackend):
     """`AsyncLLM` behind the sampler's backend interface.
 
     `engine_args` go to vLLM's `AsyncEngineArgs` unchanged (tensor_parallel_size,
@@ -182,14 +182,13 @@ class VLLMBackend(Backend):
         work_dir: Path | str | None = None,
         **engine_args: Any,
     ) -> None:
-        self._model_dir = Path(model_dir)
+        super().__init__(model_dir)
         self._tokenizer = tokenizer
         self._seed = seed
         self._user_args = dict(engine_args)
         self._work_dir_arg = Path(work_dir) if work_dir is not None else None
         self._work_dir: Path | None = None
         self._engine: Any = None
-        self._version = 0
         #: The version of the newest weights that came from files (the ones a failed NCCL
         #: round can fall back to).
         self._file_version = 0
@@ -209,14 +208,6 @@ class VLLMBackend(Backend):
         self.requests = 0
 
     # ------------------------------------------------------------------ lifecycle
-
-    @property
-    def model_name(self) -> str:
-        return str(self._model_dir)
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
 
     @property
     def engine(self) -> Any:
