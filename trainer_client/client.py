@@ -70,12 +70,7 @@ class SamplerClient(ClientCore):
         self, base_url: str, *, transport: httpx.BaseTransport | None = None, **kw: Any
     ) -> None:
         super().__init__(base_url, **kw)
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers=self.headers,
-            timeout=self.timeout_s,
-            transport=transport,
-        )
+        self._http = httpx.Client(transport=transport, **self._http_options())
 
     def close(self) -> None:
         self._http.close()
@@ -181,15 +176,9 @@ class SamplerClient(ClientCore):
         """Finished groups from the stream, forever; see the module docstring."""
         stream = self._stream(max_unacked, consumer)
         while True:
-            timeout = httpx.Timeout(stream.connecting())
+            request = stream.connection_args()
             try:
-                with self._http.stream(
-                    "GET",
-                    STREAM_PATH,
-                    params=stream.params,
-                    headers=stream.headers,
-                    timeout=timeout,
-                ) as response:
+                with self._http.stream("GET", STREAM_PATH, **request) as response:
                     if response.status_code >= 400:
                         response.read()
                         stream.refused(response)
@@ -227,12 +216,7 @@ class SamplerClient(ClientCore):
 
     def load_weights(self, path: str | Path, version: int) -> WeightsResponse:
         """Have the sampler load a safetensors file or HF checkpoint dir from shared storage."""
-        r = self._request(
-            "POST",
-            "/v1/weights/load",
-            json={"path": str(path), "version": version},
-            timeout=self.weights_timeout_s,
-        )
+        r = self._request("POST", "/v1/weights/load", **self._load_args(path, version))
         return WeightsResponse.model_validate_json(r.content)
 
 
@@ -244,12 +228,7 @@ class AsyncSamplerClient(ClientCore):
         self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, **kw: Any
     ) -> None:
         super().__init__(base_url, **kw)
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=self.headers,
-            timeout=self.timeout_s,
-            transport=transport,
-        )
+        self._http = httpx.AsyncClient(transport=transport, **self._http_options())
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -341,15 +320,9 @@ class AsyncSamplerClient(ClientCore):
     ) -> AsyncGenerator[Group, None]:
         stream = self._stream(max_unacked, consumer)
         while True:
-            timeout = httpx.Timeout(stream.connecting())
+            request = stream.connection_args()
             try:
-                async with self._http.stream(
-                    "GET",
-                    STREAM_PATH,
-                    params=stream.params,
-                    headers=stream.headers,
-                    timeout=timeout,
-                ) as response:
+                async with self._http.stream("GET", STREAM_PATH, **request) as response:
                     if response.status_code >= 400:
                         await response.aread()
                         stream.refused(response)
@@ -384,10 +357,5 @@ class AsyncSamplerClient(ClientCore):
         return WeightsResponse.model_validate_json(r.content)
 
     async def load_weights(self, path: str | Path, version: int) -> WeightsResponse:
-        r = await self._request(
-            "POST",
-            "/v1/weights/load",
-            json={"path": str(path), "version": version},
-            timeout=self.weights_timeout_s,
-        )
+        r = await self._request("POST", "/v1/weights/load", **self._load_args(path, version))
         return WeightsResponse.model_validate_json(r.content)

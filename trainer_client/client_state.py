@@ -35,6 +35,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -251,6 +252,10 @@ class ClientCore:
             params[FEATURES_PARAM] = self.features
         return params
 
+    def _http_options(self) -> dict[str, Any]:
+        """What both twins build their httpx client with, the transport aside."""
+        return {"base_url": self.base_url, "headers": self.headers, "timeout": self.timeout_s}
+
     def _attempts(self, method: str, path: str, retry: bool) -> RequestAttempts:
         return RequestAttempts(self, method, path, retry)
 
@@ -278,6 +283,10 @@ class ClientCore:
             "timeout": self.weights_timeout_s,
             "retry": body.repeatable,
         }
+
+    def _load_args(self, path: str | Path, version: int) -> dict[str, Any]:
+        """The request arguments of `POST /v1/weights/load` but the method and path."""
+        return {"json": {"path": str(path), "version": version}, "timeout": self.weights_timeout_s}
 
     def _leased(self, response: httpx.Response) -> tuple[LeaseResponse, list[str]]:
         """A lease's groups without the duplicates, and the delivery ids to ack at once
@@ -308,8 +317,8 @@ class StreamState:
     """One `groups()` call: the client connects, feeds what it reads and reports how a
     connection ended; this decides what is handed on, acked, retried or raised.
 
-    The twin's loop: `connecting()` (the time the connection may take, or
-    `SamplerUnavailable`), then `refused(response)` for a status >= 400 (its body read)
+    The twin's loop: `connection_args()` (the request, its timeout the time the
+    connection may take, or `SamplerUnavailable`), then `refused(response)` for a status >= 400 (its body read)
     or `opened(response)` and `received(chunk)` for each chunk, `resumed()` after the
     caller took a group, `ended()` when the server closed the stream, `failed(exc)` for a
     `STREAM_RETRYABLE` error, and `retry_delay()` before the next connection.
@@ -335,6 +344,12 @@ class StreamState:
             raise _unavailable(self.core, _STREAM_WAIT, self.last_seen, self.attempts, self.error)
         self.attempts += 1
         return remaining
+
+    def connection_args(self) -> dict[str, Any]:
+        """The next connection's request arguments but the method and path: its timeout is
+        `connecting()`, so this raises once the watchdog has run out."""
+        timeout = httpx.Timeout(self.connecting())
+        return {"params": self.params, "headers": self.headers, "timeout": timeout}
 
     def refused(self, response: httpx.Response) -> None:
         """A stream refused with a status: transient ones are retried, others raised."""
