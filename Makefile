@@ -8,6 +8,19 @@ STAMP := $(VENV)/.installed
 # project's torch range does not pull a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+# The last steps of a suite environment's recipe, for the suites that bring their own torch
+# ($1: the environment's folder, $2: the pip names it holds, as a regex alternation, $3:
+# the module whose version is printed): the project goes on top with the suite's torch,
+# transformers and $3 held by a constraints file, so pip cannot swap that torch for another
+# build, and the build fails if torch is not the CPU build on a machine without a GPU.
+define install_project_holding
+	$1/bin/pip freeze | grep -iE '^($2)==' > $1/held.txt
+	$1/bin/pip install --progress-bar off -c $1/held.txt -e '.[dev,server]'
+	$1/bin/python -c "import sys, torch, transformers, $3; \
+	  print('torch', torch.__version__, 'transformers', transformers.__version__, '$3', $3.__version__); \
+	  sys.exit(0 if $(if $(HAS_GPU),True,torch.__version__.endswith('+cpu')) else 'torch is not the CPU build: ' + torch.__version__)"
+	touch $@
+endef
 # Nothing phones home: no hub downloads, no usage statistics from vLLM or Ray.
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1

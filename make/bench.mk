@@ -10,42 +10,22 @@
 # side by side in one run; on a shared machine, rerun before comparing across runs.
 BENCH_ARGS ?= --quick
 
-.PHONY: bench bench-step bench-sim bench-overhead bench-stream bench-learning \
-	bench-scaleout bench-soak bench-front bench-episodes bench-http-hop bench-render
+BENCHES := step sim overhead stream learning scaleout soak front episodes http-hop
 
-bench: bench-step bench-sim bench-overhead bench-stream bench-learning bench-scaleout \
-	bench-soak bench-front bench-episodes bench-http-hop
+.PHONY: bench $(BENCHES:%=bench-%) bench-render
 
-bench-step: venv
-	$(BIN)/python -m bench.step_time $(BENCH_ARGS)
+bench: $(BENCHES:%=bench-%)
 
-bench-sim: venv
-	$(BIN)/python -m bench.adaptive_sim $(BENCH_ARGS)
+# bench-NAME runs the module bench/NAME.py (dashes as underscores) but where named here.
+BENCH_MODULE = $(subst -,_,$*)
+bench-step: BENCH_MODULE = step_time
+bench-sim: BENCH_MODULE = adaptive_sim
 
-bench-overhead: venv
-	$(BIN)/python -m bench.overhead $(BENCH_ARGS)
+$(BENCHES:%=bench-%): bench-%: venv
+	$(BIN)/python -m bench.$(BENCH_MODULE) $(BENCH_ARGS)
 
-bench-stream: venv
-	$(BIN)/python -m bench.stream $(BENCH_ARGS)
-
-bench-learning: venv
-	$(BIN)/python -m bench.learning $(BENCH_ARGS)
-
-bench-scaleout: venv
-	$(BIN)/python -m bench.scaleout $(BENCH_ARGS)
+# The HTTP hop against the in-process vLLM backend: both run in .venv-vllm.
+bench-http-hop: venv-vllm
 
 bench-render: venv
 	$(BIN)/python -m bench.render
-
-bench-soak: venv
-	$(BIN)/python -m bench.soak $(BENCH_ARGS)
-
-bench-front: venv
-	$(BIN)/python -m bench.front $(BENCH_ARGS)
-
-bench-episodes: venv
-	$(BIN)/python -m bench.episodes $(BENCH_ARGS)
-
-# The HTTP hop against the in-process vLLM backend: both run in .venv-vllm.
-bench-http-hop: venv venv-vllm
-	$(BIN)/python -m bench.http_hop $(BENCH_ARGS)

@@ -5,14 +5,13 @@
 # bring its CUDA torch. verl[verl-core]==0.9.1 pins transformers>=5.5.3,<5.11, which the
 # project's range admits. The project is then installed on top (with the [server] extra:
 # the suite starts toy samplers) with verl's torch, transformers and verl held by a
-# constraints file (the same trick as make/vllm.mk), and
+# constraints file (install_project_holding in the Makefile), and
 # the last step fails the build if torch is not the CPU build there. Rebuilt when
 # pyproject.toml or this file changes; a no-op otherwise.
 VERL_VENV := .venv-verl
 VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.installed
 VERL_PKG ?= verl[verl-core]==0.9.1
-VERL_TORCH_CHECK := $(if $(HAS_GPU),True,torch.__version__.endswith('+cpu'))
 
 SUITES += test-verl
 
@@ -24,12 +23,7 @@ $(VERL_STAMP): pyproject.toml make/verl.mk
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(if $(HAS_GPU),,$(VERL_BIN)/pip install --progress-bar off $(CPU_TORCH))
 	$(VERL_BIN)/pip install --progress-bar off '$(VERL_PKG)'
-	$(VERL_BIN)/pip freeze | grep -iE '^(torch|transformers|verl|ray|numpy)==' > $(VERL_VENV)/held.txt
-	$(VERL_BIN)/pip install --progress-bar off -c $(VERL_VENV)/held.txt -e '.[dev,server]'
-	$(VERL_BIN)/python -c "import sys, torch, transformers, verl; \
-	  print('torch', torch.__version__, 'transformers', transformers.__version__, 'verl', verl.__version__); \
-	  sys.exit(0 if $(VERL_TORCH_CHECK) else 'torch is not the CPU build: ' + torch.__version__)"
-	touch $@
+	$(call install_project_holding,$(VERL_VENV),torch|transformers|verl|ray|numpy,verl)
 
 # CPU: real verl 0.9.1 (no mocks), two toy samplers as subprocesses and a 2-CPU local Ray
 # for TransferQueue; about 1.5 minutes on two cores (building .venv-verl: 4-6 minutes).

