@@ -27,14 +27,14 @@ import json
 import math
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench import virtual_clock
-from bench.common import RESULTS, table, write_json
+from bench.common import RESULTS, Method, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.dataset import Dataset, PromptRow
@@ -50,13 +50,6 @@ MIXES: dict[str, list[tuple[float, tuple[float, float]]]] = {
 
 #: Prompts at or below this pass rate are "hardest" (the hard set's first bucket).
 HARD_P = 0.1
-
-
-@dataclass(frozen=True)
-class Method:
-    key: str
-    label: str
-    config: dict[str, Any]
 
 
 def methods(batch: int) -> list[Method]:

@@ -9,11 +9,24 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One compared method of a benchmark: its key in the results, its label in the tables
+    and the sampler config it runs with."""
+
+    key: str
+    label: str
+    config: dict[str, Any]
+    #: Beyond the rows the targets are judged on: shown to locate the frontier.
+    extra: bool = False
 
 
 def environment() -> dict[str, Any]:

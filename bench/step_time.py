@@ -60,7 +60,7 @@ import math
 import tempfile
 import time
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from bench import adaptive_sim, virtual_clock
-from bench.common import table, write_json
+from bench.common import Method, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.scheduler import Scheduler, VolatileSink
@@ -87,16 +87,7 @@ PIPELINES = ("sync", "on_policy", "off_policy")
 CHECK_SE = 4.0
 
 
-@dataclass(frozen=True)
-class Row:
-    key: str
-    label: str
-    config: dict[str, Any]
-    #: Beyond the rows the targets are judged on: shown to locate the frontier.
-    extra: bool = False
-
-
-def rows() -> list[Row]:
+def rows() -> list[Method]:
     """The compared methods, as sampler configs without their pipeline knobs."""
     grpo = {"rule": "fixed", "advantage": "grpo", "downsample": "none"}
     ada = {
@@ -110,10 +101,10 @@ def rows() -> list[Row]:
     skip = [{"name": "history_skip", "params": {"explore": 0.5, "max_skip": 0.9}}]
     return [
         *(
-            Row(f"grpo{n}", f"GRPO n={n}", {**grpo, "group_size": n, "wave_size": n, "n_max": n})
+            Method(f"grpo{n}", f"GRPO n={n}", {**grpo, "group_size": n, "wave_size": n, "n_max": n})
             for n in (4, 8, 16)
         ),
-        Row(
+        Method(
             "dapo4",
             "DAPO refill n=4",
             {
@@ -124,10 +115,10 @@ def rows() -> list[Row]:
                 "group_policies": [{"name": "nonzero_std"}],
             },
         ),
-        Row("seqpos1", "Seq-Pos K_pos 1", {**ada, "rule": "positive", "k_pos": 1}),
-        Row("seqbal", "Seq-Balance 2/2", bal),
-        Row("seqbal_adaptive", "Seq-Balance + adaptive waves", {**bal, "wave": "adaptive"}),
-        Row(
+        Method("seqpos1", "Seq-Pos K_pos 1", {**ada, "rule": "positive", "k_pos": 1}),
+        Method("seqbal", "Seq-Balance 2/2", bal),
+        Method("seqbal_adaptive", "Seq-Balance + adaptive waves", {**bal, "wave": "adaptive"}),
+        Method(
             "est",
             "Est (mean budget 8)",
             {
@@ -140,12 +131,12 @@ def rows() -> list[Row]:
                 "est": {"mean_budget": 8},
             },
         ),
-        Row(
+        Method(
             "seqbal_adaptive_skip",
             "Seq-Balance + adaptive + history skip",
             {**bal, "wave": "adaptive", "admission_policies": skip},
         ),
-        Row(
+        Method(
             "seqpos1_posterior_skip",
             "Seq-Pos K_pos 1 + posterior budget + history skip",
             {
@@ -156,17 +147,17 @@ def rows() -> list[Row]:
                 "admission_policies": skip,
             },
         ),
-        Row(
+        Method(
             "seqbal_knapsack",
             "Seq-Balance + knapsack (mean budget 6, n_min 4)",
             {**bal, "allocation": {"name": "knapsack", "params": {"mean_budget": 6, "n_min": 4}}},
         ),
-        Row(
+        Method(
             "seqbal_pilot_commit",
             "Seq-Balance + pilot-commit (pilot 4)",
             {**bal, "allocation": {"name": "pilot_commit", "params": {"pilot": 4}}},
         ),
-        Row(
+        Method(
             "grpo4_replay",
             "GRPO n=4 + replay",
             {
@@ -177,7 +168,7 @@ def rows() -> list[Row]:
                 "replay": {"per_prompt": 2, "max_version_lag": 64},
             },
         ),
-        Row(
+        Method(
             "dapo4_skip",
             "DAPO refill n=4 + history skip",
             {
@@ -190,7 +181,7 @@ def rows() -> list[Row]:
             },
             extra=True,
         ),
-        Row(
+        Method(
             "seqbal11_adaptive_skip",
             "Seq-Balance 1/1 + adaptive + history skip",
             {**bal, "k_pos": 1, "k_neg": 1, "wave": "adaptive", "admission_policies": skip},
@@ -199,7 +190,7 @@ def rows() -> list[Row]:
     ]
 
 
-def pipeline_config(row: Row, pipeline: str, batch: int) -> dict[str, Any]:
+def pipeline_config(row: Method, pipeline: str, batch: int) -> dict[str, Any]:
     """The row's config with the admission knobs of a pipeline (module docstring)."""
     base = {"batch_groups": batch, "max_tokens": MAX_TOKENS, **row.config}
     if pipeline == "sync":
@@ -367,7 +358,7 @@ def summarize(
 
 
 def run_one(
-    row: Row,
+    row: Method,
     pipeline: str,
     rates: np.ndarray,
     args: argparse.Namespace,

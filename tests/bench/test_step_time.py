@@ -59,7 +59,7 @@ def test_closed_forms_match_direct_enumeration() -> None:
 
 
 def _check(key: str, config: dict) -> list[dict]:
-    row = step_time.Row(key, key, config)
+    row = step_time.Method(key, key, config)
     args = argparse.Namespace(batch=48, steps=1, warmup=0, seed=0, history_epochs=0)
     groups = []
     for draw in range(5):
