@@ -29,6 +29,13 @@ class Method:
     extra: bool = False
 
 
+def fixed_groups(n: int, **knobs: Any) -> dict[str, Any]:
+    """Sampler config knobs for groups of exactly `n` answers sampled in one wave, with
+    `knobs` added or overriding; with advantage "grpo" and downsample "none" this is plain
+    GRPO, the baseline the benchmarks compare with."""
+    return {"rule": "fixed", "group_size": n, "n_max": n, "wave_size": n, **knobs}
+
+
 def environment() -> dict[str, Any]:
     """Where a result was measured (ratios only compare within one run)."""
     try:

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import serve_app, tree_cpu_s
+from bench.common import fixed_groups, serve_app, tree_cpu_s
 from bench.sim_backend import EngineSpec, SimBackend
 from sampler_service.backends.base import (
     Backend,
@@ -357,12 +357,7 @@ def serve(spec: dict[str, Any]) -> None:
     )
     n = int(spec["n"])
     config = SamplerConfig(
-        rule="fixed",
-        group_size=n,
-        wave_size=n,
-        n_max=n,
-        advantage="grpo",
-        downsample="none",
+        **fixed_groups(n, advantage="grpo", downsample="none"),
         max_tokens=int(spec["max_tokens"]),
         # Twice the prompts whose answers fill the engine, so finished sequences' slots
         # are taken at once while their siblings decode.

@@ -20,6 +20,7 @@ import pytest_asyncio
 from support import unanswerable
 from transformers import AutoTokenizer
 
+from bench.common import fixed_groups
 from sampler_service.backends.base import Completion
 from sampler_service.backends.hf import HFBackend
 from sampler_service.config import SamplerConfig, check_consistency
@@ -229,12 +230,7 @@ async def test_pilot_commit_commits_only_after_an_informative_or_promising_pilot
         toy,
         backend,
         with_never,
-        rule="fixed",
-        group_size=8,
-        n_max=8,
-        wave_size=4,
-        downsample="none",
-        allocation={"name": "pilot_commit"},
+        **fixed_groups(8, wave_size=4, downsample="none", allocation={"name": "pilot_commit"}),
     )
     groups = await run_until(scheduler, sink, 16, reasons=frozenset({"budget", "fixed"}))
     for g in groups:
@@ -256,12 +252,9 @@ async def test_knapsack_spends_its_budgets_under_a_rule_that_never_stops_early(
         toy,
         backend,
         with_never,
-        rule="fixed",
-        group_size=8,
-        n_max=8,
-        wave_size=8,
-        downsample="none",
-        allocation={"name": "knapsack", "params": {"mean_budget": 4.0}},
+        **fixed_groups(
+            8, downsample="none", allocation={"name": "knapsack", "params": {"mean_budget": 4.0}}
+        ),
     )
     groups = await run_until(scheduler, sink, 12)
     # The dataset is mostly unseen, at the prior: its budget is about the mean.
@@ -275,13 +268,12 @@ async def test_maxvar_keeps_half_and_recomputes_grpo_advantages(toy, backend) ->
     scheduler, sink = make_scheduler(
         toy,
         backend,
-        rule="fixed",
-        group_size=8,
-        n_max=8,
-        wave_size=8,
-        downsample="none",
-        advantage="grpo",
-        group_policies=[{"name": "maxvar", "params": {"keep_fraction": 0.5}}],
+        **fixed_groups(
+            8,
+            downsample="none",
+            advantage="grpo",
+            group_policies=[{"name": "maxvar", "params": {"keep_fraction": 0.5}}],
+        ),
     )
     for g in await run_until(scheduler, sink, 8):
         assert len(g.samples) == 4
@@ -328,9 +320,7 @@ async def test_batch_frames_topk_and_weights(toy, backend) -> None:
 
 
 async def test_staleness_zero_admits_one_prompt_at_a_time(toy, backend) -> None:
-    scheduler, sink = make_scheduler(
-        toy, backend, rule="fixed", group_size=2, n_max=2, wave_size=2, max_staleness=0
-    )
+    scheduler, sink = make_scheduler(toy, backend, **fixed_groups(2, max_staleness=0))
 
     def admitted() -> int:
         return sum(d.admitted for d in scheduler.stats.domains.values())
@@ -360,7 +350,7 @@ async def test_staleness_zero_admits_one_prompt_at_a_time(toy, backend) -> None:
 
 
 async def test_weight_update_waits_for_in_flight_and_tags_versions(toy, backend) -> None:
-    scheduler, sink = make_scheduler(toy, backend, rule="fixed", group_size=4, n_max=4, wave_size=4)
+    scheduler, sink = make_scheduler(toy, backend, **fixed_groups(4))
     scheduler.start()
     try:
         async with asyncio.timeout(60):
@@ -387,11 +377,7 @@ async def test_weight_drain_timeout_aborts_waves_still_running(toy, backend, cap
     scheduler, sink = make_scheduler(
         toy,
         backend,
-        rule="fixed",
-        group_size=4,
-        n_max=4,
-        wave_size=4,
-        weight_drain_timeout_s=1e-6,
+        **fixed_groups(4, weight_drain_timeout_s=1e-6),
     )
     scheduler.start()
     try:
@@ -427,12 +413,7 @@ async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(toy, 
     scheduler, _ = make_scheduler(
         toy,
         backend,
-        rule="fixed",
-        group_size=2,
-        n_max=2,
-        wave_size=2,
-        max_active_prompts=4,
-        max_buffered_groups=1000,
+        **fixed_groups(2, max_active_prompts=4, max_buffered_groups=1000),
     )
     sink = scheduler.sink = SlowSink()
     scheduler.start()
