@@ -202,28 +202,18 @@ def _learning_histograms() -> str:
     )  # fmt: skip
 
 
-def _learning_headline() -> str:
-    data = _load("learning")
-    rows = []
-    for setting, block in data["by_setting"].items():
-        rows += [{"setting": setting, **r} for r in learning.headline_rows(block)]
-    return table(rows, [("setting", "setting"), *learning.HEADLINE_COLUMNS])
+def _learning_by_setting(
+    rows_of: Callable[[dict[str, Any]], list[dict[str, Any]]], columns: list[tuple[str, str]]
+) -> Callable[[], str]:
+    """A learning table with one block of `rows_of` rows per setting, the setting first."""
 
+    def render() -> str:
+        rows = []
+        for setting, block in _load("learning")["by_setting"].items():
+            rows += [{"setting": setting, **r} for r in rows_of(block)]
+        return table(rows, [("setting", "setting"), *columns])
 
-def _learning_finals() -> str:
-    data = _load("learning")
-    rows = []
-    for setting, block in data["by_setting"].items():
-        rows += [{"setting": setting, **r} for r in learning.final_rows(block)]
-    return table(rows, [("setting", "setting"), *learning.FINAL_COLUMNS])
-
-
-def _learning_equal() -> str:
-    data = _load("learning")
-    rows = []
-    for setting, block in data["by_setting"].items():
-        rows += [{"setting": setting, **r} for r in learning.equal_rows(block)]
-    return table(rows, [("setting", "setting"), *learning.EQUAL_COLUMNS])
+    return render
 
 
 def _measured(value: Any) -> str:
@@ -376,9 +366,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "learning.summary": _learning_summary,
     "learning.paired": _learning_paired,
     "learning.histograms": _learning_histograms,
-    "learning.headline": _learning_headline,
-    "learning.finals": _learning_finals,
-    "learning.equal": _learning_equal,
+    "learning.headline": _learning_by_setting(learning.headline_rows, learning.HEADLINE_COLUMNS),
+    "learning.finals": _learning_by_setting(learning.final_rows, learning.FINAL_COLUMNS),
+    "learning.equal": _learning_by_setting(learning.equal_rows, learning.EQUAL_COLUMNS),
     "learning.targets": _learning_targets,
     "episodes.settings": _episodes_settings,
     "http_hop.run": lambda: http_hop.run_line(_load("http_hop")),
