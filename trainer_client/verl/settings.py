@@ -181,6 +181,16 @@ def _select(config: Any, dotted: str) -> Any:
     return node
 
 
+def _differs(sampler: Mapping[str, Any], key: str, value: float | None) -> bool:
+    """Both sides set `key` and the sampler's value is not verl's (floats, so within 1e-9)."""
+    return value is not None and key in sampler and abs(float(sampler[key]) - float(value)) > 1e-9
+
+
+def _policy_names(sampler: Mapping[str, Any], key: str) -> list[Any]:
+    """The names of the policies the config lists under `key`, each a spec or a bare name."""
+    return [s.get("name") if isinstance(s, Mapping) else str(s) for s in sampler.get(key) or []]
+
+
 def check_sampler_config(
     sampler: Mapping[str, Any],
     *,
@@ -206,15 +216,13 @@ def check_sampler_config(
             f"verl needs every group to have exactly actor_rollout_ref.rollout.n = {rollout_n} samples, "
             f"but the sampler {what}: {fix}"
         )
-    for spec in sampler.get("group_policies") or []:
-        name = spec.get("name") if isinstance(spec, Mapping) else str(spec)
+    for name in _policy_names(sampler, "group_policies"):
         if name in SUBSET_GROUP_POLICIES:
             problems.append(
                 f"group policy {name!r} keeps a subset of each group's samples; verl needs all "
                 f"{rollout_n} (policies that drop whole groups, like nonzero_std and difffilter, are fine)"
             )
-    for spec in sampler.get("batch_policies") or []:
-        name = spec.get("name") if isinstance(spec, Mapping) else str(spec)
+    for name in _policy_names(sampler, "batch_policies"):
         if name in SAMPLE_DROPPING_BATCH_POLICIES:
             problems.append(
                 f"batch policy {name!r} drops samples out of groups; verl needs all {rollout_n} "
@@ -259,20 +267,12 @@ def check_sampler_config(
                     f"group_size = {group_size} answers; set allocation.params.{knob} >= "
                     f"{group_size} or no allocation"
                 )
-    if (
-        temperature is not None
-        and "temperature" in sampler
-        and abs(float(sampler["temperature"]) - float(temperature)) > 1e-9
-    ):
+    if _differs(sampler, "temperature", temperature):
         problems.append(
             f"the sampler generates at temperature {sampler.get('temperature')} but verl computes "
             f"log-probs at actor_rollout_ref.rollout.temperature = {temperature}; they must be equal"
         )
-    if (
-        top_p is not None
-        and "top_p" in sampler
-        and abs(float(sampler["top_p"]) - float(top_p)) > 1e-9
-    ):
+    if _differs(sampler, "top_p", top_p):
         warnings.append(
             f"sampler top_p {sampler.get('top_p')} differs from rollout.top_p {top_p} "
             "(verl does not use top_p in the loss; the logprobs come from the sampler)"
