@@ -9,8 +9,9 @@ arithmetic.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +46,28 @@ async def _verify(row: PromptRow, completion: Completion) -> Verdict:
     return Verdict(exact.verify(completion.text, row.answer, row.metadata))
 
 
-#: A run over `with_never` data must show both: the rule firing and n_max cutting a prompt off.
+#: A run of `never_scheduler` must show both: the rule firing and n_max cutting a prompt off.
 BOTH_REASONS = frozenset({"rule", "n_max"})
 
 
 @pytest.fixture
-def with_never(toy, tmp_path: Path) -> list[Path]:
-    """add1 (mostly right), add2 (about 40% right) and a domain never answered right:
-    both the rule's and n_max's branches of a test run."""
-    return [toy.data_files[0], toy.data_files[1], unanswerable(toy, tmp_path)]
+def new_scheduler(toy, backend) -> Callable[..., tuple[Scheduler, MemorySink]]:
+    """`make_scheduler` on the toy model: config knobs, and the data unless the toy's."""
+    return functools.partial(make_scheduler, toy, backend)
+
+
+@pytest.fixture
+def never_scheduler(
+    toy, new_scheduler: Callable[..., tuple[Scheduler, MemorySink]], tmp_path: Path
+) -> Callable[..., tuple[Scheduler, MemorySink]]:
+    """`make_scheduler` over add1 (mostly right), add2 (about 40% right) and a domain never
+    answered right: both the rule's and n_max's branches of a test run."""
+    data = [toy.data_files[0], toy.data_files[1], unanswerable(toy, tmp_path)]
+    return functools.partial(new_scheduler, data)
+
+
+#: Rounds of 6 prompts under the balanced rule (2 right and 2 wrong answers) or n_max 16.
+ROUNDS: dict[str, Any] = {"mode": "rounds", "cohort_size": 6, "rule": "balanced", "n_max": 16}
 
 
 def make_scheduler(
@@ -114,11 +128,8 @@ async def run_until(
     return sink.groups()
 
 
-async def test_positive_rule_stops_at_first_correct_answer(toy, backend, with_never) -> None:
-    scheduler, sink = make_scheduler(
-        toy,
-        backend,
-        with_never,
+async def test_positive_rule_stops_at_first_correct_answer(never_scheduler) -> None:
+    scheduler, sink = never_scheduler(
         rule="positive",
         k_pos=1,
         n_max=16,
@@ -138,17 +149,8 @@ async def test_positive_rule_stops_at_first_correct_answer(toy, backend, with_ne
             assert g.stop_reason == "n_max" and g.stats.n_pos == 0 and g.stats.n_generated == 16
 
 
-async def test_rounds_mode_uses_whole_waves(toy, backend, with_never) -> None:
-    scheduler, sink = make_scheduler(
-        toy,
-        backend,
-        with_never,
-        mode="rounds",
-        cohort_size=6,
-        rule="balanced",
-        n_max=16,
-        wave_size=4,
-    )
+async def test_rounds_mode_uses_whole_waves(never_scheduler) -> None:
+    scheduler, sink = never_scheduler(**ROUNDS, wave_size=4)
     groups = await run_until(scheduler, sink, 12, reasons=BOTH_REASONS)
     assert {g.stop_reason for g in groups} == BOTH_REASONS
     for g in groups:
@@ -158,21 +160,11 @@ async def test_rounds_mode_uses_whole_waves(toy, backend, with_never) -> None:
 
 
 async def test_rounds_run_on_until_every_prompt_meets_its_rule_budget_or_n_max(
-    toy, backend, with_never
+    never_scheduler,
 ) -> None:
     # A pilot cuts the first wave to 4, so a prompt that earns more needs more rounds
     # than n_max / wave_size.
-    scheduler, sink = make_scheduler(
-        toy,
-        backend,
-        with_never,
-        mode="rounds",
-        cohort_size=6,
-        rule="balanced",
-        n_max=16,
-        wave_size=8,
-        allocation={"name": "posterior"},
-    )
+    scheduler, sink = never_scheduler(**ROUNDS, wave_size=8, allocation={"name": "posterior"})
     groups = await run_until(scheduler, sink, 18, reasons=frozenset({"budget", "rule"}))
     for g in groups:
         if g.stop_reason == "n_max":
@@ -184,10 +176,8 @@ async def test_rounds_run_on_until_every_prompt_meets_its_rule_budget_or_n_max(
             assert g.stats.n_generated == 4 or g.stats.n_pos > 0  # a pilot, or it earned more
 
 
-async def test_adaptive_waves_respect_budget_and_rule(toy, backend, with_never) -> None:
-    scheduler, sink = make_scheduler(
-        toy, backend, with_never, rule="balanced", wave="adaptive", n_max=12, wave_size=8
-    )
+async def test_adaptive_waves_respect_budget_and_rule(never_scheduler) -> None:
+    scheduler, sink = never_scheduler(rule="balanced", wave="adaptive", n_max=12, wave_size=8)
     groups = await run_until(scheduler, sink, 20, reasons=BOTH_REASONS)
     assert {g.stop_reason for g in groups} == BOTH_REASONS
     sizes = {g.stats.n_generated for g in groups}
@@ -198,10 +188,8 @@ async def test_adaptive_waves_respect_budget_and_rule(toy, backend, with_never) 
             assert g.stats.n_pos >= 2 and g.stats.n_neg >= 2
 
 
-async def test_est_rule_spends_budgets_and_learns(toy, backend) -> None:
-    scheduler, sink = make_scheduler(
-        toy,
-        backend,
+async def test_est_rule_spends_budgets_and_learns(new_scheduler) -> None:
+    scheduler, sink = new_scheduler(
         rule="est",
         advantage="est",
         group_size=0,
@@ -223,14 +211,11 @@ async def test_est_rule_spends_budgets_and_learns(toy, backend) -> None:
 
 
 async def test_pilot_commit_commits_only_after_an_informative_or_promising_pilot(
-    toy, backend, with_never
+    never_scheduler,
 ) -> None:
     # Waves of 4 are the pilot; the rule alone would take 8 of every prompt.
-    scheduler, sink = make_scheduler(
-        toy,
-        backend,
-        with_never,
-        **fixed_groups(8, wave_size=4, downsample="none", allocation={"name": "pilot_commit"}),
+    scheduler, sink = never_scheduler(
+        **fixed_groups(8, wave_size=4, downsample="none", allocation={"name": "pilot_commit"})
     )
     groups = await run_until(scheduler, sink, 16, reasons=frozenset({"budget", "fixed"}))
     for g in groups:
@@ -246,15 +231,12 @@ async def test_pilot_commit_commits_only_after_an_informative_or_promising_pilot
 
 
 async def test_knapsack_spends_its_budgets_under_a_rule_that_never_stops_early(
-    toy, backend, with_never
+    never_scheduler,
 ) -> None:
-    scheduler, sink = make_scheduler(
-        toy,
-        backend,
-        with_never,
+    scheduler, sink = never_scheduler(
         **fixed_groups(
             8, downsample="none", allocation={"name": "knapsack", "params": {"mean_budget": 4.0}}
-        ),
+        )
     )
     groups = await run_until(scheduler, sink, 12)
     # The dataset is mostly unseen, at the prior: its budget is about the mean.
@@ -264,10 +246,8 @@ async def test_knapsack_spends_its_budgets_under_a_rule_that_never_stops_early(
     assert stats["cut"] == stats["groups"] >= len(groups)
 
 
-async def test_maxvar_keeps_half_and_recomputes_grpo_advantages(toy, backend) -> None:
-    scheduler, sink = make_scheduler(
-        toy,
-        backend,
+async def test_maxvar_keeps_half_and_recomputes_grpo_advantages(new_scheduler) -> None:
+    scheduler, sink = new_scheduler(
         **fixed_groups(
             8,
             downsample="none",
@@ -289,10 +269,8 @@ async def test_maxvar_keeps_half_and_recomputes_grpo_advantages(toy, backend) ->
         np.testing.assert_allclose([s.advantage for s in g.samples], expected, atol=1e-9)
 
 
-async def test_batch_frames_topk_and_weights(toy, backend) -> None:
-    scheduler, sink = make_scheduler(
-        toy,
-        backend,
+async def test_batch_frames_topk_and_weights(new_scheduler) -> None:
+    scheduler, sink = new_scheduler(
         rule="balanced",
         n_max=16,
         batch_groups=4,
@@ -319,8 +297,8 @@ async def test_batch_frames_topk_and_weights(toy, backend) -> None:
     assert total < entered, "topk 0.75 must drop samples"
 
 
-async def test_staleness_zero_admits_one_prompt_at_a_time(toy, backend) -> None:
-    scheduler, sink = make_scheduler(toy, backend, **fixed_groups(2, max_staleness=0))
+async def test_staleness_zero_admits_one_prompt_at_a_time(new_scheduler) -> None:
+    scheduler, sink = new_scheduler(**fixed_groups(2, max_staleness=0))
 
     def admitted() -> int:
         return sum(d.admitted for d in scheduler.stats.domains.values())
@@ -349,8 +327,8 @@ async def test_staleness_zero_admits_one_prompt_at_a_time(toy, backend) -> None:
         await scheduler.stop()
 
 
-async def test_weight_update_waits_for_in_flight_and_tags_versions(toy, backend) -> None:
-    scheduler, sink = make_scheduler(toy, backend, **fixed_groups(4))
+async def test_weight_update_waits_for_in_flight_and_tags_versions(new_scheduler, backend) -> None:
+    scheduler, sink = new_scheduler(**fixed_groups(4))
     scheduler.start()
     try:
         async with asyncio.timeout(60):
@@ -372,11 +350,9 @@ async def test_weight_update_waits_for_in_flight_and_tags_versions(toy, backend)
     assert {g.policy_version_min for g in groups} == {0, 1}
 
 
-async def test_weight_drain_timeout_aborts_waves_still_running(toy, backend, caplog) -> None:
+async def test_weight_drain_timeout_aborts_waves_still_running(new_scheduler, caplog) -> None:
     """Waves still running when the drain timeout passes are aborted and issued again."""
-    scheduler, sink = make_scheduler(
-        toy,
-        backend,
+    scheduler, sink = new_scheduler(
         **fixed_groups(4, weight_drain_timeout_s=1e-6),
     )
     scheduler.start()
@@ -409,10 +385,8 @@ class SlowSink(MemorySink):
         await super().add_frame(groups, dropped, state)
 
 
-async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(toy, backend) -> None:
-    scheduler, _ = make_scheduler(
-        toy,
-        backend,
+async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(new_scheduler) -> None:
+    scheduler, _ = new_scheduler(
         **fixed_groups(2, max_active_prompts=4, max_buffered_groups=1000),
     )
     sink = scheduler.sink = SlowSink()
@@ -433,11 +407,11 @@ async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(toy, 
     assert finished >= 8 and len(sink.groups()) + len(scheduler._unframed) == finished
 
 
-async def test_an_estimator_rebuilt_off_the_loop_keeps_every_finished_group(toy, backend) -> None:
+async def test_an_estimator_rebuilt_off_the_loop_keeps_every_finished_group(new_scheduler) -> None:
     """A change of n_max rebuilds the estimator in a worker thread while prompts keep
     finishing: each finished group is counted once by whichever estimator serves after."""
-    scheduler, sink = make_scheduler(
-        toy, backend, rule="est", group_size=0, downsample="none", n_max=8, wave_size=4
+    scheduler, sink = new_scheduler(
+        rule="est", group_size=0, downsample="none", n_max=8, wave_size=4
     )
     scheduler.start()
     try:
