@@ -109,13 +109,8 @@ def test_a_tick_reports_answers_at_its_boundaries_never_before_they_are_done() -
 
 
 def test_prefill_is_paid_once_per_request() -> None:
-    spec = EngineSpec(
-        max_num_seqs=8,
-        step_base_s=0.01,
-        step_per_seq_s=0.0,
-        prefill_per_token_s=0.5,
-        length_median=10,
-        length_sigma=0.0,
+    spec = dataclasses.replace(
+        FLAT, max_num_seqs=8, step_per_seq_s=0.0, prefill_per_token_s=0.5, length_median=10
     )
     (_,), (t,), engine = _generate(spec, [(0, 4)], [0.5])
     assert engine.stats.prefill_s == pytest.approx(1.5)  # 3 prompt tokens, once for the 4 samples
