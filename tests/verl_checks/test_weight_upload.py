@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load
+from support import start_server
 
 from trainer_client.client import SamplerClient
-from trainer_client.launch import SamplerProcess
 from trainer_client.uploads import unique_tensors
 from trainer_client.verl.settings import MODE, SamplerSettings
 from trainer_client.verl.upload import WeightPusher, safetensors_stream, to_host
@@ -33,18 +33,11 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def bf16_sampler(toy: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    work = tmp_path_factory.mktemp("bf16")
-    server = SamplerProcess(
-        toy.model_dir,
-        toy.data_files,
-        work / "state",
-        CONFIG,
-        work / "sampler.log",
-        # The engine on a server thread: the cast and the upload limit are the subject, not
-        # the engine process, whose spawn would double the cold start.
-        extra=["--dtype", "bfloat16", "--hf-engine", "thread"],
+    # The engine on a server thread (start_server's default): the cast and the upload
+    # limit are the subject, not the engine process.
+    server = start_server(
+        toy, tmp_path_factory.mktemp("bf16"), CONFIG, base={}, extra=["--dtype", "bfloat16"]
     )
-    server.start()
     yield server.url
     server.stop()
 
