@@ -88,11 +88,17 @@ _REASONS = {
 _V1_ERRORS = (422, 503)
 
 
-def _json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """An `openapi_extra` declaring a JSON request body read by the route itself (the
-    routes read bodies themselves to enforce size limits before parsing)."""
+def _json_route(model: type[BaseModel], *statuses: int) -> dict[str, Any]:
+    """The OpenAPI declarations of a route that reads a JSON `model` body itself (the
+    routes read bodies themselves to enforce size limits before parsing): the body, and
+    its errors 400 (not JSON) and 413 (too large) besides `statuses`."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+    return {
+        "responses": _errors(*sorted({400, 413, *statuses})),
+        "openapi_extra": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}
+        },
+    }
 
 
 #: A query parameter, not a body field: lease bodies refuse unknown keys, so a new client
@@ -253,12 +259,7 @@ def create_app(settings: ServeSettings, build: Callable[[], Awaitable[SamplerSer
         """The live sampler config with its config_version."""
         return _json(service.control.get_config())
 
-    @v1.patch(
-        "/config",
-        response_model=ConfigView,
-        responses=_errors(400, 409, 413),
-        openapi_extra=_json_body(ConfigPatch),
-    )
+    @v1.patch("/config", response_model=ConfigView, **_json_route(ConfigPatch, 409))
     async def patch_config(request: Request, service: _Service) -> Response:
         """A JSON merge patch of config keys; validated as a whole, persisted."""
         body = await read_body(request, settings.max_request_bytes)
@@ -303,23 +304,13 @@ def create_app(settings: ServeSettings, build: Callable[[], Awaitable[SamplerSer
         )
         return StreamingResponse(messages, media_type=encoding.stream_media_type)
 
-    @v1.post(
-        "/groups/ack",
-        response_model=AckResponse,
-        responses=_errors(400, 413),
-        openapi_extra=_json_body(AckRequest),
-    )
+    @v1.post("/groups/ack", response_model=AckResponse, **_json_route(AckRequest))
     async def ack(request: Request, service: _Service) -> Response:
         """Delete acked groups durably; unknown ids are counted, not errors."""
         body = parse_body(AckRequest, await read_body(request, settings.max_request_bytes * 8))
         return _json(await service.ack(body.delivery_ids))
 
-    @v1.post(
-        "/groups/lease",
-        response_model=LeaseResponse,
-        responses=_errors(400, 409, 413),
-        openapi_extra=_json_body(LeaseRequest),
-    )
+    @v1.post("/groups/lease", response_model=LeaseResponse, **_json_route(LeaseRequest, 409))
     async def lease(
         request: Request,
         service: _Service,
@@ -375,10 +366,7 @@ def create_app(settings: ServeSettings, build: Callable[[], Awaitable[SamplerSer
             incoming.unlink(missing_ok=True)
 
     @v1.post(
-        "/weights/load",
-        response_model=WeightsResponse,
-        responses=_errors(400, 409, 413),
-        openapi_extra=_json_body(WeightsLoadRequest),
+        "/weights/load", response_model=WeightsResponse, **_json_route(WeightsLoadRequest, 409)
     )
     async def load_weights(request: Request, service: _Service) -> Response:
         """Load weights from a path the server can read."""
