@@ -52,38 +52,41 @@ class Dialect:
     weight_checker: str | None
     #: Start-up hint when an endpoint answers 403/404.
     hint: str
-    request: Callable[[str, list[int], int, SamplingParams, Sequence[int], str], dict[str, Any]]
+    #: (model, prompt, n, sampling, request_id) -> the generate body; the sampling's
+    #: stop_token_ids hold the model's end-of-sequence ids too.
+    request: Callable[[str, list[int], int, SamplingParams, str], dict[str, Any]]
     answers: Callable[[Any], list[Answer]]
     reload_body: Callable[[str], dict[str, Any]]
     abort_bodies: Callable[[Sequence[str]], list[dict[str, Any]]]
 
 
-def _vllm_request(
-    model: str,
-    prompt: list[int],
-    n: int,
-    sampling: SamplingParams,
-    stop_ids: Sequence[int],
-    request_id: str,
-) -> dict[str, Any]:
+def _knobs(sampling: SamplingParams, no_top_k: int) -> dict[str, Any]:
     """Every distribution knob explicit, so a server's generation_config changes nothing;
-    `stop_ids` are the model's end-of-sequence ids."""
+    `no_top_k` is the server's word for "no top-k"."""
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else no_top_k,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "stop": list(sampling.stop),
+    }
+
+
+def _vllm_request(
+    model: str, prompt: list[int], n: int, sampling: SamplingParams, request_id: str
+) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": prompt,
         "n": n,
         "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else 0,
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
+        **_knobs(sampling, 0),
         "seed": sampling.seed,
         "logprobs": 0,
-        "stop_token_ids": [*stop_ids, *sampling.stop_token_ids],
-        "stop": list(sampling.stop),
         "include_stop_str_in_output": True,
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
@@ -105,27 +108,14 @@ def _vllm_answers(body: Any) -> list[Answer]:
 
 
 def _sglang_request(
-    model: str,
-    prompt: list[int],
-    n: int,
-    sampling: SamplingParams,
-    stop_ids: Sequence[int],
-    request_id: str,
+    model: str, prompt: list[int], n: int, sampling: SamplingParams, request_id: str
 ) -> dict[str, Any]:
     """SGLang reads no model name; top_k -1 is its "no top-k"."""
     del model
     params: dict[str, Any] = {
         "n": n,
         "max_new_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else -1,
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
-        "stop_token_ids": [*stop_ids, *sampling.stop_token_ids],
-        "stop": list(sampling.stop),
+        **_knobs(sampling, -1),
         "no_stop_trim": True,  # the stop string stays in the answer, as vLLM's does
         "skip_special_tokens": False,
     }

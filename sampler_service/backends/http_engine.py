@@ -54,7 +54,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -409,8 +409,11 @@ class HTTPEngineBackend(CheckpointBackend):
     def request_body(
         self, srv: _Server, prompt: list[int], n: int, sampling: SamplingParams, request_id: str
     ) -> dict[str, Any]:
-        """One wave as the dialect's generate request."""
-        return self._dialect.request(srv.model, prompt, n, sampling, self._eos, request_id)
+        """One wave as the dialect's generate request, stopping at the model's EOS too."""
+        stops = (*self._eos, *sampling.stop_token_ids)
+        return self._dialect.request(
+            srv.model, prompt, n, replace(sampling, stop_token_ids=stops), request_id
+        )
 
     async def generate(
         self,
