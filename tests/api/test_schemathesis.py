@@ -7,13 +7,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-
-from trainer_client.launch import SamplerProcess
+from support import Server, start_server
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(1200)]
 
@@ -23,24 +23,18 @@ LEASE_WAIT_S = 2.0
 
 
 @pytest.fixture
-def sampler(toy: Any, tmp_path: Path) -> Any:
-    server = SamplerProcess(
-        toy.model_dir,
-        toy.data_files,
-        tmp_path / "state",
-        # The fuzzer leases without training: nothing to bound.
-        {
-            "max_tokens": 8,
-            "max_active_prompts": 8,
-            "max_buffered_groups": 32,
-            "max_staleness": None,
-        },
-        tmp_path / "server.log",
+def sampler(toy: Any, tmp_path: Path) -> Iterator[Server]:
+    # The engine in its own process, as served by default. The fuzzer leases without
+    # training: BASE_CONFIG leaves staleness unbounded.
+    server = start_server(
+        toy,
+        tmp_path,
+        {"max_active_prompts": 8, "max_buffered_groups": 32},
         # Long polls are capped so that a fuzzed wait_s of minutes on an empty queue
         # (every group leased, never acked) does not stretch the run.
         extra=["--api-key", KEY, "--max-lease-wait-s", str(LEASE_WAIT_S)],
+        engine="process",
     )
-    server.start()
     yield server
     server.stop()
 
