@@ -18,20 +18,12 @@ import ray
 import torch
 from ray_helpers import Consumer, wait_for
 from safetensors.torch import save
+from support import perturbed_file
 from transformers import AutoModelForCausalLM
 
 from sampler_service.backends.base import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
-
-
-def _perturbed(model_dir: Path, scale: float, seed: int) -> bytes:
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    gen = torch.Generator().manual_seed(seed)
-    state = {
-        k: v + scale * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()
-    }
-    return save({k: v.contiguous() for k, v in state.items()})
 
 
 def _greedy(sampler: Any, prompt: list[int]) -> list[tuple[list[int], list[float]]]:
@@ -47,6 +39,15 @@ def _greedy(sampler: Any, prompt: list[int]) -> list[tuple[list[int], list[float
     return out
 
 
+def _agreed(sampler: Any, prompt: list[int]) -> list[tuple[list[int], list[float]]]:
+    """Both replicas' greedy answers to `prompt`, checked to be the same answer."""
+    answers = _greedy(sampler, prompt)
+    (tokens_a, lp_a), (tokens_b, lp_b) = answers
+    assert tokens_a == tokens_b
+    assert lp_a == pytest.approx(lp_b, abs=1e-5)
+    return answers
+
+
 def _at_version(sampler: Any, version: int) -> list[dict[str, Any]]:
     def ready() -> list[dict[str, Any]] | None:
         health = sampler.health()
@@ -59,12 +60,6 @@ def _at_version(sampler: Any, version: int) -> list[dict[str, Any]]:
     return wait_for(f"both replicas serving v{version}", ready, 600)
 
 
-def _same(answers: list[tuple[list[int], list[float]]]) -> None:
-    (tokens_a, lp_a), (tokens_b, lp_b) = answers
-    assert tokens_a == tokens_b
-    assert lp_a == pytest.approx(lp_b, abs=1e-5)
-
-
 def _args(cluster: Any) -> list[str]:
     return ["--replicas", "2", "--ray-address", cluster.address, "--replica-probe-s", "1"]
 
@@ -75,16 +70,14 @@ def test_weights_reach_every_replica(ray_cluster, make_sampler, toy) -> None:
         consumer = Consumer(client)
         consumer.take(4)
         prompt = next(iter(consumer.groups.values()))["prompt_token_ids"]
-        base = _greedy(sampler, prompt)
-        _same(base)
+        base = _agreed(sampler, prompt)
 
         r = client.put(
-            "/v1/weights", params={"version": 1}, content=_perturbed(toy.model_dir, 0.05, 0)
+            "/v1/weights", params={"version": 1}, content=perturbed_file(toy.model_dir, 0.05, 0)
         )
         assert r.status_code == 200, r.text
         _at_version(sampler, 1)
-        v1 = _greedy(sampler, prompt)
-        _same(v1)
+        v1 = _agreed(sampler, prompt)
         assert v1[0][1] != pytest.approx(base[0][1], abs=1e-5)  # the weights did change
 
         # One replica dies in the middle of loading v2 (fault hook): the update still
@@ -92,15 +85,14 @@ def test_weights_reach_every_replica(ray_cluster, make_sampler, toy) -> None:
         pids = [r["pid"] for r in sampler.replicas()]
         ray_cluster.fault_file.touch()
         r = client.put(
-            "/v1/weights", params={"version": 2}, content=_perturbed(toy.model_dir, 0.05, 1)
+            "/v1/weights", params={"version": 2}, content=perturbed_file(toy.model_dir, 0.05, 1)
         )
         assert r.status_code == 200, r.text
         assert not ray_cluster.fault_file.exists()  # the hook fired
         reps = _at_version(sampler, 2)
         assert sum(r["pid"] != p for r, p in zip(reps, pids, strict=True)) == 1
         assert sum(r["restarts"] for r in reps) == 1
-        v2 = _greedy(sampler, prompt)
-        _same(v2)
+        v2 = _agreed(sampler, prompt)
         assert v2[0][1] != pytest.approx(v1[0][1], abs=1e-5)
 
         # A file with a wrong shape is refused before any replica sees it.
@@ -111,7 +103,7 @@ def test_weights_reach_every_replica(ray_cluster, make_sampler, toy) -> None:
         r = client.put("/v1/weights", params={"version": 3}, content=bad)
         assert r.status_code == 422, r.text
         assert [r["policy_version"] for r in _at_version(sampler, 2)] == [2, 2]
-        _same(_greedy(sampler, prompt))
+        _agreed(sampler, prompt)
         assert _greedy(sampler, prompt)[0][1] == pytest.approx(v2[0][1], abs=1e-5)
 
         # Groups keep coming, every sample tagged with the version that made it (groups
@@ -135,7 +127,7 @@ def test_restarted_sampler_reattaches_to_its_replicas(ray_cluster, make_sampler,
     pids = [r["pid"] for r in sampler.replicas()]
     with sampler.client() as client:
         r = client.put(
-            "/v1/weights", params={"version": 1}, content=_perturbed(toy.model_dir, 0.05, 2)
+            "/v1/weights", params={"version": 1}, content=perturbed_file(toy.model_dir, 0.05, 2)
         )
         assert r.status_code == 200, r.text
         consumer = Consumer(client)

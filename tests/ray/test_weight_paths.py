@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from ray_helpers import Consumer, wait_for
 from safetensors.torch import load, save
-from test_cluster import _at_version, _greedy, _perturbed, _same
+from support import perturbed_file
+from test_cluster import _agreed, _args, _at_version, _greedy
 
 from sampler_service.backends.replica import FAULT_REJECT_WEIGHTS_ENV
 
@@ -36,55 +37,48 @@ def test_shared_dir_weights_and_rollback_of_a_rejected_update(
     ray_cluster, make_sampler, toy, tmp_path: Path
 ) -> None:
     shared = tmp_path / "shared"
-    sampler = make_sampler(
-        ["--replicas", "2", "--ray-address", ray_cluster.address, "--replica-probe-s", "1"]
-        + ["--weights-dir", str(shared)]
-    )
+    sampler = make_sampler(_args(ray_cluster) + ["--weights-dir", str(shared)])
     with sampler.client() as client:
         consumer = Consumer(client)
         consumer.take(2)
         prompt = next(iter(consumer.groups.values()))["prompt_token_ids"]
-        base = _greedy(sampler, prompt)
-        _same(base)
+        base = _agreed(sampler, prompt)
         pids = [r["pid"] for r in sampler.replicas()]
 
         # v1: replica 1 refuses; replica 0 installed it and the committed weights are the
         # base model, so replica 0 is restarted.
         r = client.put(
-            "/v1/weights", params={"version": 1}, content=_perturbed(toy.model_dir, 0.05, 0)
+            "/v1/weights", params={"version": 1}, content=perturbed_file(toy.model_dir, 0.05, 0)
         )
         assert r.status_code == 422, r.text
         assert r.json()["error"]["code"] == "weights_rejected"
         assert "replica 1: fault hook" in r.json()["error"]["message"]
         reps = _at_version(sampler, 0)
         assert reps[1]["pid"] == pids[1] and reps[0]["restarts"] == 1
-        after = _greedy(sampler, prompt)
-        _same(after)
+        after = _agreed(sampler, prompt)
         assert _close(after[0][1], base[0][1]) and after[0][0] == base[0][0]
         assert not list(shared.glob("*.safetensors*"))  # the refused upload is gone
 
         # v2 is accepted: written into the shared dir, read there by both replicas.
         r = client.put(
-            "/v1/weights", params={"version": 2}, content=_perturbed(toy.model_dir, 0.05, 1)
+            "/v1/weights", params={"version": 2}, content=perturbed_file(toy.model_dir, 0.05, 1)
         )
         assert r.status_code == 200, r.text
         (v2_file,) = shared.glob("*.safetensors*")
         assert v2_file.name.startswith("weights-v2-")
         reps = _at_version(sampler, 2)
         pids = [r["pid"] for r in reps]
-        v2 = _greedy(sampler, prompt)
-        _same(v2)
+        v2 = _agreed(sampler, prompt)
         assert not _close(v2[0][1], base[0][1])
 
         # v3: refused again; now replica 0 reloads the committed v2 file in place.
         r = client.put(
-            "/v1/weights", params={"version": 3}, content=_perturbed(toy.model_dir, 0.05, 2)
+            "/v1/weights", params={"version": 3}, content=perturbed_file(toy.model_dir, 0.05, 2)
         )
         assert r.status_code == 422, r.text
         reps = _at_version(sampler, 2)
         assert [r["pid"] for r in reps] == pids  # no restart
-        again = _greedy(sampler, prompt)
-        _same(again)
+        again = _agreed(sampler, prompt)
         assert _close(again[0][1], v2[0][1])
         assert list(shared.glob("*.safetensors*")) == [v2_file]
 
@@ -104,12 +98,11 @@ def test_shared_dir_weights_and_rollback_of_a_rejected_update(
 
         # A good path: every replica reads it from there.
         good = shared / "step6.safetensors"
-        good.write_bytes(_perturbed(toy.model_dir, 0.05, 3))
+        good.write_bytes(perturbed_file(toy.model_dir, 0.05, 3))
         r = client.post("/v1/weights/load", json={"path": str(good), "version": 6})
         assert r.status_code == 200, r.text
         _at_version(sampler, 6)
-        v6 = _greedy(sampler, prompt)
-        _same(v6)
+        v6 = _agreed(sampler, prompt)
         assert not _close(v6[0][1], v2[0][1])
 
         # A killed replica comes back with the committed weights, read from the path.
@@ -120,7 +113,7 @@ def test_shared_dir_weights_and_rollback_of_a_rejected_update(
             return rep["state"] == "ok" and rep["pid"] != pids[1] and rep["policy_version"] == 6
 
         wait_for("replica 1 back at v6", back, 600)
-        _same(_greedy(sampler, prompt))
+        _agreed(sampler, prompt)
         assert _close(_greedy(sampler, prompt)[1][1], v6[0][1])
 
         # NCCL needs vLLM engines: hf replicas say so, as a single hf engine does.
@@ -137,25 +130,20 @@ def test_shared_dir_weights_and_rollback_of_a_rejected_update(
 def test_object_store_weights_roll_back_in_place(ray_cluster, make_sampler, toy) -> None:
     """Without --weights-dir the tensors travel once through Ray's object store; a refused
     update is rolled back by reloading the committed tensors from there."""
-    sampler = make_sampler(
-        ["--replicas", "2", "--ray-address", ray_cluster.address, "--replica-probe-s", "1"],
-        name="objects",
-    )
+    sampler = make_sampler(_args(ray_cluster), name="objects")
     with sampler.client() as client:
         Consumer(client).take(1)
         prompt = [1, 2, 3, 4]
         r = client.put(
-            "/v1/weights", params={"version": 2}, content=_perturbed(toy.model_dir, 0.05, 4)
+            "/v1/weights", params={"version": 2}, content=perturbed_file(toy.model_dir, 0.05, 4)
         )
         assert r.status_code == 200, r.text
         pids = [r["pid"] for r in _at_version(sampler, 2)]
-        v2 = _greedy(sampler, prompt)
-        _same(v2)
+        v2 = _agreed(sampler, prompt)
         r = client.put(
-            "/v1/weights", params={"version": 3}, content=_perturbed(toy.model_dir, 0.05, 5)
+            "/v1/weights", params={"version": 3}, content=perturbed_file(toy.model_dir, 0.05, 5)
         )
         assert r.status_code == 422, r.text
         assert [r["pid"] for r in _at_version(sampler, 2)] == pids
-        after = _greedy(sampler, prompt)
-        _same(after)
+        after = _agreed(sampler, prompt)
         assert _close(after[0][1], v2[0][1]) and after[0][0] == v2[0][0]
