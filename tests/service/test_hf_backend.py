@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 from support import perturbed_state
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2ForCausalLM
 
 from sampler_service.backends.base import (
     Completion,
@@ -28,6 +28,7 @@ from sampler_service.backends.base import (
 )
 from sampler_service.backends.hf import HFBackend
 from sampler_service.weights.vetting import spec_bytes, vet_weight_file
+from trainer_client.toy.model import build_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,19 +39,9 @@ VOCAB = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{c: i + 3 for i, c in enumerat
 
 def _save_model(path: Path, *, eos: int | None, tokenizer: bool) -> Path:
     torch.manual_seed(0)
-    config = Qwen2Config(
-        hidden_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        vocab_size=32,
-        tie_word_embeddings=False,
-        bos_token_id=BOS,
-        eos_token_id=eos,
-        pad_token_id=PAD,
-    )
+    # The toy's tiny Qwen2, on this vocabulary with a BOS, and the eos (or none) under test.
+    config = build_config(len(VOCAB), pad_id=PAD, eos_id=EOS)
+    config.bos_token_id, config.eos_token_id = BOS, eos
     Qwen2ForCausalLM(config).save_pretrained(path)
     # Defaults a real checkpoint ships; the backend must not let them shape sampling.
     GenerationConfig(
