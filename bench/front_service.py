@@ -30,6 +30,7 @@ targets use.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import importlib
 import json
@@ -134,15 +135,11 @@ def engine_spec(spec: Mapping[str, Any]) -> EngineSpec:
     """
     sigma = float(spec["length_sigma"])
     mean = float(spec["length_mean"])
-    return EngineSpec(
-        max_num_seqs=int(spec["slots"]),
-        step_base_s=float(spec["slots"]) / (float(spec["rate"]) * mean),
-        step_per_seq_s=0.0,
-        prefill_per_token_s=0.0,
-        length_median=mean * math.exp(-sigma * sigma / 2),
-        length_sigma=sigma,
-        tick_s=float(spec["engine_tick_s"]),
+    slots = int(spec["slots"])
+    engine = EngineSpec.fixed_step(
+        slots, slots / (float(spec["rate"]) * mean), mean * math.exp(-sigma * sigma / 2), sigma
     )
+    return dataclasses.replace(engine, tick_s=float(spec["engine_tick_s"]))
 
 
 class EngineThread(Backend):

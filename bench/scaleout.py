@@ -72,14 +72,7 @@ from trainer_client.contract.protocol import Group
 #: A replica of the simulated engine: 64 sequences, 50 ms per decode step, short answers
 #: (~16 tokens): about 80 answers/s each, so 8 replicas stay within what one front core
 #: verifies and routes on a small machine.
-SIM_SPEC = EngineSpec(
-    max_num_seqs=64,
-    step_base_s=0.05,
-    step_per_seq_s=0.0,
-    prefill_per_token_s=0.0,
-    length_median=16.0,
-    length_sigma=0.3,
-)
+SIM_SPEC = EngineSpec.fixed_step(64, step_s=0.05, length_median=16.0, length_sigma=0.3)
 PROMPTS = 512
 
 

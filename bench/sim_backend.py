@@ -88,6 +88,22 @@ class EngineSpec:
     #: moment anything happens (exact; costs a wake-up per finished sequence).
     tick_s: float = 0.0
 
+    @classmethod
+    def fixed_step(
+        cls, max_num_seqs: int, step_s: float, length_median: float, length_sigma: float
+    ) -> EngineSpec:
+        """An engine whose decode step takes `step_s` however many sequences run, with no
+        prefill: when full it finishes max_num_seqs / (step_s x mean length) answers a
+        second, a rate set exactly."""
+        return cls(
+            max_num_seqs=max_num_seqs,
+            step_base_s=step_s,
+            step_per_seq_s=0.0,
+            prefill_per_token_s=0.0,
+            length_median=length_median,
+            length_sigma=length_sigma,
+        )
+
     def step_s(self, running: int) -> float:
         return self.step_base_s + self.step_per_seq_s * running
 
