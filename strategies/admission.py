@@ -42,13 +42,11 @@ class HistorySkipParams(Params):
     max_skip: float = Field(0.9, ge=0.0, le=0.99)
 
 
-@ADMISSIONS.policy
+@ADMISSIONS.policy("history_skip", HistorySkipParams)
 class HistorySkip(AdmissionPolicy):
     """p_skip = min(max_skip, 1 - explore ** streak), streak = consecutive finalized groups
     of the prompt with no correct or no incorrect answer."""
 
-    name = "history_skip"
-    Params = HistorySkipParams
     params: HistorySkipParams
 
     def probability(self, streak: int) -> float:

@@ -132,12 +132,10 @@ class PosteriorParams(Params):
     )
 
 
-@ALLOCATIONS.policy
+@ALLOCATIONS.policy("posterior", PosteriorParams)
 class Posterior(AllocationPolicy):
     """Pilot for a prompt never solved; else the smallest n with I(n) >= confidence."""
 
-    name = "posterior"
-    Params = PosteriorParams
     params: PosteriorParams
 
     def validate(self, n_max: int) -> None:
@@ -170,12 +168,10 @@ class KnapsackParams(Params):
     )
 
 
-@ALLOCATIONS.policy
+@ALLOCATIONS.policy("knapsack", KnapsackParams)
 class Knapsack(AllocationPolicy):
     """Greedy (threshold) allocation of a mean budget by marginal informative value."""
 
-    name = "knapsack"
-    Params = KnapsackParams
     params: KnapsackParams
 
     def __init__(self, params: KnapsackParams) -> None:
@@ -254,12 +250,10 @@ class PilotCommitParams(Params):
     )
 
 
-@ALLOCATIONS.policy
+@ALLOCATIONS.policy("pilot_commit", PilotCommitParams)
 class PilotCommit(AllocationPolicy):
     """A pilot, then ``commit`` answers where an informative group is predicted."""
 
-    name = "pilot_commit"
-    Params = PilotCommitParams
     params: PilotCommitParams
 
     def validate(self, n_max: int) -> None:

@@ -148,12 +148,10 @@ class StaticParams(MixerParams):
     proportions: dict[str, float] | None = None
 
 
-@MIXERS.policy
+@MIXERS.policy("static", StaticParams)
 class Static(Mixer):
     """Fixed proportions (uniform if none are given), floored; no warmup applies."""
 
-    name = "static"
-    Params = StaticParams
     params: StaticParams
 
     def __init__(self, params: StaticParams) -> None:
@@ -202,12 +200,10 @@ class RewardGapParams(MixerParams):
     temperature: float = Field(0.2, gt=0.0)
 
 
-@MIXERS.policy
+@MIXERS.policy("reward_gap", RewardGapParams)
 class RewardGap(LearnedMixer):
     """More prompts for domains whose windowed mean reward lags the best domain's."""
 
-    name = "reward_gap"
-    Params = RewardGapParams
     params: RewardGapParams
 
     def _logits(self, scored: list[str]) -> np.ndarray:
@@ -221,13 +217,11 @@ class DumpUcbParams(MixerParams):
     c: float = Field(1.0, ge=0.0)
 
 
-@MIXERS.policy
+@MIXERS.policy("dump_ucb", DumpUcbParams)
 class DumpUcb(LearnedMixer):
     """UCB bandit over domains: value = windowed mean |A| (how much the domain still
     teaches) plus an exploration bonus from the real visit counts."""
 
-    name = "dump_ucb"
-    Params = DumpUcbParams
     params: DumpUcbParams
 
     def _logits(self, scored: list[str]) -> np.ndarray:
@@ -246,13 +240,11 @@ class TsclParams(MixerParams):
     temperature: float = Field(0.1, gt=0.0)
 
 
-@MIXERS.policy
+@MIXERS.policy("tscl", TsclParams)
 class Tscl(LearnedMixer):
     """Teacher-student curriculum: favor domains whose reward is changing fastest
     (up or down), i.e. where the policy is learning or forgetting."""
 
-    name = "tscl"
-    Params = TsclParams
     params: TsclParams
     min_points = 2  # a slope needs two points
 

@@ -42,11 +42,11 @@ class NoParams(Params):
 
 
 class Policy:
-    """Base of policy classes: a class declares its registry name, scope and parameters."""
+    """Base of policy classes: a class declares its scope and the type of its parameters;
+    its registry decorator gives it its name and the model that validates them."""
 
     name: ClassVar[str]
     scope: ClassVar[Scope]
-    Params: ClassVar[type[BaseModel]] = NoParams
 
     def __init__(self, params: BaseModel) -> None:
         self.params = params
@@ -83,11 +83,17 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._entries[name] = Entry(params=params, factory=factory, scope=scope)
 
-    def policy(self, cls: P) -> P:
-        """Class decorator: register a :class:`Policy` subclass under its ``name``."""
-        # A policy class is its own factory: calling it with the validated params builds it.
-        self.add(cls.name, cls.Params, cast(Callable[[Any], T], cls), cls.scope)
-        return cls
+    def policy(self, name: str, params: type[BaseModel] = NoParams) -> Callable[[P], P]:
+        """Class decorator: register a :class:`Policy` subclass as ``name``, built from
+        parameters validated by ``params``; the class's ``name`` is set to it."""
+
+        def register(cls: P) -> P:
+            cls.name = name
+            # A policy class is its own factory: calling it with the validated params builds it.
+            self.add(name, params, cast(Callable[[Any], T], cls), cls.scope)
+            return cls
+
+        return register
 
     def names(self, scope: Scope | None = None) -> list[str]:
         """Registered names (of one scope if given), in registration order."""

@@ -49,12 +49,10 @@ class PerParams(Params):
     alpha: float = Field(0.5, ge=0.0)
 
 
-@REWEIGHTINGS.policy
+@REWEIGHTINGS.policy("per", PerParams)
 class Per(SampleReweighting):
     """Prioritized replay: w = (|A| + 1e-8) ** alpha."""
 
-    name = "per"
-    Params = PerParams
     params: PerParams
 
     def sample_weights(self, batch: BatchView) -> list[np.ndarray]:
@@ -65,12 +63,10 @@ class SoftmaxParams(Params):
     temperature: float = Field(1.0, gt=0.0)
 
 
-@REWEIGHTINGS.policy
+@REWEIGHTINGS.policy("softmax", SoftmaxParams)
 class Softmax(SampleReweighting):
     """w proportional to exp(|A| / temperature) over the frame."""
 
-    name = "softmax"
-    Params = SoftmaxParams
     params: SoftmaxParams
 
     def sample_weights(self, batch: BatchView) -> list[np.ndarray]:
@@ -90,7 +86,7 @@ class DiffBandParams(Params):
     focus_weight: float = Field(2.0, gt=0.0)
 
 
-@REWEIGHTINGS.policy
+@REWEIGHTINGS.policy("diffband", DiffBandParams)
 class DiffBand(SampleReweighting):
     """Emphasize mid-difficulty groups: focus_weight for a group whose pass rate lies in
     [quantile(low_q), quantile(high_q)] of the frame's group pass rates, else 1.
@@ -98,8 +94,6 @@ class DiffBand(SampleReweighting):
     DataFlex-RL banded raw binary rewards, which is a no-op; the band is over pass rates.
     """
 
-    name = "diffband"
-    Params = DiffBandParams
     params: DiffBandParams
 
     def __init__(self, params: DiffBandParams) -> None:
@@ -125,12 +119,10 @@ class ArParams(Params):
     alpha: float = Field(0.5, ge=0.0, le=1.0)
 
 
-@REWEIGHTINGS.policy
+@REWEIGHTINGS.policy("ar", ArParams)
 class Ar(TokenReweighting):
     """Token weights from the sampler's own probabilities: w_t = alpha p_t + 1 - alpha."""
 
-    name = "ar"
-    Params = ArParams
     params: ArParams
 
     def token_weights(self, batch: BatchView) -> list[list[np.ndarray]]:

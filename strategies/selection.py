@@ -55,11 +55,9 @@ def _all(view: GroupView) -> np.ndarray:
     return np.arange(len(view.rewards))
 
 
-@SELECTIONS.policy
+@SELECTIONS.policy("nonzero_std")
 class NonzeroStd(GroupSelection):
     """DAPO dynamic sampling: drop groups whose kept rewards are all equal (no signal)."""
-
-    name = "nonzero_std"
 
     def select(self, view: GroupView) -> np.ndarray | None:
         if len(view.rewards) == 0 or np.ptp(view.rewards) == 0:
@@ -72,12 +70,10 @@ class DiffFilterParams(Params):
     high: float = Field(0.8, ge=0.0, le=1.0)
 
 
-@SELECTIONS.policy
+@SELECTIONS.policy("difffilter", DiffFilterParams)
 class DiffFilter(GroupSelection):
     """Keep a group iff low < pass rate < high, the pass rate over all its answers."""
 
-    name = "difffilter"
-    Params = DiffFilterParams
     params: DiffFilterParams
 
     def __init__(self, params: DiffFilterParams) -> None:
@@ -95,13 +91,11 @@ class MaxVarParams(Params):
     keep_fraction: float = Field(0.5, gt=0.0, le=1.0)
 
 
-@SELECTIONS.policy
+@SELECTIONS.policy("maxvar", MaxVarParams)
 class MaxVar(GroupSelection):
     """PODS: keep the m = max(2, round_half_up(keep_fraction * n)) samples of maximal
     reward variance among the n kept."""
 
-    name = "maxvar"
-    Params = MaxVarParams
     params: MaxVarParams
 
     def select(self, view: GroupView) -> np.ndarray | None:
@@ -115,13 +109,11 @@ class GfpoParams(Params):
     metric: Literal["efficiency", "short"] = "efficiency"
 
 
-@SELECTIONS.policy
+@SELECTIONS.policy("gfpo", GfpoParams)
 class Gfpo(GroupSelection):
     """GFPO: keep the top-k samples by reward per token (``efficiency``) or the k
     shortest (``short``), curbing length growth."""
 
-    name = "gfpo"
-    Params = GfpoParams
     params: GfpoParams
 
     def select(self, view: GroupView) -> np.ndarray | None:
@@ -137,14 +129,12 @@ class TopKParams(Params):
     fraction: float = Field(0.5, gt=0.0, le=1.0)
 
 
-@SELECTIONS.policy
+@SELECTIONS.policy("topk", TopKParams)
 class TopK(BatchSelection):
     """Keep the max(1, round_half_up(fraction * S)) samples of the frame's S with the
     largest |advantage| (ties by batch_index, then sample order). Advantages are not
     recomputed; a group left with fewer than 2 samples is dropped."""
 
-    name = "topk"
-    Params = TopKParams
     params: TopKParams
 
     def select(self, batch: BatchView) -> list[np.ndarray]:

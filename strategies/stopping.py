@@ -62,7 +62,6 @@ class StoppingRule(Policy, ABC):
     """Base rule: subclasses define ``done`` and how many answers they still want."""
 
     scope = "prompt"
-    Params = StoppingParams
     params: StoppingParams
 
     def __init__(self, params: StoppingParams) -> None:
@@ -103,11 +102,9 @@ class StoppingRule(Policy, ABC):
 RULES: Registry[StoppingRule] = Registry("rule")
 
 
-@RULES.policy
+@RULES.policy("fixed", StoppingParams)
 class Fixed(StoppingRule):
     """Plain GRPO: exactly group_size answers (waves never overshoot it)."""
-
-    name = "fixed"
 
     def validate(self) -> None:
         super().validate()
@@ -149,11 +146,9 @@ class _CountRule(StoppingRule):
         )
 
 
-@RULES.policy
+@RULES.policy("positive", StoppingParams)
 class Positive(_CountRule):
     """Seq-Pos: stop at n_pos >= k_pos."""
-
-    name = "positive"
 
     def validate(self) -> None:
         super().validate()
@@ -168,11 +163,9 @@ class Positive(_CountRule):
         return max(0, self.params.k_pos - n_pos), 0
 
 
-@RULES.policy
+@RULES.policy("balanced", StoppingParams)
 class Balanced(_CountRule):
     """Seq-Balance: stop at n_pos >= k_pos and n_neg >= k_neg."""
-
-    name = "balanced"
 
     def validate(self) -> None:
         super().validate()
@@ -191,7 +184,7 @@ class Balanced(_CountRule):
         return max(0, self.params.k_pos - n_pos), max(0, self.params.k_neg - n_neg)
 
 
-@RULES.policy
+@RULES.policy("est", StoppingParams)
 class Est(StoppingRule):
     """Reinforce-Ada Est: generate the prompt's pre-allocated budget N_x (capped at n_max),
     of the estimator's ``budget_form``: the paper's c / sqrt(p + eps) by default, or the
@@ -200,8 +193,6 @@ class Est(StoppingRule):
     N_x is read from the estimator at each call, so a recalibration while the prompt is
     in flight applies to its remaining waves. ``wave: adaptive`` does not apply.
     """
-
-    name = "est"
 
     def validate(self) -> None:
         super().validate()
