@@ -63,8 +63,11 @@ test:
 	printf "suite wall times:$$times\n"; \
 	if [ -n "$$failed" ]; then echo "failed suites:$$failed"; exit 1; fi
 
+# Two workers, a test file each at a time (a module's shared server stays in one
+# worker): the suite mostly waits on servers, so two workers fit two cores.
+CORE_WORKERS ?= 2
 test-core: venv
-	$(BIN)/python -m pytest tests -m "$(CORE_EXPR)" -q
+	$(BIN)/python -m pytest tests -m "$(CORE_EXPR)" -q -n $(CORE_WORKERS) --dist loadfile
 
 # The pure suite (no server, no engine): a quick check while editing. It is
 # part of test-core too, so `make test` does not list it apart.

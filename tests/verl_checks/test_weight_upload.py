@@ -79,18 +79,19 @@ def test_tied_tensors_travel_once() -> None:
 
 
 def test_float32_trainer_to_bfloat16_sampler(bf16_sampler: str, toy: Any) -> None:
-    client = SamplerClient(bf16_sampler)
-    assert client.stats()["engine"]["dtype"] == "bfloat16"
-    model = _model(toy)
-    state = model.state_dict()
-    pusher = WeightPusher(SamplerSettings.from_mapping({"url": bf16_sampler}))
-    assert pusher.wire_dtype() == torch.bfloat16
-    version = client.health().policy_version + 1
-    metrics = pusher.push(state, version)
-    assert client.health().policy_version == version == metrics[f"{MODE}/policy_version"]
-    unique = unique_tensors(state.items())
-    bf16_bytes = sum(t.numel() * 2 for _, t in unique)
-    # the body is the bf16 tensors plus a header, half of what float32 would be
-    assert bf16_bytes < metrics[f"{MODE}/weight_bytes"] < bf16_bytes + 64 * 1024
-    # the trainer's own tensors are untouched by the cast
-    assert all(t.dtype == torch.float32 for t in model.state_dict().values())
+    # One client for the checks and the pusher, closed with the test.
+    with SamplerClient(bf16_sampler) as client:
+        assert client.stats()["engine"]["dtype"] == "bfloat16"
+        model = _model(toy)
+        state = model.state_dict()
+        pusher = WeightPusher(SamplerSettings.from_mapping({"url": bf16_sampler}), client=client)
+        assert pusher.wire_dtype() == torch.bfloat16
+        version = client.health().policy_version + 1
+        metrics = pusher.push(state, version)
+        assert client.health().policy_version == version == metrics[f"{MODE}/policy_version"]
+        unique = unique_tensors(state.items())
+        bf16_bytes = sum(t.numel() * 2 for _, t in unique)
+        # the body is the bf16 tensors plus a header, half of what float32 would be
+        assert bf16_bytes < metrics[f"{MODE}/weight_bytes"] < bf16_bytes + 64 * 1024
+        # the trainer's own tensors are untouched by the cast
+        assert all(t.dtype == torch.float32 for t in model.state_dict().values())
