@@ -855,6 +855,26 @@ def _entry(target: str, setting: str | None, goal: str, **fields: Any) -> dict[s
             "measured": None, "met": False, "reason": None, **fields}  # fmt: skip
 
 
+def _explain_misses(entries: dict[str, dict[str, Any]]) -> None:
+    """Why an answers target is missed, from the runs: answers to the target = 1 /
+    (informative groups per answer x what one informative group teaches), both as ratios
+    to GRPO n=4, so the second is 1 / (answers ratio x informative ratio)."""
+    answers, informative = entries["answers"], entries["informative"]
+    if answers["met"] or not answers["measured"] or not informative["measured"]:
+        return
+    ratio, inf = answers["measured"]["ratio"], informative["measured"]["ratio"]
+    taught = 1.0 / (ratio * inf)
+    bound = " at most" if answers["measured"]["text"].startswith(">") else ""
+    why = (
+        f"{inf:.2f}x the informative groups per answer, but each taught{bound} "
+        f"{taught:.2f}x what one of GRPO n=4's does (1 / (answers ratio x informative "
+        f"ratio)); at that rate 0.5x needs {1 / (0.5 * taught):.2f}x the informative groups"
+    )
+    for key in ("answers", "model_s"):
+        if not entries[key]["met"] and entries[key]["reason"] is None:
+            entries[key]["reason"] = why
+
+
 def targets(by_setting: dict[str, Any], step_time: dict[str, Any] | None) -> dict[str, Any]:
     """One entry per target, computed from the runs (measured None, met False and a
     reason where the runs needed are missing)."""
@@ -912,6 +932,16 @@ def targets(by_setting: dict[str, Any], step_time: dict[str, Any] | None) -> dic
                 e["measured"] = {"ratio": ratio, "baseline": strongest,
                                  "lower_bound": tt["answers"][best]["lower_bound"]}  # fmt: skip
                 e["met"] = bool(ratio <= 0.75 and not tt["answers"][best]["lower_bound"])
+                if not e["met"]:
+                    e["reason"] = (
+                        f"{strongest} alone needs {bases[strongest]['text']} of GRPO n=4's "
+                        f"answers; {best} {tt['answers'][best]['text']}"
+                    )
+                    if bases[strongest]["lower_bound"]:
+                        e["reason"] += (
+                            f" (some {strongest} seeds never reach it: the ratio is at most "
+                            f"{ratio:.2f})"
+                        )
             e = entries["held_out"]
             e["method"] = best
             his = {m: block["paired"][m]["answers"].get(best) for m in ("greedy", "t1")}
@@ -924,6 +954,7 @@ def targets(by_setting: dict[str, Any], step_time: dict[str, Any] | None) -> dic
             if ir:
                 e["measured"] = {"ratio": ir["geomean"], "ci95": ir["ci95"], "text": ir["text"]}
                 e["met"] = bool(ir["geomean"] >= 1.5)
+            _explain_misses(entries)
         for k, e in entries.items():
             out[f"{setting}/{k}"] = e
     # add2: not worse than GRPO n=4 (training-prompt T=1 at equal answers, paired).

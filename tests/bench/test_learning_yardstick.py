@@ -189,3 +189,21 @@ def test_a_lower_bound_ranks_behind_every_measured_ratio() -> None:
         "grpo4": entry(1.0, False), "seqbal": entry(0.3, True), "seqpos1": entry(0.9, False),
     }}}}  # fmt: skip
     assert learning._best_adaptive(block) == "seqpos1"
+
+
+def test_a_missed_answers_target_says_what_one_informative_group_taught() -> None:
+    answers = {"ratio": 0.8, "ci95": [0.7, 0.9], "text": "0.80 (0.70 .. 0.90)", "seeds": 5}
+    entries = {
+        "answers": {"met": False, "measured": answers, "reason": None},
+        "model_s": {"met": False, "measured": answers, "reason": None},
+        "informative": {"met": True, "measured": {"ratio": 2.5}, "reason": None},
+    }
+    learning._explain_misses(entries)
+    # 1 / (0.8 x 2.5) = 0.5: each informative group taught half of GRPO n=4's; 0.5x the
+    # answers would need 1 / (0.5 x 0.5) = 4x the informative groups.
+    assert "taught 0.50x" in entries["answers"]["reason"]
+    assert "needs 4.00x the informative groups" in entries["answers"]["reason"]
+    assert entries["model_s"]["reason"] == entries["answers"]["reason"]
+    met = {**entries, "answers": {"met": True, "measured": answers, "reason": None}}
+    learning._explain_misses(met)
+    assert met["answers"]["reason"] is None
