@@ -651,10 +651,12 @@ class ServeSettings(_Strict):
     engine_resolve_s: float = Field(
         10.0, gt=0, description="how often --engine-service names are re-resolved (seconds)"
     )
-    engine_dialect: Literal["vllm", "sglang"] = Field(
+    engine_dialect: Literal["vllm", "vllm-generate", "sglang"] = Field(
         "vllm",
-        description="with --backend http: the servers' API, vllm (vllm serve, tested live) or "
-        "sglang (SGLang's native /generate and weight endpoints, tested against its "
+        description="with --backend http: the servers' API, vllm (vllm serve, tested live), "
+        "vllm-generate (vllm serve --enable-scale-out: waves through /inference/v1/generate, "
+        "each answer's weight_versions spans checked against the wave's label; tested live) "
+        "or sglang (SGLang's native /generate and weight endpoints, tested against its "
         "documented shapes)",
     )
 
@@ -668,7 +670,7 @@ class ServeSettings(_Strict):
             if self.replica.compare_checksums:
                 raise ValueError("engine_compare_checksums is for --backend http")
             return self
-        if self.replica.compare_checksums and self.engine_dialect != "vllm":
+        if self.replica.compare_checksums and self.engine_dialect == "sglang":
             raise ValueError(
                 "engine_compare_checksums needs vLLM servers (SGLang has no /weight_checker)"
             )

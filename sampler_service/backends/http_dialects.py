@@ -8,6 +8,11 @@ answer back as token ids and logprobs, and how to reload weights from a path.
 - `vllm`: `vllm serve` with `VLLM_SERVER_DEV_MODE=1` (its RL endpoints). Waves are
   `/v1/completions` with token-id prompts; weights reload through `/collective_rpc`
   `reload_weights`; labels through `/weight_info` and `/update_weight_version`.
+- `vllm-generate`: the same servers started with `--enable-scale-out` too. Waves are
+  `/inference/v1/generate` (token ids in, token ids and logprobs out), whose answers
+  carry `weight_versions`: the label under which each run of tokens was sampled. The
+  backend checks every span against the label the wave was sent under, so an answer a
+  foreign reload touched is never kept; everything else is `vllm`'s.
 - `sglang`: SGLang's native API. Waves are `/generate` with `input_ids` and
   `sampling_params` (`n` answers, `sampling_seed`), `return_logprob` giving
   `meta_info.output_token_logprobs` as `[logprob, token_id, text]` triples; weights reload
@@ -19,15 +24,16 @@ answer back as token ids and logprobs, and how to reload weights from a path.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from sampler_service.backends.base import SamplingParams
 
-DialectName = Literal["vllm", "sglang"]
+DialectName = Literal["vllm", "vllm-generate", "sglang"]
 
-#: token ids, their logprobs, finish reason ("stop", "length", "abort" or the server's word)
-Answer = tuple[list[int], list[float], str | None]
+#: token ids, their logprobs, finish reason ("stop", "length", "abort" or the server's
+#: word), and the weight labels its tokens were sampled under (None: not reported)
+Answer = tuple[list[int], list[float], str | None, tuple[str, ...] | None]
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,45 @@ def _vllm_answers(body: Any) -> list[Answer]:
         if tokens and tokens != ids:
             raise RuntimeError("the server's token ids and logprob tokens differ")
         values = [float(v) for v in logprobs.get("token_logprobs") or []]
-        out.append((ids, values, choice.get("finish_reason")))
+        out.append((ids, values, choice.get("finish_reason"), None))
+    return out
+
+
+def _vllm_generate_request(
+    model: str, prompt: list[int], n: int, sampling: SamplingParams, request_id: str
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "request_id": request_id,
+        "token_ids": prompt,
+        "sampling_params": {
+            "n": n,
+            "max_tokens": sampling.max_tokens,
+            **_knobs(sampling, 0),
+            "seed": sampling.seed,
+            "logprobs": 0,
+            "include_stop_str_in_output": True,
+        },
+        "output_mode": "tokens",
+        "stream": False,
+    }
+
+
+def _vllm_generate_answers(body: Any) -> list[Answer]:
+    """`logprobs.content` holds the sampled token first; `weight_versions` spans cover
+    the answer's tokens (each `[start, end)` under one label)."""
+    out: list[Answer] = []
+    for choice in sorted(body["choices"], key=lambda c: c["index"]):
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if content and [int(c["token_id"]) for c in content] != ids:
+            raise RuntimeError("the server's token ids and logprob tokens differ")
+        spans = choice.get("weight_versions")
+        labels = None if spans is None else tuple(str(span["version"]) for span in spans)
+        if spans and sum(int(span["end"]) - int(span["start"]) for span in spans) != len(ids):
+            raise RuntimeError("the server's weight_versions spans do not cover the answer")
+        values = [float(c["logprob"]) for c in content]
+        out.append((ids, values, choice.get("finish_reason"), labels))
     return out
 
 
@@ -142,7 +186,7 @@ def _sglang_answers(body: Any) -> list[Answer]:
             raise RuntimeError("the server's output_ids and logprob tokens differ")
         reason = meta.get("finish_reason")
         kind = reason.get("type") if isinstance(reason, dict) else reason
-        out.append((ids, [float(t[0]) for t in triples], kind))
+        out.append((ids, [float(t[0]) for t in triples], kind, None))
     return out
 
 
@@ -186,4 +230,17 @@ SGLANG = Dialect(
     abort_bodies=lambda ids: [{"rid": rid} for rid in sorted(ids)],
 )
 
-DIALECTS: dict[DialectName, Dialect] = {"vllm": VLLM, "sglang": SGLANG}
+VLLM_GENERATE = replace(
+    VLLM,
+    name="vllm-generate",
+    generate="/inference/v1/generate",
+    hint="start the server with VLLM_SERVER_DEV_MODE=1 and --enable-scale-out",
+    request=_vllm_generate_request,
+    answers=_vllm_generate_answers,
+)
+
+DIALECTS: dict[DialectName, Dialect] = {
+    "vllm": VLLM,
+    "vllm-generate": VLLM_GENERATE,
+    "sglang": SGLANG,
+}

@@ -130,6 +130,11 @@ class _ServerFailed(RuntimeError):
     """The wave's server was found down while the wave ran (the pool re-issues it)."""
 
 
+class _ForeignWeights(RuntimeError):
+    """The server reported tokens sampled under a label other than the wave's: someone
+    else changed its weights. The wave is re-issued and the server resynced."""
+
+
 @dataclass(eq=False)
 class _Server:
     index: int
@@ -442,6 +447,13 @@ class HTTPEngineBackend(CheckpointBackend):
                 out = await self._wave(srv, prompt, n, sampling, version)
             except GenerationAborted:
                 raise  # a weight update's abort: the scheduler re-issues it after the update
+            except _ForeignWeights as exc:
+                self._distrust(srv, str(exc))
+                srv.reissued += 1
+                self.metrics.replica_reissued_waves.labels(label, "foreign_weights").inc()
+                self.metrics.replica_wasted_samples.labels(label).inc(n)
+                reissue = True
+                continue
             except (httpx.TransportError, _ServerFailed, ServerError) as exc:
                 self._fail(srv, epoch, repr(exc))
                 srv.reissued += 1
@@ -491,11 +503,16 @@ class HTTPEngineBackend(CheckpointBackend):
         answers = self._dialect.answers(response.json())
         if len(answers) != n:
             raise GenerationAborted(f"{srv.url} returned {len(answers)} of {n} answers")
+        expected = self.label(version)
+        if foreign := {x for a in answers for x in a[3] or () if x != expected}:
+            raise _ForeignWeights(
+                f"{srv.url} sampled tokens under {sorted(foreign)}, not {expected!r}"
+            )
         srv.waves += 1
         return [self._completion(a, version) for a in answers]
 
     def _completion(self, answer: Answer, version: int) -> Completion:
-        ids, values, reason = answer
+        ids, values, reason, _ = answer
         if reason == "abort":
             raise GenerationAborted("the server aborted the request")
         if reason != "stop" and reason != "length":

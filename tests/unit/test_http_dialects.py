@@ -350,3 +350,36 @@ async def test_servers_join_and_leave_with_the_service(
         assert not first.calls and second.calls[-1][0] == "/generate"
     finally:
         await backend.close()
+
+
+def test_vllm_generate_answers_carry_their_weight_labels_and_must_add_up() -> None:
+    """/inference/v1/generate's tokens-mode choice, as vLLM's protocol.py shapes it."""
+    from sampler_service.backends.http_dialects import VLLM_GENERATE
+
+    def choice(index: int, ids: list[int], spans: list[tuple[str, int, int]] | None) -> dict:
+        return {
+            "index": index,
+            "finish_reason": "length",
+            "token_ids": ids,
+            "logprobs": {"content": [{"token_id": t, "logprob": -0.25 * t} for t in ids]},
+            "weight_versions": None
+            if spans is None
+            else [{"version": v, "start": a, "end": b} for v, a, b in spans],
+        }
+
+    body = {
+        "choices": [
+            choice(1, [4, 5, 6], [("a/v1", 0, 2), ("a/v2", 2, 3)]),
+            choice(0, [7, 8], [("a/v1", 0, 2)]),
+        ]
+    }
+    assert VLLM_GENERATE.answers(body) == [
+        ([7, 8], [-1.75, -2.0], "length", ("a/v1",)),
+        ([4, 5, 6], [-1.0, -1.25, -1.5], "length", ("a/v1", "a/v2")),
+    ]
+    assert VLLM_GENERATE.answers({"choices": [choice(0, [7], None)]})[0][3] is None
+    with pytest.raises(RuntimeError, match="do not cover"):
+        VLLM_GENERATE.answers({"choices": [choice(0, [7, 8], [("a/v1", 0, 1)])]})
+    request = VLLM_GENERATE.request("toy", [1, 2], 4, SamplingParams(max_tokens=3, seed=9), "r")
+    assert request["token_ids"] == [1, 2] and request["output_mode"] == "tokens"
+    assert request["sampling_params"]["n"] == 4 and request["sampling_params"]["seed"] == 9

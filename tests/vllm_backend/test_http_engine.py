@@ -41,7 +41,10 @@ def fleet(toy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     pytest.importorskip("vllm.entrypoints.openai.api_server")
     root = tmp_path_factory.mktemp("http-engine")
     started = time.monotonic()
-    servers = [EngineServer(toy.model_dir, root / f"vllm-{i}.log").start() for i in range(2)]
+    servers = [
+        EngineServer(toy.model_dir, root / f"vllm-{i}.log", args=("--enable-scale-out",)).start()
+        for i in range(2)
+    ]
     try:
         for server in servers:
             server.wait_ready()
@@ -180,7 +183,7 @@ def local(toy, loop_thread) -> Iterator[Any]:
     loop_thread.run(engine.close(), timeout=120)
 
 
-def _http_backend(fleet: Fleet, toy, weights_dir: Path) -> Any:
+def _http_backend(fleet: Fleet, toy, weights_dir: Path, **settings: Any) -> Any:
     """A second client of server 0 under the fleet's instance: its label is the fleet's
     committed one, so this client resyncs nothing."""
     from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
@@ -188,7 +191,10 @@ def _http_backend(fleet: Fleet, toy, weights_dir: Path) -> Any:
     return HTTPEngineBackend(
         toy.model_dir,
         HTTPPoolSettings(
-            urls=(fleet.servers[0].url,), instance_id=fleet.instance, weights_dir=weights_dir
+            urls=(fleet.servers[0].url,),
+            instance_id=fleet.instance,
+            weights_dir=weights_dir,
+            **settings,
         ),
     )
 
@@ -209,6 +215,53 @@ def test_seeded_answers_match_the_in_process_backend(
             assert [c.token_ids for c in there] == [c.token_ids for c in here]
             for a, b in zip(there, here, strict=True):
                 assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-3
+        assert _weight_label(fleet.servers[0]) == fleet.label(0)
+    finally:
+        loop_thread.run(http.close())
+
+
+def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(
+    fleet: Fleet, toy, local, loop_thread, tmp_path: Path
+) -> None:
+    """The `vllm-generate` dialect (/inference/v1/generate, served with
+    --enable-scale-out) returns the tokens /v1/completions does, and each answer's
+    weight_versions spans: a server someone else relabelled is caught by the first wave
+    it answers, which is sent again once the server is resynced, never kept."""
+    from sampler_service.backends.base import SamplingParams
+    from sampler_service.backends.http_dialects import VLLM_GENERATE
+    from sampler_service.config import ReplicaSettings
+
+    http = _http_backend(
+        fleet,
+        toy,
+        tmp_path,
+        dialect=VLLM_GENERATE,
+        replica=ReplicaSettings(probe_s=0.5),
+    )
+    sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
+
+    def reissued() -> float | None:
+        return http.metrics.registry.get_sample_value(
+            "adaptive_rollout_replica_reissued_waves_total",
+            {"replica": "0", "reason": "foreign_weights"},
+        )
+
+    try:
+        loop_thread.run(http.start())
+        there = loop_thread.run(http.generate(PROMPT, 4, sampling))
+        here = loop_thread.run(local.generate(PROMPT, 4, sampling))
+        assert [c.token_ids for c in there] == [c.token_ids for c in here]
+        assert not reissued()
+        r = httpx.post(
+            fleet.servers[0].url + "/update_weight_version",
+            json={"new_version": "someone-else"},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        again = loop_thread.run(http.generate(PROMPT, 4, sampling), timeout=120)
+        assert reissued() == 1
+        assert [c.token_ids for c in again] == [c.token_ids for c in here]
+        assert {c.policy_version for c in again} == {0}
         assert _weight_label(fleet.servers[0]) == fleet.label(0)
     finally:
         loop_thread.run(http.close())
