@@ -82,18 +82,25 @@ def _knobs(sampling: SamplingParams, no_top_k: int) -> dict[str, Any]:
     }
 
 
-def _vllm_request(
-    model: str, prompt: list[int], n: int, sampling: SamplingParams, request_id: str
-) -> dict[str, Any]:
+def _vllm_sampling(n: int, sampling: SamplingParams) -> dict[str, Any]:
+    """vLLM's SamplingParams fields, as both of its generate endpoints read them."""
     return {
-        "model": model,
-        "prompt": prompt,
         "n": n,
         "max_tokens": sampling.max_tokens,
         **_knobs(sampling, 0),
         "seed": sampling.seed,
         "logprobs": 0,
         "include_stop_str_in_output": True,
+    }
+
+
+def _vllm_request(
+    model: str, prompt: list[int], n: int, sampling: SamplingParams, request_id: str
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        **_vllm_sampling(n, sampling),
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
         "request_id": request_id,
@@ -120,14 +127,7 @@ def _vllm_generate_request(
         "model": model,
         "request_id": request_id,
         "token_ids": prompt,
-        "sampling_params": {
-            "n": n,
-            "max_tokens": sampling.max_tokens,
-            **_knobs(sampling, 0),
-            "seed": sampling.seed,
-            "logprobs": 0,
-            "include_stop_str_in_output": True,
-        },
+        "sampling_params": _vllm_sampling(n, sampling),
         "output_mode": "tokens",
         "stream": False,
     }
