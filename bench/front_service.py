@@ -219,7 +219,8 @@ def _payload_bytes(args: tuple[Any, ...], result: Any) -> int:
 
 
 def _frame_bytes(args: tuple[Any, ...], result: Any) -> int:
-    return sum(len(payload) for _, payload in args[2])  # Store.frame(self, batch_id, members)
+    # Store.frame(self, frames, state): every frame's members' bytes
+    return sum(len(payload) for frame in args[1] for _, payload in frame.members)
 
 
 def _result_bytes(args: tuple[Any, ...], result: Any) -> int:

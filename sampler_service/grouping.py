@@ -183,9 +183,10 @@ def _batch_view(groups: Sequence[Group]) -> views.BatchView:
 
 @dataclass(frozen=True)
 class FrameResult:
-    """A formed batch frame: the groups that stay, in frame order, and the dropped
+    """A formed batch frame: its id, the groups that stay, in frame order, and the dropped
     ones with the name of the policy that dropped each."""
 
+    batch_id: str
     kept: list[Group]
     dropped: list[tuple[Group, str]]
 
@@ -227,4 +228,4 @@ def apply_batch_policies(
                     sample.token_weights = [float(w) for w in token_w[gi][si]]
     for i, group in enumerate(frame):
         group.batch_id, group.batch_index, group.batch_size = batch_id, i, len(frame)
-    return FrameResult(frame, dropped)
+    return FrameResult(batch_id, frame, dropped)

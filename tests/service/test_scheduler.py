@@ -412,15 +412,21 @@ async def test_weight_drain_timeout_aborts_waves_still_running(toy, backend, cap
 
 
 class SlowSink(MemorySink):
-    """A store that takes 50 ms per group: the engine must not wait for it."""
+    """A store that takes 50 ms per write: the engine must not wait for it. Records how
+    many frames each write took."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[int] = []
 
     async def add_pending(self, group: Any, state: Any) -> None:
         await asyncio.sleep(0.05)
 
-    async def add_frame(self, groups: Any, dropped: Any, state: Any = None) -> None:
+    async def add_frames(self, frames: Any, state: Any = None) -> None:
         # Frames of one group are stored by this call alone (no pending write first).
         await asyncio.sleep(0.05)
-        await super().add_frame(groups, dropped, state)
+        self.writes.append(len(frames))
+        await super().add_frames(frames, state)
 
 
 async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(toy, backend) -> None:
@@ -450,6 +456,8 @@ async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(toy, 
     assert scheduler._finalizing == 0
     finished = sum(scheduler.stats.stop_reasons.values())
     assert finished >= 8 and len(sink.groups()) + len(scheduler._unframed) == finished
+    # Groups that finished while a write ran went into the next one together.
+    assert max(sink.writes) > 1 and sum(sink.writes) == len(sink.groups())
 
 
 async def test_an_estimator_rebuilt_off_the_loop_keeps_every_finished_group(toy, backend) -> None:
