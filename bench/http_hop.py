@@ -149,10 +149,10 @@ async def window(
 
     verdicts = itertools.count()
 
-    async def verify(row: PromptRow, completion: Completion) -> Verdict:
+    async def verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
         # Alternating rewards: rule `fixed` reads none, but a group of equal rewards
         # carries no signal and is dropped, not delivered.
-        return Verdict(float(next(verdicts) % 2))
+        return [Verdict(float(next(verdicts) % 2)) for _ in completions]
 
     cfg = SamplerConfig(
         rule="fixed",

@@ -19,7 +19,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -41,7 +41,9 @@ from trainer_client.contract.protocol import Group
 
 log = logging.getLogger(__name__)
 
-VerifyFn = Callable[[PromptRow, Completion], Awaitable[Verdict]]
+#: Scores a wave's answers to one prompt together (one hand-off to a verifier pool per
+#: wave, not per answer): a verdict per answer, in order.
+VerifyFn = Callable[[PromptRow, Sequence[Completion]], Awaitable[list[Verdict]]]
 
 #: Attempts at a wave whose engine call fails before the prompt is given up.
 _ENGINE_RETRIES = 3
@@ -238,6 +240,15 @@ class SchedulerStats:
             "episodes": self.episodes.to_dict(),
             "replay": self.replay.stats(),
         }
+
+
+def _unverified(completion: Completion) -> Verdict | None:
+    """The verdict of an answer no verifier scores (see `Scheduler._score`), else None."""
+    if completion.env_reward is not None:
+        return Verdict(completion.env_reward, None)
+    if completion.finish_reason in ("length", "turns"):
+        return Verdict(0.0, None)
+    return None
 
 
 class Scheduler:
@@ -640,7 +651,7 @@ class Scheduler:
         self.engine_errors.append(None)
         if run.env_errors >= run.plan.cfg.episode.max_env_errors:
             return "env_error"
-        verdicts = await asyncio.gather(*(self._score(run.row, c) for c in completions))
+        verdicts = await self._score(run.row, completions)
         if any(v.kind == "unavailable" for v in verdicts):
             return "verifier_unavailable"
         threshold = run.plan.cfg.positive_threshold
@@ -695,15 +706,18 @@ class Scheduler:
         self.metrics.observe_episodes(wave)
         return wave.completions
 
-    async def _score(self, row: PromptRow, completion: Completion) -> Verdict:
-        """A truncated answer scores 0 without being verified: its final answer is missing.
-        So does an episode that ran out of turns; one whose environment gave a terminal
-        reward scores that."""
-        if completion.env_reward is not None:
-            return Verdict(completion.env_reward, None)
-        if completion.finish_reason in ("length", "turns"):
-            return Verdict(0.0, None)
-        return await self._verify(row, completion)
+    async def _score(self, row: PromptRow, completions: list[Completion]) -> list[Verdict]:
+        """A verdict per answer: those a verifier must score in one call. A truncated
+        answer scores 0 without being verified: its final answer is missing. So does an
+        episode that ran out of turns; one whose environment gave a terminal reward
+        scores that."""
+        verdicts = [_unverified(c) for c in completions]
+        todo = [i for i, verdict in enumerate(verdicts) if verdict is None]
+        if todo:
+            verified = await self._verify(row, [completions[i] for i in todo])
+            for i, verdict in zip(todo, verified, strict=True):
+                verdicts[i] = verdict
+        return cast(list[Verdict], verdicts)
 
     # -- finalization -----------------------------------------------------------------
     def _drop(self, run: PromptRun, reason: str) -> None:

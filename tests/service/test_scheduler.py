@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,8 @@ async def backend(toy) -> AsyncIterator[HFBackend]:
     await engine.close()
 
 
-async def _verify(row: PromptRow, completion: Completion) -> Verdict:
-    return Verdict(exact.verify(completion.text, row.answer, row.metadata))
+async def _verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
+    return [Verdict(exact.verify(c.text, row.answer, row.metadata)) for c in completions]
 
 
 #: A run over `with_never` data must show both: the rule firing and n_max cutting a prompt off.
