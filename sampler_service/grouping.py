@@ -14,7 +14,7 @@ fewer than 2 samples remain.
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -36,8 +36,10 @@ TOO_FEW_SAMPLES = "too_few_samples"
 
 
 def new_id() -> str:
-    """Random hex id for groups, samples and batch frames (dedupe keys for clients)."""
-    return uuid.uuid4().hex
+    """Random hex id for groups, samples, batch frames and deliveries (dedupe keys for
+    clients): 128 random bits, as `uuid4().hex` has, without building a UUID object
+    (~1 us instead of ~4; an answer needs a few)."""
+    return os.urandom(16).hex()
 
 
 @dataclass(frozen=True)

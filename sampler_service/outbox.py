@@ -22,13 +22,12 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sampler_service.grouping import FrameResult
+from sampler_service.grouping import FrameResult, new_id
 from sampler_service.store import AsyncStore, FrameRows, StoredFrame, StoredGroup
 from trainer_client.contract.protocol import Group
 from trainer_client.contract.wire import pack_group, unpack_group
@@ -151,7 +150,7 @@ class Outbox:
             self._ready_count -= len(frame.members)
             self._leased[consumer] += len(frame.members)
             for member in frame.members:
-                delivery_id = uuid.uuid4().hex
+                delivery_id = new_id()
                 self._by_delivery[delivery_id] = (batch_id, member.group_id)
                 self._delivery_ids.setdefault(member.group_id, []).append(delivery_id)
                 out.append(Delivered(delivery_id, member))
