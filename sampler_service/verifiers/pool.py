@@ -336,6 +336,8 @@ class VerifierPool:
         """A verdict for each of one prompt's answers, in order."""
         if self._closed:
             raise RuntimeError("verifier pool is closed")
+        if not responses:
+            return []
         health = self._health(spec)
         if spec in INLINE:
             return [self._inline(spec, response, answer, metadata) for response in responses]

@@ -153,6 +153,7 @@ async def test_a_wave_goes_to_each_free_worker_in_one_message_and_a_hung_answer_
     assert [v.reward for v in verdicts] == [0.0, 1.0, 1.0, 0.0]
     assert (pool.stats.calls, pool.stats.timeouts, pool.stats.restarts) == (8, 1, 1)
     assert len(handed) == 4
+    assert await pool.verify_wave("math", [], "1") == [] and len(handed) == 4
 
 
 async def test_close_ends_calls_in_progress(pool: VerifierPool) -> None:
