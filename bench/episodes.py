@@ -41,7 +41,7 @@ import json
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,9 +178,9 @@ async def toy_run(
     def tokenize(row: PromptRow) -> None:
         row.text, row.token_ids = row.prompt, tokenizer(row.prompt)["input_ids"]
 
-    async def verify(row: PromptRow, completion: Completion) -> Verdict:
-        text = completion.text if completion.answer_text is None else completion.answer_text
-        return Verdict(exact.verify(text, row.answer, row.metadata))
+    async def verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
+        texts = [c.text if c.answer_text is None else c.answer_text for c in completions]
+        return [Verdict(exact.verify(text, row.answer, row.metadata)) for text in texts]
 
     dataset = Dataset([data], tokenize)
     config = SamplerConfig(**TOY_CONFIG)

@@ -14,7 +14,8 @@ Measured per answer and per group, in a window after a warm-up: the event loop's
 (its own thread clock), the verifier's CPU (inline `exact`, or `math` in the worker
 processes), the bytes handed to SQLite and the time of its writes (store thread), the
 bytes on the stream and the time spent framing them, the client's CPU; and from the
-answers' own time stamps, the delay from a group's last answer to the client holding it.
+answers' own time stamps, the delay from a group's last answer to the client holding it,
+split by the stages the service marks on its way (`delay_stages`).
 
 Parts (each row of a part alternates between the checkouts measured):
 
@@ -22,7 +23,9 @@ Parts (each row of a part alternates between the checkouts measured):
   rising; the knee is the highest delivered rate. On a machine whose cores are shared,
   this measures the machine as much as the front; CPU seconds per answer it can measure.
 - `latency`: p50/p99 from last answer to delivery at 80% of the knee; its CPU figures
-  are the ones the targets use (the front is not saturated there).
+  are the ones the targets use (the front is not saturated there). A row that falls
+  behind its offer (the machine's other work took the cores) runs again at 80% of what
+  it delivered, at most 3 tries, all kept (`latency_row`).
 - `profile`: py-spy (from the `[ray]` extra) on the server at the knee's offered rate;
   the event-loop thread's samples by function (self and inclusive).
 - `math`: math-verify in the verifier pool at a moderate rate: the verifier's CPU per
@@ -59,7 +62,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,6 +238,8 @@ def measure_load(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         first: dict[str, Any] | None = None
         last: dict[str, Any] = {}
         delays: list[float] = []
+        # group id -> (time its last answer was made, time the client held it)
+        held_at: dict[str, tuple[float, float]] = {}
         answers = groups = 0
         pending: list[Any] = []
         spy: subprocess.Popen[bytes] | None = None
@@ -252,6 +257,7 @@ def measure_load(spec: dict[str, Any], work: Path) -> dict[str, Any]:
                     ]
                     if stamps:
                         delays.append(held - max(stamps))
+                        held_at[group.group_id] = (max(stamps), held)
                 pending.append(group)
                 if len(pending) >= spec["ack_every"]:
                     client.ack(pending)
@@ -284,14 +290,56 @@ def measure_load(spec: dict[str, Any], work: Path) -> dict[str, Any]:
                     break
             if spy is not None:
                 spy.wait(60)
+            stage_times = http.get("/bench/stages").json()
         finally:
             client.close()
             http.close()
     assert first is not None
     result = _load_result(spec, first, last, answers, groups, delays)
+    result["delay_stages"] = delay_stages(held_at, stage_times)
     if spec["profile"]:
         result["profile"] = loop_profile(spy_out.read_text()) if spy_out.exists() else None
     return result
+
+
+#: The parts of a group's delay from its last answer to the client holding it: (label,
+#: from, to), stage names of `bench.front_service.STAGES` plus `made` (the last answer's
+#: stamp) and `held` (the client has it).
+DELAY_SEGMENTS = [
+    ("engine thread to the front's loop", "made", "front"),
+    ("verification and the finalizer's queue", "front", "finalize"),
+    ("building, encoding and storing its frame", "finalize", "stored"),
+    ("in the outbox (the consumer's credit)", "stored", "sent"),
+    ("socket and the consumer's reading", "sent", "held"),
+]
+
+
+def delay_stages(
+    held_at: dict[str, tuple[float, float]], stage_times: dict[str, dict[str, float]]
+) -> dict[str, Any]:
+    """Where the delay from last answer to delivery goes: each segment's p50 and p99, and
+    its mean over the slowest 1% of groups (what the p99 is made of)."""
+    rows = []
+    for group_id, (made, held) in held_at.items():
+        times = {**stage_times.get(group_id, {}), "made": made, "held": held}
+        if all(stage in times for _, a, b in DELAY_SEGMENTS for stage in (a, b)):
+            rows.append((held - made, [times[b] - times[a] for _, a, b in DELAY_SEGMENTS]))
+    if not rows:
+        return {"groups": 0, "segments": []}
+    rows.sort(key=lambda row: row[0])
+    tail = rows[int(0.99 * len(rows)) :]
+    return {
+        "groups": len(rows),
+        "segments": [
+            {
+                "segment": label,
+                "p50_ms": 1000 * percentile([r[1][i] for r in rows], 50),
+                "p99_ms": 1000 * percentile([r[1][i] for r in rows], 99),
+                "slowest_1pct_mean_ms": 1000 * sum(r[1][i] for r in tail) / len(tail),
+            }
+            for i, (label, _, _) in enumerate(DELAY_SEGMENTS)
+        ],
+    }
 
 
 def _per(value: float | None, count: int, scale: float = 1000.0) -> float | None:
@@ -535,6 +583,37 @@ def _saturated(rows: list[dict[str, Any]]) -> bool:
     return last < 0.9 * rows[-1]["rate"] and last < 1.05 * best
 
 
+def _overloaded(row: dict[str, Any]) -> bool:
+    """The window fell behind its offer: under 95% of the offered answers were generated
+    or delivered (the machine's other work took the cores the front needed)."""
+    done = min(row["generated_answers_per_s"], row["delivered_answers_per_s"])
+    return done < 0.95 * row["rate"]
+
+
+def latency_row(
+    run: Callable[[float], dict[str, Any]], knee: float, tries: int = 3
+) -> dict[str, Any]:
+    """The latency row at `LATENCY_AT` of the knee, run again at that share of what it
+    delivered while it is overloaded (`_overloaded`), at most `tries` times.
+
+    On shared cores the sweep may find its knee at a quiet moment; 80% of it at a busier
+    one is an overload, whose queue grows for the whole window, and its p99 is that
+    queue's, not the front's path at 80% of what it can do. Every try is kept (`tries`).
+    """
+    rows = [run(LATENCY_AT * knee)]
+    while _overloaded(rows[-1]) and len(rows) < tries:
+        rows.append(run(LATENCY_AT * rows[-1]["delivered_answers_per_s"]))
+    return {
+        **rows[-1],
+        "overloaded": _overloaded(rows[-1]),
+        "tries": [
+            {k: r[k] for k in ("rate", "delivered_answers_per_s", "loop_runqueue_share")}
+            | {"p99_ms": r["latency_ms"]["p99"], "overloaded": _overloaded(r)}
+            for r in rows
+        ],
+    }
+
+
 def _knee(rows: list[dict[str, Any]]) -> dict[str, Any]:
     best = max(rows, key=lambda r: r["delivered_answers_per_s"])
     return {
@@ -709,8 +788,10 @@ def run_parts(
             out[v.name]["knee"] = _knee(rows[v.name])
     if "latency" in parts:
         for v in variants:
-            rate = LATENCY_AT * out[v.name]["knee"]["answers_per_s"]
-            out[v.name]["latency"] = run(v, rate=rate, measure_s=cfg["latency_measure_s"])
+            out[v.name]["latency"] = latency_row(
+                lambda rate, v=v: run(v, rate=rate, measure_s=cfg["latency_measure_s"]),
+                out[v.name]["knee"]["answers_per_s"],
+            )
     if "profile" in parts:
         for v in variants:
             out[v.name]["profile"] = run(v, rate=out[v.name]["knee"]["offered"], profile=True)
@@ -776,23 +857,35 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             text_declined=lat.get("text_declined", False),
         ),
         "stored_once": entry(copies, 1.0, "each group's bytes written to SQLite once", "copies"),
-        "p99_last_answer_to_delivery_ms": entry(
-            p99,
-            50.0,
-            "p99 from a group's last answer to its delivery < 50 ms at 80% of the knee",
-            "ms",
+        "p99_last_answer_to_delivery_ms": p99_entry(
+            entry(
+                p99,
+                50.0,
+                "p99 from a group's last answer to its delivery < 50 ms at 80% of the knee",
+                "ms",
+            ),
+            lat,
         ),
     }
 
 
+def p99_entry(target: dict[str, Any], lat: dict[str, Any]) -> dict[str, Any]:
+    """The p99 target of a latency row that stayed overloaded (`latency_row`) is not met
+    or missed: its window was not at 80% of what the front can do."""
+    if lat.get("overloaded"):
+        target["met"] = None
+        target["note"] = "not measured: the latency row was overloaded at every try"
+    return target
+
+
 def overhead_rows(root: Path) -> dict[str, dict[str, float]]:
     """A checkout's committed section-2 rows: service/raw tokens/s and event-loop ms/group."""
-    path = root / "bench" / "results" / "overhead.json"
-    if not path.exists():
+    text = _overhead_file(root)
+    if text is None:
         return {}
     return {
         r["backend"]: {"ratio": r["ratio"], "loop_ms_per_group": r["service_main_ms_per_group"]}
-        for r in json.loads(path.read_text())["results"]
+        for r in json.loads(text)["results"]
     }
 
 
@@ -825,7 +918,8 @@ def compare_targets(results: dict[str, dict[str, Any]], variants: list[Checkout]
 
     The overhead rows come from each checkout's committed `bench/results/overhead.json`
     (measured by `bench/overhead.py`); with one checkout there is no baseline to hold
-    them to (`met` is None).
+    them to, and where both checkouts hold the same file, nothing was measured for the
+    change: `met` is None either way.
     """
     current = targets(results[variants[-1].name])
     if len(variants) > 1:
@@ -833,11 +927,22 @@ def compare_targets(results: dict[str, dict[str, Any]], variants: list[Checkout]
         for key, value in current.items():
             value["before"] = before[key]["measured"]
             value["before_checkout"] = variants[0].name
-    before_rows = overhead_rows(variants[0].root) if len(variants) > 1 else None
+    first, last = (_overhead_file(v.root) for v in (variants[0], variants[-1]))
+    same = len(variants) > 1 and first == last
+    before_rows = overhead_rows(variants[0].root) if len(variants) > 1 and not same else None
     current["overhead_rows_not_worse"] = overhead_target(
         before_rows, overhead_rows(variants[-1].root)
     )
+    if same:
+        current["overhead_rows_not_worse"]["note"] = (
+            "not measured: both checkouts hold the same bench/results/overhead.json"
+        )
     return current
+
+
+def _overhead_file(root: Path) -> bytes | None:
+    path = root / "bench" / "results" / "overhead.json"
+    return path.read_bytes() if path.exists() else None
 
 
 # -- tables (printed here, rendered into BENCHMARKS.md by bench/render.py) ----------------------
@@ -857,7 +962,11 @@ def targets_table(data: dict[str, Any]) -> str:
             "target": t["goal_text"],
             "before": _fmt_value(t.get("before")),
             "measured": _fmt_value(t["measured"]),
-            "status": "-" if t["met"] is None else "met" if t["met"] else "**missed**",
+            "status": t.get("note", "-")
+            if t["met"] is None
+            else "met"
+            if t["met"]
+            else "**missed**",
         }
         for t in data["targets"].values()
     ]
@@ -865,6 +974,45 @@ def targets_table(data: dict[str, Any]) -> str:
     if any(t.get("before") is not None for t in data["targets"].values()):
         columns.insert(1, ("before", "before"))
     return table(rows, columns)
+
+
+def delay_table(data: dict[str, Any]) -> str:
+    """The latency row's tries, then where its groups' delay went (`delay_stages`)."""
+    tries = [
+        {"checkout": name, "try": i + 1, **t, "overloaded": "yes" if t["overloaded"] else "no"}
+        for name, res in data["variants"].items()
+        for i, t in enumerate((res.get("latency") or {}).get("tries", []))
+    ]
+    segments = [
+        {"checkout": name, **seg}
+        for name, res in data["variants"].items()
+        for seg in ((res.get("latency") or {}).get("delay_stages") or {}).get("segments", [])
+    ]
+    return (
+        table(
+            tries,
+            [
+                ("checkout", "checkout"),
+                ("try", "try"),
+                ("rate", "offered answers/s"),
+                ("delivered_answers_per_s", "delivered"),
+                ("loop_runqueue_share", "loop waiting for a core"),
+                ("p99_ms", "p99 ms"),
+                ("overloaded", "overloaded"),
+            ],
+        )
+        + "\n\n"
+        + table(
+            segments,
+            [
+                ("checkout", "checkout"),
+                ("segment", "part of the delay"),
+                ("p50_ms", "p50 ms"),
+                ("p99_ms", "p99 ms"),
+                ("slowest_1pct_mean_ms", "mean over the slowest 1% ms"),
+            ],
+        )
+    )
 
 
 def sweep_table(data: dict[str, Any]) -> str:
@@ -1090,6 +1238,7 @@ def print_tables(out: dict[str, Any]) -> None:
     for title, text in (
         ("offered vs delivered answers/s (exact verifier)", sweep_table(out)),
         ("cost per answer and per group (at 80% of the knee)", costs_table(out)),
+        ("the latency row, and where its delay went", delay_table(out)),
         ("event-loop profile, by stage", stages_table(out)),
         ("event-loop profile, self", profile_table(out, "self")),
         ("event-loop profile, inclusive (project functions)", profile_table(out, "inclusive")),

@@ -16,7 +16,9 @@ additions that only this process has:
   last answer to its delivery;
 - `GET /bench/counters`: CPU per thread (the event loop's own clock, the store thread,
   the verifier threads, the engine thread), CPU of the child processes (verifier
-  workers), the engine's and verifier's counts, and the totals of the probes below.
+  workers), the engine's and verifier's counts, and the totals of the probes below;
+- `GET /bench/stages`: when each group passed each stage of its way from the engine to
+  the stream (`Stages`), so the client can split its delay from last answer to delivery.
 
 Probes wrap today's functions at the places a group passes (`PROBES`): the msgpack
 encoding for the store, group building, framing, inline verification, the outbox, the
@@ -147,8 +149,9 @@ class EngineThread(Backend):
 
     name = "sim"
 
-    def __init__(self, make: Callable[[], SimBackend]) -> None:
+    def __init__(self, make: Callable[[], SimBackend], stages: Stages) -> None:
         self._make = make
+        self._stages = stages
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="sim-engine", daemon=True
@@ -195,6 +198,7 @@ class EngineThread(Backend):
         result: list[Completion] = await self._on_engine_loop(
             self.engine.generate([0], n, sampling)
         )
+        self._stages.seen([c.token_ids for c in result], "front")
         return result
 
     def weight_specs(self) -> Mapping[str, TensorSpec]:
@@ -216,7 +220,8 @@ def _payload_bytes(args: tuple[Any, ...], result: Any) -> int:
 
 
 def _frame_bytes(args: tuple[Any, ...], result: Any) -> int:
-    return sum(len(payload) for _, payload in args[2])  # Store.frame(self, batch_id, members)
+    # Store.frame(self, frames, state): every frame's members' bytes
+    return sum(len(payload) for frame in args[1] for _, payload in frame.members)
 
 
 def _result_bytes(args: tuple[Any, ...], result: Any) -> int:
@@ -279,6 +284,74 @@ class Probes:
         return timed
 
 
+def answers_key(token_ids: list[list[int]]) -> tuple[int, ...]:
+    """A group's key from its answers' stamps (their first two token ids), in any order."""
+    return tuple(sorted(ids[0] * STAMP_BASE + ids[1] for ids in token_ids if len(ids) >= 2))
+
+
+#: A group's stages, in the order it meets them: the front's loop has the engine's
+#: answers, the finalizer takes the prompt up, its frame is stored and offered, and the
+#: stream frames it for the socket.
+STAGES = ("front", "finalize", "stored", "sent")
+
+
+class Stages:
+    """When each group met each of `STAGES` (wall time), by group id once it has one.
+
+    A group is known by its answers' stamps until it is built (`answers_key`), then by its
+    id. Probes wrap the functions a group passes, as `Probes` does.
+    """
+
+    def __init__(self) -> None:
+        self._by_answers: dict[tuple[int, ...], dict[str, float]] = {}
+        self.by_group: dict[str, dict[str, float]] = {}
+
+    def seen(self, token_ids: list[list[int]], stage: str) -> None:
+        self._by_answers.setdefault(answers_key(token_ids), {})[stage] = time.time()
+
+    def stored(self, groups: list[Any]) -> None:
+        now = time.time()
+        for group in groups:
+            key = answers_key([s.response_token_ids for s in group.samples])
+            self.by_group[group.group_id] = {**self._by_answers.pop(key, {}), "stored": now}
+
+    def sent(self, group_id: str) -> None:
+        if (record := self.by_group.get(group_id)) is not None:
+            record.setdefault("sent", time.time())
+
+    def install(self) -> None:
+        from sampler_service.encoding import JSONEncoding, MsgpackEncoding
+        from sampler_service.outbox import StoreSink
+        from sampler_service.scheduler import Scheduler
+
+        finalize, add_frames = Scheduler._finalize, StoreSink.add_frames
+
+        async def finalize_seen(scheduler: Scheduler, runs: list[Any]) -> None:
+            for run in runs:
+                self.seen([c.token_ids for c in run.completions], "finalize")
+            await finalize(scheduler, runs)
+
+        async def add_frames_seen(sink: StoreSink, frames: list[Any], *args: Any) -> None:
+            await add_frames(sink, frames, *args)
+            self.stored([group for frame in frames for group in frame.kept])
+
+        Scheduler._finalize = functools.wraps(finalize)(finalize_seen)  # type: ignore[method-assign]
+        StoreSink.add_frames = functools.wraps(add_frames)(add_frames_seen)  # type: ignore[method-assign]
+        for encoding in (JSONEncoding, MsgpackEncoding):
+            self._wrap_group_message(encoding)
+
+    def _wrap_group_message(self, encoding: Any) -> None:
+        original = encoding.group_message
+
+        @functools.wraps(original)
+        def group_message(instance: Any, delivered: Any) -> bytes:
+            self.sent(delivered.group.group_id)
+            result: bytes = original(instance, delivered)
+            return result
+
+        encoding.group_message = group_message
+
+
 def _thread_kind(name: str) -> str:
     if name == "MainThread":
         return "loop"
@@ -333,6 +406,8 @@ def serve(spec: dict[str, Any]) -> None:
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     probes = Probes()
     probes.install()
+    stages = Stages()
+    stages.install()
     answers = Answers(int(spec["seed"]), float(spec["epoch"]))
     backend = EngineThread(
         functools.partial(
@@ -342,7 +417,8 @@ def serve(spec: dict[str, Any]) -> None:
             seed=int(spec["seed"]),
             payload=answers.payload,
             text=answers.answer_text,
-        )
+        ),
+        stages,
     )
     settings = ServeSettings(
         model=Path(spec["model"]),
@@ -390,6 +466,11 @@ def serve(spec: dict[str, Any]) -> None:
             "code_root": str(Path(sys.modules["sampler_service"].__file__ or "").parent.parent),
         }
         return Response(json.dumps(body), media_type="application/json")
+
+    @app.get("/bench/stages")
+    async def stage_times() -> Response:
+        """Every stored group's stage times (wall), by group id."""
+        return Response(json.dumps(stages.by_group), media_type="application/json")
 
     serve_app(app)
 

@@ -51,6 +51,7 @@ from bench.common import ROOT, fixed_groups, fmt, table, tree_cpu_s, write_json
 from bench.overhead import VLLM_PYTHON, _env
 from bench.scaleout import Timed
 from sampler_service.backends.base import Backend, Completion, SamplingParams
+from sampler_service.scheduler import VolatileSink
 
 ARMS = ("in-process", "http")
 ANSWERS = ("long", "toy")
@@ -77,15 +78,12 @@ class Stopped(Timed):
         return await super().generate(prompt_token_ids, n, sampling, affinity_key=affinity_key)
 
 
-class TokenSink:
+class TokenSink(VolatileSink):
     """Records (time, tokens, answers) per formed group; nothing is buffered, so
     admission never stops."""
 
     def __init__(self) -> None:
         self.groups: list[tuple[float, int, int]] = []
-
-    async def add_pending(self, group: Any, state: dict[str, Any] | None) -> None:
-        return None
 
     async def add_frame(
         self, groups: list[Any], dropped: list[str], state: dict[str, Any] | None = None
@@ -151,10 +149,10 @@ async def window(
 
     verdicts = itertools.count()
 
-    async def verify(row: PromptRow, completion: Completion) -> Verdict:
+    async def verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
         # Alternating rewards: rule `fixed` reads none, but a group of equal rewards
         # carries no signal and is dropped, not delivered.
-        return Verdict(float(next(verdicts) % 2))
+        return [Verdict(float(next(verdicts) % 2)) for _ in completions]
 
     cfg = SamplerConfig(
         **fixed_groups(n, advantage="grpo", downsample="none"),

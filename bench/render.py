@@ -352,6 +352,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "front.targets": _front(front.targets_table),
     "front.sweep": _front(front.sweep_table),
     "front.costs": _front(front.costs_table),
+    "front.delay": _front(front.delay_table),
     "front.stages": _front(front.stages_table),
     "front.profile_self": _front(lambda d: front.profile_table(d, "self")),
     "front.profile_inclusive": _front(lambda d: front.profile_table(d, "inclusive")),

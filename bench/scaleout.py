@@ -53,7 +53,7 @@ import signal
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -375,8 +375,8 @@ async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> list[dict[st
         row.text = str(row.prompt)
         row.token_ids = list(tokenizer(row.prompt)["input_ids"])
 
-    async def verify(row: PromptRow, completion: Completion) -> Verdict:
-        return Verdict(1.0 if completion.text.strip() == row.answer else 0.0)
+    async def verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
+        return [Verdict(1.0 if c.text.strip() == row.answer else 0.0) for c in completions]
 
     factory = functools.partial(HFBackend, toy.model_dir)
     levels = _hop_levels()

@@ -328,9 +328,9 @@ def realistic_payload(rng: np.random.Generator, length: int) -> tuple[list[int],
     return ids, logprobs
 
 
-async def verify_reward_text(row: Any, completion: Completion) -> Verdict:
+async def verify_reward_text(row: Any, completions: Sequence[Completion]) -> list[Verdict]:
     """The benchmark's verify fn: the engine wrote the drawn reward into the text."""
-    return Verdict(1.0 if completion.text == REWARD_TEXT[True] else 0.0)
+    return [Verdict(1.0 if c.text == REWARD_TEXT[True] else 0.0) for c in completions]
 
 
 def sim_scheduler(

@@ -113,6 +113,7 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
     from sampler_service.app import create_app
     from sampler_service.backends.base import Backend, Completion, SamplingParams
     from sampler_service.config import SamplerConfig, ServeSettings
+    from sampler_service.grouping import FrameResult
     from sampler_service.service import SamplerService
 
     class IdleBackend(Backend):
@@ -178,7 +179,7 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
         sink = app.state.service.sink
         await sink.add_pending(group, None)
         stored = time.time()
-        await sink.add_frame([group], [])
+        await sink.add_frames([FrameResult(group.batch_id, [group], [])])
         times[group.group_id] = (finish, stored, time.time())
         state["inject_s"] += time.perf_counter() - started
         state["injected"] += 1

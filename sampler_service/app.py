@@ -6,6 +6,7 @@ the OpenAPI document (/docs) is the reference of the API."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import hmac
 import logging
 import time
@@ -167,9 +168,15 @@ def create_app(settings: ServeSettings, build: Callable[[], Awaitable[SamplerSer
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service = app.state.service = await build()
+        # What start-up made (the tokenizer, the engine's client, every module) lives as
+        # long as the service: out of the collector's sight, a full collection scans only
+        # what serving made since, not ~400k objects at every one (~0.1-0.25 s each).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
+            gc.unfreeze()
             await service.stop()
 
     # /docs is served from this package (api_docs), not from FastAPI's CDN-backed page.

@@ -14,7 +14,7 @@ fewer than 2 samples remain.
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -36,8 +36,10 @@ TOO_FEW_SAMPLES = "too_few_samples"
 
 
 def new_id() -> str:
-    """Random hex id for groups, samples and batch frames (dedupe keys for clients)."""
-    return uuid.uuid4().hex
+    """Random hex id for groups, samples, batch frames and deliveries (dedupe keys for
+    clients): 128 random bits, as `uuid4().hex` has, without building a UUID object
+    (~1 us instead of ~4; an answer needs a few)."""
+    return os.urandom(16).hex()
 
 
 @dataclass(frozen=True)
@@ -183,9 +185,10 @@ def _batch_view(groups: Sequence[Group]) -> views.BatchView:
 
 @dataclass(frozen=True)
 class FrameResult:
-    """A formed batch frame: the groups that stay, in frame order, and the dropped
+    """A formed batch frame: its id, the groups that stay, in frame order, and the dropped
     ones with the name of the policy that dropped each."""
 
+    batch_id: str
     kept: list[Group]
     dropped: list[tuple[Group, str]]
 
@@ -227,4 +230,4 @@ def apply_batch_policies(
                     sample.token_weights = [float(w) for w in token_w[gi][si]]
     for i, group in enumerate(frame):
         group.batch_id, group.batch_index, group.batch_size = batch_id, i, len(frame)
-    return FrameResult(frame, dropped)
+    return FrameResult(batch_id, frame, dropped)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
-import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sampler_service.store import AsyncStore, StoredFrame, StoredGroup
+from sampler_service.grouping import FrameResult, new_id
+from sampler_service.store import AsyncStore, FrameRows, StoredFrame, StoredGroup
 from trainer_client.contract.protocol import Group
 from trainer_client.contract.wire import pack_group, unpack_group
 
@@ -150,7 +150,7 @@ class Outbox:
             self._ready_count -= len(frame.members)
             self._leased[consumer] += len(frame.members)
             for member in frame.members:
-                delivery_id = uuid.uuid4().hex
+                delivery_id = new_id()
                 self._by_delivery[delivery_id] = (batch_id, member.group_id)
                 self._delivery_ids.setdefault(member.group_id, []).append(delivery_id)
                 out.append(Delivered(delivery_id, member))
@@ -274,7 +274,8 @@ class StoreSink:
     Each group is encoded once for its frame, and those bytes are what the store keeps
     and the stream sends. A group that completes its frame as it finishes (frames of one
     group, the default) goes to SQLite once, framed; only a group that waits for the rest
-    of its frame is stored as pending first.
+    of its frame is stored as pending first. The frames the scheduler hands over together
+    (whatever finished while the last write ran) share one transaction.
     """
 
     def __init__(self, store: AsyncStore, outbox: Outbox) -> None:
@@ -296,20 +297,25 @@ class StoreSink:
         )
         self.remember(group.group_id)
 
-    async def add_frame(
-        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    async def add_frames(
+        self, frames: Sequence[FrameResult], state: dict[str, Any] | None = None
     ) -> None:
-        members = [(g.group_id, pack_group(g)) for g in groups]
-        batch_id = groups[0].batch_id if groups else uuid.uuid4().hex
-        seqs = await self._store.call(self._store.sync.frame, batch_id, members, dropped, state)
-        self._pending.difference_update(dropped)
-        self._pending.difference_update(gid for gid, _ in members)
-        stored = [
-            _stored(seq, g, payload)
-            for seq, g, (_, payload) in zip(seqs, groups, members, strict=True)
+        rows = [
+            FrameRows(
+                frame.batch_id,
+                [(g.group_id, pack_group(g)) for g in frame.kept],
+                [g.group_id for g, _ in frame.dropped],
+            )
+            for frame in frames
         ]
-        if stored:
-            self._outbox.offer(StoredFrame(batch_id, stored))
+        seqs = await self._store.call(self._store.sync.frame, rows, state)
+        for frame, written, frame_seqs in zip(frames, rows, seqs, strict=True):
+            self._pending.difference_update(written.dropped)
+            self._pending.difference_update(gid for gid, _ in written.members)
+            payloads = [payload for _, payload in written.members]
+            stored = list(map(_stored, frame_seqs, frame.kept, payloads))
+            if stored:
+                self._outbox.offer(StoredFrame(frame.batch_id, stored))
 
     def buffered(self) -> int:
         return self._outbox.ready_groups + self._outbox.leased_groups

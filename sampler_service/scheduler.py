@@ -17,9 +17,9 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -41,7 +41,9 @@ from trainer_client.contract.protocol import Group
 
 log = logging.getLogger(__name__)
 
-VerifyFn = Callable[[PromptRow, Completion], Awaitable[Verdict]]
+#: Scores a wave's answers to one prompt together (one hand-off to a verifier pool per
+#: wave, not per answer): a verdict per answer, in order.
+VerifyFn = Callable[[PromptRow, Sequence[Completion]], Awaitable[list[Verdict]]]
 
 #: Attempts at a wave whose engine call fails before the prompt is given up.
 _ENGINE_RETRIES = 3
@@ -54,6 +56,10 @@ _ADMIT_CHUNK = 64
 _STATE_EVERY_S = 1.0
 #: The state store's key of the scheduler's learned state (`Scheduler.state_dict`).
 STATE_KEY = "scheduler_state"
+#: Most finished prompts the finalizer stores in one write. Those that finished while
+#: the last write ran share the next one: a commit per group would cap the front at one
+#: store round trip per group, and a backlog would wait in line for its turn.
+_STORE_BATCH = 64
 
 
 class GroupSink(Protocol):
@@ -64,11 +70,12 @@ class GroupSink(Protocol):
         state keys and their values) when given."""
         ...
 
-    async def add_frame(
-        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    async def add_frames(
+        self, frames: Sequence[grouping.FrameResult], state: dict[str, Any] | None = None
     ) -> None:
-        """Store a frame (`state`, when given, with it) and offer it; a member may not
-        have been through `add_pending` (it completed its frame as it finished)."""
+        """Store frames together (`state`, when given, with them) and offer them in order;
+        a member may not have been through `add_pending` (it completed its frame as it
+        finished), and a dropped member is deleted if it was."""
         ...
 
     def buffered(self) -> int:
@@ -233,6 +240,15 @@ class SchedulerStats:
             "episodes": self.episodes.to_dict(),
             "replay": self.replay.stats(),
         }
+
+
+def _unverified(completion: Completion) -> Verdict | None:
+    """The verdict of an answer no verifier scores (see `Scheduler._score`), else None."""
+    if completion.env_reward is not None:
+        return Verdict(completion.env_reward, None)
+    if completion.finish_reason in ("length", "turns"):
+        return Verdict(0.0, None)
+    return None
 
 
 class Scheduler:
@@ -554,14 +570,14 @@ class Scheduler:
             if not live:
                 break
             results = await asyncio.gather(*(self._wave(run, n) for run, n in live))
+            finished = []
             for (run, _), failed in zip(live, results, strict=True):
                 if failed:
                     self._drop(run, failed)
                 elif run.next_wave() == 0:
-                    await self._finalize(run)
-        for run in runs:
-            if not run.done:
-                await self._finalize(run)
+                    finished.append(run)
+            await self._finalize(finished)
+        await self._finalize([run for run in runs if not run.done])
         self.metrics.active_prompts.set(0)
 
     # -- one prompt -------------------------------------------------------------------
@@ -574,16 +590,20 @@ class Scheduler:
         self._finished.put_nowait(run)
 
     async def _finalize_finished(self) -> None:
+        """Store finished prompts' groups: whatever finished meanwhile goes in one write."""
         while True:
-            run = await self._finished.get()
+            runs = [await self._finished.get()]
+            while len(runs) < _STORE_BATCH and not self._finished.empty():
+                runs.append(self._finished.get_nowait())
             try:
-                await self._finalize(run)
-            except Exception as exc:  # one bad group must not stop the rest
-                self.last_error = f"finalizing prompt {run.row.id} failed: {exc!r}"
-                log.exception("finalizing prompt %s failed", run.row.id)
+                await self._finalize(runs)
+            except Exception as exc:  # a failed write must not stop the finalizer
+                self.last_error = f"storing {len(runs)} groups failed: {exc!r}"
+                log.exception("storing the groups of %d prompts failed", len(runs))
             finally:
-                self._finalizing -= 1
-                self._finished.task_done()
+                self._finalizing -= len(runs)
+                for _ in runs:
+                    self._finished.task_done()
                 self.poke()
 
     @contextlib.asynccontextmanager
@@ -631,7 +651,7 @@ class Scheduler:
         self.engine_errors.append(None)
         if run.env_errors >= run.plan.cfg.episode.max_env_errors:
             return "env_error"
-        verdicts = await asyncio.gather(*(self._score(run.row, c) for c in completions))
+        verdicts = await self._score(run.row, completions)
         if any(v.kind == "unavailable" for v in verdicts):
             return "verifier_unavailable"
         threshold = run.plan.cfg.positive_threshold
@@ -686,15 +706,18 @@ class Scheduler:
         self.metrics.observe_episodes(wave)
         return wave.completions
 
-    async def _score(self, row: PromptRow, completion: Completion) -> Verdict:
-        """A truncated answer scores 0 without being verified: its final answer is missing.
-        So does an episode that ran out of turns; one whose environment gave a terminal
-        reward scores that."""
-        if completion.env_reward is not None:
-            return Verdict(completion.env_reward, None)
-        if completion.finish_reason in ("length", "turns"):
-            return Verdict(0.0, None)
-        return await self._verify(row, completion)
+    async def _score(self, row: PromptRow, completions: list[Completion]) -> list[Verdict]:
+        """A verdict per answer: those a verifier must score in one call. A truncated
+        answer scores 0 without being verified: its final answer is missing. So does an
+        episode that ran out of turns; one whose environment gave a terminal reward
+        scores that."""
+        verdicts = [_unverified(c) for c in completions]
+        todo = [i for i, verdict in enumerate(verdicts) if verdict is None]
+        if todo:
+            verified = await self._verify(row, [completions[i] for i in todo])
+            for i, verdict in zip(todo, verified, strict=True):
+                verdicts[i] = verdict
+        return cast(list[Verdict], verdicts)
 
     # -- finalization -----------------------------------------------------------------
     def _drop(self, run: PromptRun, reason: str) -> None:
@@ -706,8 +729,24 @@ class Scheduler:
         self.stats.dropped[reason] += groups
         self.metrics.groups_dropped.labels(reason).inc(groups)
 
-    async def _finalize(self, run: PromptRun) -> None:
-        """Account for a finished prompt, build its group (`grouping`) and store it."""
+    async def _finalize(self, runs: list[PromptRun]) -> None:
+        """Account for finished prompts, build their groups (`grouping`) and store them
+        in one write."""
+        groups = []
+        for run in runs:
+            try:
+                group = self._built(run)
+            except Exception as exc:  # one bad group must not stop the rest
+                self.last_error = f"finalizing prompt {run.row.id} failed: {exc!r}"
+                log.exception("finalizing prompt %s failed", run.row.id)
+                continue
+            if group is not None:
+                groups.append(group)
+        if groups:
+            await self._store(groups)
+
+    def _built(self, run: PromptRun) -> Group | None:
+        """Account for a finished prompt and build its group; None if it is dropped."""
         run.done = True
         row = run.row
         n_gen = run.n_generated
@@ -747,20 +786,27 @@ class Scheduler:
         group = result.group
         if group is None:
             self._drop(run, str(result.drop_reason))
-            return
+            return None
         if replay is not None and any(s.replayed for s in group.samples):
             self.replay.replayed += 1
             self.metrics.replayed_answers.inc()
+        return group
+
+    async def _store(self, groups: list[Group]) -> None:
+        """Store finished groups: those that complete frames framed, in one write (so
+        each is written once), and those that wait for the rest of their frame as
+        pending, so a restart still finds them."""
         async with self._frame_lock:
             state = None
             if self.clock() - self._state_saved_at >= _STATE_EVERY_S:
                 state, self._state_saved_at = self.saved_state(), self.clock()
-            # A group that completes its frame is stored once, framed; one that waits
-            # for the rest of its frame is stored now, so a restart still finds it.
-            if len(self._unframed) + 1 < self.config.batch_groups:
+            size = self.config.batch_groups
+            unframed = len(self._unframed)
+            framed = (unframed + len(groups)) // size * size - unframed
+            for group in groups[max(framed, 0) :]:
                 await self.sink.add_pending(group, state)
                 state = None
-            self._unframed.append(group)
+            self._unframed.extend(groups)
             await self._form_frames(state)
 
     def _replay_for(self, run: PromptRun) -> Replayed | None:
@@ -782,15 +828,19 @@ class Scheduler:
             await self._form_frames()
 
     async def _form_frames(self, state: dict[str, Any] | None = None) -> None:
-        """Frame what is unframed; `state` is stored with the first frame."""
-        while len(self._unframed) >= self.config.batch_groups:
-            # The members stay in `_unframed` until the sink has offered them: while
-            # their frame is written they must still count as buffered, or admission
-            # (max_staleness) would see room that the frame is about to take.
-            members = self._unframed[: self.config.batch_groups]
-            policies = self.policies
+        """Frame what is unframed, every frame in one write; `state` is stored with them."""
+        size = self.config.batch_groups
+        count = len(self._unframed) // size * size
+        if not count:
+            return
+        frames = []
+        policies = self.policies
+        for start in range(0, count, size):
             frame = grouping.apply_batch_policies(
-                members, policies.selections, policies.weightings, batch_id=grouping.new_id()
+                self._unframed[start : start + size],
+                policies.selections,
+                policies.weightings,
+                batch_id=grouping.new_id(),
             )
             for _, reason in frame.dropped:
                 self.count_dropped(reason)
@@ -799,11 +849,14 @@ class Scheduler:
                 self.stats.domains[group.domain].emitted += 1
                 self.stats.recent_emitted.append(group.domain)
                 self.metrics.groups_emitted.labels(group.domain).inc()
-            try:
-                await self.sink.add_frame(frame.kept, [g.group_id for g, _ in frame.dropped], state)
-            finally:
-                del self._unframed[: len(members)]
-            state = None
+            frames.append(frame)
+        # The members stay in `_unframed` until the sink has offered them: while their
+        # frames are written they must still count as buffered, or admission
+        # (max_staleness) would see room that the frames are about to take.
+        try:
+            await self.sink.add_frames(frames, state)
+        finally:
+            del self._unframed[:count]
 
     # -- weight updates ---------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -844,10 +897,25 @@ class Scheduler:
 
 class VolatileSink:
     """Base of the in-memory sinks (benchmarks, tests): nothing is stored, so a group that
-    waits for the rest of its frame needs no write."""
+    waits for the rest of its frame needs no write, and frames need no shared one: each
+    subclass takes them one at a time (`add_frame`)."""
 
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
         return None
+
+    async def add_frames(
+        self, frames: Sequence[grouping.FrameResult], state: dict[str, Any] | None = None
+    ) -> None:
+        """Each frame to `add_frame` in turn; `state` with the first."""
+        for frame in frames:
+            await self.add_frame(frame.kept, [g.group_id for g, _ in frame.dropped], state)
+            state = None
+
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
+        """One frame's kept groups and the ids of the members dropped from it."""
+        raise NotImplementedError
 
 
 class MemorySink(VolatileSink):

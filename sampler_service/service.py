@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sampler_service import episodes
@@ -26,7 +26,7 @@ from sampler_service.health import ServiceHealth
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Outbox, StoreSink, described
 from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
-from sampler_service.scheduler import STATE_KEY, Scheduler
+from sampler_service.scheduler import STATE_KEY, Scheduler, VerifyFn
 from sampler_service.startup import Prepared, check_verifiers, fitted, prepare
 from sampler_service.state_dir import StateDir
 from sampler_service.stats import Stats
@@ -40,19 +40,18 @@ from trainer_client.contract.wire import unpack_group
 log = logging.getLogger(__name__)
 
 
-def _verifier(
-    verifiers: VerifierPool, default: str, metrics: Metrics
-) -> Callable[[PromptRow, Completion], Awaitable[Verdict]]:
-    """The scheduler's verify call: the row's verifier (else `default`) on the answer."""
+def _verifier(verifiers: VerifierPool, default: str, metrics: Metrics) -> VerifyFn:
+    """The scheduler's verify call: the row's verifier (else `default`) on a wave's answers."""
 
-    async def verify(row: PromptRow, completion: Completion) -> Verdict:
+    async def verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
         spec = row.verifier or default
-        text = completion.text if completion.answer_text is None else completion.answer_text
-        verdict = await verifiers.verify(spec, text, row.answer, row.metadata)
-        metrics.verifier_latency.observe(verdict.seconds)
-        if verdict.kind != "ok":
-            metrics.verifier_errors.labels(verdict.kind).inc()
-        return verdict
+        texts = [c.text if c.answer_text is None else c.answer_text for c in completions]
+        verdicts = await verifiers.verify_wave(spec, texts, row.answer, row.metadata)
+        for verdict in verdicts:
+            metrics.verifier_latency.observe(verdict.seconds)
+            if verdict.kind != "ok":
+                metrics.verifier_errors.labels(verdict.kind).inc()
+        return verdicts
 
     return verify
 

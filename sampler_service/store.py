@@ -81,6 +81,16 @@ class StoredGroup:
 
 
 @dataclass(frozen=True)
+class FrameRows:
+    """A batch frame to store: its members' final bytes in frame order, and the ids of
+    members stored as pending that a batch policy dropped."""
+
+    batch_id: str
+    members: list[tuple[str, bytes]]
+    dropped: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
 class StoredFrame:
     batch_id: str
     members: list[StoredGroup]  # in batch_index order
@@ -172,32 +182,37 @@ class Store:
         return self._tx(run)
 
     def frame(
-        self,
-        batch_id: str,
-        members: list[tuple[str, bytes]],
-        dropped: Iterable[str] = (),
-        state: dict[str, Any] | None = None,
-    ) -> list[int]:
-        """Store one READY batch frame with its final bytes; returns each member's seq.
+        self, frames: Sequence[FrameRows], state: dict[str, Any] | None = None
+    ) -> list[list[int]]:
+        """Store READY batch frames with their final bytes in one transaction; returns each
+        frame's members' seqs.
 
         A member stored before as pending is updated in place; one that completes its
         frame as it finishes is written here for the first time, so it is written once.
-        `state` moves in the same transaction, as with `add_pending`.
+        Frames that finished together share a commit: the finalizer's pace is one commit
+        per batch of groups, not per group. `state` moves in the same transaction, as
+        with `add_pending`.
         """
 
-        def run(db: sqlite3.Connection) -> list[int]:
+        def run(db: sqlite3.Connection) -> list[list[int]]:
             now = time.time()
             seqs = [
-                db.execute(
-                    "INSERT INTO groups (group_id, batch_id, batch_index, payload, created_at) "
-                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT(group_id) DO UPDATE SET "
-                    "batch_id = excluded.batch_id, batch_index = excluded.batch_index, "
-                    "payload = excluded.payload RETURNING seq",
-                    (gid, batch_id, i, payload, now),
-                ).fetchone()[0]
-                for i, (gid, payload) in enumerate(members)
+                [
+                    db.execute(
+                        "INSERT INTO groups (group_id, batch_id, batch_index, payload, "
+                        "created_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT(group_id) DO UPDATE "
+                        "SET batch_id = excluded.batch_id, batch_index = excluded.batch_index, "
+                        "payload = excluded.payload RETURNING seq",
+                        (gid, frame.batch_id, i, payload, now),
+                    ).fetchone()[0]
+                    for i, (gid, payload) in enumerate(frame.members)
+                ]
+                for frame in frames
             ]
-            db.executemany("DELETE FROM groups WHERE group_id = ?", [(g,) for g in dropped])
+            db.executemany(
+                "DELETE FROM groups WHERE group_id = ?",
+                [(g,) for frame in frames for g in frame.dropped],
+            )
             self._put_many(db, state or {})
             return seqs
 

@@ -2,9 +2,10 @@
 
 A verifier is user code: it may raise, return garbage, hang in a sympy simplification or
 kill its own process. Each worker is a separate process owned by one slot; the parent
-sends (spec, response, answer, metadata) over a pipe and waits at most `timeout_s` for
-the reply. A worker that overruns is SIGKILLed and its slot starts a fresh one before its
-next call, so a hung verifier costs one timeout and never blocks later verifications.
+sends (spec, responses, answer, metadata) over a pipe, a wave's answers to one prompt
+in one message, and waits at most `timeout_s` for each answer's reply. A worker that
+overruns is SIGKILLed and a fresh one takes the answers after the one it hung on, so a
+hung verifier costs one timeout and never blocks later verifications.
 `concurrent.futures.ProcessPoolExecutor` cannot do this: killing one of its workers
 breaks the whole pool.
 
@@ -24,6 +25,7 @@ import reprlib
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -52,14 +54,16 @@ _ERROR_WINDOW, _ERROR_SHARE, _ERROR_MIN_CALLS = 200, 0.5, 20
 _TIMEOUT_WINDOW, _TIMEOUT_SHARE, _TIMEOUT_MIN = 50, 0.2, 2
 BREAKER_OPEN_S = 30.0
 
-# (spec, response, answer, metadata); a response of None asks only to resolve the spec.
-Request = tuple[str, str | None, str, dict[str, Any] | None]
+# (spec, responses, answer, metadata); responses None asks only to resolve the spec.
+Request = tuple[str, list[str] | None, str, dict[str, Any] | None]
 
 
 class _Outcome(NamedTuple):
     reward: float
     error: str | None
     kind: Literal["ok", "error", "timeout", "crash"]
+    #: From the request (or the previous answer's reply) to this answer's reply.
+    seconds: float = 0.0
 
 
 @dataclass
@@ -139,12 +143,12 @@ def _worker_main(conn: Connection, sys_path: list[str]) -> None:
             request: Request = conn.recv()
         except EOFError:
             return
-        spec, response, answer, metadata = request
-        conn.send(
-            resolve_error(spec)
-            if response is None
-            else run_verifier(spec, response, answer, metadata)
-        )
+        spec, responses, answer, metadata = request
+        if responses is None:
+            conn.send(resolve_error(spec))
+            continue
+        for response in responses:  # a reply per answer: the parent times each one
+            conn.send(run_verifier(spec, response, answer, metadata))
 
 
 class _Worker:
@@ -154,30 +158,55 @@ class _Worker:
         self._ctx = ctx
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
+        self._retired = False
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def call(self, request: Request, timeout_s: float) -> _Outcome:
-        """Blocking; runs on a pool thread. The clock starts once the worker is up."""
+    def call(self, request: Request, timeout_s: float) -> list[_Outcome]:
+        """Blocking; runs on a pool thread. An outcome per answer (one for a spec check),
+        each within `timeout_s` of the one before; the clock starts once the worker is up.
+        A worker that overruns or dies is replaced, and the answers after the one it was
+        on go to its replacement (unless the pool closed meanwhile)."""
+        spec, responses, answer, metadata = request
+        wanted = 1 if responses is None else len(responses)
+        outcomes: list[_Outcome] = []
+        while len(outcomes) < wanted:
+            if self._retired:
+                failed = _Outcome(0.0, "verifier pool closed", "error")
+                return outcomes + [failed] * (wanted - len(outcomes))
+            rest = None if responses is None else responses[len(outcomes) :]
+            outcomes += self._replies(
+                (spec, rest, answer, metadata), wanted - len(outcomes), timeout_s
+            )
+        return outcomes
+
+    def _replies(self, request: Request, count: int, timeout_s: float) -> list[_Outcome]:
+        """Up to `count` replies to `request`, ending early at a time-out or a crash."""
         if self._proc is None:
             self._start()
         assert self._proc is not None and self._conn is not None
+        out: list[_Outcome] = []
+        since = time.perf_counter()
         try:
             self._conn.send(request)
-            if not self._conn.poll(timeout_s):
-                self.kill()
-                self.reap()
-                return _Outcome(
-                    0.0, f"timeout: no verdict within {timeout_s:g} s (worker killed)", "timeout"
-                )
-            reward, error = self._conn.recv()
+            while len(out) < count:
+                if not self._conn.poll(timeout_s):
+                    self.kill()
+                    self.reap()
+                    error = f"timeout: no verdict within {timeout_s:g} s (worker killed)"
+                    return out + [_Outcome(0.0, error, "timeout", time.perf_counter() - since)]
+                reward, error = self._conn.recv()
+                now = time.perf_counter()
+                out.append(_Outcome(reward, error, "ok" if error is None else "error", now - since))
+                since = now
         except (EOFError, OSError):
             self.kill()
             code = self.reap()
-            return _Outcome(0.0, f"verifier worker died (exit code {code})", "crash")
-        return _Outcome(reward, error, "ok" if error is None else "error")
+            error = f"verifier worker died (exit code {code})"
+            out.append(_Outcome(0.0, error, "crash", time.perf_counter() - since))
+        return out
 
     def _start(self) -> None:
         parent, child = self._ctx.Pipe()
@@ -201,6 +230,11 @@ class _Worker:
         if self._proc is not None and self._proc.exitcode is None:
             self._proc.kill()
 
+    def retire(self) -> None:
+        """Kill the process for good: a call in progress starts no replacement."""
+        self._retired = True
+        self.kill()
+
     def reap(self) -> int | None:
         """Wait for a killed or exited process and drop it; only its owning thread calls this."""
         if self._proc is None:
@@ -214,14 +248,17 @@ class _Worker:
 
 
 class VerifierPool:
-    """`await pool.verify(spec, response, answer, metadata)` -> Verdict.
+    """`await pool.verify_wave(spec, responses, answer, metadata)` -> a Verdict per answer
+    (`verify` for one).
 
     A verifier that raises, returns something other than a number in [0, 1], crashes its
     process or runs past `timeout_s` yields reward 0 with `error` set (its worker is then
     replaced); verify itself only raises once the pool is closed. Specs in INLINE run
     in-process, all others in a worker process: at most `max_workers` at once, the rest
-    wait for a free worker (a wait that is not part of the time limit). `stats` keeps the
-    totals for metrics.
+    wait for a free worker (a wait that is not part of the time limit). A wave goes to
+    the workers free when it comes, one message to each, or whole to the next free one:
+    a hand-off costs the loop a thread hop and a pipe round trip whatever it carries.
+    `stats` keeps the totals for metrics.
     """
 
     def __init__(self, max_workers: int = 2, timeout_s: float = 10.0) -> None:
@@ -275,7 +312,7 @@ class VerifierPool:
             return resolve_error(spec)[1]
         worker = await self._idle.get()
         try:
-            outcome = await asyncio.get_running_loop().run_in_executor(
+            [outcome] = await asyncio.get_running_loop().run_in_executor(
                 self._threads, worker.call, (spec, None, "", None), _BOOT_TIMEOUT_S
             )
         finally:
@@ -285,34 +322,64 @@ class VerifierPool:
     async def verify(
         self, spec: str, response: str, answer: str, metadata: dict[str, Any] | None = None
     ) -> Verdict:
+        """One answer's verdict."""
+        [verdict] = await self.verify_wave(spec, [response], answer, metadata)
+        return verdict
+
+    async def verify_wave(
+        self,
+        spec: str,
+        responses: Sequence[str],
+        answer: str,
+        metadata: dict[str, Any] | None = None,
+    ) -> list[Verdict]:
+        """A verdict for each of one prompt's answers, in order."""
         if self._closed:
             raise RuntimeError("verifier pool is closed")
+        if not responses:
+            return []
         health = self._health(spec)
         if spec in INLINE:
-            started = time.perf_counter()
-            reward, error = run_verifier(spec, response, answer, metadata)
-            outcome = _Outcome(reward, error, "ok" if error is None else "error")
-            return self._record(spec, outcome, time.perf_counter() - started)
+            return [self._inline(spec, response, answer, metadata) for response in responses]
         if health.open_until > time.monotonic():
-            self.stats.unavailable += 1
-            return Verdict(
-                0.0, f"verifier {spec} is not called: too many time-outs", kind="unavailable"
-            )
-        if health.recent_timeouts():
-            # A spec that has hung lately holds at most half the workers.
-            async with health.slots:
-                return await self._verify_in_worker(spec, response, answer, metadata)
-        return await self._verify_in_worker(spec, response, answer, metadata)
+            self.stats.unavailable += len(responses)
+            refused = f"verifier {spec} is not called: too many time-outs"
+            return [Verdict(0.0, refused, kind="unavailable") for _ in responses]
+        # A spec that has hung lately holds at most half the workers.
+        hung = health.recent_timeouts() > 0
+        workers = max(
+            1, min(self._idle.qsize(), self._half_workers if hung else len(self._workers))
+        )
+        size = -(-len(responses) // workers)
+        parts = [list(responses[i : i + size]) for i in range(0, len(responses), size)]
 
-    async def _verify_in_worker(
+        async def part(chunk: list[str]) -> list[Verdict]:
+            if not hung:
+                return await self._verify_in_worker(spec, chunk, answer, metadata)
+            async with health.slots:
+                return await self._verify_in_worker(spec, chunk, answer, metadata)
+
+        if len(parts) == 1:
+            return await part(parts[0])
+        return [v for verdicts in await asyncio.gather(*map(part, parts)) for v in verdicts]
+
+    def _inline(
         self, spec: str, response: str, answer: str, metadata: dict[str, Any] | None
     ) -> Verdict:
+        started = time.perf_counter()
+        reward, error = run_verifier(spec, response, answer, metadata)
+        outcome = _Outcome(reward, error, "ok" if error is None else "error")
+        return self._record(spec, outcome, time.perf_counter() - started)
+
+    async def _verify_in_worker(
+        self, spec: str, responses: list[str], answer: str, metadata: dict[str, Any] | None
+    ) -> list[Verdict]:
         worker = await self._idle.get()
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:
             job = self._threads.submit(
-                worker.call, (spec, response, answer, metadata), self.timeout_s
+                worker.call, (spec, responses, answer, metadata), self.timeout_s
             )
         except RuntimeError:  # closed while this call waited for a worker
             self._release(worker)
@@ -321,11 +388,14 @@ class VerifierPool:
         # this coroutine is cancelled first (so two calls can never share a worker).
         job.add_done_callback(lambda _: self._release_threadsafe(loop, worker))
         try:
-            outcome = await asyncio.wrap_future(job)
+            outcomes = await asyncio.wrap_future(job)
         except Exception as exc:  # the pool itself failed (e.g. no worker could start)
             log.exception("verifier pool failure for %s", spec)
-            outcome = _Outcome(0.0, f"verifier pool: {exc!r}", "error")
-        return self._record(spec, outcome, time.perf_counter() - started)
+            failed = _Outcome(
+                0.0, f"verifier pool: {exc!r}", "error", time.perf_counter() - started
+            )
+            outcomes = [failed] * len(responses)
+        return [self._record(spec, outcome, outcome.seconds) for outcome in outcomes]
 
     def _record(self, spec: str, outcome: _Outcome, seconds: float) -> Verdict:
         stats = self.stats
@@ -352,7 +422,7 @@ class VerifierPool:
         """Kill every worker. Calls in progress return an error verdict; later ones raise."""
         self._closed = True
         for worker in self._workers:
-            worker.kill()
+            worker.retire()
         while not self._idle.empty():  # idle workers have no thread to reap them
             self._idle.get_nowait().reap()
         self._threads.shutdown(wait=False, cancel_futures=True)

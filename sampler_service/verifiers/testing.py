@@ -22,6 +22,13 @@ def hang(response: str, answer: str, metadata: dict[str, Any] | None = None) -> 
     return 1.0
 
 
+def hang_on_hang(response: str, answer: str, metadata: dict[str, Any] | None = None) -> float:
+    """Hangs on the response "hang"; any other scores 1 if it is the answer."""
+    if response == "hang":
+        time.sleep(3600)
+    return float(response == answer)
+
+
 def out_of_range(response: str, answer: str, metadata: dict[str, Any] | None = None) -> float:
     return 2.0
 

@@ -134,6 +134,71 @@ def test_two_checkouts_carry_the_first_ones_values_as_before(tmp_path: Path) -> 
     assert one["overhead_rows_not_worse"]["met"] is None  # no baseline to hold it to
 
 
+def test_both_checkouts_holding_the_same_overhead_file_leave_that_target_unmeasured(
+    tmp_path: Path,
+) -> None:
+    results = {
+        name: _result(loop=0.3, p99=40.0, copies=1.0, wire=6000.0, parse=0.3)
+        for name in ("before", "after")
+    }
+    rows = [{"backend": "hf", "ratio": 1.0, "service_main_ms_per_group": 2.0}]
+    for name in results:
+        (tmp_path / name / "bench" / "results").mkdir(parents=True)
+        (tmp_path / name / "bench" / "results" / "overhead.json").write_text(
+            json.dumps({"results": rows})
+        )
+    checkouts = [front.Checkout(n, tmp_path / n) for n in results]
+    got = front.compare_targets(results, checkouts)["overhead_rows_not_worse"]
+    assert got["met"] is None and got["before"] is None and "not measured" in got["note"]
+
+
+def _window(rate: float, delivered: float) -> dict:
+    return {
+        "rate": rate,
+        "generated_answers_per_s": delivered,
+        "delivered_answers_per_s": delivered,
+        "loop_runqueue_share": 0.1,
+        "latency_ms": {"p99": 30.0},
+    }
+
+
+def test_an_overloaded_latency_row_runs_again_at_80_percent_of_what_it_delivered() -> None:
+    asked: list[float] = []
+
+    def run(rate: float) -> dict:
+        asked.append(rate)
+        return _window(rate, 600.0 if len(asked) == 1 else rate)
+
+    row = front.latency_row(run, knee=1000.0)
+    assert asked == [800.0, 480.0] and row["overloaded"] is False
+    assert [t["overloaded"] for t in row["tries"]] == [True, False]
+
+    row = front.latency_row(lambda rate: _window(rate, 0.5 * rate), knee=1000.0)
+    assert len(row["tries"]) == 3 and row["overloaded"] is True
+    target = front.targets({"latency": row})["p99_last_answer_to_delivery_ms"]
+    assert target["met"] is None and "overloaded" in target["note"]
+
+
+def test_the_delay_splits_into_its_stages_and_the_tail_is_the_slowest_groups() -> None:
+    stages = {
+        f"g{i}": {"front": 1.0, "finalize": 1.0, "stored": 1.0 + (0.5 if i == 99 else 0.001)}
+        for i in range(100)
+    }
+    for record in stages.values():
+        record["sent"] = record["stored"]
+    held = {gid: (0.999, stages[gid]["sent"] + 0.002) for gid in stages}
+    held["unstaged"] = (0.0, 1.0)  # no stage times: left out
+    got = front.delay_stages(held, stages)
+    assert got["groups"] == 100
+    by = {s["segment"]: s for s in got["segments"]}
+    assert by["engine thread to the front's loop"]["p50_ms"] == pytest.approx(1.0)
+    assert by["building, encoding and storing its frame"]["p50_ms"] == pytest.approx(1.0)
+    assert by["building, encoding and storing its frame"]["slowest_1pct_mean_ms"] == (
+        pytest.approx(500.0)
+    )
+    assert by["socket and the consumer's reading"]["p99_ms"] == pytest.approx(2.0)
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = tmp_path_factory.mktemp("front")
@@ -166,6 +231,9 @@ def test_a_short_window_of_the_real_front_adds_up(inputs: dict) -> None:
     assert 8 * tokens < r["wire_bytes_per_answer"] < 8 * tokens + 4 * tokens + 2000
     assert r["store_copies"] >= 1.0 and r["store_bytes_per_answer"] >= 8 * tokens
     assert r["loop_ms_per_answer"] > 0 and r["client_ms_per_answer"] > 0
+    # every delivered group's delay splits into the stages the service marked
+    assert r["delay_stages"]["groups"] == r["groups"]
+    assert all(s["p50_ms"] >= 0 for s in r["delay_stages"]["segments"])
 
 
 def test_the_worker_runs_in_the_checkout_it_is_started_in(inputs: dict) -> None:

@@ -122,7 +122,7 @@ def test_rewards_follow_pass_rates_and_truncation_is_reported() -> None:
     (right, wrong), _, _ = _generate(spec, [(0, 16), (1, 16)], [1.0, 0.0])
     assert {c.text for c in right} == {REWARD_TEXT[True]}
     assert {c.text for c in wrong} == {REWARD_TEXT[False]}
-    rewards = [asyncio.run(verify_reward_text(None, c)).reward for c in right + wrong]
+    rewards = [v.reward for v in asyncio.run(verify_reward_text(None, right + wrong))]
     assert rewards == [1.0] * 16 + [0.0] * 16
     (short,), _, _ = _generate(spec, [(0, 2)], [1.0], max_tokens=40)
     assert all(c.finish_reason == "length" and len(c.token_ids) == 40 for c in short)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sampler_service.outbox import Outbox
-from sampler_service.store import AsyncStore, Store, StoredFrame, StoredGroup
+from sampler_service.store import AsyncStore, FrameRows, Store, StoredFrame, StoredGroup
 
 
 def _recount(outbox: Outbox) -> tuple[int, int, dict[str, int]]:
@@ -39,7 +39,7 @@ async def test_running_counts_match_a_recount_through_every_move(tmp_path: Path)
             gid = f"g{b}.{i}"
             store.add_pending(gid, b"x")
             members.append(StoredGroup(seq, gid, b"x", policy_version_min=b))
-        store.frame(f"b{b}", [(m.group_id, b"x") for m in members])
+        store.frame([FrameRows(f"b{b}", [(m.group_id, b"x") for m in members])])
         outbox.offer(StoredFrame(f"b{b}", members))
         _check(outbox)
     a = outbox.take("a", ttl_s=10, max_groups=6)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,8 @@ async def backend(toy) -> AsyncIterator[HFBackend]:
     await engine.close()
 
 
-async def _verify(row: PromptRow, completion: Completion) -> Verdict:
-    return Verdict(exact.verify(completion.text, row.answer, row.metadata))
+async def _verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
+    return [Verdict(exact.verify(c.text, row.answer, row.metadata)) for c in completions]
 
 
 #: A run of `never_scheduler` must show both: the rule firing and n_max cutting a prompt off.
@@ -374,15 +374,21 @@ async def test_weight_drain_timeout_aborts_waves_still_running(new_scheduler, ca
 
 
 class SlowSink(MemorySink):
-    """A store that takes 50 ms per group: the engine must not wait for it."""
+    """A store that takes 50 ms per write: the engine must not wait for it. Records how
+    many frames each write took."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[int] = []
 
     async def add_pending(self, group: Any, state: Any) -> None:
         await asyncio.sleep(0.05)
 
-    async def add_frame(self, groups: Any, dropped: Any, state: Any = None) -> None:
+    async def add_frames(self, frames: Any, state: Any = None) -> None:
         # Frames of one group are stored by this call alone (no pending write first).
         await asyncio.sleep(0.05)
-        await super().add_frame(groups, dropped, state)
+        self.writes.append(len(frames))
+        await super().add_frames(frames, state)
 
 
 async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(new_scheduler) -> None:
@@ -405,6 +411,8 @@ async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(new_s
     assert scheduler._finalizing == 0
     finished = sum(scheduler.stats.stop_reasons.values())
     assert finished >= 8 and len(sink.groups()) + len(scheduler._unframed) == finished
+    # Groups that finished while a write ran went into the next one together.
+    assert max(sink.writes) > 1 and sum(sink.writes) == len(sink.groups())
 
 
 async def test_an_estimator_rebuilt_off_the_loop_keeps_every_finished_group(new_scheduler) -> None:

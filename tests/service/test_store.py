@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from sampler_service import store as store_module
-from sampler_service.store import Store
+from sampler_service.store import FrameRows, Store
 
 PAYLOAD = os.urandom(200_000)  # about one group of 4 x 1,024 tokens
 
@@ -16,7 +16,7 @@ PAYLOAD = os.urandom(200_000)  # about one group of 4 x 1,024 tokens
 def _fill(store: Store, n: int) -> None:
     for i in range(n):
         store.add_pending(f"g{i}", PAYLOAD)
-    store.frame("b0", [(f"g{i}", PAYLOAD) for i in range(n // 2)])
+    store.frame([FrameRows("b0", [(f"g{i}", PAYLOAD) for i in range(n // 2)])])
 
 
 def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
@@ -100,20 +100,39 @@ def test_each_kind_of_event_keeps_its_own_history(tmp_path: Path, monkeypatch) -
         store.close()
 
 
-def test_a_frame_stores_new_groups_once_and_updates_pending_ones(tmp_path: Path) -> None:
+def test_frames_store_new_groups_once_update_pending_ones_and_share_a_commit(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "s.sqlite"
     store = Store(path, checkpoint_every_s=None)
     pending_seq = store.add_pending("waited", b"pending bytes")
-    seqs = store.frame("b1", [("waited", b"framed a"), ("fresh", b"framed b")], state={"k": 1})
-    assert seqs[0] == pending_seq and seqs[1] > pending_seq  # the pending row kept its place
+    store.add_pending("dropped", b"dropped bytes")
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    seqs = store.frame(
+        [
+            FrameRows("b1", [("waited", b"framed a"), ("fresh", b"framed b")]),
+            FrameRows("b2", [("later", b"framed c")], dropped=["dropped"]),
+        ],
+        state={"k": 1},
+    )
+    store._db.set_trace_callback(None)
+    assert statements.count("COMMIT") == 1
+    assert seqs[0][0] == pending_seq and seqs[0][1] > pending_seq  # the pending row kept its place
+    assert seqs[1][0] > seqs[0][1]
     rows = store._db.execute("SELECT group_id, batch_index, payload FROM groups").fetchall()
-    assert sorted(rows) == [("fresh", 1, b"framed b"), ("waited", 0, b"framed a")]
+    assert sorted(rows) == [
+        ("fresh", 1, b"framed b"),
+        ("later", 0, b"framed c"),
+        ("waited", 0, b"framed a"),
+    ]
     store.close()
     reopened = Store(path, checkpoint_every_s=None)
-    (frame,) = reopened.frames()
-    assert [(m.group_id, m.payload) for m in frame.members] == [
+    first, second = reopened.frames()
+    assert [(m.group_id, m.payload) for m in first.members] == [
         ("waited", b"framed a"),
         ("fresh", b"framed b"),
     ]
+    assert [m.group_id for m in second.members] == ["later"]
     assert reopened.pending() == [] and reopened.get("k") == 1
     reopened.close()

@@ -133,6 +133,29 @@ async def test_hung_verifier_times_out_and_its_worker_is_replaced(pool: Verifier
     assert (pool.stats.timeouts, pool.stats.restarts, pool.stats.errors) == (1, 1, 0)
 
 
+async def test_a_wave_goes_to_each_free_worker_in_one_message_and_a_hung_answer_costs_itself(
+    pool: VerifierPool,
+) -> None:
+    handed: list[list[str]] = []
+    submit = pool._threads.submit
+
+    def counted(fn, request, *args):  # type: ignore[no-untyped-def]
+        handed.append(request[1])
+        return submit(fn, request, *args)
+
+    pool._threads.submit = counted  # type: ignore[method-assign]
+    verdicts = await pool.verify_wave("math", ["1", "2", "3", "4"], "2")
+    assert [v.reward for v in verdicts] == [0.0, 1.0, 0.0, 0.0]
+    assert handed == [["1", "2"], ["3", "4"]]  # both workers free: half the wave each
+    # The answer after the hung one goes to the replaced worker; the others are not held.
+    verdicts = await pool.verify_wave(T + "hang_on_hang", ["hang", "1", "1", "2"], "1")
+    assert [v.kind for v in verdicts] == ["timeout", "ok", "ok", "ok"]
+    assert [v.reward for v in verdicts] == [0.0, 1.0, 1.0, 0.0]
+    assert (pool.stats.calls, pool.stats.timeouts, pool.stats.restarts) == (8, 1, 1)
+    assert len(handed) == 4
+    assert await pool.verify_wave("math", [], "1") == [] and len(handed) == 4
+
+
 async def test_close_ends_calls_in_progress(pool: VerifierPool) -> None:
     hung = asyncio.create_task(pool.verify(T + "hang", "1", "1"))
     await asyncio.sleep(0.3)
