@@ -939,8 +939,10 @@ def targets(by_setting: dict[str, Any], step_time: dict[str, Any] | None) -> dic
                     )
                     if bases[strongest]["lower_bound"]:
                         e["reason"] += (
-                            f" (some {strongest} seeds never reach it: the ratio is at most "
-                            f"{ratio:.2f})"
+                            " (some seeds of both never reach it: the ratio is not determined)"
+                            if tt["answers"][best]["lower_bound"]
+                            else f" (some {strongest} seeds never reach it: the ratio is at "
+                            f"most {ratio:.2f})"
                         )
             e = entries["held_out"]
             e["method"] = best
