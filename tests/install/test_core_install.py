@@ -32,7 +32,7 @@ TRAINER_SIDE = """
 import json, sys
 from trainer_client import SamplerClient
 from trainer_client.contract import dtypes, flags, protocol, wire
-import trainer_client.client, trainer_client.exceptions, trainer_client.verl.settings
+import trainer_client.client, trainer_client.exceptions, trainer_client.nccl, trainer_client.verl.settings
 
 url = sys.argv[1]
 with SamplerClient(url, consumer="core-install", watchdog_s=60) as client:
