@@ -75,6 +75,8 @@ def _step_targets() -> str:
                 "step": "met" if t["step_target_met"] else "**missed**",
                 "api": t.get("answers_per_informative"),
                 "answers": "met" if t["answers_target_met"] else "**missed**",
+                "engine": t.get("engine_ratio"),
+                "engine_met": "met" if t.get("engine_target_met") else "**missed**",
             }
         )
     return table(
@@ -88,6 +90,8 @@ def _step_targets() -> str:
             ("step", "<= 1.5x"),
             ("api", "answers / informative group"),
             ("answers", "<= 11"),
+            ("engine", "cheapest engine-s / informative group vs GRPO n=4"),
+            ("engine_met", "<= 0.6x"),
         ],
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -91,3 +92,22 @@ def test_pipelines_bound_the_policy_lag() -> None:
     assert off["stale_share"] > 0.0
     # Training overlaps generation: a step is shorter than generating then training.
     assert off["step_s"] < on["gen_s"] + train * on["samples_trained"]
+
+
+def test_targets_take_the_fastest_step_and_the_cheapest_informative_group() -> None:
+    def row(method: str, informative: float, ratio: float, engine_s: float) -> dict[str, Any]:
+        return {"method": method, "pipeline": "on_policy", "extra": False,
+                "informative_frac": informative, "ratio_by_r": {"0.7": ratio},
+                "answers_per_informative": 10.0, "engine_s_per_informative": engine_s}  # fmt: skip
+
+    rows = [
+        row("grpo4", 0.5, 1.0, 2.0),
+        row("fast", 0.92, 1.4, 1.6),
+        row("cheap", 0.95, 1.9, 1.1),
+        row("cheaper_but_uninformative", 0.6, 1.0, 0.5),
+    ]
+    t = step_time.targets(rows, "adaptive")
+    assert t["best"] == "fast" and t["step_target_met"] is True
+    assert t["engine_best"] == "cheap" and t["engine_ratio"] == pytest.approx(0.55)
+    assert t["engine_target_met"] is True
+    assert t["grpo4"]["engine_s_per_informative"] == 2.0
