@@ -86,7 +86,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import RESULTS, table, write_json
+from bench.common import DAPO_REFILL, RESULTS, flags, grpo, table, write_json
 from bench.step_time import ENGINE, SYNC_S
 from trainer_client.demo import SEQ_BALANCE
 
@@ -133,14 +133,7 @@ METRICS = {
 COST_AXES = ("answers", "tokens", "model_s")
 RUNS_DIR = RESULTS / "learning_runs"
 _HISTORY_SKIP = [{"name": "history_skip", "params": {"explore": 0.5, "max_skip": 0.9}}]
-_GRPO4 = {
-    "rule": "fixed",
-    "group_size": 4,
-    "wave_size": 4,
-    "n_max": 4,
-    "advantage": "grpo",
-    "downsample": "none",
-}
+_GRPO4 = grpo(4)
 _SEQPOS1_POSTERIOR = {
     **SEQ_BALANCE,
     "rule": "positive",
@@ -162,7 +155,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "dapo4": {
         "label": "DAPO refill n=4",
         "kind": "baseline",
-        "config": {**_GRPO4, "group_policies": [{"name": "nonzero_std"}]},
+        "config": {**_GRPO4, **DAPO_REFILL},
     },
     "seqpos1": {
         "label": "Seq-Pos K_pos 1 (n_max 16, n=4)",
@@ -1188,13 +1181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.budget < 1 or args.checkpoints < 1 or args.seeds < 1:
         p.error("--budget, --checkpoints and --seeds must be >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    shape = {
-        "budget": args.budget,
-        "checkpoints": args.checkpoints,
-        "batch_groups": args.batch_groups,
-        "lr": args.lr,
-        "eval_n": args.eval_n,
-    }
+    shape = flags(args, "budget", "checkpoints", "batch_groups", "lr", "eval_n")
     configs = {(s, m): run_config(s, m, **shape) for s in SETTINGS for m in METHODS}
     started = time.monotonic()
     if not args.summary_only:

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from bench import virtual_clock
-from bench.common import ROOT, environment, fixed_groups, table, write_json
+from bench.common import ROOT, environment, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler, verify_reward_text
 from sampler_service.backends.base import Backend, Completion, SamplingParams, TensorSpec
 from sampler_service.config import SamplerConfig
@@ -636,7 +636,7 @@ async def simulate_fronts(
         engine = SimBackend(rates.tolist(), spec, seed=i)
         sink = ShardSink(arrived)
         cfg = SamplerConfig(
-            **fixed_groups(4, advantage="grpo", downsample="none"),
+            **grpo(4),
             max_tokens=4096,
             max_staleness=1,
             batch_groups=batch_groups,

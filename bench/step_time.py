@@ -68,7 +68,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from bench import adaptive_sim, virtual_clock
-from bench.common import Method, table, write_json
+from bench.common import DAPO_REFILL, Method, est, flags, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.scheduler import Scheduler, VolatileSink
@@ -89,7 +89,6 @@ CHECK_SE = 4.0
 
 def rows() -> list[Method]:
     """The compared methods, as sampler configs without their pipeline knobs."""
-    grpo = {"rule": "fixed", "advantage": "grpo", "downsample": "none"}
     ada = {
         "n_max": 32,
         "wave_size": 8,
@@ -100,37 +99,12 @@ def rows() -> list[Method]:
     bal = {**ada, "rule": "balanced", "k_pos": 2, "k_neg": 2}
     skip = [{"name": "history_skip", "params": {"explore": 0.5, "max_skip": 0.9}}]
     return [
-        *(
-            Method(f"grpo{n}", f"GRPO n={n}", {**grpo, "group_size": n, "wave_size": n, "n_max": n})
-            for n in (4, 8, 16)
-        ),
-        Method(
-            "dapo4",
-            "DAPO refill n=4",
-            {
-                **grpo,
-                "group_size": 4,
-                "wave_size": 4,
-                "n_max": 4,
-                "group_policies": [{"name": "nonzero_std"}],
-            },
-        ),
+        *(Method(f"grpo{n}", f"GRPO n={n}", grpo(n)) for n in (4, 8, 16)),
+        Method("dapo4", "DAPO refill n=4", grpo(4, **DAPO_REFILL)),
         Method("seqpos1", "Seq-Pos K_pos 1", {**ada, "rule": "positive", "k_pos": 1}),
         Method("seqbal", "Seq-Balance 2/2", bal),
         Method("seqbal_adaptive", "Seq-Balance + adaptive waves", {**bal, "wave": "adaptive"}),
-        Method(
-            "est",
-            "Est (mean budget 8)",
-            {
-                "rule": "est",
-                "advantage": "est",
-                "group_size": 0,
-                "downsample": "none",
-                "n_max": 32,
-                "wave_size": 32,
-                "est": {"mean_budget": 8},
-            },
-        ),
+        Method("est", "Est (mean budget 8)", est(8)),
         Method(
             "seqbal_adaptive_skip",
             "Seq-Balance + adaptive + history skip",
@@ -160,25 +134,12 @@ def rows() -> list[Method]:
         Method(
             "grpo4_replay",
             "GRPO n=4 + replay",
-            {
-                **grpo,
-                "group_size": 4,
-                "wave_size": 4,
-                "n_max": 4,
-                "replay": {"per_prompt": 2, "max_version_lag": 64},
-            },
+            grpo(4, replay={"per_prompt": 2, "max_version_lag": 64}),
         ),
         Method(
             "dapo4_skip",
             "DAPO refill n=4 + history skip",
-            {
-                **grpo,
-                "group_size": 4,
-                "wave_size": 4,
-                "n_max": 4,
-                "group_policies": [{"name": "nonzero_std"}],
-                "admission_policies": skip,
-            },
+            grpo(4, **DAPO_REFILL, admission_policies=skip),
             extra=True,
         ),
         Method(
@@ -641,15 +602,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log(f"\ntargets: {judged}")
     out = {
         "settings": {
-            "batch": args.batch,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "prompts": args.prompts,
-            "history_epochs": args.history_epochs,
-            "draws": args.draws,
-            "check_batch": args.check_batch,
-            "seed": args.seed,
-            "quick": args.quick,
+            **flags(
+                args,
+                "batch",
+                "steps",
+                "warmup",
+                "prompts",
+                "history_epochs",
+                "draws",
+                "check_batch",
+                "seed",
+                "quick",
+            ),
             "ratios": RATIOS,
             "off_policy_r": list(args.off_policy_r),
             "sync_s": SYNC_S,
