@@ -80,6 +80,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -1014,17 +1015,6 @@ def final_rows(block: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-FINAL_COLUMNS = [
-    ("method", "method"),
-    ("answers", "answers generated"),
-    ("step", "optimizer steps"),
-    ("answers_per_step", "answers/step"),
-    ("model_s", "modelled s"),
-    ("wall_s", "toy training wall s"),
-    *METRICS.items(),
-]
-
-
 def equal_rows(block: dict[str, Any]) -> list[dict[str, Any]]:
     """Each method minus GRPO n=4 at equal answers, modelled time and wall-clock."""
     rows = []
@@ -1045,40 +1035,69 @@ def equal_rows(block: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-EQUAL_COLUMNS = [
-    ("metric", "metric"),
-    ("at", "equal"),
-    ("method", "method minus GRPO n=4"),
-    ("mean", "mean"),
-    ("ci", "95% CI (t)"),
-    ("wins", "seeds > 0"),
-]
+#: Columns of a table: (row key, header).
+Columns = list[tuple[str, str]]
+
+#: The tables of one setting's summary, by name: how to read their rows from the setting's
+#: block, and their columns. `main` prints them; bench/render.py puts them in BENCHMARKS.md.
+TABLES: dict[str, tuple[Callable[[dict[str, Any]], list[dict[str, Any]]], Columns]] = {
+    "headline": (
+        headline_rows,
+        [
+            ("method", "method"),
+            ("seeds", "seeds"),
+            ("train_t1/answers", "train T=1: answers"),
+            ("train_t1/tokens", "train T=1: tokens"),
+            ("train_t1/model_s", "train T=1: modelled time"),
+            ("greedy/answers", "held-out greedy: answers"),
+            ("greedy/model_s", "held-out greedy: modelled time"),
+            ("t1/answers", "held-out T=1: answers"),
+            ("t1/model_s", "held-out T=1: modelled time"),
+            ("inf", "informative / 1,000 answers"),
+            ("stops", "stop reasons (share of groups)"),
+            ("drops", "dropped"),
+        ],
+    ),
+    "finals": (
+        final_rows,
+        [
+            ("method", "method"),
+            ("answers", "answers generated"),
+            ("step", "optimizer steps"),
+            ("answers_per_step", "answers/step"),
+            ("model_s", "modelled s"),
+            ("wall_s", "toy training wall s"),
+            *METRICS.items(),
+        ],
+    ),
+    "equal": (
+        equal_rows,
+        [
+            ("metric", "metric"),
+            ("at", "equal"),
+            ("method", "method minus GRPO n=4"),
+            ("mean", "mean"),
+            ("ci", "95% CI (t)"),
+            ("wins", "seeds > 0"),
+        ],
+    ),
+}
 
 
-HEADLINE_COLUMNS = [
-    ("method", "method"),
-    ("seeds", "seeds"),
-    ("train_t1/answers", "train T=1: answers"),
-    ("train_t1/tokens", "train T=1: tokens"),
-    ("train_t1/model_s", "train T=1: modelled time"),
-    ("greedy/answers", "held-out greedy: answers"),
-    ("greedy/model_s", "held-out greedy: modelled time"),
-    ("t1/answers", "held-out T=1: answers"),
-    ("t1/model_s", "held-out T=1: modelled time"),
-    ("inf", "informative / 1,000 answers"),
-    ("stops", "stop reasons (share of groups)"),
-    ("drops", "dropped"),
-]
+def _setting_table(name: str, block: dict[str, Any]) -> str:
+    """The table `name` of TABLES for one setting's block."""
+    rows_of, columns = TABLES[name]
+    return table(rows_of(block), columns)
 
 
 def _print_setting(setting: str, block: dict[str, Any], sizes: dict[str, Any]) -> None:
     print(f"\n== {setting}: cost to reach GRPO n=4's final value, ratio to GRPO n=4 ==")
     print(f"held-out prompts: {sizes.get('eval')}, training prompts: {sizes.get('train')}")
-    print(table(headline_rows(block), HEADLINE_COLUMNS))
+    print(_setting_table("headline", block))
     print("\nfinal values, mean over seeds (start -> end, min..max at the end):")
-    print(table(final_rows(block), FINAL_COLUMNS))
+    print(_setting_table("finals", block))
     print("\npaired by seed, minus GRPO n=4 at equal cost:")
-    print(table(equal_rows(block), EQUAL_COLUMNS))
+    print(_setting_table("equal", block))
 
 
 def _plot(setting: str, block: dict[str, Any], png: Path) -> Path:

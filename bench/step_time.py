@@ -489,29 +489,29 @@ def measure(
     return table_rows
 
 
-COLUMNS = [
-    ("label", "method"),
-    ("pipeline", "pipeline"),
-    ("ratio_0.35", "step vs GRPO n=4 sync, r 0.35"),
-    ("ratio_0.7", "r 0.7"),
-    ("ratio_1.4", "r 1.4"),
-    ("informative_frac", "informative"),
-    ("answers_per_informative", "answers / informative group"),
-    ("engine_s_per_informative", "engine-s / informative group"),
-    ("stale_share", "stale share"),
-    ("skipped_per_step", "prompts skipped / step"),
-]
-
-
-def flat_rows(table_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows with one column per r, for `bench.common.table`; extra rows marked with *."""
-    out = []
+def steps_table(table_rows: list[dict[str, Any]]) -> str:
+    """The step-time table of `measure`'s rows: one column per r, extra rows marked with *."""
+    flat = []
     for r in table_rows:
-        flat = {**r, "label": r["label"] + (" *" if r["extra"] else "")}
+        row = {**r, "label": r["label"] + (" *" if r["extra"] else "")}
         for k, v in r["ratio_by_r"].items():
-            flat[f"ratio_{k}"] = v
-        out.append(flat)
-    return out
+            row[f"ratio_{k}"] = v
+        flat.append(row)
+    return table(
+        flat,
+        [
+            ("label", "method"),
+            ("pipeline", "pipeline"),
+            ("ratio_0.35", "step vs GRPO n=4 sync, r 0.35"),
+            ("ratio_0.7", "r 0.7"),
+            ("ratio_1.4", "r 1.4"),
+            ("informative_frac", "informative"),
+            ("answers_per_informative", "answers / informative group"),
+            ("engine_s_per_informative", "engine-s / informative group"),
+            ("stale_share", "stale share"),
+            ("skipped_per_step", "prompts skipped / step"),
+        ],
+    )
 
 
 #: Informative fraction the best configuration must reach.
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(
             f"\n== step time, lengths {'by difficulty and correctness' if name == 'difficulty' else 'independent of difficulty'} =="
         )
-        log(table(flat_rows(tr), COLUMNS))
+        log(steps_table(tr))
     judged = {
         f"{name}/{competing}": targets(tr, competing)
         for name, tr in tables.items()
