@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from bench import virtual_clock
-from bench.common import RESULTS, Method, table, write_json
+from bench.common import DAPO_REFILL, RESULTS, Method, est, flags, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.dataset import Dataset, PromptRow
@@ -55,7 +55,6 @@ HARD_P = 0.1
 def methods(batch: int) -> list[Method]:
     """The compared rules, as sampler configs."""
     rounds = {"mode": "rounds", "cohort_size": batch}
-    grpo = {"rule": "fixed", "advantage": "grpo", "downsample": "none"}
     ada = {
         "k_pos": 2,
         "k_neg": 2,
@@ -66,68 +65,22 @@ def methods(batch: int) -> list[Method]:
         "advantage": "global",
     }
     return [
-        Method(
-            "grpo4",
-            "GRPO n=4 (sync)",
-            {**rounds, **grpo, "group_size": 4, "wave_size": 4, "n_max": 4},
-        ),
-        Method(
-            "grpo16",
-            "GRPO n=16 (sync)",
-            {**rounds, **grpo, "group_size": 16, "wave_size": 16, "n_max": 16},
-        ),
-        Method(
-            "dapo4",
-            "DAPO filter+refill n=4 (sync)",
-            {
-                **rounds,
-                **grpo,
-                "group_size": 4,
-                "wave_size": 4,
-                "n_max": 4,
-                "group_policies": [{"name": "nonzero_std"}],
-            },
-        ),
-        Method(
-            "dapo16",
-            "DAPO filter+refill n=16 (sync)",
-            {
-                **rounds,
-                **grpo,
-                "group_size": 16,
-                "wave_size": 16,
-                "n_max": 16,
-                "group_policies": [{"name": "nonzero_std"}],
-            },
-        ),
+        Method("grpo4", "GRPO n=4 (sync)", {**rounds, **grpo(4)}),
+        Method("grpo16", "GRPO n=16 (sync)", {**rounds, **grpo(16)}),
+        Method("dapo4", "DAPO filter+refill n=4 (sync)", {**rounds, **grpo(4, **DAPO_REFILL)}),
+        Method("dapo16", "DAPO filter+refill n=16 (sync)", {**rounds, **grpo(16, **DAPO_REFILL)}),
         Method("seqpos_rounds", "Seq-Pos rounds 4x8, n=4", {**rounds, **ada, "rule": "positive"}),
         Method(
             "seqbal_rounds", "Seq-Balance rounds 4x8, n=4", {**rounds, **ada, "rule": "balanced"}
         ),
-        Method(
-            "grpo4_cont",
-            "GRPO n=4 continuous",
-            {**grpo, "group_size": 4, "wave_size": 4, "n_max": 4},
-        ),
+        Method("grpo4_cont", "GRPO n=4 continuous", grpo(4)),
         Method("seqbal_cont", "Seq-Balance continuous", {**ada, "rule": "balanced"}),
         Method(
             "seqbal_adaptive",
             "Seq-Balance continuous, adaptive waves",
             {**ada, "rule": "balanced", "wave": "adaptive"},
         ),
-        Method(
-            "est",
-            "Est (mean budget 8), continuous",
-            {
-                "rule": "est",
-                "advantage": "est",
-                "group_size": 0,
-                "downsample": "none",
-                "n_max": 32,
-                "wave_size": 32,
-                "est": {"mean_budget": 8},
-            },
-        ),
+        Method("est", "Est (mean budget 8), continuous", est(8)),
     ]
 
 
@@ -603,13 +556,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     out = {
         "settings": {
-            "batch": args.batch,
-            "batches": args.batches,
-            "warmup": args.warmup,
-            "prompts": args.prompts,
-            "history_epochs": args.history_epochs,
-            "seed": args.seed,
-            "quick": args.quick,
+            **flags(
+                args, "batch", "batches", "warmup", "prompts", "history_epochs", "seed", "quick"
+            ),
             "engine": asdict(spec),
             "max_tokens": 4096,
             "mixes": {k: MIXES[k] for k in mixes},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -31,9 +32,40 @@ class Method:
 
 def fixed_groups(n: int, **knobs: Any) -> dict[str, Any]:
     """Sampler config knobs for groups of exactly `n` answers sampled in one wave, with
-    `knobs` added or overriding; with advantage "grpo" and downsample "none" this is plain
-    GRPO, the baseline the benchmarks compare with."""
+    `knobs` added or overriding (`grpo` makes them plain GRPO)."""
     return {"rule": "fixed", "group_size": n, "n_max": n, "wave_size": n, **knobs}
+
+
+def grpo(n: int, **knobs: Any) -> dict[str, Any]:
+    """Plain GRPO with groups of `n` answers (`knobs` added or overriding): the baseline
+    every benchmark compares with, and the base of DAPO's filter-and-refill rows."""
+    return fixed_groups(n, advantage="grpo", downsample="none", **knobs)
+
+
+#: DAPO's dynamic sampling: a group whose rewards are all equal is dropped and its prompt
+#: replaced, so every kept group carries signal.
+DAPO_REFILL: dict[str, Any] = {"group_policies": [{"name": "nonzero_std"}]}
+
+
+def est(mean_budget: float) -> dict[str, Any]:
+    """Reinforce-Ada's Est: each prompt's answers set by its estimated pass rate, at
+    `mean_budget` answers per prompt over the dataset (up to 32 each), with Est's own
+    advantages and every answer kept."""
+    return {
+        "rule": "est",
+        "advantage": "est",
+        "group_size": 0,
+        "downsample": "none",
+        "n_max": 32,
+        "wave_size": 32,
+        "est": {"mean_budget": mean_budget},
+    }
+
+
+def flags(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The values of the command-line flags `names` (dest names), in that order: the part of
+    a result's settings that echoes how it was run."""
+    return {name: getattr(args, name) for name in names}
 
 
 def environment() -> dict[str, Any]:

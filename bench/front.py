@@ -62,7 +62,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -976,23 +976,33 @@ def targets_table(data: dict[str, Any]) -> str:
     return table(rows, columns)
 
 
+def _by_checkout(
+    data: dict[str, Any],
+    rows_of: Callable[[dict[str, Any]], Iterable[dict[str, Any]]],
+    columns: list[tuple[str, str]],
+) -> str:
+    """A table of the rows `rows_of` reads from each measured checkout's results, each row
+    led by its checkout's name."""
+    rows = [{"checkout": name, **r} for name, res in data["variants"].items() for r in rows_of(res)]
+    return table(rows, [("checkout", "checkout"), *columns])
+
+
 def delay_table(data: dict[str, Any]) -> str:
     """The latency row's tries, then where its groups' delay went (`delay_stages`)."""
-    tries = [
-        {"checkout": name, "try": i + 1, **t, "overloaded": "yes" if t["overloaded"] else "no"}
-        for name, res in data["variants"].items()
-        for i, t in enumerate((res.get("latency") or {}).get("tries", []))
-    ]
-    segments = [
-        {"checkout": name, **seg}
-        for name, res in data["variants"].items()
-        for seg in ((res.get("latency") or {}).get("delay_stages") or {}).get("segments", [])
-    ]
+
+    def tries(res: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        for i, t in enumerate((res.get("latency") or {}).get("tries", [])):
+            yield {"try": i + 1, **t, "overloaded": "yes" if t["overloaded"] else "no"}
+
+    def segments(res: dict[str, Any]) -> list[dict[str, Any]]:
+        stages = (res.get("latency") or {}).get("delay_stages") or {}
+        return stages.get("segments", [])
+
     return (
-        table(
+        _by_checkout(
+            data,
             tries,
             [
-                ("checkout", "checkout"),
                 ("try", "try"),
                 ("rate", "offered answers/s"),
                 ("delivered_answers_per_s", "delivered"),
@@ -1002,10 +1012,10 @@ def delay_table(data: dict[str, Any]) -> str:
             ],
         )
         + "\n\n"
-        + table(
+        + _by_checkout(
+            data,
             segments,
             [
-                ("checkout", "checkout"),
                 ("segment", "part of the delay"),
                 ("p50_ms", "p50 ms"),
                 ("p99_ms", "p99 ms"),
@@ -1016,23 +1026,20 @@ def delay_table(data: dict[str, Any]) -> str:
 
 
 def sweep_table(data: dict[str, Any]) -> str:
-    rows = []
-    for name, res in data["variants"].items():
+    def steps(res: dict[str, Any]) -> Iterator[dict[str, Any]]:
         knee = res.get("knee", {}).get("answers_per_s")
         for r in res.get("sweep", []):
-            rows.append(
-                {
-                    **r,
-                    "checkout": name,
-                    "p50": r["latency_ms"]["p50"],
-                    "p99": r["latency_ms"]["p99"],
-                    "knee": "knee" if r["delivered_answers_per_s"] == knee else "",
-                }
-            )
-    return table(
-        rows,
+            yield {
+                **r,
+                "p50": r["latency_ms"]["p50"],
+                "p99": r["latency_ms"]["p99"],
+                "knee": "knee" if r["delivered_answers_per_s"] == knee else "",
+            }
+
+    return _by_checkout(
+        data,
+        steps,
         [
-            ("checkout", "checkout"),
             ("rate", "offered answers/s"),
             ("generated_answers_per_s", "generated"),
             ("delivered_answers_per_s", "delivered"),
@@ -1150,48 +1157,37 @@ def costs_table(data: dict[str, Any]) -> str:
     return table(rows, columns)
 
 
+def _profile(res: dict[str, Any]) -> dict[str, Any]:
+    """A checkout's event-loop profile ({} where it was not profiled)."""
+    return (res.get("profile") or {}).get("profile") or {}
+
+
 def profile_table(data: dict[str, Any], kind: str, top: int = 10) -> str:
-    rows = []
-    for name, res in data["variants"].items():
-        profile = (res.get("profile") or {}).get("profile") or {}
-        for i, r in enumerate(profile.get(kind, [])[:top]):
-            rows.append({"checkout": name, "rank": i + 1, **r})
-    return table(
-        rows,
-        [
-            ("checkout", "checkout"),
-            ("rank", "#"),
-            ("function", "function"),
-            ("share", "share of loop CPU"),
-        ],
+    def ranked(res: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        for i, r in enumerate(_profile(res).get(kind, [])[:top]):
+            yield {"rank": i + 1, **r}
+
+    return _by_checkout(
+        data, ranked, [("rank", "#"), ("function", "function"), ("share", "share of loop CPU")]
     )
 
 
 def stages_table(data: dict[str, Any]) -> str:
-    rows = [
-        {"checkout": name, **r}
-        for name, res in data["variants"].items()
-        for r in ((res.get("profile") or {}).get("profile") or {}).get("stages", [])
-    ]
-    return table(
-        rows, [("checkout", "checkout"), ("stage", "stage"), ("share", "share of loop CPU")]
+    return _by_checkout(
+        data,
+        lambda res: _profile(res).get("stages", []),
+        [("stage", "stage"), ("share", "share of loop CPU")],
     )
 
 
 def workers_table(data: dict[str, Any]) -> str:
-    rows = [
-        {
-            "checkout": name,
-            **r,
-            "verifier_cpu": r["verifier_workers_ms_per_answer"],
-        }
-        for name, res in data["variants"].items()
-        for r in res.get("workers", [])
-    ]
-    return table(
-        rows,
+    return _by_checkout(
+        data,
+        lambda res: (
+            {**r, "verifier_cpu": r["verifier_workers_ms_per_answer"]}
+            for r in res.get("workers", [])
+        ),
         [
-            ("checkout", "checkout"),
             ("verifier_workers", "verifier workers"),
             ("rate", "offered answers/s"),
             ("delivered_answers_per_s", "delivered answers/s"),
@@ -1203,14 +1199,13 @@ def workers_table(data: dict[str, Any]) -> str:
 
 
 def parse_table(data: dict[str, Any]) -> str:
-    rows = []
-    for name, res in data["variants"].items():
-        for endpoint, e in (res.get("parse") or {}).get("endpoints", {}).items():
-            rows.append({"checkout": name, "endpoint": endpoint, **e, "kb": e["bytes"] / 1000})
-    return table(
-        rows,
+    return _by_checkout(
+        data,
+        lambda res: (
+            {"endpoint": endpoint, **e, "kb": e["bytes"] / 1000}
+            for endpoint, e in (res.get("parse") or {}).get("endpoints", {}).items()
+        ),
         [
-            ("checkout", "checkout"),
             ("endpoint", "response"),
             ("path", "route"),
             ("kb", "KB for 4 x 700 tokens"),

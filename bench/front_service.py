@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import fixed_groups, serve_app, tree_cpu_s
+from bench.common import grpo, serve_app, tree_cpu_s
 from bench.sim_backend import EngineSpec, SimBackend
 from sampler_service.backends.base import (
     Backend,
@@ -430,7 +430,7 @@ def serve(spec: dict[str, Any]) -> None:
     )
     n = int(spec["n"])
     config = SamplerConfig(
-        **fixed_groups(n, advantage="grpo", downsample="none"),
+        **grpo(n),
         max_tokens=int(spec["max_tokens"]),
         # Twice the prompts whose answers fill the engine, so finished sequences' slots
         # are taken at once while their siblings decode.

@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, fixed_groups, fmt, table, tree_cpu_s, write_json
+from bench.common import ROOT, fmt, grpo, table, tree_cpu_s, write_json
 from bench.overhead import VLLM_PYTHON, _env
 from bench.scaleout import Timed
 from sampler_service.backends.base import Backend, Completion, SamplingParams
@@ -155,7 +155,7 @@ async def window(
         return [Verdict(float(next(verdicts) % 2)) for _ in completions]
 
     cfg = SamplerConfig(
-        **fixed_groups(n, advantage="grpo", downsample="none"),
+        **grpo(n),
         max_tokens=max_tokens,
         temperature=1.0,
         max_buffered_groups=100_000,

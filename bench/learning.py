@@ -80,13 +80,14 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.common import RESULTS, table, write_json
+from bench.common import DAPO_REFILL, RESULTS, flags, grpo, table, write_json
 from bench.step_time import ENGINE, SYNC_S
 from trainer_client.demo import SEQ_BALANCE
 
@@ -133,14 +134,7 @@ METRICS = {
 COST_AXES = ("answers", "tokens", "model_s")
 RUNS_DIR = RESULTS / "learning_runs"
 _HISTORY_SKIP = [{"name": "history_skip", "params": {"explore": 0.5, "max_skip": 0.9}}]
-_GRPO4 = {
-    "rule": "fixed",
-    "group_size": 4,
-    "wave_size": 4,
-    "n_max": 4,
-    "advantage": "grpo",
-    "downsample": "none",
-}
+_GRPO4 = grpo(4)
 _SEQPOS1_POSTERIOR = {
     **SEQ_BALANCE,
     "rule": "positive",
@@ -162,7 +156,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "dapo4": {
         "label": "DAPO refill n=4",
         "kind": "baseline",
-        "config": {**_GRPO4, "group_policies": [{"name": "nonzero_std"}]},
+        "config": {**_GRPO4, **DAPO_REFILL},
     },
     "seqpos1": {
         "label": "Seq-Pos K_pos 1 (n_max 16, n=4)",
@@ -1094,17 +1088,6 @@ def final_rows(block: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-FINAL_COLUMNS = [
-    ("method", "method"),
-    ("answers", "answers generated"),
-    ("step", "optimizer steps"),
-    ("answers_per_step", "answers/step"),
-    ("model_s", "modelled s"),
-    ("wall_s", "toy training wall s"),
-    *METRICS.items(),
-]
-
-
 def equal_rows(block: dict[str, Any]) -> list[dict[str, Any]]:
     """Each method minus GRPO n=4 at equal answers, modelled time and wall-clock."""
     rows = []
@@ -1125,40 +1108,69 @@ def equal_rows(block: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-EQUAL_COLUMNS = [
-    ("metric", "metric"),
-    ("at", "equal"),
-    ("method", "method minus GRPO n=4"),
-    ("mean", "mean"),
-    ("ci", "95% CI (t)"),
-    ("wins", "seeds > 0"),
-]
+#: Columns of a table: (row key, header).
+Columns = list[tuple[str, str]]
+
+#: The tables of one setting's summary, by name: how to read their rows from the setting's
+#: block, and their columns. `main` prints them; bench/render.py puts them in BENCHMARKS.md.
+TABLES: dict[str, tuple[Callable[[dict[str, Any]], list[dict[str, Any]]], Columns]] = {
+    "headline": (
+        headline_rows,
+        [
+            ("method", "method"),
+            ("seeds", "seeds"),
+            ("train_t1/answers", "train T=1: answers"),
+            ("train_t1/tokens", "train T=1: tokens"),
+            ("train_t1/model_s", "train T=1: modelled time"),
+            ("greedy/answers", "held-out greedy: answers"),
+            ("greedy/model_s", "held-out greedy: modelled time"),
+            ("t1/answers", "held-out T=1: answers"),
+            ("t1/model_s", "held-out T=1: modelled time"),
+            ("inf", "informative / 1,000 answers"),
+            ("stops", "stop reasons (share of groups)"),
+            ("drops", "dropped"),
+        ],
+    ),
+    "finals": (
+        final_rows,
+        [
+            ("method", "method"),
+            ("answers", "answers generated"),
+            ("step", "optimizer steps"),
+            ("answers_per_step", "answers/step"),
+            ("model_s", "modelled s"),
+            ("wall_s", "toy training wall s"),
+            *METRICS.items(),
+        ],
+    ),
+    "equal": (
+        equal_rows,
+        [
+            ("metric", "metric"),
+            ("at", "equal"),
+            ("method", "method minus GRPO n=4"),
+            ("mean", "mean"),
+            ("ci", "95% CI (t)"),
+            ("wins", "seeds > 0"),
+        ],
+    ),
+}
 
 
-HEADLINE_COLUMNS = [
-    ("method", "method"),
-    ("seeds", "seeds"),
-    ("train_t1/answers", "train T=1: answers"),
-    ("train_t1/tokens", "train T=1: tokens"),
-    ("train_t1/model_s", "train T=1: modelled time"),
-    ("greedy/answers", "held-out greedy: answers"),
-    ("greedy/model_s", "held-out greedy: modelled time"),
-    ("t1/answers", "held-out T=1: answers"),
-    ("t1/model_s", "held-out T=1: modelled time"),
-    ("inf", "informative / 1,000 answers"),
-    ("stops", "stop reasons (share of groups)"),
-    ("drops", "dropped"),
-]
+def _setting_table(name: str, block: dict[str, Any]) -> str:
+    """The table `name` of TABLES for one setting's block."""
+    rows_of, columns = TABLES[name]
+    return table(rows_of(block), columns)
 
 
 def _print_setting(setting: str, block: dict[str, Any], sizes: dict[str, Any]) -> None:
     print(f"\n== {setting}: cost to reach GRPO n=4's final value, ratio to GRPO n=4 ==")
     print(f"held-out prompts: {sizes.get('eval')}, training prompts: {sizes.get('train')}")
-    print(table(headline_rows(block), HEADLINE_COLUMNS))
+    print(_setting_table("headline", block))
     print("\nfinal values, mean over seeds (start -> end, min..max at the end):")
-    print(table(final_rows(block), FINAL_COLUMNS))
+    print(_setting_table("finals", block))
     print("\npaired by seed, minus GRPO n=4 at equal cost:")
-    print(table(equal_rows(block), EQUAL_COLUMNS))
+    print(_setting_table("equal", block))
 
 
 def _plot(setting: str, block: dict[str, Any], png: Path) -> Path:
@@ -1261,13 +1273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.budget < 1 or args.checkpoints < 1 or args.seeds < 1:
         p.error("--budget, --checkpoints and --seeds must be >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    shape = {
-        "budget": args.budget,
-        "checkpoints": args.checkpoints,
-        "batch_groups": args.batch_groups,
-        "lr": args.lr,
-        "eval_n": args.eval_n,
-    }
+    shape = flags(args, "budget", "checkpoints", "batch_groups", "lr", "eval_n")
     configs = {(s, m): run_config(s, m, **shape) for s in SETTINGS for m in METHODS}
     started = time.monotonic()
     if not args.summary_only:

@@ -22,9 +22,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import episodes, front, http_hop, learning
+from bench import episodes, front, http_hop, learning, scaleout
 from bench.common import RESULTS, ROOT, fmt, table
-from bench.step_time import COLUMNS, flat_rows
+from bench.step_time import steps_table
 
 DOC = ROOT / "BENCHMARKS.md"
 _BLOCK = re.compile(
@@ -37,7 +37,7 @@ def _load(name: str) -> dict[str, Any]:
 
 
 def _step_table(which: str) -> str:
-    return table(flat_rows(_load("step_time")["tables"][which]), COLUMNS)
+    return steps_table(_load("step_time")["tables"][which])
 
 
 def _step_checks() -> str:
@@ -266,19 +266,6 @@ def _scaleout_run() -> str:
     )
 
 
-def _scaleout_routing() -> str:
-    return table(
-        _load("scaleout")["routing"],
-        [
-            ("replicas", "replicas"),
-            ("groups_per_s", "groups/s"),
-            ("speedup", "x of 1"),
-            ("of_ideal", "of N x 1"),
-            ("sticky_share", "sticky"),
-        ],
-    )
-
-
 def _scaleout_kill() -> str:
     kill = _load("scaleout")["kill"]
     rows = [
@@ -341,12 +328,6 @@ def _scaleout_hop() -> str:
     )
 
 
-def _scaleout_fronts() -> str:
-    from bench.scaleout import FRONT_COLUMNS
-
-    return table(_load("scaleout_fronts")["cases"], FRONT_COLUMNS)
-
-
 def _front(render: Callable[[dict[str, Any]], str]) -> Callable[[], str]:
     return lambda: render(_load("front"))
 
@@ -363,17 +344,15 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "front.workers": _front(front.workers_table),
     "front.parse": _front(front.parse_table),
     "scaleout.run": _scaleout_run,
-    "scaleout.routing": _scaleout_routing,
+    "scaleout.routing": lambda: table(_load("scaleout")["routing"], scaleout.COLUMNS["routing"]),
     "scaleout.kill": _scaleout_kill,
     "scaleout.hop": _scaleout_hop,
     "scaleout.affinity": _scaleout_affinity,
-    "scaleout.fronts": _scaleout_fronts,
+    "scaleout.fronts": lambda: table(_load("scaleout_fronts")["cases"], scaleout.COLUMNS["fronts"]),
     "learning.summary": _learning_summary,
     "learning.paired": _learning_paired,
     "learning.histograms": _learning_histograms,
-    "learning.headline": _learning_by_setting(learning.headline_rows, learning.HEADLINE_COLUMNS),
-    "learning.finals": _learning_by_setting(learning.final_rows, learning.FINAL_COLUMNS),
-    "learning.equal": _learning_by_setting(learning.equal_rows, learning.EQUAL_COLUMNS),
+    **{f"learning.{name}": _learning_by_setting(*spec) for name, spec in learning.TABLES.items()},
     "learning.targets": _learning_targets,
     "episodes.settings": _episodes_settings,
     "http_hop.run": lambda: http_hop.run_line(_load("http_hop")),

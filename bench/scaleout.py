@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from bench import virtual_clock
-from bench.common import ROOT, environment, fixed_groups, table, write_json
+from bench.common import ROOT, environment, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler, verify_reward_text
 from sampler_service.backends.base import Backend, Completion, SamplingParams, TensorSpec
 from sampler_service.config import SamplerConfig
@@ -636,7 +636,7 @@ async def simulate_fronts(
         engine = SimBackend(rates.tolist(), spec, seed=i)
         sink = ShardSink(arrived)
         cfg = SamplerConfig(
-            **fixed_groups(4, advantage="grpo", downsample="none"),
+            **grpo(4),
             max_tokens=4096,
             max_staleness=1,
             batch_groups=batch_groups,
@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         steps, warmup = (8, 2) if args.quick else (20, 3)
         fronts = fronts_part(steps, warmup)
         write_json("scaleout_fronts", {"steps": steps, "warmup": warmup, "cases": fronts})
-        print(table(fronts, FRONT_COLUMNS))
+        print(table(fronts, COLUMNS["fronts"]))
     if not parts & RAY_PARTS:
         return {"fronts": fronts}
     import ray
@@ -757,33 +757,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if parts >= RAY_PARTS:
         path = write_json("scaleout", result)
         print(f"wrote {path.relative_to(ROOT)}; {environment()['cpus']} CPUs")
-    print(
-        table(
-            scale,
-            [
-                ("replicas", "replicas"),
-                ("groups_per_s", "groups/s"),
-                ("speedup", "x of 1"),
-                ("of_ideal", "of N x 1"),
-                ("sticky_share", "sticky"),
-            ],
-        )
-    )
+    print(table(scale, COLUMNS["routing"]))
     print(json.dumps({"kill": kill, "ray_hop": hop}, indent=1))
     return result
 
 
-FRONT_COLUMNS = [
-    ("fronts", "fronts"),
-    ("batch_groups", "batch_groups per front"),
-    ("slowed", "front 0 slowed"),
-    ("groups_per_hour", "groups trained/hour"),
-    ("mean_lag", "mean lag (versions)"),
-    ("max_lag", "max lag"),
-    ("beyond_bound_share", "samples beyond max_staleness 1"),
-    ("front0_share", "front 0's share of the groups"),
-    ("visit_ratio", "visits/prompt, least/most visited shard"),
-]
+#: Columns of the tables of the routing and fronts parts: (row key, header).
+COLUMNS: dict[str, list[tuple[str, str]]] = {
+    "routing": [
+        ("replicas", "replicas"),
+        ("groups_per_s", "groups/s"),
+        ("speedup", "x of 1"),
+        ("of_ideal", "of N x 1"),
+        ("sticky_share", "sticky"),
+    ],
+    "fronts": [
+        ("fronts", "fronts"),
+        ("batch_groups", "batch_groups per front"),
+        ("slowed", "front 0 slowed"),
+        ("groups_per_hour", "groups trained/hour"),
+        ("mean_lag", "mean lag (versions)"),
+        ("max_lag", "max lag"),
+        ("beyond_bound_share", "samples beyond max_staleness 1"),
+        ("front0_share", "front 0's share of the groups"),
+        ("visit_ratio", "visits/prompt, least/most visited shard"),
+    ],
+}
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from bench import adaptive_sim, virtual_clock
-from bench.common import Method, table, write_json
+from bench.common import DAPO_REFILL, Method, est, flags, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.scheduler import Scheduler, VolatileSink
@@ -89,7 +89,6 @@ CHECK_SE = 4.0
 
 def rows() -> list[Method]:
     """The compared methods, as sampler configs without their pipeline knobs."""
-    grpo = {"rule": "fixed", "advantage": "grpo", "downsample": "none"}
     ada = {
         "n_max": 32,
         "wave_size": 8,
@@ -100,37 +99,12 @@ def rows() -> list[Method]:
     bal = {**ada, "rule": "balanced", "k_pos": 2, "k_neg": 2}
     skip = [{"name": "history_skip", "params": {"explore": 0.5, "max_skip": 0.9}}]
     return [
-        *(
-            Method(f"grpo{n}", f"GRPO n={n}", {**grpo, "group_size": n, "wave_size": n, "n_max": n})
-            for n in (4, 8, 16)
-        ),
-        Method(
-            "dapo4",
-            "DAPO refill n=4",
-            {
-                **grpo,
-                "group_size": 4,
-                "wave_size": 4,
-                "n_max": 4,
-                "group_policies": [{"name": "nonzero_std"}],
-            },
-        ),
+        *(Method(f"grpo{n}", f"GRPO n={n}", grpo(n)) for n in (4, 8, 16)),
+        Method("dapo4", "DAPO refill n=4", grpo(4, **DAPO_REFILL)),
         Method("seqpos1", "Seq-Pos K_pos 1", {**ada, "rule": "positive", "k_pos": 1}),
         Method("seqbal", "Seq-Balance 2/2", bal),
         Method("seqbal_adaptive", "Seq-Balance + adaptive waves", {**bal, "wave": "adaptive"}),
-        Method(
-            "est",
-            "Est (mean budget 8)",
-            {
-                "rule": "est",
-                "advantage": "est",
-                "group_size": 0,
-                "downsample": "none",
-                "n_max": 32,
-                "wave_size": 32,
-                "est": {"mean_budget": 8},
-            },
-        ),
+        Method("est", "Est (mean budget 8)", est(8)),
         Method(
             "seqbal_adaptive_skip",
             "Seq-Balance + adaptive + history skip",
@@ -160,25 +134,12 @@ def rows() -> list[Method]:
         Method(
             "grpo4_replay",
             "GRPO n=4 + replay",
-            {
-                **grpo,
-                "group_size": 4,
-                "wave_size": 4,
-                "n_max": 4,
-                "replay": {"per_prompt": 2, "max_version_lag": 64},
-            },
+            grpo(4, replay={"per_prompt": 2, "max_version_lag": 64}),
         ),
         Method(
             "dapo4_skip",
             "DAPO refill n=4 + history skip",
-            {
-                **grpo,
-                "group_size": 4,
-                "wave_size": 4,
-                "n_max": 4,
-                "group_policies": [{"name": "nonzero_std"}],
-                "admission_policies": skip,
-            },
+            grpo(4, **DAPO_REFILL, admission_policies=skip),
             extra=True,
         ),
         Method(
@@ -528,29 +489,29 @@ def measure(
     return table_rows
 
 
-COLUMNS = [
-    ("label", "method"),
-    ("pipeline", "pipeline"),
-    ("ratio_0.35", "step vs GRPO n=4 sync, r 0.35"),
-    ("ratio_0.7", "r 0.7"),
-    ("ratio_1.4", "r 1.4"),
-    ("informative_frac", "informative"),
-    ("answers_per_informative", "answers / informative group"),
-    ("engine_s_per_informative", "engine-s / informative group"),
-    ("stale_share", "stale share"),
-    ("skipped_per_step", "prompts skipped / step"),
-]
-
-
-def flat_rows(table_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows with one column per r, for `bench.common.table`; extra rows marked with *."""
-    out = []
+def steps_table(table_rows: list[dict[str, Any]]) -> str:
+    """The step-time table of `measure`'s rows: one column per r, extra rows marked with *."""
+    flat = []
     for r in table_rows:
-        flat = {**r, "label": r["label"] + (" *" if r["extra"] else "")}
+        row = {**r, "label": r["label"] + (" *" if r["extra"] else "")}
         for k, v in r["ratio_by_r"].items():
-            flat[f"ratio_{k}"] = v
-        out.append(flat)
-    return out
+            row[f"ratio_{k}"] = v
+        flat.append(row)
+    return table(
+        flat,
+        [
+            ("label", "method"),
+            ("pipeline", "pipeline"),
+            ("ratio_0.35", "step vs GRPO n=4 sync, r 0.35"),
+            ("ratio_0.7", "r 0.7"),
+            ("ratio_1.4", "r 1.4"),
+            ("informative_frac", "informative"),
+            ("answers_per_informative", "answers / informative group"),
+            ("engine_s_per_informative", "engine-s / informative group"),
+            ("stale_share", "stale share"),
+            ("skipped_per_step", "prompts skipped / step"),
+        ],
+    )
 
 
 #: Informative fraction the best configuration must reach.
@@ -646,7 +607,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(
             f"\n== step time, lengths {'by difficulty and correctness' if name == 'difficulty' else 'independent of difficulty'} =="
         )
-        log(table(flat_rows(tr), COLUMNS))
+        log(steps_table(tr))
     judged = {
         f"{name}/{competing}": targets(tr, competing)
         for name, tr in tables.items()
@@ -655,15 +616,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log(f"\ntargets: {judged}")
     out = {
         "settings": {
-            "batch": args.batch,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "prompts": args.prompts,
-            "history_epochs": args.history_epochs,
-            "draws": args.draws,
-            "check_batch": args.check_batch,
-            "seed": args.seed,
-            "quick": args.quick,
+            **flags(
+                args,
+                "batch",
+                "steps",
+                "warmup",
+                "prompts",
+                "history_epochs",
+                "draws",
+                "check_batch",
+                "seed",
+                "quick",
+            ),
             "ratios": RATIOS,
             "off_policy_r": list(args.off_policy_r),
             "sync_s": SYNC_S,

@@ -6,9 +6,21 @@
 const REFRESH_MS = 2000;
 const HISTORY = 300; // chart points kept (10 minutes at one per refresh)
 const KEY_STORE = "adaptive-rollout-api-key";
-const FORM_FIELDS = ["rule", "k_pos", "k_neg", "n_max", "wave", "wave_size", "group_size", "max_tokens", "mixing", "schedule"];
-const JSON_FIELDS = new Set(["mixing", "schedule"]);
-const NUMBER_FIELDS = new Set(["k_pos", "k_neg", "n_max", "wave_size", "group_size", "max_tokens"]);
+// The knobs the config form edits, in its order: one of `choices`, a whole number, or
+// JSON text (`rows` high). The form's fields are built from this list, so the page and the
+// code that fills and reads the form cannot disagree about them.
+const FORM = [
+  { name: "rule", kind: "choice", choices: ["fixed", "positive", "balanced", "est"] },
+  { name: "k_pos", kind: "number" },
+  { name: "k_neg", kind: "number" },
+  { name: "n_max", kind: "number" },
+  { name: "wave", kind: "choice", choices: ["fixed", "adaptive"] },
+  { name: "wave_size", kind: "number" },
+  { name: "group_size", kind: "number" },
+  { name: "max_tokens", kind: "number" },
+  { name: "mixing", kind: "json", rows: 2 },
+  { name: "schedule", kind: "json", rows: 5 },
+];
 const EVENTS_KEPT = 50;
 
 const $ = (sel) => document.querySelector(sel);
@@ -204,6 +216,36 @@ function renderEvents(fresh) {
 }
 
 // -- config form -----------------------------------------------------------------------
+// One knob's field: its label, its input (id f-<name>) and where the server's complaint
+// about it goes.
+function formField({ name, kind, choices, rows }) {
+  const field = document.createElement("div");
+  field.className = kind === "json" ? "field wide" : "field";
+  const label = document.createElement("label");
+  label.htmlFor = "f-" + name;
+  label.textContent = kind === "json" ? `${name} (JSON)` : name;
+  let input;
+  if (kind === "choice") {
+    input = document.createElement("select");
+    for (const choice of choices) input.append(new Option(choice));
+  } else if (kind === "json") {
+    input = document.createElement("textarea");
+    input.rows = rows;
+    input.spellcheck = false;
+  } else {
+    input = document.createElement("input");
+    input.type = "number";
+    input.step = "1";
+  }
+  input.id = "f-" + name;
+  input.name = name;
+  const error = document.createElement("span");
+  error.className = "field-error";
+  error.dataset.field = name;
+  field.append(label, input, error);
+  return field;
+}
+
 function formValue(name) {
   const el = $("#config-form").elements[name];
   return el.value;
@@ -216,9 +258,9 @@ function scheduleText(steps) {
 
 function fillForm(cfg) {
   const form = $("#config-form");
-  for (const name of FORM_FIELDS) {
+  for (const { name, kind } of FORM) {
     const value = cfg[name];
-    form.elements[name].value = name === "schedule" ? scheduleText(value) : JSON_FIELDS.has(name) ? JSON.stringify(value) : String(value);
+    form.elements[name].value = name === "schedule" ? scheduleText(value) : kind === "json" ? JSON.stringify(value) : String(value);
   }
   state.formConfig = cfg;
   state.dirty = false;
@@ -233,7 +275,7 @@ function clearErrors() {
 // "mixing.name" -> mixing; anything else is shown beside the Apply button.
 function showError(field, message) {
   const top = (field || "").split(/[.[]/)[0];
-  const target = FORM_FIELDS.includes(top) ? top : "config_version";
+  const target = FORM.some((knob) => knob.name === top) ? top : "config_version";
   const el = document.querySelector(`#config-form .field-error[data-field="${target}"]`);
   el.textContent = message;
   el.closest(".field")?.classList.add("invalid");
@@ -241,12 +283,12 @@ function showError(field, message) {
 
 function changedKnobs() {
   const patch = {};
-  for (const name of FORM_FIELDS) {
+  for (const { name, kind } of FORM) {
     const text = formValue(name).trim();
     let value = text;
-    if (JSON_FIELDS.has(name)) {
+    if (kind === "json") {
       try { value = JSON.parse(text); } catch (err) { throw Object.assign(new Error(`not valid JSON: ${err.message}`), { field: name }); }
-    } else if (NUMBER_FIELDS.has(name)) {
+    } else if (kind === "number") {
       value = text === "" ? text : Number(text);
     }
     if (JSON.stringify(value) !== JSON.stringify(state.formConfig[name])) patch[name] = value;
@@ -325,6 +367,7 @@ async function tick() {
 }
 
 function start() {
+  $("#config-form").prepend(...FORM.map(formField));
   makeCharts();
   $("#config-form").addEventListener("submit", (e) => {
     submitConfig(e).catch((err) => {

@@ -8,6 +8,7 @@ to until it serves the committed version.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
@@ -183,12 +184,16 @@ def local(toy, loop_thread) -> Iterator[Any]:
     loop_thread.run(engine.close(), timeout=120)
 
 
-def _http_backend(fleet: Fleet, toy, weights_dir: Path, **settings: Any) -> Any:
-    """A second client of server 0 under the fleet's instance: its label is the fleet's
-    committed one, so this client resyncs nothing."""
+@contextlib.contextmanager
+def _http_backend(
+    fleet: Fleet, toy, loop_thread, weights_dir: Path, **settings: Any
+) -> Iterator[Any]:
+    """A second client of server 0 under the fleet's instance, started for the block and
+    closed after it: its label is the fleet's committed one, so this client resyncs
+    nothing."""
     from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
 
-    return HTTPEngineBackend(
+    http = HTTPEngineBackend(
         toy.model_dir,
         HTTPPoolSettings(
             urls=(fleet.servers[0].url,),
@@ -197,6 +202,11 @@ def _http_backend(fleet: Fleet, toy, weights_dir: Path, **settings: Any) -> Any:
             **settings,
         ),
     )
+    try:
+        loop_thread.run(http.start())
+        yield http
+    finally:
+        loop_thread.run(http.close())
 
 
 def test_seeded_answers_match_the_in_process_backend(
@@ -205,10 +215,8 @@ def test_seeded_answers_match_the_in_process_backend(
     """Same weights, same seed: the HTTP hop returns the in-process engine's tokens."""
     from sampler_service.backends.base import SamplingParams
 
-    http = _http_backend(fleet, toy, tmp_path)
     sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
-    try:
-        loop_thread.run(http.start())
+    with _http_backend(fleet, toy, loop_thread, tmp_path) as http:
         for prompt in (PROMPT, [9, 10, 11]):
             there = loop_thread.run(http.generate(prompt, 4, sampling))
             here = loop_thread.run(local.generate(prompt, 4, sampling))
@@ -216,8 +224,6 @@ def test_seeded_answers_match_the_in_process_backend(
             for a, b in zip(there, here, strict=True):
                 assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-3
         assert _weight_label(fleet.servers[0]) == fleet.label(0)
-    finally:
-        loop_thread.run(http.close())
 
 
 def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(
@@ -231,23 +237,22 @@ def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(
     from sampler_service.backends.http_dialects import VLLM_GENERATE
     from sampler_service.config import ReplicaSettings
 
-    http = _http_backend(
+    sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
+    with _http_backend(
         fleet,
         toy,
+        loop_thread,
         tmp_path,
         dialect=VLLM_GENERATE,
         replica=ReplicaSettings(probe_s=0.5),
-    )
-    sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
+    ) as http:
 
-    def reissued() -> float | None:
-        return http.metrics.registry.get_sample_value(
-            "adaptive_rollout_replica_reissued_waves_total",
-            {"replica": "0", "reason": "foreign_weights"},
-        )
+        def reissued() -> float | None:
+            return http.metrics.registry.get_sample_value(
+                "adaptive_rollout_replica_reissued_waves_total",
+                {"replica": "0", "reason": "foreign_weights"},
+            )
 
-    try:
-        loop_thread.run(http.start())
         there = loop_thread.run(http.generate(PROMPT, 4, sampling))
         here = loop_thread.run(local.generate(PROMPT, 4, sampling))
         assert [c.token_ids for c in there] == [c.token_ids for c in here]
@@ -263,8 +268,6 @@ def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(
         assert [c.token_ids for c in again] == [c.token_ids for c in here]
         assert {c.policy_version for c in again} == {0}
         assert _weight_label(fleet.servers[0]) == fleet.label(0)
-    finally:
-        loop_thread.run(http.close())
 
 
 def test_the_http_hop_benchmark_measures_both_arms(
@@ -277,9 +280,7 @@ def test_the_http_hop_benchmark_measures_both_arms(
     from bench import http_hop
 
     tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
-    http = _http_backend(fleet, toy, tmp_path)
-    loop_thread.run(http.start())
-    try:
+    with _http_backend(fleet, toy, loop_thread, tmp_path) as http:
         runs = loop_thread.run(
             http_hop.alternate(
                 {"in-process": (local, lambda: 0.0), "http": (http, lambda: 0.0)},
@@ -295,8 +296,6 @@ def test_the_http_hop_benchmark_measures_both_arms(
             ),
             timeout=120,
         )
-    finally:
-        loop_thread.run(http.close())
     assert [(r["arm"], r["pair"]) for r in runs] == [
         ("in-process", 0), ("http", 0), ("http", 1), ("in-process", 1)
     ]  # fmt: skip
