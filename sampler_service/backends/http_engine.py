@@ -332,17 +332,29 @@ class HTTPEngineBackend(CheckpointBackend):
             )
         srv.label = await self._weight_label(srv)
         if srv.label == self.label(self._version):
-            self._set_state(srv, "ok")
+            await self._route_again(srv)
         elif not self._started and _parse_label(srv.label, self._prefix) is not None:
             # Labelled by an earlier run of this sampler: the weights it restores next
             # (load_weight_files) are not loaded again where they are served already.
-            self._set_state(srv, "ok")
+            await self._route_again(srv)
         elif srv.label == "default" and not self._started:
             # At start-up a fresh server serves the weights it was started with: version 0.
             await self._set_label(srv, 0)
-            self._set_state(srv, "ok")
+            await self._route_again(srv)
         else:
             await self._sync(srv)
+
+    async def _route_again(self, srv: _Server) -> None:
+        """Route to a server (at start-up, or in a recovery under the weights lock). The
+        sampler pauses its servers only inside a load, and no load runs now: a server
+        still paused dropped out of a load before its resume (a failed reload, a
+        connection lost), so it is resumed first, or its waves would wait forever."""
+        if self._dialect.is_paused is not None:
+            timeout = self.settings.replica.probe_timeout_s
+            if (await self._get(srv, self._dialect.is_paused, timeout))["is_paused"]:
+                log.warning("engine server %s is still paused from a load: resuming it", srv.url)
+                await self._post(srv, self._dialect.resume)
+        self._set_state(srv, "ok")
 
     async def close(self) -> None:
         await self._tasks.cancel()
@@ -704,7 +716,7 @@ class HTTPEngineBackend(CheckpointBackend):
                 log.warning("engine server %s: %s", srv.url, srv.error)
             else:
                 log.info("engine server %s loaded v%d", srv.url, self._version)
-        self._set_state(srv, "ok")
+        await self._route_again(srv)
 
     # -- weights ----------------------------------------------------------------------
     async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:

@@ -33,6 +33,7 @@ class FakeSGLang:
         self.calls: list[tuple[str, Any]] = []
         self.version = "default"
         self.refuse_loads = False
+        self.paused = False  # for a dialect that reads /is_paused
         #: What /weight_checker answers (vLLM's shape), for a dialect that names it.
         self.checksums = {"model.layers.0.qkv_proj.weight": "00ff"}
 
@@ -43,8 +44,9 @@ class FakeSGLang:
         app.router.add_get("/get_weight_version", self.get_version)
         app.router.add_post("/update_weight_version", self.set_version)
         app.router.add_post("/generate", self.generate)
-        app.router.add_post("/pause_generation", self.ok)
-        app.router.add_post("/continue_generation", self.ok)
+        app.router.add_post("/pause_generation", self.pause)
+        app.router.add_post("/continue_generation", self.resume)
+        app.router.add_get("/is_paused", self.is_paused)
         app.router.add_post("/update_weights_from_disk", self.load)
         app.router.add_post("/weight_checker", self.weight_checker)
         return app
@@ -75,6 +77,17 @@ class FakeSGLang:
     async def ok(self, request: web.Request) -> web.Response:
         await self._log(request)
         return web.json_response({"message": "done", "status": "ok"})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.paused = True
+        return await self.ok(request)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.paused = False
+        return await self.ok(request)
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.paused})
 
     async def load(self, request: web.Request) -> web.Response:
         await self._log(request)
@@ -210,6 +223,33 @@ async def test_sglang_weight_load_pauses_loads_from_disk_labels_and_continues(
             "/update_weight_version",
             "/continue_generation",
         ]
+    finally:
+        await backend.close()
+
+
+async def test_a_server_left_paused_by_a_load_is_resumed_before_it_is_routed_to(
+    toy: Any, tmp_path: Path, serve: Any
+) -> None:
+    """The sampler pauses its servers only inside a load; a server that dropped out of
+    one before its resume (a failed reload, a lost connection) comes back still paused,
+    and would hold every wave routed to it."""
+    fake = FakeSGLang()
+    fake.paused = True
+    port = await serve(fake)
+    dialect = dataclasses.replace(SGLANG, is_paused="/is_paused")
+    backend = _backend(toy, tmp_path, urls=(f"http://127.0.0.1:{port}",), dialect=dialect)
+    await backend.start()
+    try:
+        assert fake.paused is False
+        assert [p for p, _ in fake.calls] == ["/update_weight_version", "/continue_generation"]
+        assert [s["state"] for s in backend.servers()] == ["ok"]
+        fake.paused, fake.version = True, "someone-else"  # dropped out, then relabelled
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not fake.paused and fake.version == backend.label(0):
+                break
+        assert fake.paused is False and fake.version == backend.label(0)
+        assert [s["state"] for s in backend.servers()] == ["ok"]
     finally:
         await backend.close()
 

@@ -2,14 +2,19 @@
 
 Two servers start once for the module (on loopback, the toy model) and one sampler drives
 them; the tests run in order: groups, weight pushes (wait and abort modes), kill -9 of
-one server mid-run, and that server coming back with other weights, which is not routed
-to until it serves the committed version.
+one server mid-run, that server coming back with other weights, which is not routed to
+until it serves the committed version, and then refusing a load, which rolls the other
+server back to the committed weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shlex
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +33,12 @@ PROMPT = [5, 6, 7, 8]
 
 
 class Fleet:
-    def __init__(self, servers: list[EngineServer], sampler: SamplerProcess, state: Path) -> None:
+    def __init__(
+        self, servers: list[EngineServer], sampler: SamplerProcess, state: Path, weights: Path
+    ) -> None:
         self.servers = servers
         self.sampler = sampler
+        self.weights_dir = weights
         self.instance = (state / "instance_id").read_text().strip()
 
     def label(self, version: int) -> str:
@@ -65,7 +73,7 @@ def fleet(toy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         began = time.monotonic()
         sampler.start(120)
         REPORT["sampler start to /ready, --backend http (s)"] = round(time.monotonic() - began, 1)
-        yield Fleet(servers, sampler, state)
+        yield Fleet(servers, sampler, state, root / "weights")
         sampler.stop()
     finally:
         for server in servers:
@@ -423,3 +431,73 @@ def test_a_server_with_other_weights_serves_only_after_it_loads_the_committed_on
         _check_group(g)
     # no sample came from the weights the server was started with
     _check_logprobs_on(fleet.servers[0], [g for g in groups if g["policy_version_min"] == 2])
+
+
+def _stale_volume_python(snapshot: Path, weights: Path, where: Path) -> str:
+    """An interpreter that runs in its own mount namespace, where `weights` shows the
+    `snapshot` taken now: the server sees the versions committed so far, never a newer
+    one, as a pod whose copy of the shared weights volume stopped syncing would."""
+    script = where / "python-with-stale-weights"
+    script.write_text(
+        "#!/bin/sh\n"
+        "exec unshare -m --propagation private -- /bin/sh -c "
+        '\'mount --bind "$1" "$2" || exit 97; shift 2; exec "$@"\' '
+        f"sh {' '.join(shlex.quote(str(p)) for p in (snapshot, weights, sys.executable))} "
+        '"$@"\n'
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_server_that_refuses_a_load_is_rolled_back_with_the_rest(
+    fleet: Fleet, toy, tmp_path: Path
+) -> None:
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespaces here: {probe.stderr.decode().strip()}")
+    snapshot = tmp_path / "weights-snapshot"
+    shutil.copytree(fleet.weights_dir, snapshot, symlinks=True)
+    old = fleet.servers[1]
+    old.stop()
+    stale = EngineServer(
+        old.model_dir,
+        old.log_path,
+        port=old.port,
+        python=_stale_volume_python(snapshot, fleet.weights_dir, tmp_path),
+        args=old.args,
+    )
+    fleet.servers[1] = stale
+    stale.start()
+    with httpx.Client(base_url=fleet.sampler.url, timeout=120) as c:
+        _wait(lambda: _servers(c)[1]["state"] == "ok", 300, "the restarted server is not synced")
+        committed = c.get("/health").json()["policy_version"]
+        before = [_greedy(s) for s in fleet.servers]
+        assert before[0] == pytest.approx(before[1], abs=1e-5)
+        r = c.put(
+            "/v1/weights",
+            params={"version": committed + 1},
+            content=perturbed_file(toy.model_dir, 0.05, seed=11),
+        )
+        # The stale server cannot find the new files and answers its reload with an
+        # error; the server that did load them is given the committed weights back.
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["code"] == "weights_not_served"
+        assert f"v{committed + 1} not committed" in error["message"]
+        assert stale.url in error["message"] and fleet.servers[0].url not in error["message"]
+        assert c.get("/health").json()["policy_version"] == committed
+        assert _weight_label(fleet.servers[0]) == fleet.label(committed)
+        assert _greedy(fleet.servers[0]) == pytest.approx(before[0], abs=1e-5)
+        # vLLM 0.32's engine core does not survive a failed reload (EngineDeadError), so
+        # the refusing server ends out of routing and the other one carries the run.
+        _wait(lambda: _servers(c)[1]["state"] == "down", 120, "the refusing server is routed")
+        assert _servers(c)[0]["state"] == "ok" and c.get("/ready").status_code == 200
+        groups = collect(c, 8, timeout_s=180, wait_s=20)
+    for g in groups:
+        _check_group(g)
+        assert g["policy_version_max"] <= committed
+    _check_logprobs_on(
+        fleet.servers[0], [g for g in groups if g["policy_version_min"] == committed]
+    )
