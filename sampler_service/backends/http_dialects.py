@@ -63,6 +63,7 @@ class Dialect:
     request: Callable[[str, list[int], int, SamplingParams, str], dict[str, Any]]
     answers: Callable[[Any], list[Answer]]
     reload_body: Callable[[str], dict[str, Any]]
+    #: Our request ids -> the abort calls' bodies, under the ids the server gave them.
     abort_bodies: Callable[[Sequence[str]], list[dict[str, Any]]]
 
 
@@ -207,7 +208,10 @@ VLLM = Dialect(
     request=_vllm_request,
     answers=_vllm_answers,
     reload_body=lambda path: {"method": "reload_weights", "kwargs": {"weights_path": path}},
-    abort_bodies=lambda ids: [{"request_ids": sorted(ids)}],
+    # vLLM's completions server runs our request "X" as "cmpl-X-0" (one prompt per
+    # request) and /abort_requests looks ids up as the server named them: "X" aborts
+    # nothing.
+    abort_bodies=lambda ids: [{"request_ids": [f"cmpl-{rid}-0" for rid in sorted(ids)]}],
 )
 
 SGLANG = Dialect(
@@ -237,6 +241,7 @@ VLLM_GENERATE = replace(
     hint="start the server with VLLM_SERVER_DEV_MODE=1 and --enable-scale-out",
     request=_vllm_generate_request,
     answers=_vllm_generate_answers,
+    abort_bodies=lambda ids: [{"request_ids": [f"generate-tokens-{rid}" for rid in sorted(ids)]}],
 )
 
 DIALECTS: dict[DialectName, Dialect] = {

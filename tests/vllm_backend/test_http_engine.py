@@ -9,6 +9,7 @@ server back to the committed weights.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shlex
 import shutil
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -368,6 +370,36 @@ def test_a_weight_push_in_abort_mode_reissues_the_aborted_waves(fleet: Fleet, to
             raise AssertionError("no groups from the weights pushed in abort mode")
         assert c.patch("/v1/config", json={"weight_update_mode": "wait"}).status_code == 200
         assert all(s["state"] == "ok" for s in _servers(c))
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-generate"])
+def test_an_abort_reaches_the_requests_it_names(fleet: Fleet, name: str) -> None:
+    """A weight update in `abort` mode aborts the sampler's in-flight requests by id; vLLM
+    runs them under ids of its own making, so the dialect's abort body must name those:
+    requests sent as the backend sends them are aborted by the bodies it builds."""
+    from sampler_service.backends.base import SamplingParams
+    from sampler_service.backends.http_dialects import DIALECTS
+
+    dialect = DIALECTS[name]  # type: ignore[index]
+    server = fleet.servers[0]
+    model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    ids = [f"ar-abort-{name}-{i}" for i in range(48)]
+    bodies = [dialect.request(model, PROMPT, 4, SamplingParams(max_tokens=56), i) for i in ids]
+    for body in bodies:  # run to max_tokens: the toy's own answers end after ~3 tokens
+        body.get("sampling_params", body)["ignore_eos"] = True
+
+    async def send_then_abort() -> list[Any]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            calls = [asyncio.ensure_future(c.post(dialect.generate, json=b)) for b in bodies]
+            await asyncio.sleep(0.3)  # 48 x 4 answers of 56 tokens take ~1 s here
+            for body in dialect.abort_bodies(ids):
+                assert (await c.post(dialect.abort, json=body)).status_code == 200
+            return [(await call).json() for call in calls]
+
+    reasons = Counter(
+        c["finish_reason"] for r in asyncio.run(send_then_abort()) for c in r["choices"]
+    )
+    assert set(reasons) <= {"abort", "length"} and reasons["abort"] > 0, reasons
 
 
 def test_kill_9_of_one_server_mid_run_loses_no_group(fleet: Fleet) -> None:
