@@ -109,14 +109,20 @@ def _vllm_request(
 
 
 def _vllm_answers(body: Any) -> list[Answer]:
+    """The lists as the JSON parser built them (no per-token work: at ~700 tokens an
+    answer, converting each token again cost more than parsing it); the logprob entries
+    must cover the answer and end on its last token (`token_id:N`, with
+    `return_tokens_as_token_ids`)."""
     out: list[Answer] = []
     for choice in sorted(body["choices"], key=lambda c: c["index"]):
         logprobs = choice.get("logprobs") or {}
-        tokens = [int(t.removeprefix("token_id:")) for t in logprobs.get("tokens") or []]
-        ids = [int(t) for t in choice.get("token_ids") or tokens]
-        if tokens and tokens != ids:
+        tokens = logprobs.get("tokens") or []
+        ids = choice.get("token_ids")
+        if ids is None:
+            ids = [int(t.removeprefix("token_id:")) for t in tokens]
+        if tokens and (len(tokens) != len(ids) or tokens[-1] != f"token_id:{ids[-1]}"):
             raise RuntimeError("the server's token ids and logprob tokens differ")
-        values = [float(v) for v in logprobs.get("token_logprobs") or []]
+        values = logprobs.get("token_logprobs") or []
         out.append((ids, values, choice.get("finish_reason"), None))
     return out
 

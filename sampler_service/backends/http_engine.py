@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import orjson
 
 from sampler_service.aio import TaskSet
 from sampler_service.backends.base import (
@@ -512,7 +513,7 @@ class HTTPEngineBackend(CheckpointBackend):
             raise ValueError(
                 f"{srv.url} refused the wave: {response.status_code} {response.text[:300]}"
             )
-        answers = self._dialect.answers(response.json())
+        answers = self._dialect.answers(orjson.loads(response.content))
         if len(answers) != n:
             raise GenerationAborted(f"{srv.url} returned {len(answers)} of {n} answers")
         expected = self.label(version)
@@ -568,7 +569,7 @@ class HTTPEngineBackend(CheckpointBackend):
             )
         if response.status_code != 200:
             raise ServerError(f"{srv.url}{path}: {response.status_code} {response.text[:500]}")
-        return response.json() if response.content else None
+        return orjson.loads(response.content) if response.content else None
 
     async def _weight_label(self, srv: _Server) -> str:
         info = await self._get(

@@ -423,3 +423,33 @@ def test_vllm_generate_answers_carry_their_weight_labels_and_must_add_up() -> No
     request = VLLM_GENERATE.request("toy", [1, 2], 4, SamplingParams(max_tokens=3, seed=9), "r")
     assert request["token_ids"] == [1, 2] and request["output_mode"] == "tokens"
     assert request["sampling_params"]["n"] == 4 and request["sampling_params"]["seed"] == 9
+
+
+def test_vllm_completions_answers_take_the_lists_as_parsed_and_check_they_line_up() -> None:
+    """/v1/completions' choice with `return_token_ids` and `return_tokens_as_token_ids`,
+    as vLLM's protocol shapes it; an abort names vLLM's own id for the request."""
+    from sampler_service.backends.http_dialects import VLLM
+
+    def choice(index: int, ids: list[int], tokens: list[int]) -> dict:
+        return {
+            "index": index,
+            "finish_reason": "stop",
+            "token_ids": ids,
+            "logprobs": {
+                "tokens": [f"token_id:{t}" for t in tokens],
+                "token_logprobs": [-0.5 * t for t in tokens],
+            },
+        }
+
+    body = {"choices": [choice(1, [4, 5], [4, 5]), choice(0, [7, 8, 9], [7, 8, 9])]}
+    assert VLLM.answers(body) == [
+        ([7, 8, 9], [-3.5, -4.0, -4.5], "stop", None),
+        ([4, 5], [-2.0, -2.5], "stop", None),
+    ]
+    without_ids = choice(0, [], [3, 4])
+    del without_ids["token_ids"]
+    assert VLLM.answers({"choices": [without_ids]})[0][0] == [3, 4]
+    for ids, tokens in (([7, 8], [7, 8, 9]), ([7, 8, 9], [7, 8, 1])):  # short, or not its end
+        with pytest.raises(RuntimeError, match="logprob tokens differ"):
+            VLLM.answers({"choices": [choice(0, ids, tokens)]})
+    assert VLLM.abort_bodies(["b", "a"]) == [{"request_ids": ["cmpl-a-0", "cmpl-b-0"]}]
