@@ -20,8 +20,10 @@ get random token ids below 151k, float32 logprobs (as engines produce them) and 
 strings of ~4 characters cut from a reasoning text.
 
 Parsing is what an HTTP backend must do with a body to have each answer's token ids,
-logprobs, text and finish reason: `orjson.loads` and one pass over the per-token entries
-(`PARSERS`); `json.loads` (what `httpx.Response.json()` uses) is measured beside it.
+logprobs, text and finish reason (`PARSERS`): for the two endpoints `--backend http`
+reads, its own dialect parsers after `orjson.loads` (as the backend runs them); for the
+text mode, `orjson.loads` and one pass. `json.loads` (what `httpx.Response.json()` uses)
+is measured beside it.
 
 Recording needs the vLLM environment (`make venv-vllm`) and a server started as
 
@@ -222,6 +224,7 @@ Parsed = list[tuple[list[int], list[float], str | None, str]]
 
 
 def parse_generate(body: bytes, loads: Callable[[bytes], Any] = orjson.loads) -> Parsed:
+    """The text mode, which no HTTP engine dialect reads: orjson and one pass."""
     doc = loads(body)
     return [
         (
@@ -234,18 +237,28 @@ def parse_generate(body: bytes, loads: Callable[[bytes], Any] = orjson.loads) ->
     ]
 
 
-def parse_completions(body: bytes, loads: Callable[[bytes], Any] = orjson.loads) -> Parsed:
-    doc = loads(body)
-    return [
-        (c["token_ids"], c["logprobs"]["token_logprobs"], c["text"], c["finish_reason"])
-        for c in doc["choices"]
-    ]
+def backend_parser(dialect: str) -> Callable[..., Parsed]:
+    """What `--backend http` runs on a body of its `dialect` (`http_dialects`), plus each
+    choice's text where the server sent one (the backend decodes its own)."""
+    from sampler_service.backends.http_dialects import DIALECTS
+
+    answers = DIALECTS[dialect].answers  # type: ignore[index]
+
+    def parse(body: bytes, loads: Callable[[bytes], Any] = orjson.loads) -> Parsed:
+        doc = loads(body)
+        texts = [c.get("text") for c in sorted(doc["choices"], key=lambda c: c["index"])]
+        return [
+            (ids, values, text, reason)
+            for (ids, values, reason, _), text in zip(answers(doc), texts, strict=True)
+        ]
+
+    return parse
 
 
 PARSERS: dict[str, Callable[..., Parsed]] = {
-    "generate-tokens": parse_generate,
+    "generate-tokens": backend_parser("vllm-generate"),
     "generate-text": parse_generate,
-    "completions": parse_completions,
+    "completions": backend_parser("vllm"),
 }
 
 
