@@ -567,14 +567,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sweep": sweep,
         "rounds_breakdown": breakdown,
         "checks": checks,
-        "real_s": time.monotonic() - started,
     }
-    path = write_json("adaptive_sim", out)
-    print(f"\nwrote {path}")
+    write_json("adaptive_sim", out, started=started)
     if not args.no_plot:
         png = _plot(results, sweep, timelines, frame_times, spec)
         print(f"wrote {png}")
-    print(f"real time {time.monotonic() - started:.0f}s")
     return out
 
 

@@ -89,8 +89,15 @@ def environment() -> dict[str, Any]:
     }
 
 
-def write_json(name: str, data: dict[str, Any]) -> Path:
-    """Write bench/results/<name>.json (atomically) and return its path."""
+def write_json(name: str, data: dict[str, Any], *, started: float | None = None) -> Path:
+    """Write bench/results/<name>.json (atomically) and return its path.
+
+    With `started` (a `time.monotonic()` reading), the run's wall time is stamped into
+    `data` as ``real_s`` (so a summary printed afterwards can show it too) and the path
+    and the time are printed: every benchmark reports its own length the same way.
+    """
+    if started is not None:
+        data["real_s"] = time.monotonic() - started
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
@@ -98,6 +105,8 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
         json.dumps({"environment": environment(), **data}, indent=1, default=_default) + "\n"
     )
     tmp.replace(path)
+    if started is not None:
+        print(f"wrote {path}; real time {data['real_s']:.0f}s")
     return path
 
 

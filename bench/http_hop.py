@@ -450,14 +450,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "results": rows,
         "targets": targets(rows),
         "runs": runs,
-        "real_s": time.monotonic() - started,
         "load_average": list(os.getloadavg()),
     }
-    path = write_json("http_hop", out)
     print("\n== the HTTP hop: one vllm serve server vs the in-process vLLM backend ==")
     print(results_table(out))
     print(targets_table(out))
-    print(f"wrote {path.relative_to(ROOT)}; real time {out['real_s']:.0f}s")
+    write_json("http_hop", out, started=started)
     return out
 
 

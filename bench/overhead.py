@@ -443,17 +443,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     for c in checks:
         print(f"[{'met' if c['met'] else 'MISSED'}] {c['target']}: {c['measured']}")
-    path = write_json(
+    write_json(
         "overhead",
         {
             "settings": vars(args),
             "results": rows,
             "runs": runs,
             "checks": checks,
-            "real_s": time.monotonic() - started,
         },
+        started=started,
     )
-    print(f"wrote {path}; real time {time.monotonic() - started:.0f}s")
     return {"results": rows, "checks": checks}
 
 

@@ -638,10 +638,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "checks": checks,
         "tables": tables,
         "targets": judged,
-        "real_s": time.monotonic() - started,
     }
-    path = write_json("step_time", out)
-    log(f"\nwrote {path}; real time {time.monotonic() - started:.0f}s")
+    write_json("step_time", out, started=started)
     return out
 
 

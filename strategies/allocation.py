@@ -120,26 +120,33 @@ class AllocationPolicy(Policy, ABC):
 ALLOCATIONS: Registry[AllocationPolicy] = Registry("allocation")
 
 
-def _check_pilot(pilot: int, n_max: int) -> None:
-    if pilot > n_max:
-        raise PolicyError(f"pilot ({pilot}) must be <= n_max ({n_max})", field="pilot")
-
-
-class PosteriorParams(Params):
+class PilotParams(Params):
     pilot: Pilot = 4
+
+
+class PilotFirst(AllocationPolicy):
+    """A policy that gives every prompt a pilot of answers before it decides on more."""
+
+    params: PilotParams
+
+    def validate(self, n_max: int) -> None:
+        if self.params.pilot > n_max:
+            raise PolicyError(
+                f"pilot ({self.params.pilot}) must be <= n_max ({n_max})", field="pilot"
+            )
+
+
+class PosteriorParams(PilotParams):
     confidence: float = Field(
         0.9, gt=0.0, lt=1.0, description="posterior chance of an informative group to aim for"
     )
 
 
 @ALLOCATIONS.policy("posterior", PosteriorParams)
-class Posterior(AllocationPolicy):
+class Posterior(PilotFirst):
     """Pilot for a prompt never solved; else the smallest n with I(n) >= confidence."""
 
     params: PosteriorParams
-
-    def validate(self, n_max: int) -> None:
-        _check_pilot(self.params.pilot, n_max)
 
     def budget(
         self, history: Estimator, prompt_id: str, outcomes: Sequence[bool], n_max: int
@@ -240,8 +247,7 @@ class Knapsack(AllocationPolicy):
         }
 
 
-class PilotCommitParams(Params):
-    pilot: Pilot = 4
+class PilotCommitParams(PilotParams):
     commit: int | None = Field(
         None, ge=1, le=MAX_ANSWERS, description="answers in all once committed (none: n_max)"
     )
@@ -251,13 +257,13 @@ class PilotCommitParams(Params):
 
 
 @ALLOCATIONS.policy("pilot_commit", PilotCommitParams)
-class PilotCommit(AllocationPolicy):
+class PilotCommit(PilotFirst):
     """A pilot, then ``commit`` answers where an informative group is predicted."""
 
     params: PilotCommitParams
 
     def validate(self, n_max: int) -> None:
-        _check_pilot(self.params.pilot, n_max)
+        super().validate(n_max)
         commit = self.params.commit
         if commit is not None and not self.params.pilot <= commit <= n_max:
             raise PolicyError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -74,6 +75,67 @@ def start_server(
     )
     server.start()
     return server
+
+
+def sample(
+    tokens: list[int], logprobs: list[float] | None = None, reward: float = 1.0, **kw: Any
+) -> dict[str, Any]:
+    """An answer as it travels on the wire (a dict), `kw` adding or replacing fields."""
+    return {
+        "sample_id": uuid.uuid4().hex,
+        "response_token_ids": tokens,
+        "response_text": "".join(map(str, tokens)),
+        "logprobs": logprobs if logprobs is not None else [-0.5] * len(tokens),
+        "reward": reward,
+        "finish_reason": "stop",
+        "policy_version": kw.pop("policy_version", 0),
+        **kw,
+    }
+
+
+def group(
+    gid: str,
+    samples: list[dict[str, Any]] | None = None,
+    *,
+    batch_id: str = "b0",
+    batch_index: int = 0,
+    batch_size: int = 1,
+    prompt: list[int] | None = None,
+    domain: str = "d",
+    delivery_id: str | None = None,
+    config_version: int = 0,
+    **fields: Any,
+) -> dict[str, Any]:
+    """A group as it travels on the wire (a dict), answers right and wrong, with `fields`
+    replacing any top-level value."""
+    samples = (
+        samples if samples is not None else [sample([5, 6], reward=1.0), sample([7], reward=0.0)]
+    )
+    rewards = [s["reward"] for s in samples]
+    return {
+        "group_id": gid,
+        "prompt_id": f"p-{gid}",
+        "domain": domain,
+        "prompt_token_ids": prompt if prompt is not None else [1, 2, 3],
+        "prompt_text": "1+2=",
+        "config_version": config_version,
+        "policy_version_min": 0,
+        "policy_version_max": 0,
+        "stop_reason": "rule",
+        "stats": {
+            "n_generated": len(samples) * 2,
+            "n_pos": sum(r > 0.5 for r in rewards),
+            "n_neg": sum(r <= 0.5 for r in rewards) + len(samples),
+            "reward_mean": sum(rewards) / (2 * len(samples)),
+            "reward_std": 0.5,
+        },
+        "samples": samples,
+        "batch_id": batch_id,
+        "batch_index": batch_index,
+        "batch_size": batch_size,
+        "delivery_id": delivery_id or uuid.uuid4().hex,
+        **fields,
+    }
 
 
 def rows_with(path: Path, **changes: Any) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from client_helpers import group, sample
+from support import group, sample
 
 from trainer_client.batch import BatchAssembler, collate
 from trainer_client.contract.features import LOSS_MASK, NO_TEXT, REPLAYED
@@ -28,22 +28,32 @@ def G(gid: str, **kw) -> Group:
     return Group.model_validate(group(gid, **kw))
 
 
-def test_collate_lays_out_rows_right_padded_and_aligned() -> None:
-    g1 = G(
-        "a",
-        prompt=[1, 2, 3],
-        samples=[
-            sample(
-                [4, 5],
-                logprobs=[-0.1, -0.2],
-                reward=1.0,
-                advantage=0.5,
-                weight=2.0,
-                token_weights=[1.5, 0.5],
-            ),
-            sample([6], logprobs=[-0.3], reward=0.0, advantage=-0.5, weight=0.5),
-        ],
+def _right_and_wrong(
+    prompt: list[int],
+    tokens: list[int],
+    logprobs: list[float],
+    advantage: float,
+    weights: tuple[float, float],
+    token_weights: list[float],
+) -> Group:
+    """Group "a": a right answer of `tokens[:2]` with per-token weights, a wrong one of
+    `tokens[2]`, advantages +-`advantage`, answer weights `weights`."""
+    right = sample(
+        tokens[:2],
+        logprobs=logprobs[:2],
+        reward=1.0,
+        advantage=advantage,
+        weight=weights[0],
+        token_weights=token_weights,
     )
+    wrong = sample(
+        tokens[2:], logprobs=logprobs[2:], reward=0.0, advantage=-advantage, weight=weights[1]
+    )
+    return G("a", prompt=prompt, samples=[right, wrong])
+
+
+def test_collate_lays_out_rows_right_padded_and_aligned() -> None:
+    g1 = _right_and_wrong([1, 2, 3], [4, 5, 6], [-0.1, -0.2, -0.3], 0.5, (2.0, 0.5), [1.5, 0.5])
     g2 = G(
         "b",
         prompt=[7],
@@ -171,21 +181,7 @@ def test_train_step_loss_matches_hand_computed_value(tiny_model_dir: Path) -> No
     )
     trainer = GRPOTrainer(cfg, client=_NoClient())  # type: ignore[arg-type]
     trainer._temperatures[0] = 0.8
-    g = G(
-        "a",
-        prompt=[3, 4],
-        samples=[
-            sample(
-                [5, 6],
-                logprobs=[-2.0, -2.5],
-                reward=1.0,
-                advantage=0.75,
-                weight=1.2,
-                token_weights=[0.5, 1.5],
-            ),
-            sample([7], logprobs=[-0.01], reward=0.0, advantage=-0.75, weight=0.8),
-        ],
-    )
+    g = _right_and_wrong([3, 4], [5, 6, 7], [-2.0, -2.5, -0.01], 0.75, (1.2, 0.8), [0.5, 1.5])
     batch = collate([g], pad_id=0)
     with torch.no_grad():
         lp = token_logprobs(

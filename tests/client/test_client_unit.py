@@ -11,8 +11,9 @@ import httpx
 import orjson
 import pytest
 import torch
-from client_helpers import FakeSampler, group, group_line, heartbeat_line
+from client_helpers import FakeSampler, group_line, heartbeat_line
 from safetensors.torch import load
+from support import group
 
 from trainer_client.client import AsyncSamplerClient, SamplerClient
 from trainer_client.exceptions import (

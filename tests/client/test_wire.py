@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import orjson
 import pytest
-from client_helpers import group, sample
+from support import group, sample
 
 from trainer_client.contract import features, wire
 from trainer_client.contract.protocol import Group

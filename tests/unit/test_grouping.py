@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import pytest
+from support import group, sample
 
 from sampler_service.backends.base import Completion
 from sampler_service.config import SamplerConfig
@@ -19,7 +20,7 @@ from sampler_service.grouping import TOO_FEW_SAMPLES, apply_batch_policies, buil
 from sampler_service.replay import Replayed
 from sampler_service.verifiers.base import Verdict
 from strategies import reweighting, selection
-from trainer_client.contract.protocol import Group, GroupStats, Sample
+from trainer_client.contract.protocol import Group
 
 ROW = PromptRow(id="p1", prompt="1+1=", answer="2", domain="add1", token_ids=[5, 6], text="1+1=")
 
@@ -162,39 +163,12 @@ def test_mismatched_answers_and_verdicts_are_refused() -> None:
 
 
 def _group(gid: str, advantages: list[float], logprobs: list[list[float]] | None = None) -> Group:
-    n = len(advantages)
-    logprobs = logprobs or [[-0.5, -0.5]] * n
-    samples = [
-        Sample(
-            sample_id=f"{gid}{i}",
-            response_token_ids=list(range(len(lp))),
-            response_text="",
-            logprobs=lp,
-            reward=1.0 if a > 0 else 0.0,
-            finish_reason="stop",
-            policy_version=0,
-            advantage=a,
-        )
-        for i, (a, lp) in enumerate(zip(advantages, logprobs, strict=True))
+    logprobs = logprobs or [[-0.5, -0.5]] * len(advantages)
+    answers = [
+        sample(list(range(len(lp))), lp, reward=float(a > 0), advantage=a)
+        for a, lp in zip(advantages, logprobs, strict=True)
     ]
-    return Group(
-        group_id=gid,
-        prompt_id=gid,
-        domain="d",
-        prompt_token_ids=[1],
-        prompt_text="",
-        config_version=0,
-        policy_version_min=0,
-        policy_version_max=0,
-        stop_reason="rule",
-        stats=GroupStats(
-            n_generated=n, n_pos=n // 2, n_neg=n - n // 2, reward_mean=0.5, reward_std=0.5
-        ),
-        samples=samples,
-        batch_id="",
-        batch_index=0,
-        batch_size=0,
-    )
+    return Group.model_validate(group(gid, answers))
 
 
 def test_topk_drops_a_group_and_per_weights_have_mean_one() -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support import group
 from verl_suite import lease_groups, verl_config
 
-from trainer_client.contract.protocol import Group, GroupStats, Sample
+from trainer_client.contract.protocol import Group, Sample
 from trainer_client.verl.convert import (
     GroupSizeError,
     group_uid,
@@ -51,24 +52,18 @@ def _sample(
 
 
 def _group(gid: str, prompt: list[int], samples: list[Sample]) -> Group:
-    return Group(
-        group_id=gid,
-        prompt_id="p-" + gid,
-        domain="add1",
-        prompt_token_ids=prompt,
-        prompt_text="",
-        answer="3",
-        config_version=1,
-        policy_version_min=3,
-        policy_version_max=3,
-        stop_reason="fixed",
-        stats=GroupStats(
-            n_generated=len(samples), n_pos=1, n_neg=1, reward_mean=0.5, reward_std=0.5
-        ),
-        samples=samples,
-        batch_id="frame",
-        batch_index=0,
-        batch_size=1,
+    return Group.model_validate(
+        group(
+            gid,
+            [s.model_dump() for s in samples],
+            prompt=prompt,
+            domain="add1",
+            answer="3",
+            config_version=1,
+            policy_version_min=3,
+            policy_version_max=3,
+            batch_id="frame",
+        )
     )
 
 
