@@ -89,6 +89,37 @@ def environment() -> dict[str, Any]:
     }
 
 
+def git(*args: str) -> str:
+    """`git -C ROOT ARGS...`, its output stripped (raises when git fails)."""
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def checkout(ref: str, where: Path) -> tuple[Path, bool]:
+    """Code to measure, for side-by-side runs: `ref` a directory holding a checkout (used
+    as it is), or a git revision of this repository checked out, detached, at `where`.
+    Returns the root and whether a worktree was made (`git("worktree", "remove", ...)`
+    it afterwards)."""
+    path = (ROOT / ref).resolve() if not Path(ref).is_absolute() else Path(ref)
+    if path.is_dir():
+        return path, False
+    rev = git("rev-parse", "--verify", f"{ref}^{{commit}}")
+    git("worktree", "add", "--detach", str(where), rev)
+    return where, True
+
+
+def revision(root: Path) -> str | None:
+    """The short commit a checkout is at (None: not a git checkout)."""
+    done = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or None
+
+
 def write_json(name: str, data: dict[str, Any], *, started: float | None = None) -> Path:
     """Write bench/results/<name>.json (atomically) and return its path.
 

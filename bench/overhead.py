@@ -19,6 +19,11 @@ machine's load hits both. `--backend vllm` runs in .venv-vllm (where it exists).
 
     .venv/bin/python -m bench.overhead --quick            # hf, 3 pairs, ~3 minutes
     .venv/bin/python -m bench.overhead --backend vllm     # needs .venv-vllm
+    .venv/bin/python -m bench.overhead --baseline REV     # REV's service beside this one
+
+`--baseline REF` (a git revision, checked out into a temporary worktree, or a directory)
+runs REF's service too, in the same alternation with the same client, engine and raw
+runs: its rows are the baseline the "not worse" target holds this checkout's rows to.
 """
 
 from __future__ import annotations
@@ -32,15 +37,26 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, table, thread_cpu_s, tree_cpu_s, write_json
+from bench.common import (
+    ROOT,
+    checkout,
+    git,
+    revision,
+    table,
+    thread_cpu_s,
+    tree_cpu_s,
+    write_json,
+)
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
-def _env() -> dict[str, str]:
+def _env(root: Path = ROOT) -> dict[str, str]:
+    """Single-threaded torch, offline, and `root`'s code first on the path."""
     return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -49,7 +65,7 @@ def _env() -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
         "VLLM_LOGGING_LEVEL": "WARNING",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": str(root),
     }
 
 
@@ -169,7 +185,10 @@ def run_raw(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- through the service ------------------------------------------------------------------------
-def run_service(spec: dict[str, Any], work: Path, hf_engine: str = "process") -> dict[str, Any]:
+def run_service(
+    spec: dict[str, Any], work: Path, hf_engine: str = "process", root: Path = ROOT
+) -> dict[str, Any]:
+    """`root`'s service (this checkout's by default), streamed to this checkout's client."""
     from trainer_client.client import SamplerClient
     from trainer_client.launch import SamplerProcess
 
@@ -196,7 +215,7 @@ def run_service(spec: dict[str, Any], work: Path, hf_engine: str = "process") ->
         config,
         work / "sampler.log",
         extra=["--backend", spec["backend"], "--torch-threads", "1", "--hf-engine", hf_engine],
-        env=_env(),
+        env=_env(root),
     )
     if spec["backend"] == "vllm":
         proc.cmd[0] = str(VLLM_PYTHON)
@@ -320,6 +339,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--max-tokens", type=int, default=None, help="default: 16 (toy) or 48 (long)")
     p.add_argument("--repeats", type=int, help="alternating raw/service pairs per backend")
+    p.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="a git revision or checkout directory whose service runs beside this one's",
+    )
     args = p.parse_args(argv)
     if args.raw_worker:
         result = asyncio.run(_raw(json.loads(args.raw_worker)))
@@ -336,8 +360,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     started = time.monotonic()
     rows, runs = [], []
-    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+    baseline: Path | None = None
+    baseline_git = None
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp, ExitStack() as cleanup:
         work = Path(tmp)
+        if args.baseline:
+            baseline, made = checkout(args.baseline, work / "baseline")
+            if made:
+                cleanup.callback(git, "worktree", "remove", "--force", str(baseline))
+            baseline_git = revision(baseline)
         toy = build_toy(work / "toy", seed=0)
         model_dir = toy.model_dir
         if args.answers == "long":
@@ -370,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # hf: the service with its engine in a child process (the default) and on a
             # thread of the server process; vLLM's engine core is always its own process.
             kinds = ["raw", "service"] + (["service, engine thread"] if backend == "hf" else [])
+            kinds += ["service, baseline"] if baseline is not None else []
             by_kind: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
             for i in range(repeats):
                 # Rotate the order, so a load change on a shared box hits every kind.
@@ -378,6 +410,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     load = os.getloadavg()[0]
                     if kind == "raw":
                         r = run_raw(spec)
+                    elif kind == "service, baseline":
+                        assert baseline is not None
+                        r = run_service(spec, work, root=baseline)
                     else:
                         r = run_service(
                             spec, work, "thread" if kind.endswith("engine thread") else "process"
@@ -443,17 +478,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     for c in checks:
         print(f"[{'met' if c['met'] else 'MISSED'}] {c['target']}: {c['measured']}")
-    write_json(
-        "overhead",
-        {
-            "settings": vars(args),
-            "results": rows,
-            "runs": runs,
-            "checks": checks,
-        },
-        started=started,
-    )
-    return {"results": rows, "checks": checks}
+    out: dict[str, Any] = {"settings": vars(args), "results": rows, "runs": runs, "checks": checks}
+    if baseline is not None:
+        out["baseline"] = {"ref": args.baseline, "git": baseline_git}
+        out["not_worse"] = not_worse(loop_rows(rows, "baseline"), loop_rows(rows))
+        print(f"not worse than {args.baseline}: {out['not_worse']['met']}")
+    write_json("overhead", out, started=started)
+    return out
+
+
+def loop_rows(rows: list[dict[str, Any]], variant: str | None = None) -> dict[str, Any]:
+    """Service/raw tokens/s and event-loop ms per group of the process-engine rows, by
+    backend: this checkout's (`variant` None) or the baseline's (`"baseline"`)."""
+    suffix = f" ({variant})" if variant else ""
+    return {
+        backend: {"ratio": r["ratio"], "loop_ms_per_group": r["service_main_ms_per_group"]}
+        for r in rows
+        for backend in ("hf", "vllm")
+        if r["backend"] == backend + suffix
+    }
+
+
+def not_worse(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
+    """Each hf and vLLM row of `after` no worse than `before`'s: service/raw at least 0.95x
+    and event-loop CPU per group at most 1.05x (the pair scatter of this benchmark). No
+    baseline (`before` None): `met` is None."""
+    keys = [k for k in ("hf", "vllm") if k in after]
+    met = None
+    if before is not None and keys:
+        met = all(
+            k in before
+            and after[k]["ratio"] >= 0.95 * before[k]["ratio"]
+            and after[k]["loop_ms_per_group"] <= 1.05 * before[k]["loop_ms_per_group"]
+            for k in keys
+        )
+    return {
+        "measured": {k: after[k] for k in keys},
+        "goal": "no worse than the baseline checkout",
+        "goal_text": "bench/overhead.py hf and vLLM rows not worse than before "
+        "(service/raw >= 0.95x, event-loop ms/group <= 1.05x)",
+        "unit": "rows",
+        "met": met,
+        "before": None if before is None else {k: before[k] for k in keys if k in before},
+    }
 
 
 if __name__ == "__main__":

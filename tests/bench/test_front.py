@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import front
+from bench import front, overhead
 from bench.front_service import Answers, stamp, stamped_time
 from sampler_service.verifiers import exact
 from sampler_service.verifiers import math as math_verifier
@@ -157,6 +157,29 @@ def test_both_checkouts_holding_the_same_overhead_file_leave_that_target_unmeasu
     checkouts = [front.Checkout(n, tmp_path / n) for n in results]
     got = front.compare_targets(results, checkouts)["overhead_rows_not_worse"]
     assert got["met"] is None and got["before"] is None and "not measured" in got["note"]
+
+
+def test_an_overhead_file_measured_side_by_side_is_the_target(tmp_path: Path) -> None:
+    rows = [
+        {"backend": "hf", "ratio": 0.99, "service_main_ms_per_group": 2.0},
+        {"backend": "hf (engine thread)", "ratio": 0.8, "service_main_ms_per_group": 3.0},
+        {"backend": "hf (baseline)", "ratio": 1.0, "service_main_ms_per_group": 1.8},
+    ]
+    judged = overhead.not_worse(overhead.loop_rows(rows, "baseline"), overhead.loop_rows(rows))
+    assert judged["before"] == {"hf": {"ratio": 1.0, "loop_ms_per_group": 1.8}}
+    assert judged["met"] is False  # 2.0 ms > 1.05 x 1.8 ms
+    results = {"after": _result(loop=0.3, p99=40.0, copies=1.0, wire=6000.0, parse=0.3)}
+    (tmp_path / "after" / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "after" / "bench" / "results" / "overhead.json").write_text(
+        json.dumps({"results": rows, "not_worse": judged})
+    )
+    got = front.compare_targets(results, [front.Checkout("after", tmp_path / "after")])
+    target = got["overhead_rows_not_worse"]
+    assert target["met"] is False and "side by side" in target["note"]
+    faster = [dict(rows[0], service_main_ms_per_group=1.85), *rows[1:]]
+    assert overhead.not_worse(overhead.loop_rows(faster, "baseline"), overhead.loop_rows(faster))[
+        "met"
+    ]
 
 
 def _window(rate: float, delivered: float) -> dict:
