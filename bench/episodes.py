@@ -56,9 +56,9 @@ from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.environments.base import Reset, Step
 from sampler_service.episodes import (
     EnvThread,
+    EpisodeRenderer,
     EpisodeRunner,
     load_factories,
-    observation_renderer,
 )
 from sampler_service.scheduler import MemorySink, Scheduler
 from sampler_service.verifiers.base import Verdict
@@ -189,7 +189,7 @@ async def toy_run(
     scheduler = Scheduler(backend=engine, dataset=dataset, verify=verify, sink=sink, config=config)
     scheduler.episodes = EpisodeRunner(
         tokenizer,
-        observation_renderer(tokenizer),
+        EpisodeRenderer(tokenizer),
         load_factories(dataset.env_specs()),
         max_context=64,
     )
@@ -364,7 +364,7 @@ async def sim_run(
     scheduler = sim_scheduler(engine, dataset, trainer, cfg, seed)
     tokenizer = _SimTokenizer()
     scheduler.episodes = EpisodeRunner(
-        tokenizer, observation_renderer(tokenizer), load_factories({SIM_ENV}), clock=loop.time
+        tokenizer, EpisodeRenderer(tokenizer), load_factories({SIM_ENV}), clock=loop.time
     )
     trainer.scheduler, trainer.engine = scheduler, engine
     scheduler.start()

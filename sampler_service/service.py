@@ -63,7 +63,7 @@ def _episode_runner(prepared: Prepared) -> episodes.EpisodeRunner | None:
     tokenizer = prepared.tokenize.tokenizer
     return episodes.EpisodeRunner(
         tokenizer,
-        episodes.observation_renderer(tokenizer),
+        episodes.EpisodeRenderer(tokenizer),
         prepared.env_factories,
         default_env=prepared.settings.env,
         max_context=prepared.context_length,

@@ -11,17 +11,24 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import episode_envs
 import pytest
 import pytest_asyncio
 import torch
+from chat_tokenizers import CHATML, char_tokenizer, encode
 from support import rows_with, write_jsonl
 from test_scheduler import make_scheduler, run_until
 from transformers import AutoTokenizer
 
 from sampler_service.backends.base import Completion, SamplingParams
 from sampler_service.backends.hf import HFBackend
-from sampler_service.episodes import EpisodeRunner, load_factories, observation_renderer
+from sampler_service.config import EpisodeKnobs
+from sampler_service.dataset import PromptRow
+from sampler_service.environments.tools import tool_schema
+from sampler_service.episodes import EpisodeRenderer, EpisodeRunner, load_factories
+from sampler_service.grouping import on_one_prompt
 from sampler_service.scheduler import MemorySink, Scheduler
+from sampler_service.startup import PromptTokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,7 +73,7 @@ def with_episodes(
     tokenizer = AutoTokenizer.from_pretrained(toy.model_dir)
     scheduler.episodes = EpisodeRunner(
         tokenizer,
-        observation_renderer(tokenizer),
+        EpisodeRenderer(tokenizer),
         load_factories(scheduler.dataset.env_specs()),
         max_context=64,
     )
@@ -175,6 +182,96 @@ async def test_groups_obey_the_rule_counted_in_episodes(toy, engine, tmp_path) -
     assert scheduler.stats.episodes.episodes >= sum(len(g.samples) for g in groups)
 
 
+#: The scripted model's tool call; it answers with the sum once it has the result.
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+class ScriptedChat:
+    """A chat model's turns on `char_tokenizer`: the call, then the sum and end of turn.
+
+    The toy model's vocabulary cannot hold a chat template, so no real engine on this
+    machine speaks one; the runner only needs a turn function, which this is.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.sent: list[list[int]] = []
+
+    async def turn(self, ids: list[int], sampling: SamplingParams) -> Completion:
+        self.sent.append(list(ids))
+        if "<tool_response>" in self.tokenizer.decode(ids):
+            text, tokens = "5", [*encode(self.tokenizer, "5"), self.tokenizer.eos_token_id]
+        else:
+            text, tokens = CALL, encode(self.tokenizer, CALL)
+        return Completion(tokens, [-1.0] * len(tokens), text, "stop")
+
+
+def chat_row(tmp_path: Path, tokenizer: Any) -> PromptRow:
+    """A chat row with a system prompt, rendered as `serve` renders rows."""
+    model = tmp_path / "chat-model"
+    tokenizer.save_pretrained(model)
+    row = PromptRow(
+        id="chat",
+        prompt=[
+            {"role": "system", "content": "You add."},
+            {"role": "user", "content": "What is 2+3?"},
+        ],
+        answer="5",
+        domain="add",
+    )
+    PromptTokenizer(model)(row)
+    return row
+
+
+@pytest.mark.parametrize(
+    ("factory", "messages"),
+    [(episode_envs.add_tool, []), (episode_envs.BriefedTools, [episode_envs.BriefedTools.BRIEF])],
+    ids=["tools", "tools-and-reset-messages"],
+)
+async def test_a_tool_episode_on_a_chat_row_starts_from_the_whole_conversation(
+    tmp_path: Path, factory: Any, messages: list[dict[str, Any]]
+) -> None:
+    """The first turn is sent the template's rendering of the row's messages, the reset's
+    messages and the tools' schemas, in one piece (no empty assistant turn before the
+    reset's messages); the second the same conversation grown by the call and its result;
+    and the group's prompt plus each response is token for token what was sent."""
+    tokenizer = char_tokenizer(CHATML)
+    row = chat_row(tmp_path, tokenizer)
+    model = ScriptedChat(tokenizer)
+    runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
+    wave = await runner.wave(row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 1)
+
+    tools = [tool_schema(episode_envs.add)]
+    opening = [*row.prompt, *messages]
+    after_call = [
+        *opening,
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "name": "add", "content": "5"},
+    ]
+    first, second = (
+        encode(
+            tokenizer,
+            tokenizer.apply_chat_template(
+                m, tools=tools, add_generation_prompt=True, tokenize=False
+            ),
+        )
+        for m in (opening, after_call)
+    )
+    assert "# Tools" in tokenizer.decode(first) and first != row.token_ids
+    assert sorted(model.sent) == [first, first, second, second]
+    assert not any("assistant\n<|im_end|>" in tokenizer.decode(ids) for ids in model.sent)
+    assert not wave.env_errors and len(wave.completions) == 2
+    prompt, _, answers = on_one_prompt(row, wave.completions)
+    assert prompt == first
+    for answer in answers:
+        assert answer.num_turns == 2 and answer.finish_reason == "stop"
+        assert prompt + answer.token_ids == [
+            *second,
+            *encode(tokenizer, "5"),
+            tokenizer.eos_token_id,
+        ]
+
+
 @pytest.mark.parametrize("env", ["raises", "hangs"])
 async def test_a_failing_environment_never_stalls_nor_counts_as_wrong(
     toy, engine, tmp_path, env
@@ -241,3 +338,19 @@ def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((m, i, i + 1))
     return runs
+
+
+async def test_reset_messages_on_a_text_row_fail_the_environment() -> None:
+    """A text prompt has no chat turns to add messages to: the episode fails as the
+    environment's fault (re-run, never scored), saying what to use instead."""
+    tokenizer = char_tokenizer(CHATML)
+    text = "What is 2+3?"
+    row = PromptRow(id="text", prompt=text, answer="5", domain="add")
+    row.text, row.token_ids = text, encode(tokenizer, text)
+    model = ScriptedChat(tokenizer)
+    runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
+    wave = await runner.wave(
+        row, episode_envs.BriefedTools, 1, SamplingParams(), EpisodeKnobs(), model.turn, 1
+    )
+    assert not wave.completions and not model.sent
+    assert len(wave.env_errors) == 1 and "Reset.messages need a chat prompt" in wave.env_errors[0]
