@@ -179,8 +179,9 @@ async def toy_run(
         row.text, row.token_ids = row.prompt, tokenizer(row.prompt)["input_ids"]
 
     async def verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
-        texts = [c.text if c.answer_text is None else c.answer_text for c in completions]
-        return [Verdict(exact.verify(text, row.answer, row.metadata)) for text in texts]
+        return [
+            Verdict(exact.verify(c.verified_text, row.answer, row.metadata)) for c in completions
+        ]
 
     dataset = Dataset([data], tokenize)
     config = SamplerConfig(**TOY_CONFIG)

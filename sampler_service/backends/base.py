@@ -120,6 +120,12 @@ class Completion:
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
 
+    @property
+    def verified_text(self) -> str:
+        """What the row's verifier scores: an episode's last turn, else the whole answer
+        (an episode's `text` holds its observations too)."""
+        return self.text if self.answer_text is None else self.answer_text
+
 
 @dataclass(frozen=True)
 class TensorSpec:

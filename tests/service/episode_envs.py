@@ -1,9 +1,9 @@
 """Environments the episode tests run (imported by the sampler as `python:episode_envs:...`).
 
 They speak the toy's alphabet (digits, `+ - * =`, space), so their observations are
-tokens the toy model knows; rewards come from the row's verifier on the last turn.
-`add_tool` and `BriefedTools` are chat environments of the tool helper, for a chat
-tokenizer.
+tokens the toy model knows; rewards come from the row's verifier on the last turn, except
+`contrary`'s, which gives its own. `add_tool` and `BriefedTools` are chat environments of
+the tool helper, for a chat tokenizer.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from sampler_service.environments.base import Reset, Step
 from sampler_service.environments.tools import ToolEnvironment, tool_environment
+from sampler_service.verifiers import exact
 
 ALPHABET = "0123456789+-*= "
 
@@ -52,6 +53,24 @@ def retell() -> Retell:
 
 def retell_three() -> Retell:
     return Retell(turns=3)
+
+
+class Contrary(Retell):
+    """One turn, rewarded by the environment against the row's verifier: 1.0 exactly
+    where the verifier would score the turn 0 (so the two never agree)."""
+
+    answer = ""
+
+    async def reset(self, row: Mapping[str, Any], *, seed: int | None) -> Reset:
+        self.answer = row["answer"]
+        return Reset()
+
+    async def step(self, action: str) -> Step:
+        return Step(observation=None, done=True, reward=1.0 - exact.verify(action, self.answer))
+
+
+def contrary() -> Contrary:
+    return Contrary()
 
 
 def add(a: int, b: int) -> int:

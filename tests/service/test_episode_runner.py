@@ -29,6 +29,7 @@ from sampler_service.episodes import EpisodeRenderer, EpisodeRunner, load_factor
 from sampler_service.grouping import on_one_prompt
 from sampler_service.scheduler import MemorySink, Scheduler
 from sampler_service.startup import PromptTokenizer
+from sampler_service.verifiers import exact
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -166,7 +167,8 @@ async def test_groups_obey_the_rule_counted_in_episodes(toy, engine, tmp_path) -
         group_size=0,
         downsample="none",
     )
-    groups = await run_until(scheduler, sink, 8)
+    groups = await run_until(scheduler, sink, 8, reasons=frozenset({"rule"}))
+    assert any(g.stop_reason == "rule" for g in groups)
     for group in groups:
         right = [s.reward > 0.5 for s in group.samples]
         assert group.stats.n_generated == len(group.samples)
@@ -180,6 +182,27 @@ async def test_groups_obey_the_rule_counted_in_episodes(toy, engine, tmp_path) -
         else:
             assert group.stop_reason == "n_max" and group.stats.n_generated == 8
     assert scheduler.stats.episodes.episodes >= sum(len(g.samples) for g in groups)
+
+
+async def test_the_environments_terminal_reward_is_what_the_rule_counts(
+    toy, engine, tmp_path
+) -> None:
+    """`contrary` rewards each episode 1.0 exactly where the row's verifier would score
+    it 0: every reward, n_pos and the rule's stop follow the environment's reward."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:contrary")
+    scheduler, sink = with_episodes(
+        toy, engine, data, rule="balanced", k_pos=1, k_neg=1, n_max=8, wave_size=2
+    )
+    groups = await run_until(scheduler, sink, 6, reasons=frozenset({"rule"}))
+    answers = {row.id: row.answer for rows in scheduler.dataset.rows.values() for row in rows}
+    for group in groups:
+        for sample in group.samples:
+            assert sample.response_text is not None
+            verdict = exact.verify(sample.response_text, answers[group.prompt_id])
+            assert sample.reward == 1.0 - verdict
+        assert group.stats.n_pos == sum(s.reward > 0.5 for s in group.samples)
+        if group.stop_reason == "rule":
+            assert group.stats.n_pos >= 1 and group.stats.n_neg >= 1
 
 
 #: The scripted model's tool call; it answers with the sum once it has the result.
