@@ -55,6 +55,11 @@ def retell_three() -> Retell:
     return Retell(turns=3)
 
 
+def endless() -> Retell:
+    """Never says done: only `max_turns` or the token budget ends its episodes."""
+    return Retell(turns=10**9)
+
+
 class Contrary(Retell):
     """One turn, rewarded by the environment against the row's verifier: 1.0 exactly
     where the verifier would score the turn 0 (so the two never agree)."""

@@ -205,6 +205,49 @@ async def test_the_environments_terminal_reward_is_what_the_rule_counts(
             assert group.stats.n_pos >= 1 and group.stats.n_neg >= 1
 
 
+async def test_an_episode_cut_at_max_turns_scores_zero(toy, engine, tmp_path) -> None:
+    """An environment that never says done: every episode ends after `max_turns` model
+    turns with finish reason `turns`, and scores 0 unverified (its final answer was never
+    given), so its group has no right answer."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:endless")
+    scheduler, sink = with_episodes(toy, engine, data, **FIXED4, episode={"max_turns": 3})
+    groups = await run_until(scheduler, sink, 2)
+    for group in groups:
+        assert group.stats.n_pos == 0
+        for sample in group.samples:
+            assert sample.num_turns == 3 and sample.finish_reason == "turns"
+            assert sample.reward == 0.0
+
+
+async def test_a_spent_token_budget_ends_the_episode_as_length(toy, engine, tmp_path) -> None:
+    """`max_total_tokens` 3 cannot hold retell_three's three turns and two observations:
+    every episode stops at the budget with finish reason `length`, scored 0 unverified,
+    holding no more than the budget."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:retell_three")
+    scheduler, sink = with_episodes(toy, engine, data, **FIXED4, episode={"max_total_tokens": 3})
+    groups = await run_until(scheduler, sink, 2)
+    for group in groups:
+        for sample in group.samples:
+            assert sample.finish_reason == "length" and sample.reward == 0.0
+            assert 1 <= len(sample.response_token_ids) <= 3
+
+
+async def test_observations_are_cut_to_obs_max_tokens(toy, engine, tmp_path) -> None:
+    """With `obs_max_tokens` 1 every observation (a run of mask 0) holds one token, where
+    retell's are 2 to 6."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:retell_three")
+    scheduler, sink = with_episodes(toy, engine, data, **FIXED4, episode={"obs_max_tokens": 1})
+    groups = await run_until(scheduler, sink, 2)
+    observations = 0
+    for group in groups:
+        for sample in group.samples:
+            assert sample.loss_mask is not None
+            cut = [end - start for value, start, end in _runs(sample.loss_mask) if value == 0]
+            assert all(n == 1 for n in cut), cut
+            observations += len(cut)
+    assert observations > 0
+
+
 #: The scripted model's tool call; it answers with the sum once it has the result.
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
