@@ -56,9 +56,9 @@ from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.environments.base import Reset, Step
 from sampler_service.episodes import (
     EnvThread,
+    EpisodeRenderer,
     EpisodeRunner,
     load_factories,
-    observation_renderer,
 )
 from sampler_service.scheduler import MemorySink, Scheduler
 from sampler_service.verifiers.base import Verdict
@@ -179,8 +179,9 @@ async def toy_run(
         row.text, row.token_ids = row.prompt, tokenizer(row.prompt)["input_ids"]
 
     async def verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
-        texts = [c.text if c.answer_text is None else c.answer_text for c in completions]
-        return [Verdict(exact.verify(text, row.answer, row.metadata)) for text in texts]
+        return [
+            Verdict(exact.verify(c.verified_text, row.answer, row.metadata)) for c in completions
+        ]
 
     dataset = Dataset([data], tokenize)
     config = SamplerConfig(**TOY_CONFIG)
@@ -189,7 +190,7 @@ async def toy_run(
     scheduler = Scheduler(backend=engine, dataset=dataset, verify=verify, sink=sink, config=config)
     scheduler.episodes = EpisodeRunner(
         tokenizer,
-        observation_renderer(tokenizer),
+        EpisodeRenderer(tokenizer),
         load_factories(dataset.env_specs()),
         max_context=64,
     )
@@ -364,7 +365,7 @@ async def sim_run(
     scheduler = sim_scheduler(engine, dataset, trainer, cfg, seed)
     tokenizer = _SimTokenizer()
     scheduler.episodes = EpisodeRunner(
-        tokenizer, observation_renderer(tokenizer), load_factories({SIM_ENV}), clock=loop.time
+        tokenizer, EpisodeRenderer(tokenizer), load_factories({SIM_ENV}), clock=loop.time
     )
     trainer.scheduler, trainer.engine = scheduler, engine
     scheduler.start()

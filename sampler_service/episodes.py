@@ -7,10 +7,12 @@ environment says done, `max_turns` is reached or the token budget is spent. A wa
 is n episodes run concurrently; the stopping rule is asked when the wave is done, as for
 single answers, and counts episodes by their terminal reward.
 
-Token-in/token-out: the sampled tokens are kept as the engine returned them, never
-re-encoded from text, and every observation is rendered once into tokens that are
-appended with loss mask 0 and logprob 0.0. So the ids sent at each turn are exactly the
-prompt plus everything before it, which is what the trainer scores.
+Token-in/token-out: the episode's prompt is rendered once (the row's, or, where the
+environment adds messages or tools to a chat row, the whole conversation with the tools'
+schemas), the sampled tokens are kept as the engine returned them, never re-encoded from
+text, and every observation is rendered once into tokens that are appended with loss mask
+0 and logprob 0.0. So the ids sent at each turn are exactly the episode's prompt plus
+everything before it, which is what the trainer scores (`grouping.on_one_prompt`).
 
 Environments are user code: each episode gets a fresh instance whose calls run on a
 thread of its own (its own event loop), under `env_timeout_s` per call, so an environment
@@ -34,7 +36,7 @@ from sampler_service.backends.base import Completion, FinishReason, SamplingPara
 from sampler_service.config import EpisodeKnobs
 from sampler_service.dataset import PromptRow
 from sampler_service.environments import load_environment_factory
-from sampler_service.environments.base import Environment
+from sampler_service.environments.base import Environment, Reset
 from sampler_service.environments.render import ObservationRenderer
 
 log = logging.getLogger(__name__)
@@ -43,9 +45,6 @@ T = TypeVar("T")
 
 #: One engine call of one turn: the ids so far and the turn's sampling knobs.
 GenerateTurn = Callable[[list[int], SamplingParams], Awaitable[Completion]]
-#: Renders an observation (text, chat messages or token ids) into the tokens appended,
-#: given the ids of the turn it follows (a chat delta closes that turn first).
-RenderObservation = Callable[[Any, list[int]], list[int]]
 
 
 class EpisodeTokenizer(Protocol):
@@ -147,7 +146,7 @@ class EpisodeRunner:
     def __init__(
         self,
         tokenizer: EpisodeTokenizer,
-        render: RenderObservation,
+        render: EpisodeRenderer,
         factories: Mapping[str, Callable[[], Environment]],
         *,
         default_env: str | None = None,
@@ -259,14 +258,14 @@ class EpisodeRunner:
         self,
         row: PromptRow,
         env: Environment,
-        reset: Any,
+        reset: Reset,
         sampling: SamplingParams,
         limits: EpisodeKnobs,
         generate: GenerateTurn,
         index: int,
         timed: Callable[[Callable[[], Awaitable[Any]], str], Awaitable[Any]],
     ) -> Completion:
-        prompt = list(row.token_ids)
+        prompt, prompt_text = self.first_prompt(row, reset)
         ids: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
@@ -281,7 +280,7 @@ class EpisodeRunner:
 
         def observe(observation: Any) -> bool:
             """Append an observation (mask 0); False when it used up the budget."""
-            tokens = self.render(observation, turn_ids)[: limits.obs_max_tokens]
+            tokens = self.render.observation(observation, turn_ids)[: limits.obs_max_tokens]
             room = budget - len(ids)
             cut = tokens[: max(room, 0)]
             ids.extend(cut)
@@ -291,12 +290,11 @@ class EpisodeRunner:
             return len(cut) < room
 
         stop: Sequence[str] = tuple(reset.stop)
-        extra = list(reset.messages) or reset.observation
         finish: FinishReason = "turns"
         reward: float | None = None
         last_text = ""
         turns = 0
-        if extra and not observe(extra):
+        if reset.observation and not observe(reset.observation):
             finish = "length"
         while finish == "turns" and turns < limits.max_turns:
             room = budget - len(ids)
@@ -337,7 +335,30 @@ class EpisodeRunner:
             num_turns=turns,
             answer_text=last_text,
             env_reward=reward,
+            prompt_token_ids=None if prompt_text is None else prompt,
+            prompt_text=prompt_text,
         )
+
+    def first_prompt(self, row: PromptRow, reset: Reset) -> tuple[list[int], str | None]:
+        """The ids the episode's first turn continues, and their text where they are not
+        the row's (None: the row's own prompt).
+
+        A chat row whose environment adds messages or tools is rendered whole, the row's
+        messages then `Reset.messages`, with `Reset.info["tools"]`; a row without either
+        starts from its own rendering. A text row has no template turns to add messages
+        to (`Reset.observation` is what extends it) and its tools go unrendered.
+        """
+        tools = reset.info.get("tools") or None
+        if isinstance(row.prompt, str):
+            if reset.messages:
+                raise EnvironmentFailed(
+                    f"prompt {row.id!r} is text: Reset.messages need a chat prompt "
+                    "(Reset.observation extends a text prompt)"
+                )
+            return list(row.token_ids), None
+        if not reset.messages and tools is None:
+            return list(row.token_ids), None
+        return self.render.prompt([*row.prompt, *reset.messages], tools)
 
 
 def load_factories(specs: set[str]) -> dict[str, Callable[[], Environment]]:
@@ -353,20 +374,38 @@ def load_factories(specs: set[str]) -> dict[str, Callable[[], Environment]]:
     return factories
 
 
-def observation_renderer(tokenizer: Any) -> RenderObservation:
-    """Observations as tokens: text encoded without special tokens, token ids as they
-    are, chat messages as the chat template's delta after the turn
-    (`sampler_service.environments.render`); anything else fails the episode."""
-    renderer = ObservationRenderer(tokenizer)
+class EpisodeRenderer:
+    """An episode's tokens from what its environment gave: the first prompt of a chat
+    row and each observation (`sampler_service.environments.render`); what cannot be
+    rendered fails the episode as the environment's fault."""
 
-    def render(observation: Any, turn: list[int]) -> list[int]:
+    def __init__(self, tokenizer: Any) -> None:
+        self._renderer = ObservationRenderer(tokenizer)
+
+    def prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> tuple[list[int], str]:
+        """The ids and text of a chat conversation ready for the model's first turn: the
+        template renders it whole, with the tools' schemas where it renders tools, as the
+        model learned to read them (a delta after the row's own rendering would open an
+        empty assistant turn before the environment's messages, and lose the tools)."""
+        try:
+            text = self._renderer.chat_text(messages, generation=True, tools=tools)
+            return self._renderer.encode(text), text
+        except (TypeError, ValueError, KeyError) as exc:
+            raise EnvironmentFailed(
+                f"the episode's first prompt cannot be rendered: {exc!r}"
+            ) from exc
+
+    def observation(self, observation: Any, turn: list[int]) -> list[int]:
+        """An observation's tokens (text encoded without special tokens, token ids as they
+        are, chat messages as the template's delta after the turn); anything else fails
+        the episode."""
         if not isinstance(observation, str | list):
             raise EnvironmentFailed(
                 f"an observation must be text, chat messages or token ids, got {observation!r:.200}"
             )
         try:
-            return renderer.render(observation, turn=turn)
+            return self._renderer.render(observation, turn=turn)
         except (TypeError, ValueError, KeyError) as exc:
             raise EnvironmentFailed(f"the observation cannot be rendered: {exc!r}") from exc
-
-    return render

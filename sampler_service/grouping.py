@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import numpy as np
@@ -54,6 +54,40 @@ class GroupResult:
     group: Group | None
     drop_reason: str | None
     mean_abs_advantage: float
+
+
+def on_one_prompt(
+    row: PromptRow, completions: Sequence[Completion]
+) -> tuple[list[int], str | None, list[Completion]]:
+    """The group's prompt (ids and text) and its answers as continuations of it.
+
+    A group has one prompt, but an episode whose environment added messages or tools to
+    a chat row began from its own (`Completion.prompt_token_ids`). Where every answer
+    began from the same prompt, that is the group's. Where they differ, the group's is
+    the ids they all share, its text unknown (None), and the rest of each answer's own
+    prompt leads its response as context (mask 0, logprob 0.0, never trained on), so
+    prompt plus response is still token for token what the engine was sent.
+    """
+    prompts = [
+        c.prompt_token_ids if c.prompt_token_ids is not None else row.token_ids for c in completions
+    ]
+    first = completions[0]
+    if all(p == prompts[0] for p in prompts):
+        text = first.prompt_text if first.prompt_token_ids is not None else row.text
+        return prompts[0], text, list(completions)
+    shared = min(len(p) for p in prompts)
+    shared = next((j for j in range(shared) if len({p[j] for p in prompts}) > 1), shared)
+    answers = [
+        replace(
+            c,
+            token_ids=p[shared:] + c.token_ids,
+            logprobs=[0.0] * (len(p) - shared) + c.logprobs,
+            loss_mask=[0] * (len(p) - shared)
+            + (c.loss_mask if c.loss_mask is not None else [1] * len(c.token_ids)),
+        )
+        for c, p in zip(completions, prompts, strict=True)
+    ]
+    return prompts[0][:shared], None, answers
 
 
 def build_group(
@@ -120,25 +154,27 @@ def build_group(
     if len(kept) < 2:
         return GroupResult(None, TOO_FEW_SAMPLES, mean_abs)
 
+    indices = kept.tolist()
+    prompt_ids, prompt_text, answers = on_one_prompt(row, [completions[i] for i in indices])
     # The values are this process's own (engine answers, verdicts, numpy floats made
     # Python floats here), so the models are built without validation: validating would
     # copy every answer's token ids and logprobs once more.
     samples = [
         Sample.model_construct(
             sample_id=make_id(),
-            response_token_ids=completions[i].token_ids,
-            response_text=completions[i].text,
-            logprobs=completions[i].logprobs,
+            response_token_ids=c.token_ids,
+            response_text=c.text,
+            logprobs=c.logprobs,
             reward=float(rewards[i]),
-            finish_reason=completions[i].finish_reason,
-            policy_version=completions[i].policy_version,
+            finish_reason=c.finish_reason,
+            policy_version=c.policy_version,
             verifier_error=verdicts[i].error if i < n_gen else None,
             advantage=float(a),
-            loss_mask=completions[i].loss_mask,
-            num_turns=completions[i].num_turns,
+            loss_mask=c.loss_mask,
+            num_turns=c.num_turns,
             replayed=i >= n_gen,
         )
-        for i, a in zip(kept.tolist(), adv, strict=True)
+        for i, c, a in zip(indices, answers, adv, strict=True)
     ]
     # A replayed answer is old by design: the group's versions are its fresh answers'.
     versions = [s.policy_version for s in samples if not s.replayed]
@@ -146,8 +182,8 @@ def build_group(
         group_id=make_id(),
         prompt_id=row.id,
         domain=row.domain,
-        prompt_token_ids=row.token_ids,
-        prompt_text=row.text,
+        prompt_token_ids=prompt_ids,
+        prompt_text=prompt_text,
         answer=row.answer,
         metadata=row.metadata,
         config_version=config_version,

@@ -45,7 +45,7 @@ def _verifier(verifiers: VerifierPool, default: str, metrics: Metrics) -> Verify
 
     async def verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
         spec = row.verifier or default
-        texts = [c.text if c.answer_text is None else c.answer_text for c in completions]
+        texts = [c.verified_text for c in completions]
         verdicts = await verifiers.verify_wave(spec, texts, row.answer, row.metadata)
         for verdict in verdicts:
             metrics.verifier_latency.observe(verdict.seconds)
@@ -63,7 +63,7 @@ def _episode_runner(prepared: Prepared) -> episodes.EpisodeRunner | None:
     tokenizer = prepared.tokenize.tokenizer
     return episodes.EpisodeRunner(
         tokenizer,
-        episodes.observation_renderer(tokenizer),
+        episodes.EpisodeRenderer(tokenizer),
         prepared.env_factories,
         default_env=prepared.settings.env,
         max_context=prepared.context_length,

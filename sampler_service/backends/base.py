@@ -103,6 +103,9 @@ class Completion:
     ones only (None: all sampled, a single-turn answer) and `logprobs` are 0.0 where the
     mask is 0. `answer_text` is what the verifier scores when it is not `text` (an
     episode's last turn), `env_reward` the environment's terminal reward if it gave one.
+    `prompt_token_ids` and `prompt_text` are the prompt the answer continues where it is
+    not the row's (None: the row's): an episode on a chat row whose environment added
+    messages or tools began from its own rendering of the conversation.
     """
 
     token_ids: list[int]
@@ -114,6 +117,14 @@ class Completion:
     num_turns: int = 1
     answer_text: str | None = None
     env_reward: float | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+
+    @property
+    def verified_text(self) -> str:
+        """What the row's verifier scores: an episode's last turn, else the whole answer
+        (an episode's `text` holds its observations too)."""
+        return self.text if self.answer_text is None else self.answer_text
 
 
 @dataclass(frozen=True)

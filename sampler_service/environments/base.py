@@ -22,10 +22,12 @@ Observation = str | list[dict[str, Any]] | list[int]
 class Reset:
     """The start of an episode.
 
-    ``messages`` are appended to a chat prompt before the first turn, ``observation`` to
-    any prompt (text or token ids, as a step's); ``stop`` are the first turn's stop
-    strings; ``info`` is carried into the episode's record (a tool environment lists its
-    tools' schemas there under ``tools``, for a chat template that renders them).
+    ``messages`` follow a chat row's messages (a text row refuses them), ``observation``
+    is appended to any prompt (text or token ids, as a step's); ``stop`` are the first
+    turn's stop strings; ``info`` may list tools' schemas under ``tools`` (the tool
+    helper does). A chat row whose environment gives messages or tools starts from the
+    template's rendering of the whole conversation, tools included, as the model learned
+    to read it (`EpisodeRunner.first_prompt`).
     """
 
     messages: list[dict[str, Any]] = field(default_factory=list)

@@ -39,13 +39,33 @@ class ObservationRenderer:
         self._tokenizer = tokenizer
         self._dummy: tuple[list[int], list[int]] | None = None
 
+    def chat_text(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        generation: bool,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """The template's rendering of ``messages`` (and the tools' schemas, where the
+        template renders them), as text."""
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise ValueError("chat messages need a tokenizer with a chat template")
+        return str(
+            self._tokenizer.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=generation,
+                tokenize=False,
+            )
+        )
+
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, generation: bool) -> list[int]:
         """The template's rendering of ``messages``, as token ids."""
-        if not getattr(self._tokenizer, "chat_template", None):
-            raise ValueError("a chat-message observation needs a tokenizer with a chat template")
-        text = self._tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=generation, tokenize=False
-        )
+        return self.encode(self.chat_text(messages, generation=generation))
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as token ids, without the special tokens a tokenizer adds at the start
+        of a sequence (a rendered template has its own)."""
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def dummy_turn(self) -> tuple[list[int], list[int]]:
@@ -85,7 +105,7 @@ class ObservationRenderer:
     ) -> list[int]:
         """The token ids of ``observation``, cut to the first ``max_tokens`` (None: all)."""
         if isinstance(observation, str):
-            ids = list(self._tokenizer.encode(observation, add_special_tokens=False))
+            ids = self.encode(observation)
         elif all(isinstance(item, int) for item in observation):
             ids = [int(item) for item in observation]  # type: ignore[arg-type]
         else:

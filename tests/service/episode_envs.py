@@ -1,11 +1,14 @@
 """Environments the episode tests run (imported by the sampler as `python:episode_envs:...`).
 
 They speak the toy's alphabet (digits, `+ - * =`, space), so their observations are
-tokens the toy model knows; rewards come from the row's verifier on the last turn.
+tokens the toy model knows; rewards come from the row's verifier on the last turn, except
+`contrary`'s, which gives its own. `add_tool` and `BriefedTools` are chat environments of
+the tool helper, for a chat tokenizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -13,6 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from sampler_service.environments.base import Reset, Step
+from sampler_service.environments.tools import ToolEnvironment, tool_environment
+from sampler_service.verifiers import exact
 
 ALPHABET = "0123456789+-*= "
 
@@ -48,6 +53,51 @@ def retell() -> Retell:
 
 def retell_three() -> Retell:
     return Retell(turns=3)
+
+
+def endless() -> Retell:
+    """Never says done: only `max_turns` or the token budget ends its episodes."""
+    return Retell(turns=10**9)
+
+
+class Contrary(Retell):
+    """One turn, rewarded by the environment against the row's verifier: 1.0 exactly
+    where the verifier would score the turn 0 (so the two never agree)."""
+
+    answer = ""
+
+    async def reset(self, row: Mapping[str, Any], *, seed: int | None) -> Reset:
+        self.answer = row["answer"]
+        return Reset()
+
+    async def step(self, action: str) -> Step:
+        return Step(observation=None, done=True, reward=1.0 - exact.verify(action, self.answer))
+
+
+def contrary() -> Contrary:
+    return Contrary()
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+#: A tool helper's environment, as a user writes one.
+add_tool = tool_environment(add)
+
+
+class BriefedTools(ToolEnvironment):
+    """The tool helper's environment over `add` whose reset also adds a chat message."""
+
+    BRIEF = {"role": "user", "content": "Use the add tool."}
+
+    def __init__(self) -> None:
+        super().__init__([add])
+
+    async def reset(self, row: Mapping[str, Any], *, seed: int | None) -> Reset:
+        start = await super().reset(row, seed=seed)
+        return dataclasses.replace(start, messages=[self.BRIEF])
 
 
 #: Step calls across every flaky environment of the process: every third one fails.

@@ -11,17 +11,25 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import episode_envs
 import pytest
 import pytest_asyncio
 import torch
+from chat_tokenizers import CHATML, char_tokenizer, encode
 from support import rows_with, write_jsonl
 from test_scheduler import make_scheduler, run_until
 from transformers import AutoTokenizer
 
 from sampler_service.backends.base import Completion, SamplingParams
 from sampler_service.backends.hf import HFBackend
-from sampler_service.episodes import EpisodeRunner, load_factories, observation_renderer
+from sampler_service.config import EpisodeKnobs
+from sampler_service.dataset import PromptRow
+from sampler_service.environments.tools import tool_schema
+from sampler_service.episodes import EpisodeRenderer, EpisodeRunner, load_factories
+from sampler_service.grouping import on_one_prompt
 from sampler_service.scheduler import MemorySink, Scheduler
+from sampler_service.startup import PromptTokenizer
+from sampler_service.verifiers import exact
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,7 +74,7 @@ def with_episodes(
     tokenizer = AutoTokenizer.from_pretrained(toy.model_dir)
     scheduler.episodes = EpisodeRunner(
         tokenizer,
-        observation_renderer(tokenizer),
+        EpisodeRenderer(tokenizer),
         load_factories(scheduler.dataset.env_specs()),
         max_context=64,
     )
@@ -159,7 +167,8 @@ async def test_groups_obey_the_rule_counted_in_episodes(toy, engine, tmp_path) -
         group_size=0,
         downsample="none",
     )
-    groups = await run_until(scheduler, sink, 8)
+    groups = await run_until(scheduler, sink, 8, reasons=frozenset({"rule"}))
+    assert any(g.stop_reason == "rule" for g in groups)
     for group in groups:
         right = [s.reward > 0.5 for s in group.samples]
         assert group.stats.n_generated == len(group.samples)
@@ -173,6 +182,160 @@ async def test_groups_obey_the_rule_counted_in_episodes(toy, engine, tmp_path) -
         else:
             assert group.stop_reason == "n_max" and group.stats.n_generated == 8
     assert scheduler.stats.episodes.episodes >= sum(len(g.samples) for g in groups)
+
+
+async def test_the_environments_terminal_reward_is_what_the_rule_counts(
+    toy, engine, tmp_path
+) -> None:
+    """`contrary` rewards each episode 1.0 exactly where the row's verifier would score
+    it 0: every reward, n_pos and the rule's stop follow the environment's reward."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:contrary")
+    scheduler, sink = with_episodes(
+        toy, engine, data, rule="balanced", k_pos=1, k_neg=1, n_max=8, wave_size=2
+    )
+    groups = await run_until(scheduler, sink, 6, reasons=frozenset({"rule"}))
+    answers = {row.id: row.answer for rows in scheduler.dataset.rows.values() for row in rows}
+    for group in groups:
+        for sample in group.samples:
+            assert sample.response_text is not None
+            verdict = exact.verify(sample.response_text, answers[group.prompt_id])
+            assert sample.reward == 1.0 - verdict
+        assert group.stats.n_pos == sum(s.reward > 0.5 for s in group.samples)
+        if group.stop_reason == "rule":
+            assert group.stats.n_pos >= 1 and group.stats.n_neg >= 1
+
+
+async def test_an_episode_cut_at_max_turns_scores_zero(toy, engine, tmp_path) -> None:
+    """An environment that never says done: every episode ends after `max_turns` model
+    turns with finish reason `turns`, and scores 0 unverified (its final answer was never
+    given), so its group has no right answer."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:endless")
+    scheduler, sink = with_episodes(toy, engine, data, **FIXED4, episode={"max_turns": 3})
+    groups = await run_until(scheduler, sink, 2)
+    for group in groups:
+        assert group.stats.n_pos == 0
+        for sample in group.samples:
+            assert sample.num_turns == 3 and sample.finish_reason == "turns"
+            assert sample.reward == 0.0
+
+
+async def test_a_spent_token_budget_ends_the_episode_as_length(toy, engine, tmp_path) -> None:
+    """`max_total_tokens` 3 cannot hold retell_three's three turns and two observations:
+    every episode stops at the budget with finish reason `length`, scored 0 unverified,
+    holding no more than the budget."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:retell_three")
+    scheduler, sink = with_episodes(toy, engine, data, **FIXED4, episode={"max_total_tokens": 3})
+    groups = await run_until(scheduler, sink, 2)
+    for group in groups:
+        for sample in group.samples:
+            assert sample.finish_reason == "length" and sample.reward == 0.0
+            assert 1 <= len(sample.response_token_ids) <= 3
+
+
+async def test_observations_are_cut_to_obs_max_tokens(toy, engine, tmp_path) -> None:
+    """With `obs_max_tokens` 1 every observation (a run of mask 0) holds one token, where
+    retell's are 2 to 6."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:retell_three")
+    scheduler, sink = with_episodes(toy, engine, data, **FIXED4, episode={"obs_max_tokens": 1})
+    groups = await run_until(scheduler, sink, 2)
+    observations = 0
+    for group in groups:
+        for sample in group.samples:
+            assert sample.loss_mask is not None
+            cut = [end - start for value, start, end in _runs(sample.loss_mask) if value == 0]
+            assert all(n == 1 for n in cut), cut
+            observations += len(cut)
+    assert observations > 0
+
+
+#: The scripted model's tool call; it answers with the sum once it has the result.
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+class ScriptedChat:
+    """A chat model's turns on `char_tokenizer`: the call, then the sum and end of turn.
+
+    The toy model's vocabulary cannot hold a chat template, so no real engine on this
+    machine speaks one; the runner only needs a turn function, which this is.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.sent: list[list[int]] = []
+
+    async def turn(self, ids: list[int], sampling: SamplingParams) -> Completion:
+        self.sent.append(list(ids))
+        if "<tool_response>" in self.tokenizer.decode(ids):
+            text, tokens = "5", [*encode(self.tokenizer, "5"), self.tokenizer.eos_token_id]
+        else:
+            text, tokens = CALL, encode(self.tokenizer, CALL)
+        return Completion(tokens, [-1.0] * len(tokens), text, "stop")
+
+
+def chat_row(tmp_path: Path, tokenizer: Any) -> PromptRow:
+    """A chat row with a system prompt, rendered as `serve` renders rows."""
+    model = tmp_path / "chat-model"
+    tokenizer.save_pretrained(model)
+    row = PromptRow(
+        id="chat",
+        prompt=[
+            {"role": "system", "content": "You add."},
+            {"role": "user", "content": "What is 2+3?"},
+        ],
+        answer="5",
+        domain="add",
+    )
+    PromptTokenizer(model)(row)
+    return row
+
+
+@pytest.mark.parametrize(
+    ("factory", "messages"),
+    [(episode_envs.add_tool, []), (episode_envs.BriefedTools, [episode_envs.BriefedTools.BRIEF])],
+    ids=["tools", "tools-and-reset-messages"],
+)
+async def test_a_tool_episode_on_a_chat_row_starts_from_the_whole_conversation(
+    tmp_path: Path, factory: Any, messages: list[dict[str, Any]]
+) -> None:
+    """The first turn is sent the template's rendering of the row's messages, the reset's
+    messages and the tools' schemas, in one piece (no empty assistant turn before the
+    reset's messages); the second the same conversation grown by the call and its result;
+    and the group's prompt plus each response is token for token what was sent."""
+    tokenizer = char_tokenizer(CHATML)
+    row = chat_row(tmp_path, tokenizer)
+    model = ScriptedChat(tokenizer)
+    runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
+    wave = await runner.wave(row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 1)
+
+    tools = [tool_schema(episode_envs.add)]
+    opening = [*row.prompt, *messages]
+    after_call = [
+        *opening,
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "name": "add", "content": "5"},
+    ]
+    first, second = (
+        encode(
+            tokenizer,
+            tokenizer.apply_chat_template(
+                m, tools=tools, add_generation_prompt=True, tokenize=False
+            ),
+        )
+        for m in (opening, after_call)
+    )
+    assert "# Tools" in tokenizer.decode(first) and first != row.token_ids
+    assert sorted(model.sent) == [first, first, second, second]
+    assert not any("assistant\n<|im_end|>" in tokenizer.decode(ids) for ids in model.sent)
+    assert not wave.env_errors and len(wave.completions) == 2
+    prompt, _, answers = on_one_prompt(row, wave.completions)
+    assert prompt == first
+    for answer in answers:
+        assert answer.num_turns == 2 and answer.finish_reason == "stop"
+        assert prompt + answer.token_ids == [
+            *second,
+            *encode(tokenizer, "5"),
+            tokenizer.eos_token_id,
+        ]
 
 
 @pytest.mark.parametrize("env", ["raises", "hangs"])
@@ -241,3 +404,19 @@ def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((m, i, i + 1))
     return runs
+
+
+async def test_reset_messages_on_a_text_row_fail_the_environment() -> None:
+    """A text prompt has no chat turns to add messages to: the episode fails as the
+    environment's fault (re-run, never scored), saying what to use instead."""
+    tokenizer = char_tokenizer(CHATML)
+    text = "What is 2+3?"
+    row = PromptRow(id="text", prompt=text, answer="5", domain="add")
+    row.text, row.token_ids = text, encode(tokenizer, text)
+    model = ScriptedChat(tokenizer)
+    runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
+    wave = await runner.wave(
+        row, episode_envs.BriefedTools, 1, SamplingParams(), EpisodeKnobs(), model.turn, 1
+    )
+    assert not wave.completions and not model.sent
+    assert len(wave.env_errors) == 1 and "Reset.messages need a chat prompt" in wave.env_errors[0]

@@ -43,7 +43,7 @@ async def backend(toy) -> AsyncIterator[HFBackend]:
 
 
 async def _verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
-    return [Verdict(exact.verify(c.text, row.answer, row.metadata)) for c in completions]
+    return [Verdict(exact.verify(c.verified_text, row.answer, row.metadata)) for c in completions]
 
 
 #: A run of `never_scheduler` must show both: the rule firing and n_max cutting a prompt off.

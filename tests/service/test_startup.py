@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chat_tokenizers import STRIPPING, char_tokenizer
 from support import collect
 from transformers import AutoTokenizer
 
@@ -25,11 +26,18 @@ pytestmark = pytest.mark.timeout(600)
 QUICK = {"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2, "max_staleness": None}
 
 
-def serve(toy: Any, state_dir: Path, *args: str, data: list[Path] | None = None) -> Any:
+def serve(
+    toy: Any,
+    state_dir: Path,
+    *args: str,
+    data: list[Path] | None = None,
+    model: Path | None = None,
+) -> Any:
     """`adaptive-rollout serve` that is expected to refuse: its exit and output."""
     data = toy.data_files if data is None else data
+    model = toy.model_dir if model is None else model
     return subprocess.run(
-        [sys.executable, "-m", "sampler_service", "serve", "--model", str(toy.model_dir)]
+        [sys.executable, "-m", "sampler_service", "serve", "--model", str(model)]
         + [a for f in data for a in ("--data", str(f))]
         + ["--port", "0", "--state-dir", str(state_dir), *args],
         capture_output=True,
@@ -72,6 +80,23 @@ def test_an_environment_that_cannot_load_is_refused_at_start_naming_it(
     row = tmp_path / "row.jsonl"
     row.write_text('{"prompt": "1+1=", "answer": "2", "env": "python:no_such_module:f"}\n')
     assert "python:no_such_module:f" in one_line_error(serve(toy, state, data=[row]))
+    assert not state.exists()
+
+
+def test_a_chat_template_that_is_not_prefix_preserving_is_refused_at_start(
+    toy: Any, tmp_path: Path
+) -> None:
+    """Episodes append observations to what was sampled, which is the template's rendering
+    only where adding a turn never rewrites earlier ones: the toy model with a template
+    that strips earlier turns' reasoning is refused when an environment is configured,
+    in one line naming the model and the turn that changed."""
+    model = tmp_path / "stripping-model"
+    shutil.copytree(toy.model_dir, model)
+    char_tokenizer(STRIPPING).save_pretrained(model)
+    state = tmp_path / "state"
+    line = one_line_error(serve(toy, state, "--env", "calculator", model=model))
+    assert f"model {str(model)!r}" in line and "not prefix-preserving" in line
+    assert "adding message 4 (tool) changes the rendering" in line
     assert not state.exists()
 
 

@@ -16,7 +16,12 @@ from support import group, sample
 from sampler_service.backends.base import Completion
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import PromptRow
-from sampler_service.grouping import TOO_FEW_SAMPLES, apply_batch_policies, build_group
+from sampler_service.grouping import (
+    TOO_FEW_SAMPLES,
+    apply_batch_policies,
+    build_group,
+    on_one_prompt,
+)
 from sampler_service.replay import Replayed
 from sampler_service.verifiers.base import Verdict
 from strategies import reweighting, selection
@@ -248,3 +253,29 @@ def test_a_replay_into_a_group_with_right_answers_is_refused() -> None:
     earlier = Completion([1], [-1.0], "old", "stop", 0)
     with pytest.raises(ValueError, match="1 right answers"):
         _build([0, 1], group_size=2, replay=Replayed(earlier, 1.0))
+
+
+def test_episodes_from_their_own_prompts_share_the_groups_prompt() -> None:
+    """Episodes whose environment rendered their own first prompt: where all agree, it is
+    the group's prompt; where they differ, the group's is what they share and each
+    answer's remainder leads its response as context (mask 0, logprob 0.0)."""
+    same = [
+        Completion([9], [-0.5], "a", "stop", prompt_token_ids=[5, 6, 7], prompt_text="567")
+        for _ in range(2)
+    ]
+    prompt, text, answers = on_one_prompt(ROW, same)
+    assert (prompt, text, answers) == ([5, 6, 7], "567", same)
+    # A single answer (no prompt of its own) continues the row's.
+    assert on_one_prompt(ROW, [Completion([9], [-0.5], "a", "stop")])[:2] == ([5, 6], "1+1=")
+
+    differ = [
+        Completion([9], [-0.5], "a", "stop", loss_mask=[1], prompt_token_ids=[5, 6, 7, 8]),
+        Completion([9, 3], [-0.5, -0.2], "b", "stop", prompt_token_ids=[5, 6, 4]),
+    ]
+    prompt, text, answers = on_one_prompt(ROW, differ)
+    assert prompt == [5, 6] and text is None
+    assert [a.token_ids for a in answers] == [[7, 8, 9], [4, 9, 3]]
+    assert [a.loss_mask for a in answers] == [[0, 0, 1], [0, 1, 1]]
+    assert [a.logprobs for a in answers] == [[0.0, 0.0, -0.5], [0.0, -0.5, -0.2]]
+    for answer, own in zip(answers, differ, strict=True):
+        assert prompt + answer.token_ids == [*(own.prompt_token_ids or []), *own.token_ids]

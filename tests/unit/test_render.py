@@ -2,51 +2,14 @@
 
 from __future__ import annotations
 
-import string
-
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from chat_tokenizers import CHATML, STRIPPING, char_tokenizer, encode
 
 from sampler_service.environments.render import (
     NotPrefixPreserving,
     ObservationRenderer,
     check_prefix_preserving,
 )
-
-#: Qwen2.5's ChatML shape: a tool result is a user turn wrapped in <tool_response>.
-CHATML = (
-    "{% for m in messages %}"
-    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
-    "</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-#: The same, but an assistant turn that is not the last loses its reasoning (as templates
-#: that strip earlier <think> blocks do): the earlier turns' tokens change.
-STRIPPING = CHATML.replace(
-    "{{ m.content }}<|im_end|>",
-    "{% if m.role == 'assistant' and not loop.last %}{{ m.content.split('</think>')[-1] }}"
-    "{% else %}{{ m.content }}{% endif %}<|im_end|>",
-)
-
-
-def char_tokenizer(template: str | None) -> PreTrainedTokenizerFast:
-    """One token per printable character or newline, ChatML's two markers as special tokens."""
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    vocab = {t: i for i, t in enumerate(["<unk>", *chars])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
-    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    fast.chat_template = template
-    return fast
-
-
-def encode(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False)
 
 
 def test_text_and_token_observations_and_truncation() -> None:

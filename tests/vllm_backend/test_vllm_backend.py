@@ -385,7 +385,7 @@ def test_episodes_and_stop_strings_match_hf(engines: Engines) -> None:
     hf engine's: the same tokens, masks and turns, logprobs within LOGPROB_TOL."""
     from sampler_service.config import EpisodeKnobs
     from sampler_service.dataset import PromptRow
-    from sampler_service.episodes import EpisodeRunner, EpisodeWave, observation_renderer
+    from sampler_service.episodes import EpisodeRenderer, EpisodeRunner, EpisodeWave
 
     assert engines.vllm.engine_args.get("enable_prefix_caching") is not False  # V1's default
     tok = engines.tokenizer
@@ -402,7 +402,7 @@ def test_episodes_and_stop_strings_match_hf(engines: Engines) -> None:
         assert v.token_ids == h.token_ids and v.finish_reason == h.finish_reason
         if v.finish_reason == "stop" and v.token_ids[-1] != tok.eos_token_id:
             assert v.text.endswith(("23", "9"))
-    runner = EpisodeRunner(tok, observation_renderer(tok), {"ask": _AskAgain}, max_context=64)
+    runner = EpisodeRunner(tok, EpisodeRenderer(tok), {"ask": _AskAgain}, max_context=64)
     knobs = EpisodeKnobs(max_turns=4, max_tokens_per_turn=8)
 
     async def episodes(engine: Any) -> list[Any]:
