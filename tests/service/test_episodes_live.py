@@ -1,6 +1,6 @@
-"""Multi-turn episodes through the real server: the features handshake, stats and
-metrics (and the `stats` command), the live episode knobs, and finished episode groups
-surviving a kill -9."""
+"""Multi-turn episodes through the real server: the features handshake (lease, stream,
+clients), stats and metrics (and the `stats` command), the live episode knobs, and
+finished episode groups surviving a kill -9."""
 
 from __future__ import annotations
 
@@ -45,6 +45,18 @@ def episodes(make_module_server, toy, tmp_path_factory: pytest.TempPathFactory) 
         {**FIXED4, "episode": {"max_tokens_per_turn": 8}},
         data=[_episode_data(toy, tmp_path_factory.mktemp("data"))],
     )
+
+
+class CountingTransport(httpx.HTTPTransport):
+    """The real HTTP transport, keeping the path of every request it sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        return super().handle_request(request)
 
 
 def test_episodes_need_the_loss_mask_feature_and_survive_a_kill(make_server, toy, tmp_path) -> None:
@@ -98,6 +110,26 @@ def test_episodes_need_the_loss_mask_feature_and_survive_a_kill(make_server, toy
             if unacked <= seen:
                 break
         assert unacked <= seen
+
+
+def test_the_stream_refuses_a_consumer_without_the_mask_at_once(episodes: Server) -> None:
+    """The sync stream raises the 409 naming the feature on its first answer: a refusal
+    the consumer must fix is not retried until the watchdog gives up."""
+    transport = CountingTransport()
+    with (
+        SamplerClient(
+            episodes.url, transport=transport, consumer="plain-stream", watchdog_s=30
+        ) as client,
+        pytest.raises(ConflictError, match=LOSS_MASK) as refused,
+    ):
+        next(client.groups())
+    assert refused.value.code == "feature_required"
+    assert transport.paths == ["/v1/groups/stream"]
+    # The same stream with the feature declared gets the episodes.
+    with SamplerClient(episodes.url, consumer="mask-stream", features=[LOSS_MASK]) as client:
+        group = next(client.groups(max_unacked=1))
+        client.ack([group])
+    assert all(s.loss_mask and 0 in s.loss_mask for s in group.samples)
 
 
 def _row(text: str, label: str) -> str:
