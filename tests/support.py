@@ -8,6 +8,7 @@ fixtures in `tests/conftest.py`.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -75,6 +76,23 @@ def start_server(
     )
     server.start()
     return server
+
+
+def ops_cli(url: str, *args: str, key: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`adaptive-rollout ARGS` (the ops commands) as a subprocess against the sampler at
+    `url`, with only the URL and `key` from the ADAPTIVE_ROLLOUT_* variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTIVE_ROLLOUT_")}
+    env["ADAPTIVE_ROLLOUT_URL"] = url
+    if key is not None:
+        env["ADAPTIVE_ROLLOUT_API_KEY"] = key
+    return subprocess.run(
+        [sys.executable, "-m", "sampler_service", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
 
 
 def sample(

@@ -67,6 +67,35 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def _labelled(title: str, rows: list[tuple[str, Any]]) -> Any:
+    """A table of labelled values, without a header."""
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for label, value in rows:
+        table.add_row(label, _fmt(value))
+    return table
+
+
+def _episode_rows(episodes: dict[str, Any]) -> list[tuple[str, Any]]:
+    """What multi-turn episodes cost (`/v1/stats` `episodes`), as the dashboard shows it."""
+    model, observation = episodes.get("model_tokens", 0), episodes.get("observation_tokens", 0)
+    share = f"{observation / (model + observation):.0%}" if model + observation else "-"
+    last = episodes.get("last_env_error")
+    return [
+        ("episodes", episodes.get("episodes")),
+        ("turns per episode", _fmt(episodes.get("turns_per_episode"))),
+        (
+            "environment errors",
+            f"{episodes.get('env_errors')}" + (f" (last: {last})" if last else ""),
+        ),
+        ("environment seconds", _fmt(episodes.get("env_seconds"), 1)),
+        ("model / observation tokens", f"{model} / {observation} ({share} observation)"),
+    ]
+
+
 def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
     """One screen of `stats`: a rich renderable built from /health and /v1/stats."""
     from rich.console import Group
@@ -75,9 +104,6 @@ def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
     rates = stats.get("rates", {})
     queue = stats.get("queue", {})
     staleness = stats.get("staleness", {})
-    overview = Table(title="sampler", show_header=False, box=None, pad_edge=False)
-    overview.add_column(style="bold")
-    overview.add_column()
     rows = [
         ("health", health.get("status")),
         (
@@ -96,9 +122,7 @@ def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
         ),
         ("trained groups", stats.get("trained_groups")),
     ]
-    for label, value in rows:
-        overview.add_row(label, _fmt(value))
-    parts: list[Any] = [overview]
+    parts: list[Any] = [_labelled("sampler", rows)]
 
     domains = Table(title="domains")
     for col in ("domain", "pass rate", "target", "admitted", "emitted", "groups"):
@@ -126,6 +150,11 @@ def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
         for name, n in stats.get(key, {}).items():
             counts.add_row(kind, str(name), str(n))
     parts.append(counts)
+
+    # Multi-turn episodes: shown once the sampler has run any.
+    episodes = stats.get("episodes") or {}
+    if episodes.get("episodes"):
+        parts.append(_labelled("episodes", _episode_rows(episodes)))
 
     replicas = stats.get("replicas")
     if isinstance(replicas, list) and replicas and all(isinstance(r, dict) for r in replicas):

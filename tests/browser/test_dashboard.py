@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from support import drain
+from support import drain, rows_with, write_jsonl
 
 from trainer_client.launch import SamplerProcess
 
@@ -137,6 +137,7 @@ def test_dashboard(sampler: SamplerProcess, browser: Any, toy: Any) -> None:
     wait_for("the answers counter to move", lambda: page.inner_text("#total-samples") != first)
     assert page.inner_text("#health") == "ok"
     assert page.is_hidden("#replicas-panel")  # one engine in the sampler's process
+    assert page.is_hidden("#episodes-panel")  # single answers: no episodes
     # The time charts run from the page's first sample, a minute at least: not over years
     # (uPlot's own range for a lone point).
     for chart in ("rates", "queue"):
@@ -264,6 +265,56 @@ def test_the_dashboard_lists_the_engine_servers_of_backend_http(
     assert rows[0]["url"] == "http://10.0.0.1:8000"
     assert (rows[0]["inflight_samples"], rows[0]["policy_version"]) == ("24", "3")
     assert rows[0]["mean_wave_s"] == "1.25" and rows[1]["reissued_waves"] == "2"
+    assert not errors, errors
+
+
+def _episode_rows(stats: dict[str, Any]) -> dict[str, str]:
+    """The episodes panel's rows as the page must write /v1/stats `episodes`."""
+    ep = stats["episodes"]
+    model, observation = ep["model_tokens"], ep["observation_tokens"]
+    share = 100 * (observation / (model + observation))
+    return {
+        "episodes": str(ep["episodes"]),
+        "turns per episode": "2",  # every finished Retell episode has two turns
+        "environment errors": f"{ep['env_errors']} (last: {ep['last_env_error']})",
+        "environment seconds": f"{ep['env_seconds']:.1f}",
+        "model / observation tokens": f"{model} / {observation} ({share:.0f}% observation)",
+    }
+
+
+def test_the_episodes_panel_shows_what_episodes_cost(
+    make_server: Callable[..., Any], browser: Any, toy: Any, tmp_path: Path
+) -> None:
+    """A sampler answering by episodes whose tool fails now and then (`raises`: every
+    third step): the panel shows turns per episode, environment errors with the last one,
+    and model vs observation tokens, as /v1/stats has them once the run stops (its buffer
+    is full: nothing consumes)."""
+    data = write_jsonl(
+        tmp_path / "episodes.jsonl",
+        rows_with(toy.data_files[1], env="python:episode_envs:raises"),
+    )
+    config = {"rule": "fixed", "n_max": 4, "wave_size": 4, "group_size": 4}
+    # Turns of at most 8 tokens: every episode has room for both turns in the toy's context.
+    server = make_server(
+        {**config, "max_buffered_groups": 2, "episode": {"max_tokens_per_turn": 8}}, data=[data]
+    )
+    page = browser.new_page(viewport={"width": 1400, "height": 1300})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(f"uncaught: {exc}"))
+    page.goto(f"{server.url}/dashboard")
+    with server.client() as api:
+
+        def shown() -> dict[str, str] | None:
+            cells = [r.locator("td").all_inner_texts() for r in page.locator("#episodes tr").all()]
+            rows = {label: value for label, value in cells}
+            return rows if rows == _episode_rows(api.get("/v1/stats").json()) else None
+
+        rows = wait_for("the episodes panel to show the stopped run's figures", shown)
+        episodes = api.get("/v1/stats").json()["episodes"]
+    assert page.is_visible("#episodes-panel")
+    assert episodes["env_errors"] > 0 and "the tool crashed" in rows["environment errors"]
+    assert episodes["observation_tokens"] > 0 and episodes["env_seconds"] > 0
     assert not errors, errors
 
 

@@ -38,17 +38,22 @@ def make_sampler(toy: Any, tmp_path: Path) -> Iterator[Callable[..., Sampler]]:
     samplers: list[Sampler] = []
 
     def make(
-        extra: list[str], config: dict[str, Any] | None = None, name: str = "state"
+        extra: list[str],
+        config: dict[str, Any] | None = None,
+        name: str = "state",
+        data: list[Path] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Sampler:
+        """`data`: prompt files instead of the toy's first; `env`: variables over ENV."""
         sampler = Sampler(
             toy.model_dir,
-            toy.data_files[:1],
+            data or toy.data_files[:1],
             tmp_path / name,
             {**BASE_CONFIG, **(config or {})},
             tmp_path / f"{name}.log",
             heartbeat_s=1.0,
             extra=extra,
-            env=ENV,
+            env={**ENV, **(env or {})},
         )
         sampler.state_dir = tmp_path / name
         sampler.start(timeout_s=600)

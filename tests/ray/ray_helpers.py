@@ -86,10 +86,13 @@ class Sampler(SamplerProcess):
 
 
 class Consumer:
-    """Leases and acks groups, deduplicating by group id as a trainer does."""
+    """Leases and acks groups, deduplicating by group id as a trainer does.
 
-    def __init__(self, client: httpx.Client) -> None:
+    `features`: what it declares on each lease (`loss_mask` to be given episodes)."""
+
+    def __init__(self, client: httpx.Client, features: str | None = None) -> None:
         self.client = client
+        self.params = {"features": features} if features else {}
         self.groups: dict[str, dict[str, Any]] = {}
         self.deliveries = 0
 
@@ -101,6 +104,7 @@ class Consumer:
             assert time.monotonic() < deadline, f"{timeout_s:.0f}s without {n} groups"
             r = self.client.post(
                 "/v1/groups/lease",
+                params=self.params,
                 json={"max_groups": target - len(self.groups), "wait_s": 5.0, "consumer": "t"},
             )
             assert r.status_code == 200, r.text

@@ -8,11 +8,14 @@ the tool helper, for a chat tokenizer.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import random
 import time
+import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from sampler_service.environments.base import Reset, Step
@@ -98,6 +101,32 @@ class BriefedTools(ToolEnvironment):
     async def reset(self, row: Mapping[str, Any], *, seed: int | None) -> Reset:
         start = await super().reset(row, seed=seed)
         return dataclasses.replace(start, messages=[self.BRIEF])
+
+
+class HeldRetell(Retell):
+    """Three turns; the first step waits until the file `open` exists in the directory
+    the row's metadata names (`gate`), leaving a file `held-*` there per waiting episode.
+    A test so knows when every episode is between its first and second turn with no turn
+    in flight, and decides when the second turns start."""
+
+    def __init__(self) -> None:
+        super().__init__(turns=3)
+        self.gate = Path()
+
+    async def reset(self, row: Mapping[str, Any], *, seed: int | None) -> Reset:
+        self.gate = Path(row["metadata"]["gate"])
+        return await super().reset(row, seed=seed)
+
+    async def step(self, action: str) -> Step:
+        if self.turn == 0:
+            (self.gate / f"held-{uuid.uuid4().hex}").touch()
+            while not (self.gate / "open").exists():
+                await asyncio.sleep(0.05)
+        return await super().step(action)
+
+
+def held_retell() -> HeldRetell:
+    return HeldRetell()
 
 
 #: Step calls across every flaky environment of the process: every third one fails.

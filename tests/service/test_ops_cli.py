@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import perturbed_file
+from support import ops_cli, perturbed_file
 
 from trainer_client.contract.flags import parse_key_values
 
@@ -22,19 +20,8 @@ KEY = "ops-test-key"
 REPO = Path(__file__).parents[2]
 
 
-def cli(url: str, *args: str, key: str | None = KEY) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTIVE_ROLLOUT_")}
-    env["ADAPTIVE_ROLLOUT_URL"] = url
-    if key is not None:
-        env["ADAPTIVE_ROLLOUT_API_KEY"] = key
-    return subprocess.run(
-        [sys.executable, "-m", "sampler_service", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+#: The ops commands with this module's key (`key=None`: without one).
+cli = functools.partial(ops_cli, key=KEY)
 
 
 def test_parse_assignments() -> None:
@@ -98,6 +85,7 @@ def test_cli_against_live_sampler(make_server: Any, toy: Any, tmp_path: Path) ->
     assert once.stdout.count("stats at") == 1
     for domain in ("add1", "add2", "mul"):
         assert domain in once.stdout
+    assert "turns per episode" not in once.stdout  # single answers: no episodes table
     watched = cli(url, "stats", "--watch", "--count", "3", "--interval", "0.2")
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.count("stats at") == 3  # no TTY: one frame per refresh
