@@ -36,7 +36,7 @@ from sampler_service.backends.base import Completion, FinishReason, SamplingPara
 from sampler_service.config import EpisodeKnobs
 from sampler_service.dataset import PromptRow
 from sampler_service.environments import load_environment_factory
-from sampler_service.environments.base import Environment, Reset
+from sampler_service.environments.base import Environment, Reset, Step
 from sampler_service.environments.render import ObservationRenderer
 
 log = logging.getLogger(__name__)
@@ -244,6 +244,8 @@ class EpisodeRunner:
                 lambda: live.reset(row_view(row), seed=turn_seed(sampling.seed, index, 0)),
                 "reset",
             )
+            if not isinstance(reset, Reset):
+                raise EnvironmentFailed(f"reset returned {type(reset).__name__}, not a Reset")
             return await self._turns(row, live, reset, sampling, limits, generate, index, timed)
         finally:
             if env is not None:
@@ -319,10 +321,14 @@ class EpisodeRunner:
             pieces.append(out.text)
             last_text = out.text
             step = await timed(functools.partial(env.step, out.text), f"step {turns}")
+            if not isinstance(step, Step):
+                raise EnvironmentFailed(f"step {turns} returned {type(step).__name__}, not a Step")
             if step.done:
                 finish, reward = "stop", step.reward
                 break
             stop = tuple(step.stop) or stop
+            if turns == limits.max_turns:
+                break  # no turn would read an observation: it would only cost tokens
             if step.observation is not None and not observe(step.observation):
                 finish = "length"
         return Completion(

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import queue
 import random
-import time
+import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -131,11 +132,16 @@ def held_retell() -> HeldRetell:
 
 #: Step calls across every flaky environment of the process: every third one fails.
 _calls = itertools.count(1)
+#: Each blocked step of `hangs` puts its gate here; a test sets it from its event loop.
+HELD: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
+#: Blocked steps whose gate nobody set in time: the event loop could not run meanwhile.
+UNRELEASED = itertools.count()
 
 
 class Flaky(Retell):
-    """Every third step raises (`raises`) or blocks its thread past any sane time-out
-    (`hangs`: a blocking sleep, which would freeze an event loop it ran on)."""
+    """Every third step raises (`raises`) or blocks its thread (`hangs`: a blocking wait,
+    which would freeze an event loop it ran on) until a test sets its gate from the
+    event loop, or for 30 s, which counts in `UNRELEASED`."""
 
     def __init__(self, mode: str) -> None:
         super().__init__(turns=2)
@@ -145,7 +151,10 @@ class Flaky(Retell):
         if next(_calls) % 3 == 0:
             if self.mode == "raises":
                 raise RuntimeError("the tool crashed")
-            time.sleep(3.0)
+            gate = threading.Event()
+            HELD.put(gate)
+            if not gate.wait(30.0):
+                next(UNRELEASED)
         return await super().step(action)
 
 
@@ -164,3 +173,10 @@ class Broken(Retell):
 
 def broken() -> Broken:
     return Broken()
+
+
+class NoReset(Retell):
+    """Returns a dict where a Reset is due (a plain mistake in a user's environment)."""
+
+    async def reset(self, row: Mapping[str, Any], *, seed: int | None) -> Reset:
+        return {"observation": "1"}  # type: ignore[return-value]

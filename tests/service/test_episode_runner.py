@@ -207,8 +207,9 @@ async def test_the_environments_terminal_reward_is_what_the_rule_counts(
 
 async def test_an_episode_cut_at_max_turns_scores_zero(toy, engine, tmp_path) -> None:
     """An environment that never says done: every episode ends after `max_turns` model
-    turns with finish reason `turns`, and scores 0 unverified (its final answer was never
-    given), so its group has no right answer."""
+    turns with finish reason `turns`, on the model's last turn (no observation after it:
+    no turn would read it), and scores 0 unverified (its final answer was never given),
+    so its group has no right answer."""
     data = episode_data(toy, tmp_path, "python:episode_envs:endless")
     scheduler, sink = with_episodes(toy, engine, data, **FIXED4, episode={"max_turns": 3})
     groups = await run_until(scheduler, sink, 2)
@@ -217,6 +218,7 @@ async def test_an_episode_cut_at_max_turns_scores_zero(toy, engine, tmp_path) ->
         for sample in group.samples:
             assert sample.num_turns == 3 and sample.finish_reason == "turns"
             assert sample.reward == 0.0
+            assert sample.loss_mask is not None and sample.loss_mask[-1] == 1
 
 
 async def test_a_spent_token_budget_ends_the_episode_as_length(toy, engine, tmp_path) -> None:
@@ -342,9 +344,10 @@ async def test_a_tool_episode_on_a_chat_row_starts_from_the_whole_conversation(
 async def test_a_failing_environment_never_stalls_nor_counts_as_wrong(
     toy, engine, tmp_path, env
 ) -> None:
-    """Every third environment step raises or blocks its thread for 3 s (past the 0.5 s
-    time-out): the failed episodes are run again, never scored, and the event loop keeps
-    ticking while a blocked call waits."""
+    """Every third environment step raises or blocks its thread (past the 0.5 s
+    time-out): the failed episodes are run again, never scored, and the event loop runs
+    while a blocked call waits: each blocked step is released by the loop itself, after
+    the time-out, which a loop frozen by the blocking call could not do."""
     data = episode_data(toy, tmp_path, f"python:episode_envs:{env}")
     scheduler, sink = with_episodes(
         toy,
@@ -353,21 +356,27 @@ async def test_a_failing_environment_never_stalls_nor_counts_as_wrong(
         **FIXED4,
         episode={"env_timeout_s": 0.5, "max_env_errors": 1000},
     )
-    ticks = 0
+    unreleased_before = next(episode_envs.UNRELEASED)
+    held: list[Any] = []
 
-    async def tick() -> None:
-        nonlocal ticks
+    async def release() -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            while not episode_envs.HELD.empty():
+                gate = episode_envs.HELD.get_nowait()
+                held.append(gate)
+                loop.call_later(0.6, gate.set)  # once the runner has given up on it
             await asyncio.sleep(0.01)
-            ticks += 1
 
-    ticker = asyncio.create_task(tick())
-    started = asyncio.get_running_loop().time()
+    releaser = asyncio.create_task(release())
     try:
         groups = await run_until(scheduler, sink, 4)
     finally:
-        ticker.cancel()
-    elapsed = asyncio.get_running_loop().time() - started
+        releaser.cancel()
+        while not episode_envs.HELD.empty():
+            held.append(episode_envs.HELD.get_nowait())
+        for gate in held:
+            gate.set()
     stats = scheduler.stats.episodes
     assert stats.env_errors > 0
     expected = "raised RuntimeError" if env == "raises" else "took longer than env_timeout_s"
@@ -376,8 +385,10 @@ async def test_a_failing_environment_never_stalls_nor_counts_as_wrong(
     for group in groups:  # only finished episodes are in a group, all of them scored
         assert group.stats.n_generated == len(group.samples) == 4
         assert group.stats.n_pos + group.stats.n_neg == 4
-    # A loop frozen by a 3 s blocking call would tick far less than once per 10 ms.
-    assert ticks > elapsed / 0.01 / 4, (ticks, elapsed)
+    if env == "hangs":
+        assert held, "no step blocked"
+        # every blocked step was let go by the loop, none ran out its own 3 s wait
+        assert next(episode_envs.UNRELEASED) == unreleased_before + 1
 
 
 async def test_an_environment_that_always_fails_drops_its_prompts(toy, engine, tmp_path) -> None:
@@ -420,3 +431,19 @@ async def test_reset_messages_on_a_text_row_fail_the_environment() -> None:
     )
     assert not wave.completions and not model.sent
     assert len(wave.env_errors) == 1 and "Reset.messages need a chat prompt" in wave.env_errors[0]
+
+
+async def test_a_reset_that_returns_no_reset_fails_the_environment() -> None:
+    """A user's environment that returns something else from `reset` fails its episode
+    as the environment's fault (re-run, never scored), naming what it returned."""
+    tokenizer = char_tokenizer(CHATML)
+    text = "1+2="
+    row = PromptRow(id="text", prompt=text, answer="3", domain="add")
+    row.text, row.token_ids = text, encode(tokenizer, text)
+    model = ScriptedChat(tokenizer)
+    runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
+    wave = await runner.wave(
+        row, episode_envs.NoReset, 2, SamplingParams(), EpisodeKnobs(), model.turn, 1
+    )
+    assert not wave.completions and not model.sent
+    assert len(wave.env_errors) == 2 and "reset returned dict, not a Reset" in wave.env_errors[0]
