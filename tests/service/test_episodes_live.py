@@ -37,12 +37,16 @@ def _episode_data(toy, where: Path) -> Path:
     return write_jsonl(where / "episodes.jsonl", rows_with(toy.data_files[1], env=RETELL))
 
 
+#: Turns of at most 8 tokens: every episode has room for both turns in the toy's context
+#: (a turn that never sampled EOS could otherwise take the whole context).
+SHORT_TURNS = {**FIXED4, "episode": {"max_tokens_per_turn": 8}}
+
+
 @pytest.fixture(scope="module")
 def episodes(make_module_server, toy, tmp_path_factory: pytest.TempPathFactory) -> Server:
-    """A sampler answering by episodes, shared by the tests that do not stop it. Turns of
-    at most 8 tokens: every episode has room for both turns in the toy's context."""
+    """A sampler answering by episodes, shared by the tests that do not stop it."""
     return make_module_server(
-        {**FIXED4, "episode": {"max_tokens_per_turn": 8}},
+        SHORT_TURNS,
         data=[_episode_data(toy, tmp_path_factory.mktemp("data"))],
     )
 
@@ -60,7 +64,7 @@ class CountingTransport(httpx.HTTPTransport):
 
 
 def test_episodes_need_the_loss_mask_feature_and_survive_a_kill(make_server, toy, tmp_path) -> None:
-    server = make_server(FIXED4, data=[_episode_data(toy, tmp_path)])
+    server = make_server(SHORT_TURNS, data=[_episode_data(toy, tmp_path)])
     with server.client() as c:
         # A consumer that would train on observation tokens is refused, with the fix.
         for response in (
