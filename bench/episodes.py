@@ -512,11 +512,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--parts", default="toy,sim")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    started = time.monotonic()
     parts = set(args.parts.split(","))
     batch, steps = 64, 3 if args.quick else 6
     pairs = 2 if args.quick else 3
     path = RESULTS / "episodes.json"
+    # The parts not run now keep their last results; the environment is this run's.
     result: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    result.pop("environment", None)
     result["settings"] = {
         "quick": args.quick,
         "seed": args.seed,
@@ -541,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["sim"] = measure_sim(batch, steps, 1, args.seed)
         plot(result["sim"], batch, RESULTS / "episodes.png")
         print(sim_table(result["sim"]))
-    write_json("episodes", result)
+    write_json("episodes", result, started=started)
     return result
 
 
