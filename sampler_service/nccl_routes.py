@@ -30,7 +30,9 @@ of them. A replica that restarts (or comes up) after the group was formed makes 
 stale (`"group": "stale"` in GET): the next update answers 409 `nccl_group_stale` before
 any transfer, and the trainer forms the group again (`NCCLWeightSender.connect`); the
 restarted replica serves the last file weights, is not routed to, and joins at that init.
-hf replicas answer 409 `nccl_unavailable`, as a single hf engine does.
+hf replicas answer 409 `nccl_unavailable`, as a single hf engine does. `--backend http`
+lays out and fans out the same way over the `vllm serve` servers it drives, through their
+own weight-transfer endpoints (`backends/http_engine.py`).
 
 Mounting (sampler_service/app.py, inside the authenticated /v1 router):
     `v1.include_router(create_nccl_router(lambda: service.weights))`

@@ -11,7 +11,8 @@
 #   2 GPUs: additionally the NCCL path: `serve --backend vllm` on GPU 1, a trainer on
 #           GPU 0 broadcasting its weights with trainer_client.nccl.NCCLWeightSender;
 #           the service must serve them (uniform logprobs from a zeroed model) as the
-#           new policy version.
+#           new policy version. Then the same through `serve --backend http` in front of
+#           a `vllm serve --weight-transfer-config '{"backend":"nccl"}'` on GPU 1.
 # Exit status is pytest's; its summary lists what ran and what was skipped and why.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -235,7 +235,10 @@ class Backend(abc.ABC):
         raise NotSupported(f"the {self.name} engine does not read weight files from a path")
 
     def _no_nccl(self) -> NCCLUnavailable:
-        return NCCLUnavailable(f"NCCL weight transfer needs --backend vllm (not {self.name})")
+        return NCCLUnavailable(
+            "NCCL weight transfer needs --backend vllm, or --backend http in front of vLLM "
+            f"servers (not {self.name})"
+        )
 
     async def nccl_describe(self) -> NCCLDescription:
         """Ranks, tensors and state of the NCCL transfer (GET /v1/weights/nccl)."""

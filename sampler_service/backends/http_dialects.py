@@ -19,6 +19,12 @@ answer back as token ids and logprobs, and how to reload weights from a path.
   through `/update_weights_from_disk` (`model_path`), which flushes the radix cache
   itself; `/pause_generation` and `/continue_generation` hold the scheduler around it;
   labels through `/get_weight_version` and `/update_weight_version`.
+
+NCCL weight transfer (`NCCLPaths`) is vLLM's RL endpoints (both vLLM dialects): servers
+started with `--weight-transfer-config '{"backend":"nccl"}'` join the trainer's group
+(`/init_weight_transfer_engine`) and receive its broadcasts (`/start_weight_update`,
+`/update_weights`, `/finish_weight_update`). SGLang's distributed update
+(`/init_weights_update_group`, `/update_weights_from_distributed`) is not driven.
 """
 
 from __future__ import annotations
@@ -34,6 +40,22 @@ DialectName = Literal["vllm", "vllm-generate", "sglang"]
 #: token ids, their logprobs, finish reason ("stop", "length", "abort" or the server's
 #: word), and the weight labels its tokens were sampled under (None: not reported)
 Answer = tuple[list[int], list[float], str | None, tuple[str, ...] | None]
+
+
+@dataclass(frozen=True)
+class NCCLPaths:
+    """vLLM's weight-transfer endpoints (vllm/entrypoints/rl/online/api_router.py)."""
+
+    #: GET -> `{"world_size": N}`: the server's ranks in the group (TP x PP x DP).
+    world_size: str = "/get_world_size"
+    #: `{"init_info": {...}}`; returns once the trainer's rank joined too.
+    init: str = "/init_weight_transfer_engine"
+    start: str = "/start_weight_update"
+    #: `{"update_info": {...}}`; returns once the server received the broadcast.
+    update: str = "/update_weights"
+    #: `{"weight_version": label}`: ends the session and sets the server's label.
+    finish: str = "/finish_weight_update"
+    shutdown: str = "/shutdown_weight_transfer_engine"
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,8 @@ class Dialect:
     server_info: str | None
     #: None: the server computes no checksums of the weights it serves.
     weight_checker: str | None
+    #: None: weights cannot come over NCCL through this server kind's API.
+    nccl: NCCLPaths | None
     #: Start-up hint when an endpoint answers 403/404.
     hint: str
     #: (model, prompt, n, sampling, request_id) -> the generate body; the sampling's
@@ -210,6 +234,7 @@ VLLM = Dialect(
     reset_cache="/reset_prefix_cache?reset_running_requests=true",
     server_info="/server_info?config_format=json",
     weight_checker="/weight_checker",
+    nccl=NCCLPaths(),
     hint="start the server with VLLM_SERVER_DEV_MODE=1 (vLLM's RL endpoints)",
     request=_vllm_request,
     answers=_vllm_answers,
@@ -233,6 +258,7 @@ SGLANG = Dialect(
     reset_cache=None,
     server_info=None,
     weight_checker=None,
+    nccl=None,
     hint="is this an SGLang server recent enough for /get_weight_version?",
     request=_sglang_request,
     answers=_sglang_answers,

@@ -29,6 +29,17 @@ into them through their own API, and takes a dead one out of routing.
   compared with each other (vLLM names them after its fused run-time tensors, so they
   cannot be compared with the trainer's); a server that disagrees is out of routing until
   a reload makes it agree.
+- NCCL (vLLM servers started with `--weight-transfer-config '{"backend":"nccl"}'`), as
+  the Ray pool does it: the group spans the servers up when it is formed, each at its
+  own rank offset (their `/get_world_size` summed after the trainer's rank 0); an update
+  pauses every member, which start, receive (`/update_weights`, all at once: each
+  returns once the broadcast arrived) and finish under the new label, then resume. A
+  server that goes down, restarts or joins later makes the group stale (the update is
+  refused before any transfer); one whose receive fails may hold partial weights and is
+  out of routing until reloaded. Weights that came over NCCL exist only in the servers,
+  so the last file weights keep their own version (`_source_version`): a server resynced
+  meanwhile is given those under that version and is not routed to until the next NCCL
+  round or file push brings the committed one.
 - Health: probes (`/health`, `/is_paused`, `/weight_info`) every `probe_s`. A server that
   refuses connections, times out or answers 5xx is taken out of routing; its in-flight
   waves are re-issued whole on another server (their partial answers are dropped, so no
@@ -53,7 +64,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +79,8 @@ from sampler_service.backends.base import (
     Completion,
     GenerationAborted,
     HealthState,
+    NCCLDescription,
+    NCCLUnavailable,
     SamplingParams,
     TensorSpec,
     WeightsNotServed,
@@ -80,11 +93,12 @@ from sampler_service.backends.engine_service import (
     resolve_service,
     system_resolver,
 )
-from sampler_service.backends.http_dialects import VLLM, Answer, Dialect
+from sampler_service.backends.http_dialects import VLLM, Answer, Dialect, NCCLPaths
 from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, WaveRouter, affinity
 from sampler_service.backends.vllm import eos_token_ids, read_checkpoint
 from sampler_service.config import ReplicaSettings
 from sampler_service.metrics import Metrics
+from sampler_service.weights import nccl
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +160,12 @@ class _Server:
     max_model_len: int = 0
     inflight: int = 0
     epoch: int = 0
+    #: Moves when the server may have lost its NCCL group: found down, or its label moved
+    #: under us (a restart between two probes). A group member whose count moved has left.
+    incarnation: int = 0
+    #: Its weight-transfer backend (vLLM's `weight_transfer_config`; None: not set), as
+    #: /server_info told it when the server was attached.
+    transfer: str | None = None
     error: str | None = None
     waves: int = 0
     #: Seconds its finished waves took, in all (the mean is what /v1/stats shows).
@@ -233,8 +253,13 @@ class HTTPEngineBackend(CheckpointBackend):
         #: The committed weights' checksum digest, as the servers agreed on it at the load
         #: (None: not compared); a resynced server must match it.
         self._checksum: str | None = None
-        #: The directory the committed weights are reloaded from (None: the base model).
+        #: The directory the last file weights are reloaded from (None: the base model), and
+        #: their version: below the committed one when newer weights came over NCCL, which
+        #: exist only in the servers (a server that missed them waits for the next round).
         self._source: Path | None = None
+        self._source_version = 0
+        self._nccl: nccl.NCCLGroup | None = None
+        self._nccl_specs: dict[str, TensorSpec] = {}
         self._specs: dict[str, TensorSpec] = {}
         self._required: set[str] = set()
         self._aliases: dict[str, str | None] = {}
@@ -264,6 +289,7 @@ class HTTPEngineBackend(CheckpointBackend):
                 alias, checkpoint.specs[canonical or "model.embed_tokens.weight"]
             )
         self._required, self._aliases = set(checkpoint.specs), dict(checkpoint.aliases)
+        self._nccl_specs = checkpoint.nccl_specs()[0]
         self._eos = eos_token_ids(self._model_dir)
         if self._tokenizer is not None:
             self._vocab_size = len(self._tokenizer)
@@ -324,7 +350,9 @@ class HTTPEngineBackend(CheckpointBackend):
             mode = _LOGPROBS_MODE
         else:
             info = await self._get(srv, self._dialect.server_info, 60.0)
-            mode = info.get("vllm_config", {}).get("model_config", {}).get("logprobs_mode")
+            config = info.get("vllm_config", {})
+            mode = config.get("model_config", {}).get("logprobs_mode")
+            srv.transfer = (config.get("weight_transfer_config") or {}).get("backend")
         if mode != _LOGPROBS_MODE:
             raise ServerError(
                 f"{srv.url} computes logprobs as {mode!r}; start it with --logprobs-mode "
@@ -332,7 +360,7 @@ class HTTPEngineBackend(CheckpointBackend):
                 "top-k and top-p)"
             )
         srv.label = await self._weight_label(srv)
-        if srv.label == self.label(self._version):
+        if srv.label == self.label(self._version) and not srv.mismatch:
             await self._route_again(srv)
         elif not self._started and _parse_label(srv.label, self._prefix) is not None:
             # Labelled by an earlier run of this sampler: the weights it restores next
@@ -417,6 +445,7 @@ class HTTPEngineBackend(CheckpointBackend):
         if epoch != srv.epoch or srv.state in ("down", "gone"):
             return
         srv.epoch += 1
+        srv.incarnation += 1
         srv.error = error
         if srv.down is not None and not srv.down.done():
             srv.down.set_result(None)
@@ -645,7 +674,7 @@ class HTTPEngineBackend(CheckpointBackend):
                     self._tasks.spawn(self._probe(srv), f"probe-{srv.index}")
 
     async def _probe(self, srv: _Server) -> None:
-        epoch = srv.epoch
+        epoch, seen = srv.epoch, srv.label
         timeout = self.settings.replica.probe_timeout_s
         try:
             await self._get(srv, "/health", timeout)
@@ -666,10 +695,17 @@ class HTTPEngineBackend(CheckpointBackend):
             return
         finally:
             srv.probing = False
-        if self._weights_lock.locked() or srv.epoch != epoch or srv.state == "syncing":
-            return  # a weight update or a sync owns the server's label and pause now
+        if (
+            self._weights_lock.locked()
+            or srv.epoch != epoch
+            or srv.state == "syncing"
+            or srv.label != seen
+        ):
+            return  # a weight update or a sync owns (or just set) the server's label and pause
+        if srv.label is not None and label != srv.label:
+            srv.incarnation += 1  # restarted, or relabelled by someone else
         srv.label = label
-        if label != self.label(self._version) or srv.mismatch:
+        if (label != self.label(self._version) or srv.mismatch) and not self._awaits_nccl(srv):
             log.warning("engine server %s carries %r: syncing it", srv.url, label)
             self._set_state(srv, "syncing")
             self._spawn_recovery(srv)
@@ -703,21 +739,46 @@ class HTTPEngineBackend(CheckpointBackend):
 
     async def _sync(self, srv: _Server) -> None:
         """Bring a server to the committed weights and label, then route to it (when
-        comparing checksums, only once they are the committed weights' checksums)."""
-        if srv.label != self.label(self._version) or srv.mismatch:
+        comparing checksums, only once they are the committed weights' checksums).
+
+        Weights committed over NCCL exist only in the servers that received them: a server
+        that missed them gets the last file weights under their own version (never the
+        committed one), and is not routed to until the next NCCL round or file push
+        brings the committed version.
+        """
+        if (srv.label != self.label(self._version) or srv.mismatch) and not self._awaits_nccl(srv):
+            version = self._source_version
             self._set_state(srv, "syncing")
             await self._reload(srv, self._source)
-            await self._set_label(srv, self._version)
-            if self._checksum is not None:
+            await self._set_label(srv, version)
+            if version != self._version:
+                srv.mismatch = False  # checked against the others at the next NCCL round
+                log.warning(
+                    "engine server %s loaded the file weights of v%d; v%d came over NCCL: "
+                    "it waits for the trainer's next NCCL round",
+                    srv.url,
+                    version,
+                    self._version,
+                )
+            elif self._checksum is not None:
                 srv.mismatch = await self._weights_checksum(srv) != self._checksum
             else:
                 srv.mismatch = False
             if srv.mismatch:
-                srv.error = f"its checksums of v{self._version} differ from the other servers'"
+                srv.error = f"its checksums of v{version} differ from the other servers'"
                 log.warning("engine server %s: %s", srv.url, srv.error)
-            else:
-                log.info("engine server %s loaded v%d", srv.url, self._version)
+            elif version == self._version:
+                log.info("engine server %s loaded v%d", srv.url, version)
         await self._route_again(srv)
+
+    def _awaits_nccl(self, srv: _Server) -> bool:
+        """A server at the last file weights while newer ones came over NCCL: it waits
+        for the trainer's next NCCL round (or a file push), not routed to meanwhile."""
+        return (
+            self._source_version != self._version
+            and srv.label == self.label(self._source_version)
+            and not srv.mismatch
+        )
 
     # -- weights ----------------------------------------------------------------------
     async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
@@ -751,7 +812,7 @@ class HTTPEngineBackend(CheckpointBackend):
             except BaseException:
                 shutil.rmtree(source, ignore_errors=True)
                 raise
-            old, self._source = self._source, source
+            old, self._source, self._source_version = self._source, source, version
             self._version, self._checksum = version, checksum
             if old is not None:
                 await asyncio.to_thread(shutil.rmtree, old, ignore_errors=True)
@@ -799,22 +860,30 @@ class HTTPEngineBackend(CheckpointBackend):
                     refused.append(f"{srv.url}: {result}")
             if refused:
                 await self._roll_back([s for s in loaded if s.state != "down"], epochs)
-                raise WeightsNotServed(
-                    f"v{version} not committed (every server is back at v{self._version}): "
-                    + "; ".join(refused)
-                )
+                back = f"every server is back at v{self._version}"
+                if self._source_version != self._version:
+                    back = (
+                        f"v{self._version} came over NCCL: the servers it reached are back at "
+                        f"the file weights of v{self._source_version}, not routed to until the "
+                        "next NCCL round"
+                    )
+                raise WeightsNotServed(f"v{version} not committed ({back}): " + "; ".join(refused))
             if all(s.state == "down" for s in targets):
                 raise WeightsNotServed(f"no engine server installed v{version}")
             installed = [s for s in loaded if s.state != "down"]
             await self._each(installed, epochs, lambda s: self._set_label(s, version))
             return await self._confirm([s for s in targets if s.state != "down"], epochs, version)
         finally:
-            self._loading = False
-            await self._each(
-                [s for s in targets if s.state != "down"],
-                epochs,
-                lambda s: self._post(s, self._dialect.resume),
-            )
+            await self._resume(targets, epochs)
+
+    async def _resume(self, servers: list[_Server], epochs: dict[int, int]) -> None:
+        """End a load or NCCL round: routing goes on, the servers still up are resumed."""
+        self._loading = False
+        await self._each(
+            [s for s in servers if s.state != "down"],
+            epochs,
+            lambda s: self._post(s, self._dialect.resume),
+        )
 
     async def _confirm(
         self, servers: list[_Server], epochs: dict[int, int], version: int
@@ -887,11 +956,12 @@ class HTTPEngineBackend(CheckpointBackend):
         return srv.checksum
 
     async def _roll_back(self, servers: list[_Server], epochs: dict[int, int]) -> None:
-        """Reload the committed weights into servers that may hold refused ones."""
+        """Reload the last file weights, under their own version, into servers that may
+        hold refused ones (the committed weights, unless those came over NCCL)."""
 
         async def one(srv: _Server) -> None:
             await self._reload(srv, self._source)
-            await self._set_label(srv, self._version)
+            await self._set_label(srv, self._source_version)
 
         await self._each(servers, epochs, one)
 
@@ -906,3 +976,206 @@ class HTTPEngineBackend(CheckpointBackend):
                 log.warning("engine server %s: %r", srv.url, result)
                 srv.error = repr(result)
                 srv.label = None  # unknown: the next probe resyncs it
+
+    # -- NCCL (vLLM servers started with --weight-transfer-config) ----------------------
+    def _nccl_paths(self) -> NCCLPaths:
+        if self._dialect.nccl is None:
+            raise NCCLUnavailable(
+                f"--backend http moves weights over NCCL only into vLLM servers (dialect vllm "
+                f"or vllm-generate), not {self._dialect.name}: SGLang's distributed update "
+                "(/init_weights_update_group, /update_weights_from_distributed) is not "
+                "supported by this backend; push weights as files (PUT /v1/weights or "
+                "POST /v1/weights/load)"
+            )
+        return self._dialect.nccl
+
+    async def _nccl_servers(self) -> list[tuple[_Server, int]]:
+        """(server, its ranks: /get_world_size) for every server up now. One that does not
+        answer is taken out of routing and left out; NCCLUnavailable when none is up or
+        one refuses the question."""
+        paths = self._nccl_paths()
+        up = [s for s in self._servers if s.state in ("ok", "paused")]
+        timeout = self.settings.replica.probe_timeout_s
+        sizes = await asyncio.gather(
+            *(self._get(s, paths.world_size, timeout) for s in up), return_exceptions=True
+        )
+        out = []
+        for srv, size in zip(up, sizes, strict=True):
+            if isinstance(size, httpx.TransportError):
+                self._fail(srv, srv.epoch, repr(size))
+            elif isinstance(size, BaseException):
+                raise NCCLUnavailable(f"{srv.url} did not give its world size: {size}")
+            else:
+                out.append((srv, int(size["world_size"])))
+        if not out:
+            raise NCCLUnavailable("no engine server is up")
+        return out
+
+    async def nccl_describe(self) -> NCCLDescription:
+        """The group over the servers up now: their ranks summed, each one's offset."""
+        pairs = await self._nccl_servers()
+        workers = [n for _, n in pairs]
+        return NCCLDescription(
+            enabled=all(s.transfer == "nccl" for s, _ in pairs),
+            inference_ranks=sum(workers),
+            specs=self._nccl_specs,
+            required=frozenset(self._required),
+            group=self.nccl_group_state(),
+            replicas=nccl.nccl_replicas(
+                [{"replica": srv.index, "url": srv.url} for srv, _ in pairs], workers
+            ),
+            stale=self._nccl_stale_reason(),
+        )
+
+    def nccl_group_state(self) -> str:
+        return nccl.nccl_group_state(self._nccl, self._nccl_stale_reason())
+
+    def _nccl_stale_reason(self) -> str | None:
+        """A server's incarnation when it joined: it moves when the server is found down
+        or its label moved under us (a restart)."""
+        if self._nccl is None:
+            return nccl.NO_NCCL_GROUP
+        return self._nccl.stale_reason(
+            (
+                s.index,
+                f"engine server {s.url} ({s.state})",
+                s.state in ("ok", "paused"),
+                s.incarnation,
+            )
+            for s in self._servers
+        )
+
+    async def nccl_init(self, init_info: dict[str, Any]) -> None:
+        """Form the group: every server up joins at its own rank offset (trainer = 0);
+        each call returns once the trainer's rank joined too."""
+        paths = self._nccl_paths()
+        self._nccl = None
+        pairs = await self._nccl_servers()
+        off = [
+            f"{s.url} (weight_transfer_config: {s.transfer or 'not set'})"
+            for s, _ in pairs
+            if s.transfer != "nccl"
+        ]
+        if off:
+            raise NCCLUnavailable(
+                "NCCL weight transfer is off on " + ", ".join(off) + ": start vllm serve with "
+                '--weight-transfer-config \'{"backend":"nccl"}\' (GPU servers)'
+            )
+        workers = [n for _, n in pairs]
+        members: dict[int, Hashable] = {s.index: s.incarnation for s, _ in pairs}
+        timeout = self.settings.request_timeout_s
+        joins = [
+            self._post(srv, paths.init, {"init_info": info}, timeout=timeout)
+            for (srv, _), info in zip(
+                pairs, nccl.nccl_replica_init_infos(init_info, workers), strict=True
+            )
+        ]
+        results = await asyncio.gather(*joins, return_exceptions=True)
+        failed = []
+        for (srv, _), result in zip(pairs, results, strict=True):
+            if isinstance(result, httpx.TransportError):
+                self._fail(srv, srv.epoch, repr(result))
+            if isinstance(result, BaseException):
+                failed.append(f"{srv.url}: {result!r}")
+        if failed:
+            raise ServerError("NCCL group not formed: " + "; ".join(failed))
+        self._nccl = nccl.NCCLGroup(members, workers)
+        log.info("NCCL group formed over the engine servers: %s", self._nccl)
+
+    async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:
+        """Every member receives the trainer's broadcast under one pause and serves it as
+        `version`.
+
+        Refused with NCCLGroupStale before any transfer when the group no longer spans the
+        servers up. A member whose receive fails may hold partial weights: it is taken out
+        of routing until the probes reload it, and the group is dropped (the trainer forms
+        it again). `version` is committed if any member installed it (its label read back
+        and, with --engine-compare-checksums, its checksums agreeing with the others').
+        """
+        paths = self._nccl_paths()
+        async with self._weights_lock:
+            group = nccl.nccl_group_for_update(self._nccl, self._nccl_stale_reason())
+            members = [self._servers[i] for i in group.members]
+            epochs = {s.index: s.epoch for s in members}
+            failures: list[str] = []
+            self._loading = True
+            try:
+                await self._each(members, epochs, lambda s: self._post(s, self._dialect.pause))
+                results = await asyncio.gather(
+                    *(self._receive(s, paths, update_info, version) for s in members),
+                    return_exceptions=True,
+                )
+                for srv, result in zip(members, results, strict=True):
+                    if isinstance(result, BaseException):
+                        failures.append(f"{srv.url}: {result!r}")
+                        if isinstance(result, httpx.TransportError):
+                            self._fail(srv, epochs[srv.index], repr(result))
+                        srv.label = None
+                        self._distrust(
+                            srv, f"its NCCL receive of v{version} failed (weights may be partial)"
+                        )
+                installed = [
+                    s
+                    for s, r in zip(members, results, strict=True)
+                    if r is None and s.state != "down"
+                ]
+                if failures:
+                    self._nccl = None
+                if installed:
+                    try:
+                        checksum = await self._confirm(installed, epochs, version)
+                    except WeightsNotServed as exc:
+                        failures.append(str(exc))
+                    else:
+                        self._version, self._checksum = version, checksum
+            finally:
+                await self._resume(members, epochs)
+        self._router.dispatch()
+        if failures:
+            raise RuntimeError(
+                f"NCCL weight update to version {version} failed on "
+                + "; ".join(failures)
+                + f"; serving v{self._version}"
+                + ("; form the NCCL group again" if self._nccl is None else "")
+            )
+        log.info("engine servers serving v%d (NCCL)", version)
+
+    async def _receive(
+        self, srv: _Server, paths: NCCLPaths, update_info: dict[str, Any], version: int
+    ) -> None:
+        """One member's round: start, receive (returns once the broadcast arrived), finish
+        under the new label, drop the prefix cache. A failed receive still finishes the
+        session, under the label the server had, so the next round can start."""
+        started, before = time.monotonic(), srv.label
+        timeout = self.settings.request_timeout_s
+        await self._post(srv, paths.start, timeout=timeout)
+        try:
+            await self._post(srv, paths.update, {"update_info": update_info}, timeout=timeout)
+        except (httpx.HTTPError, ServerError):
+            try:
+                await self._post(srv, paths.finish, {"weight_version": before})
+            except (httpx.HTTPError, ServerError) as exc:
+                log.warning("engine server %s: closing the failed NCCL round: %r", srv.url, exc)
+            raise
+        await self._post(srv, paths.finish, {"weight_version": self.label(version)})
+        srv.label = self.label(version)
+        if self._dialect.reset_cache is not None:
+            await self._post(srv, self._dialect.reset_cache)
+        self.metrics.replica_weight_load_seconds.labels(str(srv.index)).observe(
+            time.monotonic() - started
+        )
+
+    async def nccl_shutdown(self) -> None:
+        """Every member leaves the group (sampling goes on)."""
+        paths = self._nccl_paths()
+        group, self._nccl = self._nccl, None
+        if group is None:
+            return
+        members = [self._servers[i] for i in group.members]
+        results = await asyncio.gather(
+            *(self._post(s, paths.shutdown) for s in members if s.state in ("ok", "paused")),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                log.warning("leaving the NCCL group: %r", result)

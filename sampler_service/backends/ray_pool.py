@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,7 +44,6 @@ from sampler_service.backends.base import (
     GenerationAborted,
     HealthState,
     NCCLDescription,
-    NCCLGroupStale,
     NCCLUnavailable,
     SamplingParams,
     TensorSpec,
@@ -56,7 +55,14 @@ from sampler_service.backends.replica_channel import ReplicaChannel
 from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, WaveRouter, affinity
 from sampler_service.config import ReplicaSettings
 from sampler_service.metrics import Metrics
-from sampler_service.weights.nccl import nccl_rank_offsets, nccl_replica_init_infos
+from sampler_service.weights.nccl import (
+    NO_NCCL_GROUP,
+    NCCLGroup,
+    nccl_group_for_update,
+    nccl_group_state,
+    nccl_replica_init_infos,
+    nccl_replicas,
+)
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +140,6 @@ class _Replica:
 _Source = tuple[Literal["ref", "files"], Any]
 
 
-@dataclass
-class _NCCLGroup:
-    #: replica index -> (pid, epoch) when it joined: a restart changes both
-    members: dict[int, tuple[int | None, int]]
-    workers: list[int] = field(default_factory=list)
-
-
 class _ReplicaFailed(RuntimeError):
     """The wave's replica was found failed while the wave ran (the pool re-issues it)."""
 
@@ -189,7 +188,7 @@ class RayPoolBackend(Backend):
         self._source: _Source | None = None
         self._source_version = 0
         self._source_names: frozenset[str] = frozenset()
-        self._nccl: _NCCLGroup | None = None
+        self._nccl: NCCLGroup | None = None
         self._loading = False
         self._serving = False
         self._owns_ray = False
@@ -671,34 +670,21 @@ class RayPoolBackend(Backend):
             specs=first.specs,
             required=first.required,
             group=self.nccl_group_state(),
-            replicas=[
-                {"replica": rep.index, "workers": count, "rank_offset": offset}
-                for (rep, _), count, offset in zip(
-                    pairs, workers, nccl_rank_offsets(workers), strict=True
-                )
-            ],
+            replicas=nccl_replicas([{"replica": rep.index} for rep, _ in pairs], workers),
             stale=self._nccl_stale_reason(),
         )
 
     def nccl_group_state(self) -> str:
-        """none (no group formed), ok, or stale (a replica restarted or joined since)."""
-        if self._nccl is None:
-            return "none"
-        return "stale" if self._nccl_stale_reason() else "ok"
+        return nccl_group_state(self._nccl, self._nccl_stale_reason())
 
     def _nccl_stale_reason(self) -> str | None:
-        group = self._nccl
-        if group is None:
-            return "no NCCL group is formed: POST /v1/weights/nccl/init first"
-        for rep in self._replicas:
-            member = group.members.get(rep.index)
-            if member is None:
-                if rep.state == "ok":
-                    return f"replica {rep.index} came up after the NCCL group was formed"
-                continue
-            if rep.state != "ok" or (rep.pid, rep.epoch) != member:
-                return f"replica {rep.index} restarted or failed since the NCCL group was formed"
-        return None
+        """A replica's (pid, epoch) when it joined: a restart changes both."""
+        if self._nccl is None:
+            return NO_NCCL_GROUP
+        return self._nccl.stale_reason(
+            (r.index, f"replica {r.index}", r.state == "ok", (r.pid, r.epoch))
+            for r in self._replicas
+        )
 
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
         """Form the group: every replica up joins at its own rank offset (trainer = 0)."""
@@ -710,7 +696,7 @@ class RayPoolBackend(Backend):
             )
         workers = [d.inference_ranks for _, d in pairs]
         per_replica = nccl_replica_init_infos(init_info, workers)
-        members = {rep.index: (rep.pid, rep.epoch) for rep, _ in pairs}
+        members: dict[int, Hashable] = {rep.index: (rep.pid, rep.epoch) for rep, _ in pairs}
         results = await asyncio.gather(
             *(
                 rep.handle.nccl_init.remote(info)
@@ -721,12 +707,8 @@ class RayPoolBackend(Backend):
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        self._nccl = _NCCLGroup(members, workers)
-        log.info(
-            "NCCL group formed: trainer + %s replica ranks at offsets %s",
-            workers,
-            nccl_rank_offsets(workers),
-        )
+        self._nccl = NCCLGroup(members, workers)
+        log.info("NCCL group formed over the replicas: %s", self._nccl)
 
     async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:
         """Every member receives the trainer's broadcast and serves it as `version`.
@@ -737,11 +719,8 @@ class RayPoolBackend(Backend):
         and the others wait for the next round.
         """
         async with self._weights_lock:
-            reason = self._nccl_stale_reason()
-            if reason is not None:
-                raise NCCLGroupStale(reason)
-            assert self._nccl is not None
-            targets = [self._replicas[i] for i in self._nccl.members]
+            group = nccl_group_for_update(self._nccl, self._nccl_stale_reason())
+            targets = [self._replicas[i] for i in group.members]
             self._loading = True
             try:
                 results = await asyncio.gather(

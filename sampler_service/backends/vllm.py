@@ -103,6 +103,14 @@ class _Checkpoint:
     files: dict[str, str]  # canonical name -> safetensors file holding it
     aliases: dict[str, str | None]  # accepted other name -> canonical name (None: skip)
 
+    def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
+        """Tensors an NCCL round may send (checkpoint names only: they go to vLLM's loader
+        unchanged) and those it must send (all but a tied lm_head)."""
+        specs = dict(self.specs)
+        if "lm_head.weight" in self.aliases:  # tied: vLLM's loader skips it
+            specs["lm_head.weight"] = self.specs["model.embed_tokens.weight"]
+        return specs, set(self.specs)
+
 
 def read_checkpoint(model_dir: Path) -> _Checkpoint:
     """Names, shapes and dtypes of every tensor in `model_dir/*.safetensors` (headers only).
@@ -554,13 +562,8 @@ class VLLMBackend(CheckpointBackend):
     # ------------------------------------------------------------------ NCCL transfer (GPU)
 
     def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
-        """Tensors an NCCL round may send (checkpoint names only: they go to vLLM's loader
-        unchanged) and those it must send (all but a tied lm_head)."""
-        checkpoint = self._checkpoint or read_checkpoint(self._model_dir)
-        specs = dict(checkpoint.specs)
-        if "lm_head.weight" in checkpoint.aliases:  # tied: vLLM's loader skips it
-            specs["lm_head.weight"] = checkpoint.specs["model.embed_tokens.weight"]
-        return specs, set(checkpoint.specs)
+        """See `_Checkpoint.nccl_specs` (the stub backends of the tests override this)."""
+        return (self._checkpoint or read_checkpoint(self._model_dir)).nccl_specs()
 
     def nccl_workers(self) -> int:
         """Inference-side ranks of the NCCL transfer group (TP x PP x DP workers)."""

@@ -1,10 +1,8 @@
 """The HTTP engine backend against SGLang's native API, and headless-Service discovery.
 
-SGLang cannot be installed here, so its server is a small aiohttp app on loopback that
-answers with the request and response shapes of SGLang's http_server.py and io_struct.py
-(`/generate` with `input_ids` and `sampling_params`, `meta_info.output_token_logprobs`
-triples, `/update_weights_from_disk`, `/pause_generation`, `/continue_generation`,
-`/get_weight_version`, `/update_weight_version`); the backend is the real one.
+SGLang cannot be installed here, so its server is `fake_engines.FakeSGLang`, a small
+aiohttp app on loopback that answers with the request and response shapes of SGLang's
+http_server.py and io_struct.py; the backend is the real one.
 """
 
 from __future__ import annotations
@@ -12,12 +10,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from sampler_service.backends.base import SamplingParams, WeightsNotServed
 from sampler_service.backends.engine_service import ServiceName, membership, resolve_service
@@ -25,123 +21,7 @@ from sampler_service.backends.http_dialects import SGLANG
 from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
 from sampler_service.config import ReplicaSettings
 
-
-class FakeSGLang:
-    """SGLang's answers, recorded: every call is logged as (path, body)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, Any]] = []
-        self.version = "default"
-        self.refuse_loads = False
-        self.paused = False  # for a dialect that reads /is_paused
-        #: What /weight_checker answers (vLLM's shape), for a dialect that names it.
-        self.checksums = {"model.layers.0.qkv_proj.weight": "00ff"}
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/get_weight_version", self.get_version)
-        app.router.add_post("/update_weight_version", self.set_version)
-        app.router.add_post("/generate", self.generate)
-        app.router.add_post("/pause_generation", self.pause)
-        app.router.add_post("/continue_generation", self.resume)
-        app.router.add_get("/is_paused", self.is_paused)
-        app.router.add_post("/update_weights_from_disk", self.load)
-        app.router.add_post("/weight_checker", self.weight_checker)
-        return app
-
-    async def _log(self, request: web.Request) -> Any:
-        body = await request.json() if request.can_read_body else None
-        self.calls.append((request.path, body))
-        return body
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": "toy", "root": "toy", "max_model_len": 64}]}
-        )
-
-    async def get_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.version})
-
-    async def set_version(self, request: web.Request) -> web.Response:
-        body = await self._log(request)
-        self.version = body["new_version"]
-        return web.json_response(
-            {"success": True, "message": "ok", "new_version": body["new_version"]}
-        )
-
-    async def ok(self, request: web.Request) -> web.Response:
-        await self._log(request)
-        return web.json_response({"message": "done", "status": "ok"})
-
-    async def pause(self, request: web.Request) -> web.Response:
-        self.paused = True
-        return await self.ok(request)
-
-    async def resume(self, request: web.Request) -> web.Response:
-        self.paused = False
-        return await self.ok(request)
-
-    async def is_paused(self, request: web.Request) -> web.Response:
-        return web.json_response({"is_paused": self.paused})
-
-    async def load(self, request: web.Request) -> web.Response:
-        await self._log(request)
-        if self.refuse_loads:
-            return web.json_response(
-                {"success": False, "message": "shape mismatch", "num_paused_requests": 0},
-                status=400,
-            )
-        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
-
-    async def weight_checker(self, request: web.Request) -> web.Response:
-        assert (await self._log(request)) == {"action": "checksum"}
-        return web.json_response({"checksums": dict(self.checksums)})
-
-    async def generate(self, request: web.Request) -> web.Response:
-        body = await self._log(request)
-        params = body["sampling_params"]
-        n = params.get("n", 1)
-        answers = []
-        for i in range(n):
-            ids = [5 + i, 6, 7][: params["max_new_tokens"]]
-            answers.append(
-                {
-                    "text": "x",
-                    "output_ids": ids,
-                    "meta_info": {
-                        "id": f"{body['rid']}_{i}",
-                        "finish_reason": {"type": "length", "length": len(ids)},
-                        "prompt_tokens": len(body["input_ids"]),
-                        "completion_tokens": len(ids),
-                        "cached_tokens": 0,
-                        "weight_version": self.version,
-                        "output_token_logprobs": [[-0.5 - i, t, None] for t in ids],
-                    },
-                }
-            )
-        return web.json_response(answers if n > 1 else answers[0])
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Callable[..., Any]]:
-    runners: list[web.AppRunner] = []
-
-    async def start(fake: FakeSGLang, host: str = "127.0.0.1", port: int = 0) -> int:
-        runner = web.AppRunner(fake.app())
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        runners.append(runner)
-        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
+from .fake_engines import FakeSGLang
 
 
 def _backend(toy: Any, tmp_path: Path, **kw: Any) -> HTTPEngineBackend:

@@ -1,7 +1,8 @@
 """`adaptive-rollout serve --backend http` in front of two real `vllm serve` servers.
 
 Two servers start once for the module (on loopback, the toy model) and one sampler drives
-them; the tests run in order: groups, weight pushes (wait and abort modes), kill -9 of
+them; the tests run in order: groups, the NCCL group the servers would form (refused:
+they run without a weight-transfer config), weight pushes (wait and abort modes), kill -9 of
 one server mid-run, that server coming back with other weights, which is not routed to
 until it serves the committed version, and then refusing a load, which rolls the other
 server back to the committed weights.
@@ -319,10 +320,36 @@ def test_the_http_hop_benchmark_measures_both_arms(
     )
 
 
-def test_nccl_is_refused_for_http_servers(fleet: Fleet) -> None:
+def test_nccl_describes_the_servers_and_is_refused_without_a_transfer_config(
+    fleet: Fleet,
+) -> None:
+    """The servers' own /get_world_size and /server_info say what an NCCL group over them
+    would be; started without --weight-transfer-config (CPU), forming it is refused with
+    a 409 that says so, before any server is asked to join."""
     with httpx.Client(base_url=fleet.sampler.url, timeout=60) as c:
         r = c.get("/v1/weights/nccl")
-    assert r.status_code == 409 and "http" in r.text
+        assert r.status_code == 200, r.text
+        described = r.json()
+        assert described["enabled"] is False and described["inference_ranks"] == 2
+        assert described["group"] == "none"
+        assert described["replicas"] == [
+            {"replica": i, "url": s.url, "workers": 1, "rank_offset": 1 + i}
+            for i, s in enumerate(fleet.servers)
+        ]
+        assert set(described["required"]) <= set(described["tensors"])
+        init_info = {"master_address": "127.0.0.1", "master_port": 29600, "world_size": 3}
+        r = c.post("/v1/weights/nccl/init", json={"init_info": init_info})
+        assert r.status_code == 409, r.text
+        error = r.json()["error"]
+        assert error["code"] == "nccl_unavailable"
+        assert "--weight-transfer-config" in error["message"]
+        assert all(s.url in error["message"] for s in fleet.servers)
+        update = {"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]]}
+        r = c.post("/v1/weights/nccl/update", json={"update_info": update, "version": 1})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "nccl_group_stale", r.text
+        # nothing changed for sampling
+        assert c.get("/health").json()["policy_version"] == 0
+        assert all(s["state"] == "ok" for s in _servers(c))
 
 
 def test_a_weight_push_reaches_both_servers(fleet: Fleet, toy) -> None:
@@ -529,10 +556,16 @@ def test_a_server_that_refuses_a_load_is_rolled_back_with_the_rest(
         assert _weight_label(fleet.servers[0]) == fleet.label(committed)
         assert _greedy(fleet.servers[0]) == pytest.approx(before[0], abs=1e-5)
         # vLLM 0.32's engine core does not survive a failed reload (EngineDeadError), so
-        # the refusing server ends out of routing and the other one carries the run.
-        _wait(lambda: _servers(c)[1]["state"] == "down", 120, "the refusing server is routed")
+        # the refusing server ends out of routing and the other one carries the run. The
+        # core dies at the next step it runs (its /health answers 200 until then), so
+        # sampling goes on until a wave finds it dead: with the buffer full, none would.
+        groups: list[dict] = []
+        deadline = time.monotonic() + 120
+        while _servers(c)[1]["state"] != "down":
+            assert time.monotonic() < deadline, "the refusing server is routed"
+            groups += collect(c, 1, timeout_s=180, wait_s=20)
         assert _servers(c)[0]["state"] == "ok" and c.get("/ready").status_code == 200
-        groups = collect(c, 8, timeout_s=180, wait_s=20)
+        groups += collect(c, 8, timeout_s=180, wait_s=20)
     for g in groups:
         _check_group(g)
         assert g["policy_version_max"] <= committed

@@ -2,7 +2,9 @@
 
 Run on a GPU machine by deploy/gpu_checks/vllm_gpu_check.sh. They skip on CPU-only
 machines. The NCCL test needs two GPUs: the trainer's rank and the sampler's vLLM worker
-must sit on different devices (NCCL refuses two ranks of one group on one GPU).
+must sit on different devices (NCCL refuses two ranks of one group on one GPU). It runs
+twice: into the in-process engine (`--backend vllm`) and into a `vllm serve` the sampler
+drives over HTTP (`--backend http`).
 """
 
 from __future__ import annotations
@@ -94,12 +96,16 @@ def test_vllm_backend_on_cuda_matches_hf_and_reloads(toy) -> None:
 @pytest.mark.skipif(
     _cuda_devices() < 2, reason="NCCL transfer needs two GPUs (trainer and sampler)"
 )
-def test_nccl_weight_transfer_into_the_service(toy, tmp_path) -> None:
-    """Trainer on cuda:0 broadcasts weights into `serve --backend vllm` on GPU 1."""
+@pytest.mark.parametrize("backend", ["vllm", "http"])
+def test_nccl_weight_transfer_into_the_service(toy, tmp_path, backend: str) -> None:
+    """Trainer on cuda:0 broadcasts weights into the service's engine on GPU 1: in-process
+    (`serve --backend vllm`), or a `vllm serve` started with --weight-transfer-config that
+    `serve --backend http` drives through the server's own weight-transfer endpoints."""
     pytest.importorskip("vllm.v1.engine.async_llm")
     import torch
     from transformers import AutoModelForCausalLM
 
+    from trainer_client.launch import EngineServer, SamplerProcess
     from trainer_client.nccl import NCCLTransferError, NCCLWeightSender
 
     config = {
@@ -111,21 +117,50 @@ def test_nccl_weight_transfer_into_the_service(toy, tmp_path) -> None:
         "max_active_prompts": 4,
         "max_buffered_groups": 4,
     }
-    server = ServeProcess(
-        toy,
-        tmp_path / "state",
-        config,
-        extra=["--vllm-arg", "gpu_memory_utilization=0.3", "--vllm-arg", "dtype=float32"],
-    )
-    env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # the server subprocess inherits this
-    try:
-        server.start()
-    finally:
-        if env_before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = env_before
+    engine: EngineServer | None = None
+    server: SamplerProcess
+    if backend == "http":
+        engine = EngineServer(
+            toy.model_dir,
+            tmp_path / "vllm-serve.log",
+            env={"CUDA_VISIBLE_DEVICES": "1"},
+            args=(
+                "--weight-transfer-config", '{"backend":"nccl"}',
+                "--gpu-memory-utilization", "0.3",
+            ),
+        ).start()  # fmt: skip
+        engine.wait_ready(600)
+        server = SamplerProcess(
+            toy.model_dir,
+            toy.data_files,
+            tmp_path / "state",
+            config,
+            tmp_path / "state.log",
+            heartbeat_s=0.5,
+            extra=["--backend", "http", "--engine-url", engine.url,
+                   "--weights-dir", str(tmp_path / "weights")],
+        )  # fmt: skip
+        try:
+            server.start(420)
+        except BaseException:
+            engine.stop()
+            raise
+    else:
+        server = ServeProcess(
+            toy,
+            tmp_path / "state",
+            config,
+            extra=["--vllm-arg", "gpu_memory_utilization=0.3", "--vllm-arg", "dtype=float32"],
+        )
+        env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # the server subprocess inherits this
+        try:
+            server.start()
+        finally:
+            if env_before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = env_before
     sender = None
     try:
         model = AutoModelForCausalLM.from_pretrained(str(toy.model_dir), dtype=torch.float32).to(
@@ -165,3 +200,5 @@ def test_nccl_weight_transfer_into_the_service(toy, tmp_path) -> None:
         if sender is not None:
             sender.close()
         server.stop()
+        if engine is not None:
+            engine.stop()
