@@ -417,33 +417,26 @@ def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-async def test_reset_messages_on_a_text_row_fail_the_environment() -> None:
-    """A text prompt has no chat turns to add messages to: the episode fails as the
-    environment's fault (re-run, never scored), saying what to use instead."""
+@pytest.mark.parametrize(
+    ("factory", "why"),
+    [
+        # a text prompt has no chat turns to add messages to (the error says what to use)
+        (episode_envs.BriefedTools, "Reset.messages need a chat prompt"),
+        # a plain mistake in a user's environment: something else returned from reset
+        (episode_envs.NoReset, "reset returned dict, not a Reset"),
+    ],
+)
+async def test_a_reset_the_episode_cannot_start_from_fails_the_environment(
+    factory: Any, why: str
+) -> None:
+    """The episode fails as the environment's fault (re-run, never scored, no turn
+    generated), saying why."""
     tokenizer = char_tokenizer(CHATML)
     text = "What is 2+3?"
     row = PromptRow(id="text", prompt=text, answer="5", domain="add")
     row.text, row.token_ids = text, encode(tokenizer, text)
     model = ScriptedChat(tokenizer)
     runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
-    wave = await runner.wave(
-        row, episode_envs.BriefedTools, 1, SamplingParams(), EpisodeKnobs(), model.turn, 1
-    )
+    wave = await runner.wave(row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 1)
     assert not wave.completions and not model.sent
-    assert len(wave.env_errors) == 1 and "Reset.messages need a chat prompt" in wave.env_errors[0]
-
-
-async def test_a_reset_that_returns_no_reset_fails_the_environment() -> None:
-    """A user's environment that returns something else from `reset` fails its episode
-    as the environment's fault (re-run, never scored), naming what it returned."""
-    tokenizer = char_tokenizer(CHATML)
-    text = "1+2="
-    row = PromptRow(id="text", prompt=text, answer="3", domain="add")
-    row.text, row.token_ids = text, encode(tokenizer, text)
-    model = ScriptedChat(tokenizer)
-    runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
-    wave = await runner.wave(
-        row, episode_envs.NoReset, 2, SamplingParams(), EpisodeKnobs(), model.turn, 1
-    )
-    assert not wave.completions and not model.sent
-    assert len(wave.env_errors) == 2 and "reset returned dict, not a Reset" in wave.env_errors[0]
+    assert len(wave.env_errors) == 2 and all(why in error for error in wave.env_errors)
