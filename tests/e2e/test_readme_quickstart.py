@@ -46,6 +46,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child: SIGINT with its default action, as a user's terminal delivers it. A
+    test run started as a background job of a non-interactive shell has SIGINT ignored,
+    and an ignored signal stays ignored through exec (curl would then never end)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _first_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
     """The first line a process prints, or "" if none came within `timeout_s`."""
     lines: list[str] = []
@@ -92,7 +99,7 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
             if command.startswith("curl -N"):  # a stream: its first message, then Ctrl-C
                 stream = subprocess.Popen(
                     ["bash", "-c", f"exec {command}"], cwd=tmp_path, env=env,
-                    stdout=subprocess.PIPE, text=True,
+                    stdout=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_in_a_terminal,
                 )  # fmt: skip
                 line = _first_line(stream, 60)
                 stream.send_signal(signal.SIGINT)
