@@ -536,8 +536,17 @@ def test_a_server_that_refuses_a_load_is_rolled_back_with_the_rest(
     fleet.servers[1] = stale
     stale.start()
     with httpx.Client(base_url=fleet.sampler.url, timeout=120) as c:
-        _wait(lambda: _servers(c)[1]["state"] == "ok", 300, "the restarted server is not synced")
         committed = c.get("/health").json()["policy_version"]
+        # The sampler may not have noticed the stop yet (it still says "ok" of the old
+        # server): synced means the new server itself carries the committed label.
+        stale.wait_ready()
+        _wait(
+            lambda: (
+                _weight_label(stale) == fleet.label(committed) and _servers(c)[1]["state"] == "ok"
+            ),
+            300,
+            "the restarted server is not synced",
+        )
         before = [_greedy(s) for s in fleet.servers]
         assert before[0] == pytest.approx(before[1], abs=1e-5)
         r = c.put(
