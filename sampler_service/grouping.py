@@ -68,6 +68,8 @@ def on_one_prompt(
     prompt leads its response as context (mask 0, logprob 0.0, never trained on), so
     prompt plus response is still token for token what the engine was sent.
     """
+    if all(c.prompt_token_ids is None for c in completions):  # single answers: the row's
+        return row.token_ids, row.text, list(completions)
     prompts = [
         c.prompt_token_ids if c.prompt_token_ids is not None else row.token_ids for c in completions
     ]
