@@ -113,6 +113,9 @@ class _Replica:
     reissued: int = 0
     attached: bool = False
     probing: bool = False
+    #: The process this pool asked Ray to kill: until Ray's kill lands, calls may still
+    #: reach it, and it is not a new incarnation.
+    killed_pid: int | None = None
     #: Its per-wave metric series (in-flight gauge, wave seconds, generated tokens), looked
     #: up once: a toy model's waves take milliseconds, so per-wave lookups add up.
     series: tuple[Any, Any, Any] | None = None
@@ -142,6 +145,10 @@ _Source = tuple[Literal["ref", "files"], Any]
 
 class _ReplicaFailed(RuntimeError):
     """The wave's replica was found failed while the wave ran (the pool re-issues it)."""
+
+
+class _KillPending(RuntimeError):
+    """The process asked to die still answers: `ray.kill` has not landed yet."""
 
 
 class RayPoolBackend(Backend):
@@ -282,6 +289,9 @@ class RayPoolBackend(Backend):
             # A new sampler takes over a warm replica: whatever the old one asked of it
             # is nobody's any more.
             await rep.handle.abort_all.remote()
+        if rep.killed_pid is not None and info["pid"] == rep.killed_pid:
+            raise _KillPending(f"replica {rep.index}: pid {rep.killed_pid} is not dead yet")
+        rep.killed_pid = None
         if not self._info["specs"]:
             self._info = info
         rep.pid, rep.version, rep.attached = (
@@ -417,6 +427,7 @@ class RayPoolBackend(Backend):
         rep.channel.fail_all(_ReplicaFailed(f"replica {rep.index} failed ({reason}): {error}"))
         log.warning("replica %d (pid %s) failed (%s): %s", rep.index, rep.pid, reason, error)
         if kill:
+            rep.killed_pid = rep.pid
             with contextlib.suppress(Exception):
                 ray.kill(rep.handle, no_restart=False)
         self._set_state(rep, "recovering")
@@ -444,7 +455,8 @@ class RayPoolBackend(Backend):
                     try:
                         await self._start_replica(rep)
                         break
-                    except ActorUnavailableError:  # Ray is still restarting it
+                    # Ray is still restarting it, or the killed process still answers
+                    except (ActorUnavailableError, _KillPending):
                         if time.monotonic() > deadline:
                             raise
                         await asyncio.sleep(0.5)
@@ -462,6 +474,7 @@ class RayPoolBackend(Backend):
             except Exception as exc:  # noqa: BLE001 - any failure to come back is one more restart
                 rep.error = repr(exc)
                 log.warning("replica %d did not come back: %r", rep.index, exc)
+                rep.killed_pid = rep.pid
                 with contextlib.suppress(Exception):
                     ray.kill(rep.handle, no_restart=False)
                 await asyncio.sleep(1.0)
