@@ -89,6 +89,22 @@ def environment() -> dict[str, Any]:
     }
 
 
+def child_env(root: Path = ROOT) -> dict[str, str]:
+    """The environment of a benchmark's child process: one torch thread (on two shared
+    cores, threads that contend cost far more than they give), offline, quiet, and
+    `root`'s code first on the path (a checkout measured side by side)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+
+
 def git(*args: str) -> str:
     """`git -C ROOT ARGS...`, its output stripped (raises when git fails)."""
     return subprocess.run(

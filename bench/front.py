@@ -70,7 +70,17 @@ from typing import Any
 import httpx
 
 from bench import overhead
-from bench.common import ROOT, checkout, fmt, git, percentile, revision, table, write_json
+from bench.common import (
+    ROOT,
+    checkout,
+    child_env,
+    fmt,
+    git,
+    percentile,
+    revision,
+    table,
+    write_json,
+)
 
 PARTS = ("sweep", "latency", "profile", "math", "workers", "parse")
 #: Keys of a worker's SPEC, with their defaults.
@@ -98,18 +108,6 @@ SPEC_DEFAULTS: dict[str, Any] = {
 }
 #: The latency row runs at this share of the knee (the front is not saturated there).
 LATENCY_AT = 0.8
-
-
-def _env(root: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(root),
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-    }
 
 
 # -- the worker: one measurement, in the checkout under test -------------------------------
@@ -166,7 +164,7 @@ def _server(spec: dict[str, Any], work: Path) -> Iterator[tuple[str, subprocess.
         stderr=log,
         text=True,
         cwd=ROOT,
-        env=_env(ROOT),
+        env=child_env(),
     )
     try:
         assert proc.stdout is not None
@@ -527,7 +525,7 @@ class Checkout:
             [sys.executable, "-m", "bench.front", "--worker", json.dumps(spec)],
             capture_output=True,
             text=True,
-            env=_env(self.root),
+            env=child_env(self.root),
             cwd=self.root,
             check=False,
         )

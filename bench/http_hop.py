@@ -47,8 +47,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, fmt, grpo, table, tree_cpu_s, write_json
-from bench.overhead import VLLM_PYTHON, _env
+from bench.common import ROOT, child_env, fmt, grpo, table, tree_cpu_s, write_json
+from bench.overhead import VLLM_PYTHON
 from bench.scaleout import Timed
 from sampler_service.backends.base import Backend, Completion, SamplingParams
 from sampler_service.scheduler import VolatileSink
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         work = Path(tmp)
         toy = build_toy(work / "toy", seed=0)
         model, stop_id = without_eos(toy.model_dir, work / "model-pad-eos")
-        server = EngineServer(model, work / "vllm.log", python=str(VLLM_PYTHON), env=_env())
+        server = EngineServer(model, work / "vllm.log", python=str(VLLM_PYTHON), env=child_env())
         server.start()
         try:
             server.wait_ready()
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 [str(VLLM_PYTHON), "-m", "bench.http_hop", "--driver", json.dumps(spec)],
                 capture_output=True,
                 text=True,
-                env=_env(),
+                env=child_env(),
                 cwd=ROOT,
                 check=False,
             )

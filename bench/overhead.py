@@ -44,6 +44,7 @@ from typing import Any
 from bench.common import (
     ROOT,
     checkout,
+    child_env,
     git,
     revision,
     table,
@@ -53,20 +54,6 @@ from bench.common import (
 )
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-
-
-def _env(root: Path = ROOT) -> dict[str, str]:
-    """Single-threaded torch, offline, and `root`'s code first on the path."""
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "PYTHONPATH": str(root),
-    }
 
 
 # -- raw: the engine alone ------------------------------------------------------------------
@@ -172,7 +159,7 @@ def run_raw(spec: dict[str, Any]) -> dict[str, Any]:
         [python, "-m", "bench.overhead", "--raw-worker", json.dumps(spec)],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=child_env(),
         cwd=ROOT,
         check=False,
     )
@@ -215,7 +202,7 @@ def run_service(
         config,
         work / "sampler.log",
         extra=["--backend", spec["backend"], "--torch-threads", "1", "--hf-engine", hf_engine],
-        env=_env(root),
+        env=child_env(root),
     )
     if spec["backend"] == "vllm":
         proc.cmd[0] = str(VLLM_PYTHON)

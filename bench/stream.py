@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import os
 import subprocess
 import sys
 import tempfile
@@ -54,7 +53,7 @@ import orjson
 from fastapi import Request  # module level: FastAPI resolves route annotations from globals
 from fastapi.responses import Response
 
-from bench.common import ROOT, percentile, serve_app, table, tree_cpu_s, write_json
+from bench.common import ROOT, child_env, percentile, serve_app, table, tree_cpu_s, write_json
 from trainer_client.client import SamplerClient
 from trainer_client.contract import wire
 from trainer_client.contract.protocol import MSGPACK_MEDIA_TYPE
@@ -224,13 +223,7 @@ class Server:
 
         toy = build_toy(work / "toy", seed=0)
         self.log = (work / f"server-{checkpoint_s}.log").open("w")
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
+        env = child_env()
         self.proc = subprocess.Popen(
             [
                 sys.executable,
