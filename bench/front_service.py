@@ -43,11 +43,12 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from bench.common import grpo, serve_app, tree_cpu_s
 from bench.sim_backend import EngineSpec, SimBackend
@@ -80,9 +81,9 @@ def stamp(epoch: float) -> list[int]:
     return [micros // STAMP_BASE % STAMP_BASE, micros % STAMP_BASE]
 
 
-def stamped_time(token_ids: list[int], epoch: float) -> float:
+def stamped_time(token_ids: Sequence[int], epoch: float) -> float:
     """The wall time `stamp` wrote into an answer's first two token ids."""
-    return epoch + (token_ids[0] * STAMP_BASE + token_ids[1]) / 1e6
+    return epoch + (int(token_ids[0]) * STAMP_BASE + int(token_ids[1])) / 1e6
 
 
 def _reasoning_text(rng: np.random.Generator, chars: int) -> str:
@@ -105,20 +106,22 @@ class Answers:
     def __init__(self, seed: int, epoch: float) -> None:
         rng = np.random.default_rng(seed)
         self.epoch = epoch
-        self.token_ids: list[int] = rng.integers(0, VOCAB, POOL_TOKENS).tolist()
-        # Engines produce float32 logprobs, which pack as float32 on the wire.
-        self.logprobs: list[float] = (
-            (-rng.exponential(0.7, POOL_TOKENS)).astype(np.float32).tolist()
-        )
+        # Answers come packed, as the engine's process and Ray replicas hand them over
+        # (`sampler_service.backends.base.packed`): int32 ids, float32 logprobs.
+        self.token_ids = rng.integers(0, VOCAB, POOL_TOKENS).astype(np.int32)
+        self.logprobs = (-rng.exponential(0.7, POOL_TOKENS)).astype(np.float32)
         self.text = _reasoning_text(rng, POOL_TOKENS * CHARS_PER_TOKEN)
         self.tails = {
             True: f" Therefore, the answer is $\\boxed{{{ANSWER}}}$.",
             False: f" Therefore, the answer is $\\boxed{{{int(ANSWER) + 1}}}$.",
         }
 
-    def payload(self, rng: np.random.Generator, length: int) -> tuple[list[int], list[float]]:
+    def payload(
+        self, rng: np.random.Generator, length: int
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]:
         start = int(rng.integers(0, POOL_TOKENS - length + 1))
-        ids = (stamp(self.epoch) + self.token_ids[start + 2 : start + length])[:length]
+        ids = self.token_ids[start : start + length].copy()
+        ids[: min(2, length)] = stamp(self.epoch)[:length]
         return ids, self.logprobs[start : start + length]
 
     def answer_text(self, rng: np.random.Generator, length: int, correct: bool) -> str:
@@ -284,9 +287,11 @@ class Probes:
         return timed
 
 
-def answers_key(token_ids: list[list[int]]) -> tuple[int, ...]:
+def answers_key(token_ids: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """A group's key from its answers' stamps (their first two token ids), in any order."""
-    return tuple(sorted(ids[0] * STAMP_BASE + ids[1] for ids in token_ids if len(ids) >= 2))
+    return tuple(
+        sorted(int(ids[0]) * STAMP_BASE + int(ids[1]) for ids in token_ids if len(ids) >= 2)
+    )
 
 
 #: A group's stages, in the order it meets them: the front's loop has the engine's
@@ -306,7 +311,7 @@ class Stages:
         self._by_answers: dict[tuple[int, ...], dict[str, float]] = {}
         self.by_group: dict[str, dict[str, float]] = {}
 
-    def seen(self, token_ids: list[list[int]], stage: str) -> None:
+    def seen(self, token_ids: Sequence[Sequence[int]], stage: str) -> None:
         self._by_answers.setdefault(answers_key(token_ids), {})[stage] = time.time()
 
     def stored(self, groups: list[Any]) -> None:

@@ -49,8 +49,10 @@ from sampler_service.backends.base import (
     Backend,
     BackendHealth,
     Completion,
+    Floats,
     SamplingParams,
     TensorSpec,
+    TokenIds,
 )
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset
@@ -152,7 +154,7 @@ class SimBackend(Backend):
         *,
         seed: int = 0,
         record_timeline: bool = False,
-        payload: Callable[[np.random.Generator, int], tuple[list[int], list[float]]] | None = None,
+        payload: Callable[[np.random.Generator, int], tuple[TokenIds, Floats]] | None = None,
         text: Callable[[np.random.Generator, int, bool], str] | None = None,
     ) -> None:
         self.pass_rates = np.asarray(pass_rates, dtype=np.float64)

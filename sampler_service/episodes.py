@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
-from sampler_service.backends.base import Completion, FinishReason, SamplingParams
+from sampler_service.backends.base import Completion, FinishReason, SamplingParams, as_list
 from sampler_service.config import EpisodeKnobs
 from sampler_service.dataset import PromptRow
 from sampler_service.environments import load_environment_factory
@@ -312,11 +312,11 @@ class EpisodeRunner:
                 seed=turn_seed(sampling.seed, index, turns + 1),
             )
             out = await generate(prompt + ids, turn_sampling)
-            turn_ids = list(out.token_ids)
+            turn_ids = as_list(out.token_ids)
             turns += 1
-            ids.extend(out.token_ids)
-            mask.extend([1] * len(out.token_ids))
-            logprobs.extend(out.logprobs)
+            ids.extend(turn_ids)
+            mask.extend([1] * len(turn_ids))
+            logprobs.extend(as_list(out.logprobs))
             versions.append(out.policy_version)
             pieces.append(out.text)
             last_text = out.text

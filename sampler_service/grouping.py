@@ -21,7 +21,7 @@ from typing import cast
 
 import numpy as np
 
-from sampler_service.backends.base import Completion
+from sampler_service.backends.base import Completion, as_list
 from sampler_service.config import Reweighting, SamplerConfig
 from sampler_service.dataset import PromptRow
 from sampler_service.replay import Replayed
@@ -82,10 +82,10 @@ def on_one_prompt(
     answers = [
         replace(
             c,
-            token_ids=p[shared:] + c.token_ids,
-            logprobs=[0.0] * (len(p) - shared) + c.logprobs,
+            token_ids=p[shared:] + as_list(c.token_ids),
+            logprobs=[0.0] * (len(p) - shared) + as_list(c.logprobs),
             loss_mask=[0] * (len(p) - shared)
-            + (c.loss_mask if c.loss_mask is not None else [1] * len(c.token_ids)),
+            + (as_list(c.loss_mask) if c.loss_mask is not None else [1] * len(c.token_ids)),
         )
         for c, p in zip(completions, prompts, strict=True)
     ]
@@ -160,19 +160,21 @@ def build_group(
     prompt_ids, prompt_text, answers = on_one_prompt(row, [completions[i] for i in indices])
     # The values are this process's own (engine answers, verdicts, numpy floats made
     # Python floats here), so the models are built without validation: validating would
-    # copy every answer's token ids and logprobs once more.
+    # copy every answer's token ids and logprobs once more. An engine's packed arrays stay
+    # arrays (the wire's lists, for the encoder that writes them as they are): a group
+    # leaves this process only as bytes (`wire.pack_group`).
     samples = [
         Sample.model_construct(
             sample_id=make_id(),
-            response_token_ids=c.token_ids,
+            response_token_ids=cast(list[int], c.token_ids),
             response_text=c.text,
-            logprobs=c.logprobs,
+            logprobs=cast(list[float], c.logprobs),
             reward=float(rewards[i]),
             finish_reason=c.finish_reason,
             policy_version=c.policy_version,
             verifier_error=verdicts[i].error if i < n_gen else None,
             advantage=float(a),
-            loss_mask=c.loss_mask,
+            loss_mask=cast(list[int] | None, c.loss_mask),
             num_turns=c.num_turns,
             replayed=i >= n_gen,
         )

@@ -10,9 +10,14 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from trainer_client.contract.wire import narrow_array
 
 #: Why an answer ended. An episode adds `turns` (max_turns reached) and `timeout` (an
 #: environment step ran past env_timeout_s at the last turn); `length` is also an episode
@@ -94,6 +99,13 @@ def check_request(
         raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
 
 
+#: Token ids (or a loss mask) as engines hand them over: a list, or an int32 array where
+#: the engine's side of a process boundary packed them (`packed`).
+TokenIds = list[int] | npt.NDArray[np.integer[Any]]
+#: Logprobs likewise: a list, or a float32 (float64 where float32 is not exact) array.
+Floats = list[float] | npt.NDArray[np.floating[Any]]
+
+
 @dataclass
 class Completion:
     """One generated answer with the behaviour policy's per-token logprobs.
@@ -108,12 +120,12 @@ class Completion:
     messages or tools began from its own rendering of the conversation.
     """
 
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: TokenIds
+    logprobs: Floats
     text: str
     finish_reason: FinishReason
     policy_version: int = 0
-    loss_mask: list[int] | None = None
+    loss_mask: TokenIds | None = None
     num_turns: int = 1
     answer_text: str | None = None
     env_reward: float | None = None
@@ -125,6 +137,30 @@ class Completion:
         """What the row's verifier scores: an episode's last turn, else the whole answer
         (an episode's `text` holds its observations too)."""
         return self.text if self.answer_text is None else self.answer_text
+
+
+def packed(completion: Completion) -> Completion:
+    """`completion` with its token ids, logprobs and mask as narrow numpy arrays.
+
+    An engine's side of a process boundary (the engine's child process, a Ray replica)
+    calls it before its answers cross: a 700-token answer as Python lists pickles to
+    1,400 numbers that the front's process rebuilds one object at a time, as arrays to
+    two buffers that it copies. From there the arrays stay packed up to the store's
+    encoder, which writes them as they are (`trainer_client.contract.wire`).
+    """
+    mask = completion.loss_mask
+    return replace(
+        completion,
+        token_ids=narrow_array(completion.token_ids, "int"),
+        logprobs=narrow_array(completion.logprobs, "float"),
+        loss_mask=None if mask is None else narrow_array(mask, "int"),
+    )
+
+
+def as_list(values: TokenIds | Floats) -> list[Any]:
+    """Token ids or logprobs as a Python list, whether an engine packed them or not (for
+    the few places that extend or concatenate them: episodes)."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 @dataclass(frozen=True)

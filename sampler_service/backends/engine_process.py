@@ -32,6 +32,7 @@ from sampler_service.backends.base import (
     Completion,
     SamplingParams,
     TensorSpec,
+    packed,
 )
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
     async def run(call_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:
             result = await getattr(backend, method)(*args)
+            if method == "generate":  # answers cross the pipe packed
+                result = [packed(c) for c in result]
         except BaseException as exc:  # every failure goes back to the caller  # noqa: BLE001
             reply(call_id, False, exc)
         else:

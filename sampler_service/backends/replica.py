@@ -38,6 +38,7 @@ from sampler_service.backends.base import (
     NCCLUnavailable,
     SamplingParams,
     WeightsRejected,
+    packed,
 )
 from sampler_service.backends.engine_process import picklable
 from sampler_service.backends.replica_channel import Finished, Wave
@@ -249,7 +250,7 @@ class Replica:
             self._inflight -= n
             self._heard()
         self._generated_tokens += sum(len(c.token_ids) for c in out)
-        return out
+        return [packed(c) for c in out]
 
     # -- the pool's batched calls (replica_channel.py) -----------------------------------
     def _check_session(self, session: str) -> None:

@@ -49,6 +49,23 @@ def test_arrays_widen_only_when_needed() -> None:
         assert wire.unpack(msgpack.packb(wire._array(values, kind))) == values
 
 
+def test_packed_answers_encode_to_the_same_bytes_as_lists() -> None:
+    """An engine that hands int32 / float32 arrays (packed at its process boundary) gets
+    the bytes a list-handing engine gets, and the encoder takes its arrays as they are."""
+    listed = _group()
+    arrays = listed.model_copy(deep=True)
+    for s in arrays.samples:
+        s.response_token_ids = np.asarray(s.response_token_ids, dtype=np.int32)
+        s.logprobs = np.asarray(s.logprobs, dtype=np.float32)
+    assert wire.pack_group(arrays) == wire.pack_group(listed)
+    ids = arrays.samples[0].response_token_ids
+    assert wire.narrow_array(ids, "int") is ids  # no copy, no pass over the numbers
+    wide = np.array([2**40, 1], dtype=np.int64)  # an array wider than narrow stays exact
+    assert wire.narrow_array(wide, "int").dtype == np.int64
+    assert wire.narrow_array(np.array([1, 2], dtype=np.int64), "int").dtype == np.int32
+    assert wire.narrow_array(np.array([0.1], dtype=np.float64), "float").dtype == np.float64
+
+
 @pytest.mark.parametrize("entries", [1, 14, 15, 16, 70_000])
 def test_splice_map_adds_one_entry_for_every_map_size(entries: int) -> None:
     doc = {f"k{i}": i for i in range(entries)}

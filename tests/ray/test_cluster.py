@@ -21,7 +21,7 @@ from safetensors.torch import save
 from support import perturbed_file
 from transformers import AutoModelForCausalLM
 
-from sampler_service.backends.base import SamplingParams
+from sampler_service.backends.base import SamplingParams, as_list
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
 
@@ -35,7 +35,7 @@ def _greedy(sampler: Any, prompt: list[int]) -> list[tuple[list[int], list[float
             actor.generate.remote(prompt, 1, SamplingParams(temperature=0.0, max_tokens=6)),
             timeout=300,
         )
-        out.append((completion.token_ids, completion.logprobs))
+        out.append((as_list(completion.token_ids), as_list(completion.logprobs)))
     return out
 
 

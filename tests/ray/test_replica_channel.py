@@ -61,7 +61,7 @@ def test_waves_of_one_loop_turn_share_a_call_and_each_returns_when_done(
             held, free = waves[0], waves[1:]
             # The seven free waves come back while the held one (same call) cannot finish.
             for out in await asyncio.wait_for(asyncio.gather(*free), 300):
-                assert len(out) == 2 and all(c.token_ids for c in out)
+                assert len(out) == 2 and all(len(c.token_ids) for c in out)
             await _settle()
             assert not held.done()
             after = await pool.replica_health(0)

@@ -11,12 +11,13 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
 from transformers import AutoTokenizer
 
-from sampler_service.backends.base import SamplingParams, WeightsRejected
+from sampler_service.backends.base import SamplingParams, WeightsRejected, as_list
 from sampler_service.backends.engine_process import EngineProcess, EngineProcessDied
 from sampler_service.backends.hf import HFBackend
 from sampler_service.weights.vetting import vet_weight_file
@@ -48,9 +49,12 @@ async def test_same_answers_scores_and_weight_loads_as_in_process(toy: Any) -> N
         prompt = list(AutoTokenizer.from_pretrained(toy.model_dir)("12+34=")["input_ids"])
         a = await local.generate(prompt, 3, SEEDED)
         b = await remote.generate(prompt, 3, SEEDED)
-        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+        # The same answers, crossing the pipe packed (int32 ids, float32 logprobs).
+        assert all(c.token_ids.dtype == np.int32 for c in b)
+        assert all(c.logprobs.dtype == np.float32 for c in b)
+        assert [c.token_ids for c in a] == [as_list(c.token_ids) for c in b]
         assert [c.text for c in a] == [c.text for c in b] and all(c.text for c in b)
-        assert [c.logprobs for c in a] == [c.logprobs for c in b]
+        assert [c.logprobs for c in a] == [as_list(c.logprobs) for c in b]
         response = a[0].token_ids
         assert await remote.score(prompt, response, 1.0) == await local.score(prompt, response, 1.0)
 

@@ -28,19 +28,31 @@ _DTYPES: dict[int, np.dtype[Any]] = {
     4: np.dtype("<f8"),
 }
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
+_NARROW = {"int": _DTYPES[1], "float": _DTYPES[3]}
+_WIDE = {"int": _DTYPES[2], "float": _DTYPES[4]}
 _INT_FIELDS = ("prompt_token_ids",)
 _SAMPLE_INT_FIELDS = ("response_token_ids", "loss_mask")
 _SAMPLE_FLOAT_FIELDS = ("logprobs", "token_weights")
 
 
-def _array(values: Sequence[float], kind: str) -> msgpack.ExtType:
-    if kind == "int":
-        wide = np.asarray(values, dtype="<i8")
-        narrow = wide.astype("<i4")
-    else:
-        wide = np.asarray(values, dtype="<f8")
-        narrow = wide.astype("<f4")
-    array = narrow if np.array_equal(narrow, wide) else wide
+def narrow_array(values: Sequence[float] | np.ndarray, kind: str) -> np.ndarray:
+    """`values` as the narrowest exact little-endian array: int32 where the ids fit (int64
+    otherwise), float32 where every value survives (float64 otherwise).
+
+    An array that is int32 (`kind` "int") or float32 ("float") already is returned as it
+    is: an engine that hands its answers packed (`sampler_service.backends.base.packed`)
+    costs the store's encoder one `tobytes` per array, not a pass over Python numbers.
+    """
+    narrow_dtype = _NARROW[kind]
+    if isinstance(values, np.ndarray) and values.dtype == narrow_dtype:
+        return values
+    wide = np.asarray(values, dtype=_WIDE[kind])
+    narrow = wide.astype(narrow_dtype)
+    return narrow if np.array_equal(narrow, wide) else wide
+
+
+def _array(values: Sequence[float] | np.ndarray, kind: str) -> msgpack.ExtType:
+    array = narrow_array(values, kind)
     return msgpack.ExtType(_CODES[array.dtype], array.tobytes())
 
 
