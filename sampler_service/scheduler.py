@@ -781,7 +781,7 @@ class Scheduler:
             n_env_errors=run.env_errors,
             replay=replay,
         )
-        reward_mean = float(np.mean([v.reward for v in run.verdicts]))
+        reward_mean = sum(v.reward for v in run.verdicts) / len(run.verdicts)
         self.mixer.observe(row.domain, reward_mean, result.mean_abs_advantage)
         group = result.group
         if group is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from sampler_service.grouping import (
     TOO_FEW_SAMPLES,
     apply_batch_policies,
     build_group,
+    new_id,
     on_one_prompt,
 )
 from sampler_service.replay import Replayed
@@ -279,3 +281,19 @@ def test_episodes_from_their_own_prompts_share_the_groups_prompt() -> None:
     assert [a.logprobs for a in answers] == [[0.0, 0.0, -0.5], [0.0, -0.5, -0.2]]
     for answer, own in zip(answers, differ, strict=True):
         assert prompt + answer.token_ids == [*(own.prompt_token_ids or []), *own.token_ids]
+
+
+def test_ids_are_distinct_128_bit_hex_and_a_forked_child_draws_its_own_prefix() -> None:
+    ids = [new_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one id, then out without pytest's teardown
+        os.write(write, new_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.close(write)
+    assert len(child) == 32 and child[:16] != new_id()[:16]
