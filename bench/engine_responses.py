@@ -262,7 +262,7 @@ PARSERS: dict[str, Callable[..., Parsed]] = {
 }
 
 
-def _cpu_per_call(fn: Callable[[], Any], seconds: float) -> float:
+def cpu_per_call(fn: Callable[[], Any], seconds: float) -> float:
     """CPU seconds per call of `fn`, repeated for about `seconds` of CPU (median of 5 runs)."""
     fn()
     calls = 1
@@ -297,9 +297,9 @@ def measure_parsing(spec: dict[str, Any]) -> dict[str, Any]:
             "bytes": len(body),
             "answers": count,
             "tokens_per_answer": tokens,
-            "ms_per_answer": 1000 * _cpu_per_call(partial(parser, body), seconds) / count,
+            "ms_per_answer": 1000 * cpu_per_call(partial(parser, body), seconds) / count,
             "ms_per_answer_json": 1000
-            * _cpu_per_call(partial(parser, body, json.loads), seconds)
+            * cpu_per_call(partial(parser, body, json.loads), seconds)
             / count,
         }
     return {"vllm_version": VLLM_VERSION, "endpoints": endpoints}

@@ -76,6 +76,7 @@ from bench.common import (
     child_env,
     fmt,
     git,
+    grpo,
     percentile,
     revision,
     table,
@@ -501,12 +502,72 @@ def _is_project(frame: str) -> bool:
     return any(f"{pkg}/" in frame for pkg in ("sampler_service", "trainer_client", "strategies"))
 
 
+def measure_handoff(spec: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """A wave of 4 answers of 700 tokens handed from an engine's process to the front, as
+    Python lists (vLLM in the front's process, HTTP engines) and packed
+    (`sampler_service.backends.base.packed`: the hf engine's child process, Ray replicas):
+    the bytes pickled, and the front's CPU to unpickle them and to encode their group for
+    the store."""
+    import pickle
+
+    import numpy as np
+
+    from bench.engine_responses import cpu_per_call
+    from sampler_service import grouping
+    from sampler_service.backends.base import Completion, packed
+    from sampler_service.config import SamplerConfig
+    from sampler_service.dataset import PromptRow
+    from sampler_service.verifiers.base import Verdict
+    from trainer_client.contract import wire
+
+    count, tokens = int(spec.get("parse_answers", 4)), int(spec.get("parse_tokens", 700))
+    seconds = float(spec.get("parse_seconds", 2.0))
+    rng = np.random.default_rng(0)
+    listed = [
+        Completion(
+            rng.integers(0, 151_000, tokens).tolist(),
+            (-rng.exponential(0.7, tokens)).astype(np.float32).tolist(),
+            "x" * 4 * tokens,
+            "stop",
+        )
+        for _ in range(count)
+    ]
+    row = PromptRow(id="p", prompt="q", answer="42", domain="d", token_ids=[1, 2, 3], text="q")
+    cfg = SamplerConfig(**grpo(count))
+    verdicts = [Verdict(reward=float(i % 2)) for i in range(count)]
+    out = {}
+    for name, wave in (("lists", listed), ("packed", [packed(c) for c in listed])):
+        pickled = pickle.dumps(wave)
+        built = grouping.build_group(
+            row=row,
+            cfg=cfg,
+            config_version=0,
+            group_policies=[],
+            completions=wave,
+            verdicts=verdicts,
+            n_pos=count // 2,
+            stop_reason="fixed",
+        )
+        assert built.group is not None
+        group = built.group
+        out[name] = {
+            "pickled_bytes": len(pickled),
+            "unpickle_ms_per_answer": 1000
+            * cpu_per_call(lambda p=pickled: pickle.loads(p), seconds)
+            / count,
+            "encode_ms_per_answer": 1000
+            * cpu_per_call(lambda g=group: wire.pack_group(g), seconds)
+            / count,
+        }
+    return out
+
+
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     spec = {**SPEC_DEFAULTS, **spec}
     if spec["part"] == "parse":
         from bench.engine_responses import measure_parsing
 
-        return measure_parsing(spec)
+        return {**measure_parsing(spec), "handoff": measure_handoff(spec)}
     return measure_load(spec, Path(tempfile.mkdtemp(prefix="front-", dir=spec["work_dir"])))
 
 
@@ -1213,6 +1274,22 @@ def parse_table(data: dict[str, Any]) -> str:
     )
 
 
+def handoff_table(data: dict[str, Any]) -> str:
+    return _by_checkout(
+        data,
+        lambda res: (
+            {"form": form, **h, "kb": h["pickled_bytes"] / 1000}
+            for form, h in (res.get("parse") or {}).get("handoff", {}).items()
+        ),
+        [
+            ("form", "answers handed as"),
+            ("kb", "KB pickled, 4 x 700 tokens"),
+            ("unpickle_ms_per_answer", "unpickle ms/answer"),
+            ("encode_ms_per_answer", "encode for the store ms/answer"),
+        ],
+    )
+
+
 def run_line(data: dict[str, Any]) -> str:
     env, cfg = data["environment"], data["settings"]
     minutes, seconds = divmod(round(data["wall_s"]), 60)
@@ -1237,6 +1314,7 @@ def print_tables(out: dict[str, Any]) -> None:
         ("event-loop profile, inclusive (project functions)", profile_table(out, "inclusive")),
         ("verifier workers (math-verify)", workers_table(out)),
         ("HTTP engine responses", parse_table(out)),
+        ("answers handed from an engine's process", handoff_table(out)),
         ("targets", targets_table(out)),
     ):
         print(f"\n== {title} ==\n{text}")

@@ -343,6 +343,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "front.profile_inclusive": _front(lambda d: front.profile_table(d, "inclusive")),
     "front.workers": _front(front.workers_table),
     "front.parse": _front(front.parse_table),
+    "front.handoff": _front(front.handoff_table),
     "scaleout.run": _scaleout_run,
     "scaleout.routing": lambda: table(_load("scaleout")["routing"], scaleout.COLUMNS["routing"]),
     "scaleout.kill": _scaleout_kill,
