@@ -37,19 +37,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from sampler_service.aio import TaskSet
-from sampler_service.backends.base import (
-    Backend,
-    BackendHealth,
-    Completion,
-    GenerationAborted,
-    HealthState,
-    NCCLDescription,
-    NCCLUnavailable,
-    SamplingParams,
-    TensorSpec,
-    WeightsNotServed,
-    WeightsRejected,
-)
+from sampler_service.backends import base
 from sampler_service.backends.replica import NotStarted, Replica
 from sampler_service.backends.replica_channel import ReplicaChannel
 from sampler_service.backends.routing import DEFAULT_MAX_INFLIGHT, WaveRouter, affinity
@@ -151,7 +139,7 @@ class _KillPending(RuntimeError):
     """The process asked to die still answers: `ray.kill` has not landed yet."""
 
 
-class RayPoolBackend(Backend):
+class RayPoolBackend(base.Backend):
     """See the module docstring."""
 
     name = "ray"
@@ -159,7 +147,7 @@ class RayPoolBackend(Backend):
 
     def __init__(
         self,
-        factory: Callable[[], Backend],
+        factory: Callable[[], base.Backend],
         settings: ReplicaSettings,
         *,
         instance_id: str,
@@ -212,7 +200,7 @@ class RayPoolBackend(Backend):
     def policy_version(self) -> int:
         return self._committed_version
 
-    def weight_specs(self) -> Mapping[str, TensorSpec]:
+    def weight_specs(self) -> Mapping[str, base.TensorSpec]:
         return self._info["specs"]
 
     def actor_name(self, index: int) -> str:
@@ -338,7 +326,7 @@ class RayPoolBackend(Backend):
             <= self.settings.probe_timeout_s + self.settings.probe_s
         )
 
-    def health(self) -> BackendHealth:
+    def health(self) -> base.BackendHealth:
         usable = any(r.state == "ok" for r in self._replicas)
         failed = bool(self._replicas) and all(r.state == "failed" for r in self._replicas)
         detail: dict[str, Any] = {
@@ -349,8 +337,8 @@ class RayPoolBackend(Backend):
             detail["error"] = "every engine replica failed and used up its restarts: " + "; ".join(
                 f"replica {r.index}: {r.error}" for r in self._replicas
             )
-        state: HealthState = "ok" if usable else "failed" if failed else "degraded"
-        return BackendHealth(ok=usable, detail=detail, state=state)
+        state: base.HealthState = "ok" if usable else "failed" if failed else "degraded"
+        return base.BackendHealth(ok=usable, detail=detail, state=state)
 
     # -- routing ----------------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -380,10 +368,10 @@ class RayPoolBackend(Backend):
         self,
         prompt_token_ids: list[int],
         n: int,
-        sampling: SamplingParams,
+        sampling: base.SamplingParams,
         *,
         affinity_key: str | None = None,
-    ) -> list[Completion]:
+    ) -> list[base.Completion]:
         self._serving = True  # the sampler restored its weights before the first wave
         prompt = list(prompt_token_ids)
         key = affinity(prompt, affinity_key)
@@ -393,7 +381,7 @@ class RayPoolBackend(Backend):
             epoch, started = rep.epoch, time.monotonic()
             try:
                 out = await rep.channel.generate(prompt, n, sampling)
-            except GenerationAborted:
+            except base.GenerationAborted:
                 raise  # a weight update's abort: the scheduler re-issues it after the update
             except (RayActorError, NotStarted, _ReplicaFailed) as exc:
                 # The replica died, was restarted by Ray before a probe noticed, or was
@@ -562,7 +550,7 @@ class RayPoolBackend(Backend):
         async with self._weights_lock:
             targets = [r for r in self._replicas if r.state == "ok"]
             if not targets:
-                raise WeightsNotServed("no engine replica is up to load the weights")
+                raise base.WeightsNotServed("no engine replica is up to load the weights")
             self._loading = True
             try:
                 results = await asyncio.gather(
@@ -571,15 +559,17 @@ class RayPoolBackend(Backend):
             finally:
                 self._loading = False
             rejected = [
-                WeightsRejected(f"replica {rep.index}: {getattr(r, 'cause', None) or r}")
+                base.WeightsRejected(f"replica {rep.index}: {getattr(r, 'cause', None) or r}")
                 for rep, r in zip(targets, results, strict=True)
-                if isinstance(r, WeightsRejected)
+                if isinstance(r, base.WeightsRejected)
             ]
             if rejected:
                 # Every replica that installed it goes back to the committed weights.
                 await self._roll_back([r for r in targets if r.version == version], names)
             for rep, result in zip(targets, results, strict=True):
-                if isinstance(result, BaseException) and not isinstance(result, WeightsRejected):
+                if isinstance(result, BaseException) and not isinstance(
+                    result, base.WeightsRejected
+                ):
                     # A dead replica is being restarted by Ray already; a live one that
                     # failed is recycled so that it comes back clean.
                     dead = isinstance(result, RayActorError)
@@ -590,7 +580,7 @@ class RayPoolBackend(Backend):
             serving = [r for r in targets if r.state == "ok" and r.version == version]
             if not serving:
                 self._dispatch()
-                raise WeightsNotServed(
+                raise base.WeightsNotServed(
                     f"no engine replica installed v{version}: "
                     + "; ".join(f"replica {r.index}: {r.error}" for r in targets)
                 )
@@ -661,23 +651,23 @@ class RayPoolBackend(Backend):
         )
 
     # -- NCCL fan-out (vLLM replicas) ---------------------------------------------------
-    async def _nccl_members(self) -> list[tuple[_Replica, NCCLDescription]]:
+    async def _nccl_members(self) -> list[tuple[_Replica, base.NCCLDescription]]:
         """(replica, its engine's NCCL description) for every replica up now;
         NCCLUnavailable unless each one's engine can take weights over NCCL."""
         reps = [r for r in self._replicas if r.state == "ok"]
         if not reps:
-            raise NCCLUnavailable("no engine replica is up")
+            raise base.NCCLUnavailable("no engine replica is up")
         described = await asyncio.gather(*(r.handle.nccl_describe.remote() for r in reps))
         if any(d is None for d in described):
-            raise NCCLUnavailable("NCCL weight transfer needs --backend vllm")
+            raise base.NCCLUnavailable("NCCL weight transfer needs --backend vllm")
         return list(zip(reps, described, strict=True))
 
-    async def nccl_describe(self) -> NCCLDescription:
+    async def nccl_describe(self) -> base.NCCLDescription:
         """The group over the replicas up now: ranks summed, each replica's offset."""
         pairs = await self._nccl_members()
         workers = [d.inference_ranks for _, d in pairs]
         first = pairs[0][1]
-        return NCCLDescription(
+        return base.NCCLDescription(
             enabled=all(d.enabled for _, d in pairs),
             inference_ranks=sum(workers),
             specs=first.specs,
@@ -704,7 +694,7 @@ class RayPoolBackend(Backend):
         self._nccl = None
         pairs = await self._nccl_members()
         if not all(d.enabled for _, d in pairs):
-            raise NCCLUnavailable(
+            raise base.NCCLUnavailable(
                 "NCCL weight transfer is off (vLLM weight_transfer_config not set)"
             )
         workers = [d.inference_ranks for _, d in pairs]
