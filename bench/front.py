@@ -1031,6 +1031,10 @@ def targets_table(data: dict[str, Any]) -> str:
     return table(rows, columns)
 
 
+#: A table rendered from a run's results (`bench.render` calls these).
+TableFn = Callable[[dict[str, Any]], str]
+
+
 def _by_checkout(
     data: dict[str, Any],
     rows_of: Callable[[dict[str, Any]], Iterable[dict[str, Any]]],
@@ -1257,37 +1261,37 @@ def workers_table(data: dict[str, Any]) -> str:
     )
 
 
-def parse_table(data: dict[str, Any]) -> str:
-    return _by_checkout(
-        data,
-        lambda res: (
-            {"endpoint": endpoint, **e, "kb": e["bytes"] / 1000}
-            for endpoint, e in (res.get("parse") or {}).get("endpoints", {}).items()
-        ),
-        [
-            ("endpoint", "response"),
-            ("path", "route"),
-            ("kb", "KB for 4 x 700 tokens"),
-            ("ms_per_answer", "ms/answer (orjson)"),
-            ("ms_per_answer_json", "ms/answer (json)"),
-        ],
-    )
+def _parse_part_table(key: str, size: str, columns: list[tuple[str, str]]) -> TableFn:
+    """A table of the parse part's entries under `key`, each named, its `size` in KB."""
+
+    def rows(res: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        for name, entry in (res.get("parse") or {}).get(key, {}).items():
+            yield {"name": name, **entry, "kb": entry[size] / 1000}
+
+    return lambda data: _by_checkout(data, rows, columns)
 
 
-def handoff_table(data: dict[str, Any]) -> str:
-    return _by_checkout(
-        data,
-        lambda res: (
-            {"form": form, **h, "kb": h["pickled_bytes"] / 1000}
-            for form, h in (res.get("parse") or {}).get("handoff", {}).items()
-        ),
-        [
-            ("form", "answers handed as"),
-            ("kb", "KB pickled, 4 x 700 tokens"),
-            ("unpickle_ms_per_answer", "unpickle ms/answer"),
-            ("encode_ms_per_answer", "encode for the store ms/answer"),
-        ],
-    )
+parse_table = _parse_part_table(
+    "endpoints",
+    "bytes",
+    [
+        ("name", "response"),
+        ("path", "route"),
+        ("kb", "KB for 4 x 700 tokens"),
+        ("ms_per_answer", "ms/answer (orjson)"),
+        ("ms_per_answer_json", "ms/answer (json)"),
+    ],
+)
+handoff_table = _parse_part_table(
+    "handoff",
+    "pickled_bytes",
+    [
+        ("name", "answers handed as"),
+        ("kb", "KB pickled, 4 x 700 tokens"),
+        ("unpickle_ms_per_answer", "unpickle ms/answer"),
+        ("encode_ms_per_answer", "encode for the store ms/answer"),
+    ],
+)
 
 
 def run_line(data: dict[str, Any]) -> str:
