@@ -268,10 +268,13 @@ def test_the_dashboard_lists_the_engine_servers_of_backend_http(
     assert not errors, errors
 
 
-def _episode_rows(stats: dict[str, Any]) -> dict[str, str]:
-    """The episodes panel's rows as the page must write /v1/stats `episodes`."""
+def _episode_rows(stats: dict[str, Any]) -> dict[str, str] | None:
+    """The episodes panel's rows as the page must write /v1/stats `episodes`; None before
+    the first episode has finished (the panel is hidden then)."""
     ep = stats["episodes"]
     model, observation = ep["model_tokens"], ep["observation_tokens"]
+    if not ep["episodes"]:
+        return None
     share = 100 * (observation / (model + observation))
     return {
         "episodes": str(ep["episodes"]),
@@ -308,7 +311,8 @@ def test_the_episodes_panel_shows_what_episodes_cost(
         def shown() -> dict[str, str] | None:
             cells = [r.locator("td").all_inner_texts() for r in page.locator("#episodes tr").all()]
             rows = {label: value for label, value in cells}
-            return rows if rows == _episode_rows(api.get("/v1/stats").json()) else None
+            expected = _episode_rows(api.get("/v1/stats").json())
+            return rows if expected is not None and rows == expected else None
 
         rows = wait_for("the episodes panel to show the stopped run's figures", shown)
         episodes = api.get("/v1/stats").json()["episodes"]
