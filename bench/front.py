@@ -35,6 +35,12 @@ Parts (each row of a part alternates between the checkouts measured):
 - `parse`: what an HTTP engine's response costs to parse, from vLLM-shaped responses of
   4 x 700 tokens with logprobs (`bench/engine_responses.py`), beside the front's cost.
 
+Where the machine has two CPUs or more, every row runs with the front's process pinned
+to the first (`--front-cores 1`) and the rest (the consumer, the worker, verifier worker
+processes) to the others (`Cores`, `Pinner`): the knee is then one front core's, as in a
+deployment whose trainer runs elsewhere, and the consumer's CPU does not queue behind
+the front's. The simulated engine's thread is in the front's process, on its core.
+
 Two checkouts side by side (`--checkout NAME=REF`, a directory or a git revision, which
 is checked out into a temporary worktree): each measurement runs in the checkout's own
 `python -m bench.front --worker SPEC` (this venv's Python, the checkout first on
@@ -60,6 +66,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -574,42 +581,124 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 # -- the orchestrator: checkouts, parts, targets -------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Cores:
+    """The CPUs the front's process runs on, and those of everything else a row runs (the
+    consumer, the worker, verifier worker processes).
+
+    On a machine of a few cores the consumer and the front otherwise take turns on the
+    same cores, and at 80% of the machine's knee the groups' delay is the consumer's
+    queue (BENCHMARKS.md section 8); a front in production has its cores and its trainer
+    is elsewhere. The simulated engine's thread lives in the front's process, so on the
+    front's cores.
+    """
+
+    front: frozenset[int]
+    rest: frozenset[int]
+
+    @classmethod
+    def split(cls, front_cores: int) -> Cores | None:
+        """The first `front_cores` CPUs of this process for the front; None (no pinning)
+        when that leaves none for the rest."""
+        cpus = sorted(os.sched_getaffinity(0))
+        if front_cores <= 0 or front_cores >= len(cpus):
+            return None
+        return cls(frozenset(cpus[:front_cores]), frozenset(cpus[front_cores:]))
+
+
+def _descendants(root_pid: int) -> list[int]:
+    """The processes below `root_pid` (from /proc), the deepest last."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # pid (comm) state ppid ...: comm may hold spaces and parentheses
+            text = stat.read_text()
+            ppid = int(text[text.rindex(")") + 2 :].split()[1])
+            children.setdefault(ppid, []).append(int(text.split(" ", 1)[0]))
+    out, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+class Pinner(threading.Thread):
+    """Keeps a worker's process tree on its `Cores`: the front's process (the direct child
+    running `-m bench.front_service`) on `front`, every other process on `rest`. It looks
+    again five times a second, so threads and processes started meanwhile follow."""
+
+    def __init__(self, worker_pid: int, cores: Cores) -> None:
+        super().__init__(name="pinner", daemon=True)
+        self.worker_pid = worker_pid
+        self.cores = cores
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            self.pin()
+            if self.done.wait(0.2):
+                return
+
+    def pin(self) -> None:
+        for pid in _descendants(self.worker_pid):
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                front = b"bench.front_service" in argv  # python -m bench.front_service SPEC
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(
+                            int(task.name), self.cores.front if front else self.cores.rest
+                        )
+
+
 @dataclass
 class Checkout:
     name: str
     root: Path
     worktree: bool = False
+    cores: Cores | None = None
 
     def run(self, spec: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic()
-        done = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "bench.front", "--worker", json.dumps(spec)],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             env=child_env(self.root),
             cwd=self.root,
-            check=False,
         )
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-        if done.returncode != 0 or not lines:
+        pinner = Pinner(proc.pid, self.cores) if self.cores is not None else None
+        if pinner is not None:
+            pinner.start()
+        try:
+            stdout, stderr = proc.communicate()
+        finally:
+            if pinner is not None:
+                pinner.done.set()
+                pinner.join()
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
             raise RuntimeError(
-                f"[{self.name}] worker failed ({done.returncode}):\n"
-                f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+                f"[{self.name}] worker failed ({proc.returncode}):\n"
+                f"{stdout[-2000:]}\n{stderr[-4000:]}"
             )
         result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
         result["worker_wall_s"] = time.monotonic() - started
         return result
 
 
-def checkouts(specs: list[str], work: Path) -> list[Checkout]:
-    """NAME=REF: REF a directory holding a checkout, or a git revision of this repository."""
+def checkouts(specs: list[str], work: Path, cores: Cores | None = None) -> list[Checkout]:
+    """NAME=REF: REF a directory holding a checkout, or a git revision of this repository;
+    each runs its rows on `cores`."""
     out = []
     for item in specs or ["current=."]:
         name, _, ref = item.partition("=")
         if not name or not ref:
             raise SystemExit(f"--checkout {item!r}: expected NAME=REF")
         root, made = checkout(ref, work / f"checkout-{name}")
-        out.append(Checkout(name, root, worktree=made))
+        out.append(Checkout(name, root, worktree=made, cores=cores))
     for c in out:
         if not (c.root / "bench" / "front.py").exists():
             raise SystemExit(f"checkout {c.name} ({c.root}) has no bench/front.py to measure with")
@@ -699,6 +788,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "math_rate": args.math_rate,
         "worker_counts": [1, 2, 4],
         "workers_rate": 4000.0,
+        "front_cores": args.front_cores,
     }
 
 
@@ -715,6 +805,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "worktree); repeat for side by side; default: current=.",
     )
     p.add_argument("--rates", type=float, nargs="+", help="offered answers/s of the sweep")
+    p.add_argument(
+        "--front-cores",
+        type=int,
+        default=1,
+        help="CPUs the front's process is pinned to, the rest of each row on the others "
+        "(0: no pinning; nor when it would leave no CPU for the rest)",
+    )
     p.add_argument(
         "--math-rate", type=float, default=200.0, help="offered answers/s of the math part"
     )
@@ -770,7 +867,11 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     busy_before, own_before = _machine_busy_s(), _own_cpu_s()
     work = Path(tempfile.mkdtemp(prefix="bench-front-"))
-    variants = checkouts(args.checkout, work)
+    cores = Cores.split(cfg["front_cores"])
+    if cores is not None:
+        os.sched_setaffinity(0, cores.rest)
+        cfg["cpus"] = {"front": sorted(cores.front), "rest": sorted(cores.rest)}
+    variants = checkouts(args.checkout, work, cores)
     try:
         toy = build_toy(work / "toy", seed=0)
         data = work / "front.jsonl"
@@ -1299,9 +1400,16 @@ def run_line(data: dict[str, Any]) -> str:
     minutes, seconds = divmod(round(data["wall_s"]), 60)
     names = ", ".join(f"{n} ({c['git']})" for n, c in data["checkouts"].items())
     load = ", ".join(f"{x:.1f}" for x in data["load_average_end"])
+    cpus = cfg.get("cpus")
+    pinned = (
+        f" (the front's process on CPU {', '.join(map(str, cpus['front']))}, the rest on "
+        f"{', '.join(map(str, cpus['rest']))})"
+        if cpus
+        else ""
+    )
     return (
         f"{'Quick' if cfg['quick'] else 'Full'} run of {names}: {minutes} min {seconds} s, "
-        f"{env['cpus']} CPUs, {env['time']}; windows of {fmt(cfg['measure_s'])} s after "
+        f"{env['cpus']} CPUs{pinned}, {env['time']}; windows of {fmt(cfg['measure_s'])} s after "
         f"{fmt(cfg['warmup_s'])} s (latency: {fmt(cfg['latency_measure_s'])} s); other "
         f"processes used {data['other_processes_cores']:.2f} cores on average meanwhile; "
         f"load average at the end (1, 5, 15 min): {load}.\n"

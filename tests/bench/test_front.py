@@ -4,6 +4,10 @@ sums behind its tables and targets, and one short measurement of the real front.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -277,3 +281,48 @@ def test_the_worker_runs_in_the_checkout_it_is_started_in(inputs: dict) -> None:
     checkout = front.Checkout("current", front.ROOT)
     result = checkout.run({**inputs, "part": "parse", "parse_seconds": 0.05, "parse_tokens": 50})
     assert set(result["endpoints"]) == {"generate-tokens", "generate-text", "completions"}
+
+
+def test_cores_leave_the_rest_at_least_one_cpu_or_pin_nothing() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    assert front.Cores.split(0) is None
+    assert front.Cores.split(len(cpus)) is None
+    if len(cpus) >= 2:
+        cores = front.Cores.split(1)
+        assert cores is not None
+        assert cores.front == {cpus[0]} and cores.rest == set(cpus[1:])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_the_pinner_puts_the_front_on_its_cores_and_the_rest_of_the_tree_on_the_others() -> None:
+    """A worker whose children are a front (its command line names bench.front_service)
+    and another process, each with a thread started before the pinner looks."""
+    cores = front.Cores.split(1)
+    assert cores is not None
+    child = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start()"
+    script = (
+        "import subprocess, sys, time; "
+        f"kids = [subprocess.Popen([sys.executable, '-c', {child!r}, name]) "
+        "for name in ('bench.front_service', 'other')]; "
+        "print(*(k.pid for k in kids), flush=True); time.sleep(30)"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert worker.stdout is not None
+    front_pid, other_pid = map(int, worker.stdout.readline().split())
+    try:
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{front_pid}/task")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        front.Pinner(worker.pid, cores).pin()
+        for pid, want in (
+            (front_pid, cores.front),
+            (other_pid, cores.rest),
+            (worker.pid, cores.rest),
+        ):
+            tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            assert {tid: os.sched_getaffinity(tid) for tid in tasks} == dict.fromkeys(tasks, want)
+    finally:
+        for pid in (front_pid, other_pid, worker.pid):
+            os.kill(pid, signal.SIGKILL)
+        worker.wait()
+        worker.stdout.close()
