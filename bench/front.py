@@ -780,7 +780,9 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "quick": quick,
         "rates": args.rates
         or (
-            [250, 500, 1000, 2000, 4000] if quick else [250, 500, 750, 1000, 1500, 2000, 3000, 4000]
+            [250, 500, 1000, 2000, 4000]
+            if quick
+            else [250, 500, 750, 1000, 1500, 2000, 3000, 4000, 5000, 6000]
         ),
         "warmup_s": 4.0 if quick else 6.0,
         "measure_s": 8.0 if quick else 20.0,
