@@ -624,8 +624,8 @@ def _descendants(root_pid: int) -> list[int]:
 
 
 class Pinner(threading.Thread):
-    """Keeps a worker's process tree on its `Cores`: the front's process (the direct child
-    running `-m bench.front_service`) on `front`, every other process on `rest`. It looks
+    """Keeps a worker's process tree on its `Cores`: the front's process (the one running
+    `python -m bench.front_service`) on `front`, every other process on `rest`. It looks
     again five times a second, so threads and processes started meanwhile follow."""
 
     def __init__(self, worker_pid: int, cores: Cores) -> None:
