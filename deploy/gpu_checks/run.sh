@@ -4,12 +4,14 @@
 # step) and in bfloat16 (rollout_probs_diff_mean < 1e-3), each checking that the policy
 # version advanced and every group used was acked. Under 10 minutes on one GPU.
 #
-#   deploy/gpu_checks/run.sh [--out DIR] [--cpu-dry-run]
+#   deploy/gpu_checks/run.sh [--out DIR] [--cpu-dry-run] [--dtypes LIST] [--verl-timeout-s S]
 #
 #   --out DIR       where the log (run.log), summary.json, the sampler's and verl's logs go
 #                   [a new directory under /tmp]
 #   --cpu-dry-run   every stage but verl's FSDP steps, on CPU with the toy model (what
 #                   `make test-gpu-bundle` runs, so the script cannot rot)
+#   --dtypes LIST   the GPU phases, comma-separated [float32,bfloat16]
+#   --verl-timeout-s S  how long one phase's verl run may take [420]
 #
 # A machine without network gets the Python packages it lacks from the wheel bundle
 # (`make gpu-bundle`): with BUNDLE=DIR (e.g. .gpu-bundle/cp312) the wheels are installed
@@ -19,11 +21,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-out="" dry=()
+out="" dry=() pass=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) out=$2; shift 2 ;;
     --cpu-dry-run) dry=(--cpu-dry-run); shift ;;
+    --dtypes|--verl-timeout-s) pass+=("$1" "$2"); shift 2 ;;
     *) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2 ;;
   esac
 done
@@ -51,5 +54,5 @@ fi
 # Ray's workers and verl's actors inherit the environment: they see the same packages.
 export PYTHONPATH="$pythonpath${PYTHONPATH:+:$PYTHONPATH}"
 command -v nvidia-smi >/dev/null && nvidia-smi -L || true
-"$PYTHON" deploy/gpu_checks/verl_check.py --out "$out" "${dry[@]}" 2>&1 | tee "$out/run.log"
+"$PYTHON" deploy/gpu_checks/verl_check.py --out "$out" "${dry[@]}" "${pass[@]}" 2>&1 | tee "$out/run.log"
 exit "${PIPESTATUS[0]}"

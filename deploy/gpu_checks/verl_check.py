@@ -128,12 +128,18 @@ def verl_overrides(url: str, model: Path, pacing: Path, work: Path, dtype: str) 
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
         f"trainer.default_local_dir={work / 'checkpoints'}",
+        # ray_cpus_needed: verl's default of 8 storage units would ask for 13 of these 8.
         "ray_kwargs.ray_init.num_cpus=8",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ]
 
 
 def step_metrics(log: str) -> list[dict[str, float]]:
-    """verl's console logger lines (``step:N - key:value - ...``), one dict per step."""
+    """verl's console logger lines of training steps (``step:N - key:value - ...``).
+
+    With ``val_before_train`` verl also logs ``step:0`` with the validation metrics alone;
+    a training step's line is the one that carries ``timing_s/step``.
+    """
     steps = []
     for line in log.splitlines():
         m = re.search(r"step:(\d+) - (.*)$", line)
@@ -146,11 +152,23 @@ def step_metrics(log: str) -> list[dict[str, float]]:
                 values[key.strip()] = float(value)
             except ValueError:
                 continue
-        steps.append(values)
+        if "timing_s/step" in values:
+            steps.append(values)
     return steps
 
 
-def gpu_phase(check: Check, toy: Any, work: Path, dtype: str) -> None:
+def ray_cpus_needed(cfg: Any) -> int:
+    """The CPUs Ray must offer before verl's first step, from the composed config.
+
+    verl asks for them up front: the TaskRunner (1), the FSDP worker group's placement
+    bundle (3 CPUs with the GPU), TransferQueue's controller (1) and one per storage unit.
+    With fewer, a placement group waits forever and verl prints nothing more.
+    """
+    storage = cfg.transfer_queue.backend.SimpleStorage.num_data_storage_units
+    return 1 + 3 + 1 + int(storage)
+
+
+def gpu_phase(check: Check, toy: Any, work: Path, dtype: str, verl_timeout_s: float) -> None:
     """One verl run of STEPS steps against a sampler serving `dtype` on the GPU."""
     phase = f"{dtype} phase"
     work.mkdir(parents=True, exist_ok=True)
@@ -179,7 +197,7 @@ def gpu_phase(check: Check, toy: Any, work: Path, dtype: str) -> None:
         started = time.monotonic()
         with (work / "verl.log").open("w") as log:
             rc = subprocess.run(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=420
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=verl_timeout_s
             ).returncode
         text = (work / "verl.log").read_text()
         check.stage(f"{phase}: verl {STEPS} steps", time.monotonic() - started, exit_code=rc)
@@ -213,7 +231,9 @@ def gpu_phase(check: Check, toy: Any, work: Path, dtype: str) -> None:
             "update_weights_s": [s.get("timing_s/update_weights") for s in steps],
             "rollout_probs_diff_max": [s.get("training/rollout_probs_diff_max") for s in steps],
             "rollout_probs_diff_mean": [s.get("training/rollout_probs_diff_mean") for s in steps],
-            "max_memory_allocated_gb": [s.get("perf/max_memory_allocated_gb") for s in steps],
+            "max_memory_allocated_gb": [
+                s.get("actor/perf/max_memory_allocated_gb") for s in steps
+            ],
         }
         check.write()
     finally:
@@ -257,6 +277,8 @@ def dry_run(check: Check, toy: Any, work: Path) -> None:
         )
         OmegaConf.resolve(cfg)
         check.stage("verl config composed and validated", time.monotonic() - started)
+        cpus, needed = cfg.ray_kwargs.ray_init.num_cpus, ray_cpus_needed(cfg)
+        check.expect(needed <= cpus, f"the GPU run's Ray offers {cpus} CPUs, verl needs {needed}")
 
         started = time.monotonic()
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -353,6 +375,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cpu-dry-run", action="store_true")
+    parser.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="the GPU phases to run, in order [float32,bfloat16]",
+    )
+    parser.add_argument(
+        "--verl-timeout-s",
+        type=float,
+        default=420.0,
+        help="how long one phase's verl run may take before it is killed [420]",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     check = Check(args.out, "cpu-dry-run" if args.cpu_dry_run else "gpu")
@@ -378,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu_dry_run:
             dry_run(check, toy, args.out / "dry")
         else:
-            gpu_phase(check, toy, args.out / "float32", "float32")
-            gpu_phase(check, toy, args.out / "bfloat16", "bfloat16")
+            for dtype in args.dtypes.split(","):
+                gpu_phase(check, toy, args.out / dtype, dtype, args.verl_timeout_s)
     except Exception:  # noqa: BLE001 - recorded as a failed check, with its traceback
         check.expect(False, "no stage raised:\n" + traceback.format_exc())
     finally:
