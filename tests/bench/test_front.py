@@ -294,16 +294,27 @@ def test_cores_leave_the_rest_at_least_one_cpu_or_pin_nothing() -> None:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
-def test_the_pinner_puts_the_front_on_its_cores_and_the_rest_of_the_tree_on_the_others() -> None:
+def test_the_pinner_puts_the_front_on_its_cores_and_the_rest_of_the_tree_on_the_others(
+    tmp_path: Path,
+) -> None:
     """A worker whose children are a front (its command line names bench.front_service)
-    and another process, each with a thread started before the pinner looks."""
+    and another process, each with two threads started before the pinner looks: one named
+    as the simulated engine's (it writes its OS thread id to a file), one not."""
     cores = front.Cores.split(1)
     assert cores is not None
-    child = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start()"
+    child = (
+        "import sys, threading, time\n"
+        "def engine():\n"
+        "    open(sys.argv[2], 'w').write(str(threading.get_native_id()))\n"
+        "    time.sleep(30)\n"
+        "threading.Thread(target=engine, name='sim-engine').start()\n"
+        "threading.Thread(target=time.sleep, args=(30,)).start()\n"
+    )
+    ids = {name: tmp_path / f"{name}.tid" for name in ("bench.front_service", "other")}
     script = (
         "import subprocess, sys, time; "
-        f"kids = [subprocess.Popen([sys.executable, '-c', {child!r}, name]) "
-        "for name in ('bench.front_service', 'other')]; "
+        f"kids = [subprocess.Popen([sys.executable, '-c', {child!r}, name, path]) "
+        f"for name, path in {[(k, str(v)) for k, v in ids.items()]!r}]; "
         "print(*(k.pid for k in kids), flush=True); time.sleep(30)"
     )
     worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -311,8 +322,13 @@ def test_the_pinner_puts_the_front_on_its_cores_and_the_rest_of_the_tree_on_the_
     front_pid, other_pid = map(int, worker.stdout.readline().split())
     try:
         deadline = time.monotonic() + 10
-        while len(os.listdir(f"/proc/{front_pid}/task")) < 2 and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (
+            all(p.exists() and p.read_text() for p in ids.values())
+            and len(os.listdir(f"/proc/{front_pid}/task")) == 3
+            and len(os.listdir(f"/proc/{other_pid}/task")) == 3
+        ):
             time.sleep(0.05)
+        engine_tid = int(ids["bench.front_service"].read_text())
         front.Pinner(worker.pid, cores).pin()
         for pid, want in (
             (front_pid, cores.front),
@@ -320,7 +336,11 @@ def test_the_pinner_puts_the_front_on_its_cores_and_the_rest_of_the_tree_on_the_
             (worker.pid, cores.rest),
         ):
             tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-            assert {tid: os.sched_getaffinity(tid) for tid in tasks} == dict.fromkeys(tasks, want)
+            expected = {
+                tid: cores.rest if tid == engine_tid else want for tid in tasks
+            }
+            assert {tid: os.sched_getaffinity(tid) for tid in tasks} == expected
+        assert engine_tid in [int(t) for t in os.listdir(f"/proc/{front_pid}/task")]
     finally:
         for pid in (front_pid, other_pid, worker.pid):
             os.kill(pid, signal.SIGKILL)
