@@ -58,6 +58,7 @@ must contain this benchmark. The worker reads SPEC (a JSON object) and prints on
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import math
@@ -224,13 +225,18 @@ def measure_load(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     with _server(spec, work) as (url, proc):
         http = httpx.Client(base_url=url, timeout=60)
         transport = CountingTransport()
-        client = SamplerClient(
-            url,
-            consumer="front-bench",
-            watchdog_s=120.0,
-            transport=transport,
-            features=spec["features"],
+        options = dict(
+            consumer="front-bench", watchdog_s=120.0, transport=transport, features=spec["features"]
         )
+        try:  # a checkout whose client hands arrays: the consumer a trainer would run
+            client = SamplerClient(url, arrays=True, **options)
+            arrays = True
+        except TypeError:
+            client, arrays = SamplerClient(url, **options), False
+        # Acks go out from a thread of their own, as a trainer's go out while the next
+        # step's groups stream in: the reader never waits for one.
+        acker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="acker")
+        acks: list[concurrent.futures.Future[Any]] = []
 
         def snapshot() -> dict[str, Any]:
             server = http.get("/bench/counters").json()
@@ -267,7 +273,8 @@ def measure_load(spec: dict[str, Any], work: Path) -> dict[str, Any]:
                         held_at[group.group_id] = (max(stamps), held)
                 pending.append(group)
                 if len(pending) >= spec["ack_every"]:
-                    client.ack(pending)
+                    ids = [g.delivery_id for g in pending if g.delivery_id]
+                    acks = [a for a in acks if not a.done()] + [acker.submit(client.ack, ids)]
                     pending = []
                 now = time.monotonic()
                 if first is None and now >= opens:
@@ -298,11 +305,15 @@ def measure_load(spec: dict[str, Any], work: Path) -> dict[str, Any]:
             if spy is not None:
                 spy.wait(60)
             stage_times = http.get("/bench/stages").json()
+            for ack in acks:
+                ack.result(timeout=60)  # an ack that failed fails the row
         finally:
+            acker.shutdown(wait=True)
             client.close()
             http.close()
     assert first is not None
     result = _load_result(spec, first, last, answers, groups, delays)
+    result["client_arrays"] = arrays
     result["delay_stages"] = delay_stages(held_at, stage_times)
     if spec["profile"]:
         result["profile"] = loop_profile(spy_out.read_text()) if spy_out.exists() else None
@@ -632,10 +643,9 @@ def thread_ids(pid: int, names: Sequence[str]) -> set[int]:
     """OS thread ids of `pid`'s Python threads named in `names`, from `py-spy dump` (the
     `[ray]` extra; Python threads carry no OS-level name before 3.14). Empty when py-spy is
     missing or the process could not be read."""
-    spy = Path(sys.executable).with_name("py-spy")
     try:
         out = subprocess.run(
-            [str(spy), "dump", "--json", "--pid", str(pid)],
+            [_py_spy(), "dump", "--json", "--pid", str(pid)],
             capture_output=True,
             text=True,
             timeout=10,

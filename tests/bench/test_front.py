@@ -272,6 +272,7 @@ def test_a_short_window_of_the_real_front_adds_up(inputs: dict) -> None:
     assert 8 * tokens < r["wire_bytes_per_answer"] < 8 * tokens + 4 * tokens + 2000
     assert r["store_copies"] >= 1.0 and r["store_bytes_per_answer"] >= 8 * tokens
     assert r["loop_ms_per_answer"] > 0 and r["client_ms_per_answer"] > 0
+    assert r["client_arrays"]  # this checkout's client hands arrays to the consumer
     # every delivered group's delay splits into the stages the service marked
     assert r["delay_stages"]["groups"] == r["groups"]
     assert all(s["p50_ms"] >= 0 for s in r["delay_stages"]["segments"])
@@ -336,9 +337,7 @@ def test_the_pinner_puts_the_front_on_its_cores_and_the_rest_of_the_tree_on_the_
             (worker.pid, cores.rest),
         ):
             tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-            expected = {
-                tid: cores.rest if tid == engine_tid else want for tid in tasks
-            }
+            expected = {tid: cores.rest if tid == engine_tid else want for tid in tasks}
             assert {tid: os.sched_getaffinity(tid) for tid in tasks} == expected
         assert engine_tid in [int(t) for t in os.listdir(f"/proc/{front_pid}/task")]
     finally:

@@ -1,12 +1,14 @@
 """The features handshake against a real sampler: a consumer that declares `no_text` gets
 groups without texts (stream and lease, msgpack and JSON), one that declares nothing gets
-them as before, and an unknown feature is a 422 naming it."""
+them as before, and an unknown feature is a 422 naming it. A client that asks for arrays
+gets the same numbers as numpy arrays."""
 
 from __future__ import annotations
 
 import asyncio
 
 import httpx
+import numpy as np
 import pytest
 
 from trainer_client.client import AsyncSamplerClient, SamplerClient
@@ -27,8 +29,9 @@ def _stream(client: SamplerClient, n: int) -> list[Group]:
 
 
 def _has_numbers(group: Group) -> bool:
-    return bool(group.prompt_token_ids) and all(
-        s.response_token_ids and len(s.logprobs) == len(s.response_token_ids) for s in group.samples
+    return len(group.prompt_token_ids) > 0 and all(
+        len(s.response_token_ids) and len(s.logprobs) == len(s.response_token_ids)
+        for s in group.samples
     )
 
 
@@ -64,6 +67,43 @@ def test_a_lease_that_declares_no_text_gets_no_texts_in_msgpack_and_json(sampler
         http.post("/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in raw]})
     assert raw and all("prompt_text" not in g and g["prompt_token_ids"] for g in raw)
     assert all("response_text" not in s and s["logprobs"] for g in raw for s in g["samples"])
+
+
+def _numbers(group: Group) -> list[list[float]]:
+    return [list(group.prompt_token_ids)] + [
+        list(values) for s in group.samples for values in (s.response_token_ids, s.logprobs)
+    ]
+
+
+def test_a_client_that_asks_for_arrays_gets_the_same_numbers_as_numpy_arrays(sampler) -> None:
+    """Stream (sync) and lease (async) alike; each group's JSON form, what a list client
+    gets, holds the same numbers."""
+    with SamplerClient(sampler.url, consumer="arrays", arrays=True) as client:
+        streamed = _stream(client, 2)
+
+    async def lease() -> list[Group]:
+        async with AsyncSamplerClient(sampler.url, arrays=True) as client:
+            leased = await client.lease(max_groups=2, wait_s=60, consumer="async-arrays")
+            await client.ack(leased.groups)
+            return leased.groups
+
+    leased = asyncio.run(lease())
+    for group in streamed + leased:
+        assert isinstance(group.prompt_token_ids, np.ndarray)
+        for s in group.samples:
+            assert isinstance(s.response_token_ids, np.ndarray)
+            assert s.response_token_ids.dtype == np.int32 and s.logprobs.dtype == np.float32
+            assert not s.response_token_ids.flags.writeable  # views of the received bytes
+        # the JSON form (what the NDJSON stream and a list client carry) is the same
+        as_lists = Group.model_validate_json(group.model_dump_json())
+        assert isinstance(as_lists.samples[0].logprobs, list)
+        assert _numbers(as_lists) == _numbers(group)
+        assert all(_has_numbers(g) for g in (group, as_lists))
+
+
+def test_arrays_need_the_msgpack_encoding() -> None:
+    with pytest.raises(ValueError, match="msgpack"):
+        SamplerClient("http://127.0.0.1:9", arrays=True, encoding="json")
 
 
 @pytest.mark.parametrize("method, path", [("GET", "stream"), ("POST", "lease")])

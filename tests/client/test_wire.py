@@ -109,3 +109,16 @@ def test_a_group_without_text_is_the_same_group_minus_its_texts() -> None:
     assert features.parse(["no_text", ""]) == {features.NO_TEXT}
     with pytest.raises(features.UnknownFeatures, match="a, b"):
         features.parse(["b,no_text", "a"])
+
+
+def test_arrays_decode_to_the_same_group_as_lists() -> None:
+    listed = _group(token_weights=[0.1 * i for i in range(1024)])
+    packed = wire.pack_group(listed)
+    arrays = Group.model_validate(wire.unpack(packed, arrays=True))
+    assert isinstance(arrays.samples[0].response_token_ids, np.ndarray)
+    assert arrays.samples[0].token_weights.dtype == np.float64  # widened as on the wire
+    assert arrays.model_dump_json() == wire.unpack_group(packed).model_dump_json()
+    decoder = wire.stream_decoder(arrays=True)
+    decoder.feed(packed)
+    (streamed,) = list(decoder)
+    assert isinstance(streamed["samples"][0]["logprobs"], np.ndarray)

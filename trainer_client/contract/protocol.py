@@ -8,9 +8,11 @@ server that adds fields.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
 StopReason = Literal["rule", "n_max", "budget", "fixed"]
 
@@ -22,27 +24,47 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "ADAPTIVE_ROLLOUT_URL"
 
 
+def _listed(values: Any) -> Any:
+    return values.tolist() if isinstance(values, np.ndarray) else values
+
+
+#: A group's number lists: Python lists, or read-only numpy arrays where the reader asked
+#: for them (`SamplerClient(arrays=True)`: no Python object per token, and `torch.from_numpy`
+#: takes them as they are). Both serialize as JSON lists; the schema is the list's. Use
+#: ``len(x)`` rather than ``bool(x)`` and ``list(a) + list(b)`` rather than ``a + b``.
+Ints = Annotated[
+    list[int] | npt.NDArray[np.integer[Any]],
+    PlainSerializer(_listed, when_used="json-unless-none"),
+    WithJsonSchema({"type": "array", "items": {"type": "integer"}}),
+]
+Floats = Annotated[
+    list[float] | npt.NDArray[np.floating[Any]],
+    PlainSerializer(_listed, when_used="json-unless-none"),
+    WithJsonSchema({"type": "array", "items": {"type": "number"}}),
+]
+
+
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", arbitrary_types_allowed=True)
 
 
 class Sample(_Wire):
     """One generated answer, with what the trainer needs to use it."""
 
     sample_id: str
-    response_token_ids: list[int]
+    response_token_ids: Ints
     response_text: str | None = Field(
         None, description="the answer's text; None for a consumer that declared no_text"
     )
-    logprobs: list[float] = Field(description="behaviour logprob of each response token")
+    logprobs: Floats = Field(description="behaviour logprob of each response token")
     reward: float
     finish_reason: str
     policy_version: int
     verifier_error: str | None = None
     advantage: float = 0.0
     weight: float = Field(1.0, description="sample weight, mean 1 over its batch frame")
-    token_weights: list[float] | None = None
-    loss_mask: list[int] | None = Field(
+    token_weights: Floats | None = None
+    loss_mask: Ints | None = Field(
         None,
         description="per response token: 1 where the policy sampled it, 0 where an "
         "environment's observation put it (train on mask 1 only); null: all 1 (one turn). "
@@ -77,7 +99,7 @@ class Group(_Wire):
     group_id: str
     prompt_id: str
     domain: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Ints
     prompt_text: str | None = Field(
         None, description="the prompt's text; None for a consumer that declared no_text"
     )

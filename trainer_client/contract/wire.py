@@ -63,6 +63,15 @@ def _ext_hook(code: int, data: bytes) -> Any:
     return np.frombuffer(data, dtype=dtype).tolist()
 
 
+def _array_hook(code: int, data: bytes) -> Any:
+    """An array as a read-only numpy view of its bytes: no Python object per number, the
+    cost that dominated a consumer's CPU with 700-token answers (BENCHMARKS.md section 8)."""
+    dtype = _DTYPES.get(code)
+    if dtype is None:
+        return msgpack.ExtType(code, data)
+    return np.frombuffer(data, dtype=dtype)
+
+
 def _fields(model: Any) -> dict[str, Any]:
     """A model's field values as a new dict (a shallow `model_dump`): the group's
     number lists go into arrays as they are, without pydantic copying each one first."""
@@ -112,18 +121,20 @@ def pack(message: Any) -> bytes:
     return packed
 
 
-def unpack(data: bytes) -> Any:
-    """One msgpack document, arrays as lists: the same value as its JSON form."""
-    return msgpack.unpackb(data, ext_hook=_ext_hook)
+def unpack(data: bytes, *, arrays: bool = False) -> Any:
+    """One msgpack document, arrays as lists (the same value as its JSON form), or as
+    read-only numpy arrays with `arrays`."""
+    return msgpack.unpackb(data, ext_hook=_array_hook if arrays else _ext_hook)
 
 
 def unpack_group(data: bytes) -> Group:
     return Group.model_validate(unpack(data))
 
 
-def stream_decoder() -> msgpack.Unpacker:
-    """An incremental decoder: `feed()` it chunks, iterate it for whole messages."""
-    return msgpack.Unpacker(ext_hook=_ext_hook, max_buffer_size=1 << 30)
+def stream_decoder(*, arrays: bool = False) -> msgpack.Unpacker:
+    """An incremental decoder: `feed()` it chunks, iterate it for whole messages (arrays
+    as in `unpack`)."""
+    return msgpack.Unpacker(ext_hook=_array_hook if arrays else _ext_hook, max_buffer_size=1 << 30)
 
 
 def splice_map(packed_map: bytes, key: str, value: Any) -> bytes:

@@ -257,7 +257,7 @@ def groups_to_tensors(
         response_attention[i, :r] = 1
         logprobs[i, :r] = torch.tensor(lps, dtype=torch.float32)
         scores[i, last_sampled(mask)] = float(sample.reward)
-        if sample.response_token_ids:
+        if len(sample.response_token_ids):
             weights[i, :r] = torch.tensor(per_token_weights(sample), dtype=torch.float32)
             advantages[i, :r] = float(sample.advantage) * response_mask[i, :r]
     attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
