@@ -33,12 +33,14 @@ def _listed(values: Any) -> Any:
 #: takes them as they are). Both serialize as JSON lists; the schema is the list's. Use
 #: ``len(x)`` rather than ``bool(x)`` and ``list(a) + list(b)`` rather than ``a + b``.
 Ints = Annotated[
-    list[int] | npt.NDArray[np.integer[Any]],
+    npt.NDArray[np.integer[Any]] | list[int],
+    Field(union_mode="left_to_right"),  # an array is taken as it is, not tried as a list
     PlainSerializer(_listed, when_used="json-unless-none"),
     WithJsonSchema({"type": "array", "items": {"type": "integer"}}),
 ]
 Floats = Annotated[
-    list[float] | npt.NDArray[np.floating[Any]],
+    npt.NDArray[np.floating[Any]] | list[float],
+    Field(union_mode="left_to_right"),
     PlainSerializer(_listed, when_used="json-unless-none"),
     WithJsonSchema({"type": "array", "items": {"type": "number"}}),
 ]
