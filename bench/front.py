@@ -7,8 +7,11 @@ thread of its own, at a chosen answer rate: answers log-normal with mean 700 tok
 (log-sd 0.6), a float32 logprob per token, a reasoning text of ~4 characters per token;
 rule `fixed`, 4 answers per prompt (one wave, one group), frames of one group. A real
 `trainer_client.SamplerClient` in another process reads the stream (msgpack, declaring
-`no_text` where the checkout knows the feature) and acks every 16 groups. The engine costs the front nothing but a future resolved from another
-thread, so every CPU second on the front's event loop is the front's.
+`no_text` where the checkout knows the feature, taking arrays where its client offers
+them) and acks every 16 groups (from a thread of its own where the checkout's benchmark
+does so, as a trainer's acks go out while the next step streams in; 64 groups of
+credit). The engine costs the front nothing but a future resolved from another thread,
+so every CPU second on the front's event loop is the front's.
 
 Measured per answer and per group, in a window after a warm-up: the event loop's CPU
 (its own thread clock), the verifier's CPU (inline `exact`, or `math` in the worker
