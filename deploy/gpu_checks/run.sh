@@ -2,7 +2,7 @@
 # The verl GPU check: the sampler (hf backend) on CUDA, then 3 verl GRPO steps against it
 # in the adaptive_rollout trainer mode, in float32 (rollout_probs_diff_max < 1e-3 at every
 # step) and in bfloat16 (rollout_probs_diff_mean < 1e-3), each checking that the policy
-# version advanced and every group used was acked. Under 10 minutes on one GPU.
+# version advanced and every group used was acked. Both phases took 264 s on one H200.
 #
 #   deploy/gpu_checks/run.sh [--out DIR] [--cpu-dry-run] [--dtypes LIST] [--verl-timeout-s S]
 #
