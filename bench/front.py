@@ -282,7 +282,7 @@ def measure_load(spec: dict[str, Any], work: Path) -> dict[str, Any]:
                 pending.append(group)
                 if len(pending) >= spec["ack_every"]:
                     ids = [g.delivery_id for g in pending if g.delivery_id]
-                    acks = [a for a in acks if not a.done()] + [acker.submit(client.ack, ids)]
+                    acks.append(acker.submit(client.ack, ids))
                     pending = []
                 now = time.monotonic()
                 if first is None and now >= opens:

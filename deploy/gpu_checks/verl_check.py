@@ -231,9 +231,7 @@ def gpu_phase(check: Check, toy: Any, work: Path, dtype: str, verl_timeout_s: fl
             "update_weights_s": [s.get("timing_s/update_weights") for s in steps],
             "rollout_probs_diff_max": [s.get("training/rollout_probs_diff_max") for s in steps],
             "rollout_probs_diff_mean": [s.get("training/rollout_probs_diff_mean") for s in steps],
-            "max_memory_allocated_gb": [
-                s.get("actor/perf/max_memory_allocated_gb") for s in steps
-            ],
+            "max_memory_allocated_gb": [s.get("actor/perf/max_memory_allocated_gb") for s in steps],
         }
         check.write()
     finally:

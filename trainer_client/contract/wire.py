@@ -56,13 +56,6 @@ def _array(values: Sequence[float] | np.ndarray, kind: str) -> msgpack.ExtType:
     return msgpack.ExtType(_CODES[array.dtype], array.tobytes())
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    dtype = _DTYPES.get(code)
-    if dtype is None:
-        return msgpack.ExtType(code, data)
-    return np.frombuffer(data, dtype=dtype).tolist()
-
-
 def _array_hook(code: int, data: bytes) -> Any:
     """An array as a read-only numpy view of its bytes: no Python object per number, the
     cost that dominated a consumer's CPU with 700-token answers (BENCHMARKS.md section 8)."""
@@ -70,6 +63,12 @@ def _array_hook(code: int, data: bytes) -> Any:
     if dtype is None:
         return msgpack.ExtType(code, data)
     return np.frombuffer(data, dtype=dtype)
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    """An array as a list: the same value as its JSON form."""
+    value = _array_hook(code, data)
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _fields(model: Any) -> dict[str, Any]:
