@@ -42,7 +42,8 @@ Where the machine has two CPUs or more, every row runs with the front's process 
 to the first (`--front-cores 1`) and the rest (the consumer, the worker, verifier worker
 processes) to the others (`Cores`, `Pinner`): the knee is then one front core's, as in a
 deployment whose trainer runs elsewhere, and the consumer's CPU does not queue behind
-the front's. The simulated engine's thread is in the front's process, on its core.
+the front's. The simulated engine's thread and the store's threads are in the front's
+process but run on the others (`NOT_THE_FRONT`): the front's core is its event loop's.
 
 Two checkouts side by side (`--checkout NAME=REF`, a directory or a git revision, which
 is checked out into a temporary worktree): each measurement runs in the checkout's own
@@ -610,7 +611,11 @@ class Cores:
     queue (BENCHMARKS.md section 8); a front in production has its cores and its trainer
     is elsewhere. The simulated engine's thread lives in the front's process but goes to
     the rest: a real engine decodes in processes (or on machines) of its own, and on the
-    front's core the engine's bookkeeping (~0.04 ms per answer) took a sixth of it.
+    front's core the engine's bookkeeping (~0.04 ms per answer) took a sixth of it. So do
+    the store's threads (SQLite's writer, the WAL checkpointer): they hold the GIL only
+    between SQLite calls, and on the loop's core their ~0.06-0.11 ms per answer made the
+    knee the core's rather than the loop's (the loop waited for its core ~19% of the time
+    at 2,400 answers/s and was 60% busy at the knee).
     """
 
     front: frozenset[int]
@@ -644,7 +649,7 @@ def _descendants(root_pid: int) -> list[int]:
 
 
 #: The front's threads that are not the front: they run on `Cores.rest`.
-NOT_THE_FRONT = ("sim-engine",)
+NOT_THE_FRONT = ("sim-engine", "store_0", "store-checkpoint")
 
 
 def thread_ids(pid: int, names: Sequence[str]) -> set[int]:

@@ -3,6 +3,7 @@ sums behind its tables and targets, and one short measurement of the real front.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -299,16 +300,19 @@ def test_the_pinner_puts_the_front_on_its_cores_and_the_rest_of_the_tree_on_the_
     tmp_path: Path,
 ) -> None:
     """A worker whose children are a front (its command line names bench.front_service)
-    and another process, each with two threads started before the pinner looks: one named
-    as the simulated engine's (it writes its OS thread id to a file), one not."""
+    and another process, each with threads started before the pinner looks: one named as
+    each of the front's threads that are not the front (`NOT_THE_FRONT`: the simulated
+    engine's, the store's; each writes its OS thread id to a file), and one not."""
     cores = front.Cores.split(1)
     assert cores is not None
+    elsewhere = front.NOT_THE_FRONT
     child = (
         "import sys, threading, time\n"
-        "def engine():\n"
-        "    open(sys.argv[2], 'w').write(str(threading.get_native_id()))\n"
+        "def named(i):\n"
+        "    open(f'{sys.argv[2]}.{i}', 'w').write(str(threading.get_native_id()))\n"
         "    time.sleep(30)\n"
-        "threading.Thread(target=engine, name='sim-engine').start()\n"
+        f"for i, name in enumerate({elsewhere!r}):\n"
+        "    threading.Thread(target=named, args=(i,), name=name).start()\n"
         "threading.Thread(target=time.sleep, args=(30,)).start()\n"
     )
     ids = {name: tmp_path / f"{name}.tid" for name in ("bench.front_service", "other")}
@@ -321,15 +325,17 @@ def test_the_pinner_puts_the_front_on_its_cores_and_the_rest_of_the_tree_on_the_
     worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert worker.stdout is not None
     front_pid, other_pid = map(int, worker.stdout.readline().split())
+    tid_files = [Path(f"{ids['bench.front_service']}.{i}") for i in range(len(elsewhere))]
+    threads = len(elsewhere) + 2  # the named ones, the unnamed one, the main thread
     try:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not (
-            all(p.exists() and p.read_text() for p in ids.values())
-            and len(os.listdir(f"/proc/{front_pid}/task")) == 3
-            and len(os.listdir(f"/proc/{other_pid}/task")) == 3
+            all(p.exists() and p.read_text() for p in tid_files)
+            and len(os.listdir(f"/proc/{front_pid}/task")) == threads
+            and len(os.listdir(f"/proc/{other_pid}/task")) == threads
         ):
             time.sleep(0.05)
-        engine_tid = int(ids["bench.front_service"].read_text())
+        not_front = {int(p.read_text()) for p in tid_files}
         front.Pinner(worker.pid, cores).pin()
         for pid, want in (
             (front_pid, cores.front),
@@ -337,11 +343,33 @@ def test_the_pinner_puts_the_front_on_its_cores_and_the_rest_of_the_tree_on_the_
             (worker.pid, cores.rest),
         ):
             tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-            expected = {tid: cores.rest if tid == engine_tid else want for tid in tasks}
+            expected = {tid: cores.rest if tid in not_front else want for tid in tasks}
             assert {tid: os.sched_getaffinity(tid) for tid in tasks} == expected
-        assert engine_tid in [int(t) for t in os.listdir(f"/proc/{front_pid}/task")]
+        assert not_front <= {int(t) for t in os.listdir(f"/proc/{front_pid}/task")}
+        assert len(not_front) == len(elsewhere)
     finally:
         for pid in (front_pid, other_pid, worker.pid):
             os.kill(pid, signal.SIGKILL)
         worker.wait()
         worker.stdout.close()
+
+
+def test_the_threads_the_pinner_moves_off_the_front_are_named_as_the_service_names_them(
+    tmp_path: Path,
+) -> None:
+    """The store's writer and WAL checkpointer by the names the service gives them: a
+    renamed thread would silently stay on the front's core."""
+    import threading
+
+    from sampler_service.store import AsyncStore, Store
+
+    async def started() -> set[str]:
+        store = AsyncStore(Store(tmp_path / "state.db"))
+        try:
+            await store.call(store.sync.get_many, ["probe"])
+            return {t.name for t in threading.enumerate()}
+        finally:
+            await store.close()
+
+    names = asyncio.run(started())
+    assert set(front.NOT_THE_FRONT) - {"sim-engine"} <= names

@@ -436,3 +436,39 @@ async def test_an_estimator_rebuilt_off_the_loop_keeps_every_finished_group(new_
     finished = sum(scheduler.stats.samples_per_group.values())
     assert finished >= 22
     assert scheduler.estimator.state_dict()["finalized"] == finished
+
+
+async def test_the_next_groups_are_built_while_a_write_is_in_the_store(new_scheduler) -> None:
+    """A burst of finished prompts pays the slower of building and writing, not their sum:
+    while one write waits in the store, another finalizer builds the next groups."""
+    scheduler, sink = new_scheduler(**fixed_groups(2))
+    writing, release = asyncio.Event(), asyncio.Event()
+    in_first_write: list[int] = []
+    add_frames = sink.add_frames
+
+    async def slow_store(frames: Sequence[Any], state: dict[str, Any] | None = None) -> None:
+        if not writing.is_set():
+            in_first_write.append(sum(len(f.kept) + len(f.dropped) for f in frames))
+            writing.set()
+            await release.wait()
+        await add_frames(frames, state)
+
+    sink.add_frames = slow_store  # type: ignore[method-assign]
+
+    def built() -> int:
+        return sum(scheduler.stats.samples_per_group.values())
+
+    scheduler.start()
+    try:
+        async with asyncio.timeout(120):
+            await writing.wait()
+            while built() <= in_first_write[0]:
+                await asyncio.sleep(0.01)
+        assert not sink.groups(), "the first write is still held"
+        release.set()
+        async with asyncio.timeout(120):
+            while len(sink.groups()) <= in_first_write[0]:
+                await asyncio.sleep(0.01)
+    finally:
+        release.set()
+        await scheduler.stop()
