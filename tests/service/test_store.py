@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from sampler_service import store as store_module
-from sampler_service.store import FrameRows, Store
+from sampler_service.store import ACKED_KEY, FrameRows, Store
 
 PAYLOAD = os.urandom(200_000)  # about one group of 4 x 1,024 tokens
 
@@ -136,3 +136,24 @@ def test_frames_store_new_groups_once_update_pending_ones_and_share_a_commit(
     assert [m.group_id for m in second.members] == ["later"]
     assert reopened.pending() == [] and reopened.get("k") == 1
     reopened.close()
+
+
+def test_a_write_and_an_ack_take_a_statement_per_hundred_groups_not_one_each(
+    tmp_path: Path,
+) -> None:
+    """Each statement step hands the GIL back and forth with the event loop, so many
+    groups go in one statement; seqs still come back per member, in frame order."""
+    store = Store(tmp_path / "s.sqlite", checkpoint_every_s=None)
+    ids = [f"g{i}" for i in range(250)]
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    (seqs,) = store.frame([FrameRows("b", [(g, g.encode()) for g in ids])])
+    assert sum(s.startswith("INSERT INTO groups") for s in statements) == 3
+    by_id = dict(store._db.execute("SELECT group_id, seq FROM groups").fetchall())
+    assert seqs == [by_id[g] for g in ids] and seqs == sorted(seqs)
+    statements.clear()
+    assert store.delete([*ids[:120], "never-stored"]) == 120
+    assert sum(s.startswith("DELETE FROM groups") for s in statements) == 2
+    store._db.set_trace_callback(None)
+    assert store.count() == 130 and store.get(ACKED_KEY) == 120
+    store.close()
