@@ -1055,13 +1055,15 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     copies = lat.get("store_copies")
     p99 = (lat.get("latency_ms") or {}).get("p99")
 
-    def entry(measured: float | None, goal: float, text: str, unit: str, **extra: Any) -> dict:
+    def entry(
+        measured: float | None, goal: float, text: str, unit: str, slack: float = 0.0, **extra: Any
+    ) -> dict:
         return {
             "measured": measured,
             "goal": goal,
             "goal_text": text,
             "unit": unit,
-            "met": None if measured is None else measured <= goal,
+            "met": None if measured is None else measured <= goal + slack,
             **extra,
         }
 
@@ -1091,7 +1093,12 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "bytes",
             text_declined=lat.get("text_declined", False),
         ),
-        "stored_once": entry(copies, 1.0, "each group's bytes written to SQLite once", "copies"),
+        # Copies are the window's bytes written over its groups framed: a write in flight
+        # at either edge moves a few groups across it (1.0003 with two finalizers), while a
+        # group written twice counts 2.
+        "stored_once": entry(
+            copies, 1.0, "each group's bytes written to SQLite once", "copies", slack=0.01
+        ),
         "p99_last_answer_to_delivery_ms": p99_entry(
             entry(
                 p99,

@@ -123,6 +123,11 @@ def test_targets_are_met_at_their_goals_and_missed_above() -> None:
     assert met["loop_with_http_parse_ms_per_answer"]["with_generate_parse_ms"] == pytest.approx(0.8)
     missed = front.targets(_result(loop=0.21, p99=51.0, copies=2.0, wire=6501.0, parse=0.3))
     assert not any(t["met"] for t in missed.values())
+    # a write in flight at a window's edge is not a second copy; a twentieth written twice is
+    edge = front.targets(_result(loop=0.2, p99=49.0, copies=1.003, wire=6500.0, parse=0.3))
+    assert edge["stored_once"]["met"] is True
+    twice = front.targets(_result(loop=0.2, p99=49.0, copies=1.05, wire=6500.0, parse=0.3))
+    assert twice["stored_once"]["met"] is False
     assert all(t["met"] is None for t in front.targets({}).values())
 
 
