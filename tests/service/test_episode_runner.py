@@ -188,10 +188,21 @@ async def test_the_environments_terminal_reward_is_what_the_rule_counts(
     toy, engine, tmp_path
 ) -> None:
     """`contrary` rewards each episode 1.0 exactly where the row's verifier would score
-    it 0: every reward, n_pos and the rule's stop follow the environment's reward."""
+    it 0: every reward, n_pos and the rule's stop follow the environment's reward. Every
+    answer stays in its group (no down-sampling), so n_pos counts the group's samples: a
+    prompt that took three waves would otherwise keep 4 of its 6 answers."""
     data = episode_data(toy, tmp_path, "python:episode_envs:contrary")
     scheduler, sink = with_episodes(
-        toy, engine, data, rule="balanced", k_pos=1, k_neg=1, n_max=8, wave_size=2
+        toy,
+        engine,
+        data,
+        rule="balanced",
+        k_pos=1,
+        k_neg=1,
+        n_max=8,
+        wave_size=2,
+        group_size=0,
+        downsample="none",
     )
     groups = await run_until(scheduler, sink, 6, reasons=frozenset({"rule"}))
     answers = {row.id: row.answer for rows in scheduler.dataset.rows.values() for row in rows}
