@@ -15,8 +15,8 @@ and connection of their own. SQLite's default runs them inside whichever commit 
 Groups are written and deleted a statement per batch of rows, not a statement per row:
 the sqlite3 module lets go of the GIL around every step of a statement, and the store's
 thread must win it back from the event loop after each one. A row at a time, a write of
-16 groups took ~35 such hand-overs, each up to the interpreter's switch interval (5 ms)
-while the loop was busy.
+n groups stepped 2n statements (the insert, then its seq read back), and each hand-over
+can wait up to the interpreter's switch interval (5 ms) while the loop is busy.
 """
 
 from __future__ import annotations
@@ -130,6 +130,11 @@ class _Checkpointer(threading.Thread):
         self._db.close()
 
 
+def _marks(n: int) -> str:
+    """The placeholders of an `IN (...)` list of n values."""
+    return ", ".join("?" * n)
+
+
 def _chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
     for start in range(0, len(items), _ROWS_PER_STATEMENT):
         yield items[start : start + _ROWS_PER_STATEMENT]
@@ -141,7 +146,7 @@ def _seqs(db: sqlite3.Connection, group_ids: Sequence[str]) -> dict[str, int]:
     for chunk in _chunks(group_ids):
         (found,) = db.execute(
             "SELECT json_group_object(group_id, seq) FROM groups "
-            f"WHERE group_id IN ({', '.join('?' * len(chunk))})",
+            f"WHERE group_id IN ({_marks(len(chunk))})",
             chunk,
         ).fetchone()
         seq_of.update(json.loads(found))
@@ -152,7 +157,7 @@ def _delete(db: sqlite3.Connection, group_ids: Sequence[str]) -> int:
     """Delete these groups; how many there were."""
     before = db.total_changes
     for chunk in _chunks(group_ids):
-        db.execute(f"DELETE FROM groups WHERE group_id IN ({', '.join('?' * len(chunk))})", chunk)
+        db.execute(f"DELETE FROM groups WHERE group_id IN ({_marks(len(chunk))})", chunk)
     return db.total_changes - before
 
 
@@ -320,7 +325,7 @@ class Store:
     def get_many(self, keys: Sequence[str], prefix: str | None = None) -> dict[str, Any]:
         """The values of `keys` that are set, and of every key that starts with `prefix`."""
         rows = self._db.execute(
-            f"SELECT key, value FROM kv WHERE key IN ({','.join('?' * len(keys))})", tuple(keys)
+            f"SELECT key, value FROM kv WHERE key IN ({_marks(len(keys))})", tuple(keys)
         ).fetchall()
         if prefix is not None:
             # [prefix, prefix + U+10FFFF): every key that starts with it, by the index
@@ -363,7 +368,7 @@ class Store:
         self, since: int = 0, limit: int = 1000, kinds: Sequence[str] = ()
     ) -> list[dict[str, Any]]:
         """Events with seq > `since` (of `kinds`, when given), oldest first, at most `limit`."""
-        where = f" AND kind IN ({', '.join('?' * len(kinds))})" if kinds else ""
+        where = f" AND kind IN ({_marks(len(kinds))})" if kinds else ""
         rows = self._db.execute(
             f"SELECT seq, time, kind, source, data FROM events WHERE seq > ?{where} "
             "ORDER BY seq LIMIT ?",

@@ -151,22 +151,24 @@ async def test_the_engine_scores_reproduce_the_sampled_logprobs(toy, engine, tmp
     assert checked > 0
 
 
+#: Balanced 1/1, n_max 8, waves of 2, every answer kept in its group (no down-sampling),
+#: so a group's samples are exactly the answers its rule counted.
+BALANCED_WHOLE_GROUPS: dict[str, Any] = {
+    "rule": "balanced",
+    "k_pos": 1,
+    "k_neg": 1,
+    "n_max": 8,
+    "wave_size": 2,
+    "group_size": 0,
+    "downsample": "none",
+}
+
+
 async def test_groups_obey_the_rule_counted_in_episodes(toy, engine, tmp_path) -> None:
     """Balanced 1/1 with n_max 8, waves of 2: a group stops at its first wave holding a
     right and a wrong episode, or at n_max; every episode generated is in its group."""
     data = episode_data(toy, tmp_path, "python:episode_envs:retell")
-    scheduler, sink = with_episodes(
-        toy,
-        engine,
-        data,
-        rule="balanced",
-        k_pos=1,
-        k_neg=1,
-        n_max=8,
-        wave_size=2,
-        group_size=0,
-        downsample="none",
-    )
+    scheduler, sink = with_episodes(toy, engine, data, **BALANCED_WHOLE_GROUPS)
     groups = await run_until(scheduler, sink, 8, reasons=frozenset({"rule"}))
     assert any(g.stop_reason == "rule" for g in groups)
     for group in groups:
@@ -192,18 +194,7 @@ async def test_the_environments_terminal_reward_is_what_the_rule_counts(
     answer stays in its group (no down-sampling), so n_pos counts the group's samples: a
     prompt that took three waves would otherwise keep 4 of its 6 answers."""
     data = episode_data(toy, tmp_path, "python:episode_envs:contrary")
-    scheduler, sink = with_episodes(
-        toy,
-        engine,
-        data,
-        rule="balanced",
-        k_pos=1,
-        k_neg=1,
-        n_max=8,
-        wave_size=2,
-        group_size=0,
-        downsample="none",
-    )
+    scheduler, sink = with_episodes(toy, engine, data, **BALANCED_WHOLE_GROUPS)
     groups = await run_until(scheduler, sink, 6, reasons=frozenset({"rule"}))
     answers = {row.id: row.answer for rows in scheduler.dataset.rows.values() for row in rows}
     for group in groups:
