@@ -261,8 +261,11 @@ class Delivery:
                 if size is not None and (unacked + size <= max_unacked or unacked == 0):
                     ttl = self.scheduler.config.lease_ttl_s
                     sending()
-                    delivered = self._delivered(outbox.take(consumer, ttl))
-                    yield b"".join(map(encoding.group_message, delivered))
+                    # Every READY frame the credit allows goes out in one write: a
+                    # finalizer's burst of frames costs the loop one socket send, not one
+                    # per frame.
+                    taken = outbox.take(consumer, ttl, max_groups=max_unacked - unacked)
+                    yield b"".join(map(encoding.group_message, self._delivered(taken)))
                     continue
                 now = time.monotonic()
                 if now >= next_beat:

@@ -145,7 +145,7 @@ def build_group(
     )
     adv = advantages(kept)
     # The domain's own signal (what the mixers observe): a replay does not count in it.
-    mean_abs = float(np.abs(adv).mean()) if len(adv) else 0.0
+    mean_abs = advantage.mean(np.abs(adv)) if len(adv) else 0.0
     if replay is not None:
         if n_pos:
             raise ValueError(f"a replay for prompt {row.id}, which has {n_pos} right answers")
@@ -213,8 +213,8 @@ def build_group(
             n_generated=n_gen,
             n_pos=n_pos,
             n_neg=n_gen - n_pos,
-            reward_mean=float(generated_rewards.mean()),
-            reward_std=float(generated_rewards.std(ddof=1)) if n_gen > 1 else 0.0,
+            reward_mean=advantage.mean(generated_rewards),
+            reward_std=advantage.std(generated_rewards),
             n_env_errors=n_env_errors,
         ),
         samples=samples,

@@ -151,7 +151,7 @@ class Estimator:
 
     def budget(self, prompt_id: str) -> int:
         """N_x of ``budget_form`` (module docstring) at the current c."""
-        return int(self._budgets(self.c, np.array([self.p(prompt_id)]))[0])
+        return int(self._budgets(self.c, self._denominators(np.array([self.p(prompt_id)])))[0])
 
     def recalibrate(self) -> float:
         """Set c by bisection so the population's mean budget is closest to mean_budget.
@@ -161,30 +161,33 @@ class Estimator:
         (the upper side on a tie).
         """
         probs, weights = self._population()
+        denominators = self._denominators(probs)
         target = self.params.mean_budget
         # At hi every budget exceeds both n_max and mean_budget, so the mean is >= target.
         top = max(self.params.n_max, target) + 1
         eps = self.params.eps
         lo = 0.0
         hi = top * (math.sqrt(1.0 + eps) if self.params.budget_form == "sqrt" else 1.0 + eps)
-        if self._mean(lo, probs, weights) >= target:
+        if self._mean(lo, denominators, weights) >= target:
             self.c = lo
             return self.c
         for _ in range(_BISECTION_STEPS):
             mid = 0.5 * (lo + hi)
             if mid in (lo, hi):
                 break
-            if self._mean(mid, probs, weights) >= target:
+            if self._mean(mid, denominators, weights) >= target:
                 hi = mid
             else:
                 lo = mid
-        below, above = self._mean(lo, probs, weights), self._mean(hi, probs, weights)
+        below = self._mean(lo, denominators, weights)
+        above = self._mean(hi, denominators, weights)
         self.c = lo if target - below < above - target else hi
         return self.c
 
     def current_mean_budget(self) -> float:
         """The mean budget over the calibration population at the current c."""
-        return self._mean(self.c, *self._population())
+        probs, weights = self._population()
+        return self._mean(self.c, self._denominators(probs), weights)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable learned state (c, group counter, per-prompt counts, streaks)."""
@@ -227,14 +230,19 @@ class Estimator:
         a, b = self.params.alpha, self.params.beta
         return (n_pos + a) / (n_tot + a + b), weights
 
-    def _budgets(self, c: float, probs: np.ndarray) -> np.ndarray:
-        """Budgets of ``budget_form`` for pass rates ``probs``; rounding is half-up."""
+    def _denominators(self, probs: np.ndarray) -> np.ndarray:
+        """What ``budget_form`` divides c by: computed once per calibration, not once
+        per bisection step."""
         p = self.params
-        if p.budget_form == "sqrt":
-            raw = np.floor(c / np.sqrt(probs + p.eps) + 0.5)
-            return np.clip(raw, p.n_min, p.n_max).astype(np.int64)
-        raw = np.floor(c / (probs + p.eps) + 0.5)
-        return np.clip(raw, p.n_min, MAX_ANSWERS).astype(np.int64)
+        return np.sqrt(probs + p.eps) if p.budget_form == "sqrt" else probs + p.eps
 
-    def _mean(self, c: float, probs: np.ndarray, weights: np.ndarray) -> float:
-        return float(np.average(self._budgets(c, probs), weights=weights))
+    def _budgets(self, c: float, denominators: np.ndarray) -> np.ndarray:
+        """Budgets of ``budget_form`` (see `_denominators`); rounding is half-up."""
+        p = self.params
+        cap = p.n_max if p.budget_form == "sqrt" else MAX_ANSWERS
+        return np.clip(np.floor(c / denominators + 0.5), p.n_min, cap).astype(np.int64)
+
+    def _mean(self, c: float, denominators: np.ndarray, weights: np.ndarray) -> float:
+        # np.average's own arithmetic without its argument handling (most of its cost
+        # here, at ~60 bisection steps a calibration)
+        return float((self._budgets(c, denominators) * weights).sum() / weights.sum())
