@@ -210,6 +210,28 @@ async def test_est_rule_spends_budgets_and_learns(new_scheduler) -> None:
     assert any(scheduler.estimator.seen(g.prompt_id) for g in groups)
 
 
+async def test_prompts_admitted_under_one_config_share_its_plan_until_the_next(
+    new_scheduler,
+) -> None:
+    """The plan (sampling, policies, stopping rule) is built per config version, not per
+    prompt; a prompt keeps the plan it was admitted under, and a new estimator (n_max
+    changed) reaches the rule of the prompts admitted after it."""
+    scheduler, _ = new_scheduler(
+        rule="est", n_max=8, wave_size=4, est={"mean_budget": 4, "n_min": 2}
+    )
+    first, second = scheduler._admit(), scheduler._admit()
+    assert first.plan is second.plan
+    old_estimator = scheduler.estimator
+    await scheduler.apply_config(scheduler.config.model_copy(update={"n_max": 6}), 1)
+    third = scheduler._admit()
+    assert third.plan is not first.plan
+    assert (third.plan.config_version, third.plan.rule.params.n_max) == (1, 6)
+    assert (first.plan.config_version, first.plan.rule.params.n_max) == (0, 8)
+    assert scheduler.estimator is not old_estimator
+    assert third.plan.rule.params.estimator is scheduler.estimator
+    assert first.plan.rule.params.estimator is old_estimator
+
+
 async def test_pilot_commit_commits_only_after_an_informative_or_promising_pilot(
     never_scheduler,
 ) -> None:
