@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.common import fixed_groups
 from trainer_client.grpo import GRPOTrainer, TrainConfig
 
 pytestmark = pytest.mark.timeout(600)
@@ -23,16 +24,7 @@ def test_max_staleness_zero_trains_every_step_on_the_current_weights(
     make_server, toy, tmp_path
 ) -> None:
     server = make_server(
-        {
-            "rule": "fixed",
-            "group_size": 2,
-            "n_max": 2,
-            "wave_size": 2,
-            "advantage": "grpo",
-            "max_tokens": 6,
-            "max_staleness": 0,
-            "batch_groups": BATCH_GROUPS,
-        }
+        fixed_groups(2, advantage="grpo", max_tokens=6, max_staleness=0, batch_groups=BATCH_GROUPS)
     )
     cfg = TrainConfig(
         url=server.url,

@@ -11,6 +11,8 @@ import time
 import pytest
 from support import train_command
 
+from bench.common import fixed_groups
+
 pytestmark = pytest.mark.timeout(600)
 
 STEPS = 12
@@ -21,8 +23,7 @@ PIPED_INTERVAL_S = 30.0
 def test_a_piped_progress_bar_draws_a_few_frames_not_one_per_step(
     make_server, toy, tmp_path
 ) -> None:
-    config = {"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2, "max_tokens": 4}
-    server = make_server(config)
+    server = make_server(fixed_groups(2, max_tokens=4))
     stderr = tmp_path / "train.err"
     cmd = train_command(server.url, toy.model_dir, tmp_path / "run", STEPS)
     started = time.monotonic()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import fixed_groups
 from tests.service.test_service_api import collect
 from trainer_client.toy import task
 
@@ -39,7 +40,7 @@ def test_history_skip_counts_skips_is_live_tunable_and_validated(
 ) -> None:
     data = _unsolvable(toy, tmp_path)
     domain = "unsolvable"
-    config = {"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2}
+    config = fixed_groups(2)
     server = make_server({**config, "admission_policies": [SKIP]}, data=[data])
     with server.client() as c:
         # After a prompt's first group, 99 in 100 draws of it are skipped; but a prompt

@@ -23,12 +23,13 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
+from bench.common import fixed_groups
 from trainer_client.client import SamplerClient
 from trainer_client.exceptions import ConflictError, EngineFailed
 
 pytestmark = pytest.mark.timeout(300)
 
-FIXED = {"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2}
+FIXED = fixed_groups(2)
 
 
 def _lease(c: httpx.Client, n: int, consumer: str, wait_s: float = 30.0) -> list[dict]:

@@ -11,13 +11,14 @@ import httpx
 import pytest
 from support import perturbed_file, stream_groups
 
+from bench.common import fixed_groups
 from trainer_client.client import SamplerClient
 from trainer_client.verl.settings import SamplerSettings
 from trainer_client.verl.source import GroupSource
 
 pytestmark = pytest.mark.timeout(600)
 
-QUICK = {"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2}
+QUICK = fixed_groups(2)
 
 
 def _lease(c: httpx.Client, n: int, consumer: str, wait_s: float = 30.0, **params: Any) -> list:

@@ -18,12 +18,13 @@ from chat_tokenizers import STRIPPING, char_tokenizer
 from support import collect
 from transformers import AutoTokenizer
 
+from bench.common import fixed_groups
 from sampler_service.state_dir import fingerprint
 
 pytestmark = pytest.mark.timeout(600)
 
 #: Quick groups; max_tokens is left to the sampler's default.
-QUICK = {"rule": "fixed", "group_size": 2, "n_max": 2, "wave_size": 2, "max_staleness": None}
+QUICK = fixed_groups(2, max_staleness=None)
 
 
 def serve(

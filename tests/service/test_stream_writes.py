@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from bench.common import fixed_groups
 from sampler_service.config import SamplerConfig, ServeSettings
 from sampler_service.encoding import MSGPACK
 from sampler_service.service import SamplerService
@@ -36,15 +37,8 @@ async def test_ready_frames_go_out_together_up_to_the_credit(toy: Any, tmp_path:
     settings = ServeSettings(
         model=toy.model_dir, data=[toy.data_files[0]], state_dir=tmp_path / "state", port=0
     )
-    config = SamplerConfig(
-        rule="fixed",
-        group_size=2,
-        n_max=2,
-        wave_size=2,
-        max_tokens=4,
-        batch_groups=1,
-        max_staleness=None,  # no trainer here: groups may wait for the stream
-    )
+    # max_staleness None: no trainer here, so groups may wait for the stream
+    config = SamplerConfig(**fixed_groups(2, max_tokens=4, batch_groups=1, max_staleness=None))
     service = await SamplerService.build(settings, config)
     try:
         await _ready(service, READY)
