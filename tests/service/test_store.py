@@ -42,6 +42,33 @@ def test_checkpoints_move_the_wal_into_the_database_from_another_thread(tmp_path
     )
 
 
+def test_under_constant_writes_the_wal_starts_again_instead_of_growing(tmp_path: Path) -> None:
+    """Frames of 16 groups every few ms, acks of 64 (a busy front's pattern): a write
+    always lands during a PASSIVE checkpoint, so the log never restarts by itself (it
+    grew to ~240 MB in these 2 s before); past `wal_restart_bytes` the checkpointer's
+    RESTART starts it again."""
+    payload = os.urandom(35_000)  # a group of 4 x 700 tokens
+    wal = tmp_path / "s.sqlite-wal"
+    store = Store(tmp_path / "s.sqlite", checkpoint_every_s=0.02, wal_restart_bytes=4 << 20)
+    largest, frames, unacked = 0, 0, []
+    started = time.monotonic()
+    while time.monotonic() - started < 2.0:
+        ids = [f"g{frames}.{k}" for k in range(16)]
+        store.frame([FrameRows(f"b{frames}", [(g, payload) for g in ids])])
+        frames += 1
+        unacked += ids
+        if len(unacked) >= 64:
+            store.delete(unacked)
+            unacked = []
+        largest = max(largest, wal.stat().st_size)
+        time.sleep(0.003)
+    restarts = store.wal_restarts
+    store.close()
+    assert frames * 16 * len(payload) > 64 << 20  # far more written than the log kept
+    assert restarts > 0
+    assert largest < 32 << 20
+
+
 def test_without_the_thread_sqlite_checkpoints_inside_commits(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.sqlite", checkpoint_every_s=None)
     assert store._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
