@@ -680,25 +680,25 @@ class Scheduler:
         """Add a verified wave to its prompt and to the counters: a metric update per
         outcome, not per answer (each costs a lock and a label lookup)."""
         threshold = run.plan.cfg.positive_threshold
-        positives = [verdict.reward > threshold for verdict in verdicts]
-        n_pos = sum(positives)
+        outcomes: Counter[str] = Counter()
+        n_pos = tokens = 0
+        for completion, verdict in zip(completions, verdicts, strict=True):
+            positive = verdict.reward > threshold
+            run.outcomes.append(positive)
+            n_pos += positive
+            outcomes["error" if verdict.error else ("positive" if positive else "negative")] += 1
+            tokens += len(completion.token_ids)
         run.completions.extend(completions)
         run.verdicts.extend(verdicts)
-        run.outcomes.extend(positives)
         run.n_pos += n_pos
-        run.n_neg += len(positives) - n_pos
-        outcomes = Counter(
-            "error" if verdict.error else ("positive" if positive else "negative")
-            for verdict, positive in zip(verdicts, positives, strict=True)
-        )
+        run.n_neg += len(verdicts) - n_pos
         for outcome, count in outcomes.items():
             self.metrics.samples_generated.labels(run.row.domain, outcome).inc(count)
-        tokens = sum(len(completion.token_ids) for completion in completions)
         self.metrics.generated_tokens.inc(tokens)
         domain_stats = self.stats.domains[run.row.domain]
-        domain_stats.samples += len(positives)
+        domain_stats.samples += len(verdicts)
         domain_stats.positives += n_pos
-        self.stats.samples += len(positives)
+        self.stats.samples += len(verdicts)
         self.stats.tokens += tokens
 
     async def _answers(self, run: PromptRun, n: int) -> list[Completion]:

@@ -134,8 +134,8 @@ class _Checkpointer(threading.Thread):
         while not self._stopping.wait(self._every_s):
             _, frames, _ = self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
             if frames > self._restart_frames:
-                self._db.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
-                self.restarts += 1
+                busy, _, _ = self._db.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+                self.restarts += not busy  # busy: the writer held on; again next tick
             self.checkpoints += 1
 
     def stop(self) -> None:
