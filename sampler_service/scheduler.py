@@ -33,7 +33,7 @@ from sampler_service.metrics import Metrics
 from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
 from sampler_service.replay import Replayed, ReplayStore
 from sampler_service.verifiers.base import Verdict
-from strategies import mixing
+from strategies import admission, mixing
 from strategies.allocation import AllocationPolicy
 from strategies.estimator import Estimator
 from strategies.stopping import StoppingRule, StopReason
@@ -260,6 +260,17 @@ def _unverified(completion: Completion) -> Verdict | None:
 
 
 class Scheduler:
+    # The live config and what is built from it (`_install`).
+    config: SamplerConfig
+    config_version: int
+    #: The live version's group and batch policies, built once per version.
+    policies: PolicySet
+    estimator: Estimator
+    mixer: mixing.Mixer
+    _admission: list[admission.AdmissionPolicy]
+    _allocation: AllocationPolicy | None
+    _plan: PromptPlan
+
     def __init__(
         self,
         *,
@@ -281,22 +292,13 @@ class Scheduler:
         self.sink = sink
         self.metrics = metrics or Metrics()
         self.clock = clock
-        self.config = config
-        self.config_version = config_version
-        #: The live version's group and batch policies, built once per version.
-        self.policies = config.policy_set()
-        self.estimator = config.build_estimator()
-        self.estimator.set_prompts(dataset.prompt_ids())
-        self._plan = self._new_plan()
+        estimator = config.build_estimator()
+        estimator.set_prompts(dataset.prompt_ids())
+        self._install(config, config_version, estimator)
         #: Set while a new estimator is built off the loop: (prompt, answers, correct) of
         #: the groups finished meanwhile, folded into whichever estimator is installed.
         self._estimator_updates: list[tuple[str, int, int]] | None = None
-        self.mixer = mixing.build(
-            config.mixing.name, domains=dataset.domains, **config.mixing.params
-        )
         self.admitter = mixing.DeficitAdmitter(dataset.domains, window=200)
-        self._admission = config.admission_policy_objects()
-        self._allocation = config.build_allocation()
         for domain in dataset.domains:
             self.metrics.prompts_skipped.labels(domain)  # every domain's series from the start
         #: Earlier right answers per prompt, for all-wrong groups (config `replay`).
@@ -392,22 +394,35 @@ class Scheduler:
         estimator = self.estimator
         if cfg.est != old.est or cfg.n_max != old.n_max or cfg.rule != old.rule:
             estimator = await self._rebuilt_estimator(cfg)
-        # A policy that calibrates on the history (knapsack) starts afresh on a new one;
-        # prompts admitted before keep the old pair.
-        if cfg.allocation != old.allocation or estimator is not self.estimator:
+        self._install(cfg, version, estimator, old)
+        self.metrics.config_version.set(version)
+        self.poke()
+
+    def _install(
+        self,
+        cfg: SamplerConfig,
+        version: int,
+        estimator: Estimator,
+        old: SamplerConfig | None = None,
+    ) -> None:
+        """Make `cfg` the live config and `estimator` the live estimator. The mixer and
+        the admission and allocation policies are built anew only where their knobs
+        differ from `old` (the config before; None: build everything), so the state they
+        learned survives unrelated changes; an allocation that calibrates on the history
+        (knapsack) starts afresh with a new estimator. Prompts admitted before keep the
+        plan they were admitted with."""
+        if old is None or cfg.mixing != old.mixing:
+            self.mixer = mixing.build(
+                cfg.mixing.name, domains=self.dataset.domains, **cfg.mixing.params
+            )
+        if old is None or cfg.admission_policies != old.admission_policies:
+            self._admission = cfg.admission_policy_objects()
+        if old is None or cfg.allocation != old.allocation or estimator is not self.estimator:
             self._allocation = cfg.build_allocation()
         self.config, self.config_version = cfg, version
         self.policies = cfg.policy_set()
         self.estimator = estimator
         self._plan = self._new_plan()
-        if cfg.mixing != old.mixing:
-            self.mixer = mixing.build(
-                cfg.mixing.name, domains=self.dataset.domains, **cfg.mixing.params
-            )
-        if cfg.admission_policies != old.admission_policies:
-            self._admission = cfg.admission_policy_objects()
-        self.metrics.config_version.set(version)
-        self.poke()
 
     async def _rebuilt_estimator(self, cfg: SamplerConfig) -> Estimator:
         """The learned state of the live estimator under `cfg`'s parameters.

@@ -1,8 +1,12 @@
-"""Sampler and trainer as two processes over loopback HTTP: weights flow back, acks land."""
+"""Sampler and trainer as two processes over loopback HTTP: weights flow back, acks land,
+and `adaptive-rollout train` with stderr piped to a file draws its progress bar a few
+times, not once per step (a log of tens of KB of redrawn bars)."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import time
 
@@ -11,6 +15,7 @@ import torch
 from support import train_command
 from transformers import AutoModelForCausalLM
 
+from bench.common import fixed_groups
 from trainer_client.batch import collate
 from trainer_client.client import SamplerClient
 from trainer_client.grpo import token_logprobs
@@ -20,6 +25,9 @@ pytestmark = pytest.mark.timeout(600)
 
 TEMPERATURE = 0.9  # not 1, so a trainer that ignored the sampler's temperature would show
 STEPS = 3
+PIPED_STEPS = 12
+#: A piped log gets at most one bar per this many seconds (plus the first and last).
+PIPED_INTERVAL_S = 30.0
 
 
 def max_logprob_gap(model, groups) -> float:
@@ -133,3 +141,25 @@ def test_trainer_process_pushes_weights_the_sampler_serves_and_acks_what_it_used
         assert client.health().policy_version == STEPS + 2
         state = json.loads((resumed / "final" / "trainer_state.json").read_text())
         assert (state["step"], state["policy_version"]) == (STEPS + 2, STEPS + 2)
+
+
+def test_a_piped_progress_bar_draws_a_few_frames_not_one_per_step(
+    make_server, toy, tmp_path
+) -> None:
+    server = make_server(fixed_groups(2, max_tokens=4))
+    stderr = tmp_path / "train.err"
+    cmd = train_command(server.url, toy.model_dir, tmp_path / "run", PIPED_STEPS)
+    started = time.monotonic()
+    with stderr.open("w") as err:
+        done = subprocess.run(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, timeout=3 * 240 + 30
+        )
+    wall_s = time.monotonic() - started
+    text = stderr.read_text()
+    assert done.returncode == 0, done.stdout + text
+    # A frame is one draw of the bar: "\r"-separated on a terminal, one line in a file.
+    frames = [f for f in re.split(r"[\r\n]", text) if f.startswith("train:")]
+    assert frames, text  # the bar is on (stderr is no terminal, progress is not disabled)
+    assert f"{PIPED_STEPS}/{PIPED_STEPS}" in frames[-1], frames[-1]
+    # The first and the closing draw, plus one per interval the run lasted.
+    assert len(frames) <= 2 + math.ceil(wall_s / PIPED_INTERVAL_S), frames
