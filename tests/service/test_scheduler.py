@@ -232,6 +232,35 @@ async def test_prompts_admitted_under_one_config_share_its_plan_until_the_next(
     assert first.plan.rule.params.estimator is old_estimator
 
 
+async def test_a_patch_rebuilds_only_the_policies_whose_knobs_it_changes(new_scheduler) -> None:
+    """What the mixer, the admission and the allocation policies learned survives a PATCH
+    of other knobs; each is built anew when its own knobs change (the allocation also
+    with a new estimator, which it calibrates on)."""
+    scheduler, _ = new_scheduler(
+        n_max=16,
+        mixing={"name": "reward_gap"},
+        admission_policies=[{"name": "history_skip"}],
+        allocation={"name": "knapsack"},
+    )
+
+    async def patch(version: int, **knobs: Any) -> None:
+        cfg = SamplerConfig.model_validate({**scheduler.config.model_dump(), **knobs})
+        await scheduler.apply_config(cfg, version)
+
+    mixer, admission, allocation = scheduler.mixer, scheduler._admission, scheduler._allocation
+    await patch(1, temperature=0.5)
+    assert scheduler._plan.sampling.temperature == 0.5
+    assert scheduler.mixer is mixer
+    assert scheduler._admission is admission and scheduler._allocation is allocation
+    await patch(2, mixing={"name": "static"})
+    assert scheduler.mixer is not mixer and scheduler.config.mixing.name == "static"
+    assert scheduler._admission is admission and scheduler._allocation is allocation
+    await patch(3, n_max=12)  # a new estimator: the allocation calibrates afresh
+    assert scheduler._allocation is not allocation and scheduler._admission is admission
+    await patch(4, admission_policies=[])
+    assert scheduler._admission == [] and scheduler._plan.config_version == 4
+
+
 async def test_pilot_commit_commits_only_after_an_informative_or_promising_pilot(
     never_scheduler,
 ) -> None:
