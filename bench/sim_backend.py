@@ -330,13 +330,6 @@ def _cheap_payload(rng: np.random.Generator, length: int) -> tuple[list[int], li
     return [1] * length, [-1.0] * length
 
 
-def realistic_payload(rng: np.random.Generator, length: int) -> tuple[list[int], list[float]]:
-    """Random token ids (a 150k vocabulary) and logprobs, for payload-size realism."""
-    ids = rng.integers(0, 151_000, length).tolist()
-    logprobs = (-rng.exponential(0.7, length)).tolist()
-    return ids, logprobs
-
-
 async def verify_reward_text(row: Any, completions: Sequence[Completion]) -> list[Verdict]:
     """The benchmark's verify fn: the engine wrote the drawn reward into the text."""
     return [Verdict(1.0 if c.text == REWARD_TEXT[True] else 0.0) for c in completions]

@@ -90,11 +90,6 @@ class Estimator:
         self.c = 0.0
         self.recalibrate()
 
-    @property
-    def prior(self) -> float:
-        """The pass rate assumed for a prompt never seen: the Beta prior's mean."""
-        return self.params.alpha / (self.params.alpha + self.params.beta)
-
     def seen(self, prompt_id: str) -> bool:
         """Whether a finalized group of this prompt has updated the estimate."""
         return prompt_id in self._stats

@@ -779,9 +779,6 @@ class RayPoolBackend(base.Backend):
         return sum(r for r in results if isinstance(r, int))
 
     # -- introspection (tests, benchmarks, /v1/stats) -----------------------------------
-    def replica_pids(self) -> list[int | None]:
-        return [r.pid for r in self._replicas]
-
     async def replica_health(self, index: int) -> dict[str, Any]:
         """Replica `index`'s own answer to a health probe (with its call counters)."""
         return dict(await self._replicas[index].handle.health.remote())
