@@ -96,7 +96,8 @@ class RateSink(VolatileSink):
 
 
 class Timed(Backend):
-    """Records when each wave was issued and when it came back, around another backend."""
+    """Records when each wave was issued and when it came back, around another backend
+    (whatever `generate` takes is passed through)."""
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
@@ -117,16 +118,9 @@ class Timed(Backend):
     async def close(self) -> None:
         await self.inner.close()
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> list[Completion]:
+    async def generate(self, *args: Any, **kwargs: Any) -> list[Completion]:
         started = time.monotonic()
-        out = await self.inner.generate(prompt_token_ids, n, sampling, affinity_key=affinity_key)
+        out = await self.inner.generate(*args, **kwargs)
         self.calls.append((started, time.monotonic()))
         return out
 

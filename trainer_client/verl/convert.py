@@ -35,7 +35,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -290,21 +290,26 @@ def groups_to_tensors(
     return tensors, non_tensors
 
 
+class BatchOptions(TypedDict, total=False):
+    """The keyword options of `groups_to_tensors`, for the functions that pass them on."""
+
+    n: int | None
+    sample_weights: bool
+    drop_replayed: bool
+
+
 def groups_to_dataproto(
     groups: Sequence[Group],
     pad_token_id: int,
     *,
-    n: int | None = None,
-    sample_weights: bool = True,
-    drop_replayed: bool = True,
     meta_info: dict[str, Any] | None = None,
+    **options: Unpack[BatchOptions],
 ) -> Any:
-    """A verl `DataProto` of these groups, as verl's agent loop would have produced it."""
+    """A verl `DataProto` of these groups, as verl's agent loop would have produced it;
+    ``options`` are `groups_to_tensors`'s."""
     from verl import DataProto
 
-    tensors, non_tensors = groups_to_tensors(
-        groups, pad_token_id, n=n, sample_weights=sample_weights, drop_replayed=drop_replayed
-    )
+    tensors, non_tensors = groups_to_tensors(groups, pad_token_id, **options)
     return DataProto.from_dict(
         tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info or {})
     )
