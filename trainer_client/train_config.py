@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainer_client.contract.protocol import DEFAULT_URL, URL_ENV
+
+# The knobs `adaptive-rollout demo` passes on to this trainer: their bounds are stated once,
+# here; each command gives its own default and help.
+Steps = Annotated[int, Field(ge=1)]
+BatchGroups = Annotated[int, Field(ge=1)]
+LearningRate = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+SyncEvery = Annotated[int, Field(ge=1)]
+TimeLimit = Annotated[float | None, Field(gt=0.0, allow_inf_nan=False)]
 
 
 class TrainConfig(BaseModel):
@@ -34,11 +42,11 @@ class TrainConfig(BaseModel):
         description="log and checkpoint directory",
         json_schema_extra={"cli_flag": "out"},
     )
-    steps: int = Field(100, ge=1, description="optimizer steps (batches) to train")
-    batch_groups: int = Field(
-        8, ge=1, description="groups per batch; the sampler's batch_groups is set to match"
+    steps: Steps = Field(100, description="optimizer steps (batches) to train")
+    batch_groups: BatchGroups = Field(
+        8, description="groups per batch; the sampler's batch_groups is set to match"
     )
-    lr: float = Field(1e-5, ge=0.0, allow_inf_nan=False, description="AdamW learning rate")
+    lr: LearningRate = Field(1e-5, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="AdamW decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     max_grad_norm: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="clip norm")
@@ -70,7 +78,7 @@ class TrainConfig(BaseModel):
     minibatches: int = Field(
         1, ge=1, description="optimizer steps per epoch (the batch is split this many ways)"
     )
-    sync_every: int = Field(1, ge=1, description="push weights to the sampler every N steps")
+    sync_every: SyncEvery = Field(1, description="push weights to the sampler every N steps")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: final only)")
     device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1, ...)")
     consumer: str | None = Field(
@@ -103,11 +111,8 @@ class TrainConfig(BaseModel):
     )
     seed: int = Field(0, description="seed for the trainer's shuffling")
     progress: bool = Field(True, description="show a progress bar")
-    time_limit_s: float | None = Field(
-        None,
-        gt=0.0,
-        allow_inf_nan=False,
-        description="stop early (after a whole step) once this much time is spent",
+    time_limit_s: TimeLimit = Field(
+        None, description="stop early (after a whole step) once this much time is spent"
     )
     eval_files: list[Path] = Field(
         default_factory=list,

@@ -36,6 +36,20 @@ def test_sync_every_zero_is_a_usage_error_naming_the_flag(capsys) -> None:
     assert "--sync-every: Input should be greater than or equal to 1" in err
 
 
+def test_the_demo_bounds_the_knobs_it_passes_to_the_trainer_as_the_trainer_does(capsys) -> None:
+    from trainer_client.demo import DemoSettings
+
+    shared = sorted(set(DemoSettings.model_fields) & set(TrainConfig.model_fields))
+    assert {"steps", "batch_groups", "lr", "sync_every", "time_limit_s"} <= set(shared)
+    for name in shared:
+        demo, train = DemoSettings.model_fields[name], TrainConfig.model_fields[name]
+        assert (demo.annotation, demo.metadata) == (train.annotation, train.metadata), name
+    # Through the generated command line: the same bound, the same message, naming the flag.
+    with pytest.raises(SystemExit):
+        main(["demo", "--sync-every", "0"])
+    assert "--sync-every: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
 def test_serve_has_one_flag_per_setting_and_shows_defaults() -> None:
     help_text = " ".join(_serve_parser().format_help().split())
     fields = [("", name, info) for name, info in ServeSettings.model_fields.items()]
