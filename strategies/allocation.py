@@ -57,7 +57,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import Field
 
-from strategies.estimator import MAX_ANSWERS, Estimator
+from strategies.estimator import MAX_ANSWERS, Estimator, MeanBudget, NMin, check_mean_budget
 from strategies.registry import Params, Policy, PolicyError, Registry
 
 Pilot = Annotated[
@@ -162,10 +162,8 @@ class Posterior(PilotFirst):
 
 
 class KnapsackParams(Params):
-    mean_budget: float = Field(
-        8.0, gt=0.0, le=MAX_ANSWERS, description="mean answers per prompt over the population"
-    )
-    n_min: int = Field(2, ge=1, le=MAX_ANSWERS, description="fewest answers a prompt gets")
+    mean_budget: MeanBudget = Field(8.0, description="mean answers per prompt over the population")
+    n_min: NMin = Field(2, description="fewest answers a prompt gets")
     value: Literal["informative", "paper"] = Field(
         "informative",
         description="informative: 1 - p^n - (1-p)^n; paper: that times p(1-p)^2",
@@ -189,13 +187,7 @@ class Knapsack(AllocationPolicy):
         self._calibrated: tuple[Estimator, int, int] | None = None
 
     def validate(self, n_max: int) -> None:
-        p = self.params
-        if not p.n_min <= p.mean_budget <= n_max:
-            raise PolicyError(
-                f"knapsack needs n_min <= mean_budget <= n_max (got {p.n_min} <= "
-                f"{p.mean_budget} <= {n_max})",
-                field="mean_budget",
-            )
+        check_mean_budget("knapsack", self.params.n_min, self.params.mean_budget, n_max)
 
     def gains(self, a: np.ndarray | float, b: np.ndarray | float, n_max: int) -> np.ndarray:
         """V(n + 1) - V(n) for n = n_min..n_max-1 (non-increasing: V is concave)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import ConfigDict, Field
@@ -35,6 +35,19 @@ _BISECTION_STEPS = 200
 #: The most answers one prompt may get: budgets scale memory and engine work, and an
 #: unbounded one would let a single config change queue more than the machine can hold.
 MAX_ANSWERS = 4_096
+#: The floor of a prompt's budget and the mean of a population's budgets: the knobs of
+#: the Est rule and of the knapsack allocation, bounded alike.
+NMin = Annotated[int, Field(ge=1, le=MAX_ANSWERS)]
+MeanBudget = Annotated[float, Field(gt=0.0, le=MAX_ANSWERS)]
+
+
+def check_mean_budget(kind: str, n_min: int, mean_budget: float, n_max: int) -> None:
+    """A mean budget is only reachable between the floor and the cap."""
+    if not n_min <= mean_budget <= n_max:
+        raise PolicyError(
+            f"{kind} needs n_min <= mean_budget <= n_max (got {n_min} <= {mean_budget} <= {n_max})",
+            field="mean_budget",
+        )
 
 
 class EstKnobs(Params):
@@ -52,10 +65,8 @@ class EstKnobs(Params):
         1.0, gt=0.0, le=1e6, description="Beta prior: pseudo-count of wrong answers"
     )
     eps: float = Field(0.01, gt=0.0, le=1.0, description="budget = c / sqrt(p + eps)")
-    n_min: int = Field(2, ge=1, le=MAX_ANSWERS, description="smallest per-prompt budget")
-    mean_budget: float = Field(
-        8.0, gt=0.0, le=MAX_ANSWERS, description="dataset-wide mean of the budgets"
-    )
+    n_min: NMin = Field(2, description="smallest per-prompt budget")
+    mean_budget: MeanBudget = Field(8.0, description="dataset-wide mean of the budgets")
     budget_form: Literal["sqrt", "inverse"] = Field(
         "sqrt",
         description="sqrt: c / sqrt(p + eps) clipped to [n_min, n_max] (the paper's Est); "
@@ -76,12 +87,7 @@ class Estimator:
     def __init__(self, **params: Any) -> None:
         self.params = parse_params(EstimatorParams, params, kind="estimator", name="est")
         p = self.params
-        if not p.n_min <= p.mean_budget <= p.n_max:
-            raise PolicyError(
-                f"est needs n_min <= mean_budget <= n_max (got {p.n_min} <= "
-                f"{p.mean_budget} <= {p.n_max})",
-                field="mean_budget",
-            )
+        check_mean_budget("est", p.n_min, p.mean_budget, p.n_max)
         self._stats: dict[str, tuple[float, float]] = {}  # id -> (N_tot, N_pos)
         # id -> consecutive finalized groups with no correct or no incorrect answer
         self._streaks: dict[str, int] = {}

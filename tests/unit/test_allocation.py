@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from strategies import PolicyError, allocation
-from strategies.estimator import Estimator
+from strategies.estimator import Estimator, EstKnobs
 
 F, T = False, True
 
@@ -147,6 +147,22 @@ def test_bad_parameters_name_the_parameter(name: str, params: dict, n_max: int, 
     with pytest.raises(PolicyError) as info:
         allocation.build(name, **params).validate(n_max)
     assert info.value.field == field
+
+
+def test_knapsack_and_the_est_rule_bound_their_budgets_alike() -> None:
+    knapsack, est = allocation.KnapsackParams.model_fields, EstKnobs.model_fields
+    for name in ("n_min", "mean_budget"):
+        assert knapsack[name].metadata == est[name].metadata, name
+    messages = []
+    for refuse in (
+        lambda: allocation.build("knapsack", n_min=4, mean_budget=3.0).validate(16),
+        lambda: Estimator(n_min=4, mean_budget=3.0, n_max=16),
+    ):
+        with pytest.raises(PolicyError) as info:
+            refuse()
+        assert info.value.field == "mean_budget"
+        messages.append(str(info.value).split(" needs ", 1)[1])
+    assert messages == ["n_min <= mean_budget <= n_max (got 4 <= 3.0 <= 16)"] * 2
 
 
 def test_an_unknown_policy_names_the_family() -> None:
