@@ -37,7 +37,7 @@ space := $(empty) $(empty)
 CORE_EXPR = not $(subst $(space), and not ,$(strip $(SUITE_MARKERS)))
 LINT_PATHS := strategies sampler_service trainer_client tests bench
 
-.PHONY: venv test test-core test-unit lint format demo demo-calculator clean
+.PHONY: venv test test-core test-unit lint format demo demo-calculator wheel clean
 
 venv: $(STAMP)
 
@@ -90,5 +90,11 @@ demo: venv
 demo-calculator: venv
 	$(BIN)/adaptive-rollout demo --task calculator --out demo_calculator_out
 
+# The package is not on PyPI: this builds the wheel to install elsewhere (the README's
+# Install), with any Python that has pip; no environment of ours is needed.
+wheel:
+	$(PYTHON) -m pip wheel --no-deps --progress-bar off --wheel-dir dist .
+
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-verl demo_out demo_calculator_out .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm .venv-verl demo_out demo_calculator_out .pytest_cache .hypothesis \
+	  build dist

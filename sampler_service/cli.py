@@ -22,7 +22,7 @@ import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from sampler_service import package_version
 
@@ -98,6 +98,10 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # `python:` specs (environments, verifiers) import from the working directory, as
+    # under `python -m`; a console script's sys.path starts at its own bin directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     settings = model_from_args(args.parser, ServeSettings, args)
     if not settings.model.is_dir():
         args.parser.error(f"--model {settings.model}: no such model directory")
@@ -212,7 +216,15 @@ def _load(spec: str) -> Callable[[argparse.ArgumentParser], None]:
     return function
 
 
-class _CommandParser(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line naming the command and the flag, with where to look: not
+    argparse's usage block of every flag first (forty lines for `serve`)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
+
+
+class _CommandParser(_Parser):
     """A subcommand's parser that adds its arguments the first time it is used (parsed or
     asked for help), so that only the chosen subcommand's module is imported."""
 
@@ -240,7 +252,7 @@ class _CommandParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The `adaptive-rollout` argument parser with every subcommand; parsing runs nothing
     (deployment checks parse the command lines of the manifests with it)."""
-    parser = argparse.ArgumentParser(prog="adaptive-rollout", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="adaptive-rollout", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     for name, command in COMMANDS.items():
@@ -279,6 +291,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         args.func(args)
+    except BrokenPipeError:
+        # The reader went away (`config get | head`): what it did not read is not an error
+        # to report. Later writes (the interpreter's last flush) go nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None  # 128 + SIGPIPE, as a shell reports it
     except ModuleNotFoundError as exc:
         # A dependency this install lacks (not a module of ours): say which extra has it.
         root = (exc.name or "").partition(".")[0]

@@ -624,13 +624,20 @@ class ServeSettings(_Strict):
     )
     verifier: str = Field(
         "exact",
-        description="default verifier for rows without one: exact | math | python:module:function",
+        description="default verifier for rows without one: exact | math | "
+        "python:module:function (python: specs import with the working directory on "
+        "sys.path, as under python -m)",
     )
     env: str | None = Field(
         None,
         description="default environment for rows without one (their prompts are answered "
-        "by multi-turn episodes): a built-in name | python:module:factory; unset: rows "
-        "without an env get single answers",
+        "by multi-turn episodes): a built-in name | python:module:factory (imported from the "
+        "working directory too); unset: rows without an env get single answers",
+    )
+    filter_overlong_prompts: bool = Field(
+        False,
+        description="drop prompts with no room for one answer token in the model's context "
+        "(counted in the start-up log and /v1/stats `prompts`) instead of refusing to start",
     )
     backend: Literal["hf", "vllm", "http"] = Field(
         "hf",

@@ -22,6 +22,10 @@ class DatasetError(ValueError):
     """A data file that cannot be served, with the file and line at fault."""
 
 
+class OverlongPrompt(DatasetError):
+    """A prompt that leaves no room for one answer token in the model's context."""
+
+
 @dataclass
 class PromptRow:
     id: str
@@ -35,6 +39,8 @@ class PromptRow:
     env: str | None = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    #: Where the row was read (`file:line`), for the messages about it.
+    where: str = ""
 
 
 def _stable_id(row: dict[str, Any]) -> str:
@@ -96,6 +102,7 @@ def _to_row(record: dict[str, Any], default_domain: str, where: str) -> PromptRo
         verifier=record.get("verifier"),
         metadata=record.get("metadata"),
         env=_env_spec(record.get("env"), where),
+        where=where,
     )
 
 
@@ -113,11 +120,14 @@ class Dataset:
         self._tokenize = tokenize
         self.rows: dict[str, list[PromptRow]] = {}
         for path in paths:
-            for where, record in _read_records(path):
+            records = _read_records(path)
+            if not records:
+                raise DatasetError(f"{path}: holds no prompts")
+            for where, record in records:
                 row = _to_row(record, path.stem, where)
                 self.rows.setdefault(row.domain, []).append(row)
         if not self.rows:
-            raise DatasetError("the data files hold no prompts")
+            raise DatasetError("no data files given")
         self.domains = sorted(self.rows)
         self._cursor = {d: [0, 0] for d in self.domains}  # domain -> [epoch, position]
         self._orders: dict[str, tuple[int, np.ndarray]] = {}
@@ -130,6 +140,11 @@ class Dataset:
         """The environment specs the rows name (each loaded once at start-up)."""
         return {row.env for rows in self.rows.values() for row in rows if row.env}
 
+    @property
+    def size(self) -> int:
+        """Prompts served, over every domain."""
+        return sum(len(rows) for rows in self.rows.values())
+
     def prompt_ids(self) -> list[str]:
         return [row.id for rows in self.rows.values() for row in rows]
 
@@ -139,11 +154,46 @@ class Dataset:
         longest, which = 0, ""
         for rows in self.rows.values():
             for row in rows:
-                if not row.token_ids:
-                    self._tokenize(row)
-                if len(row.token_ids) > longest:
+                if len(self._prepared(row).token_ids) > longest:
                     longest, which = len(row.token_ids), row.id
         return longest, which
+
+    def fit_context(self, context_length: int | None, *, drop_overlong: bool) -> list[PromptRow]:
+        """Tokenize every row, and refuse (`OverlongPrompt`) or, `drop_overlong`, drop
+        each prompt that leaves no room for one answer token in `context_length`; returns
+        the rows dropped. A start checks every prompt before anything is claimed: one that
+        fails at its first wave is a dropped prompt and an engine warning hours in."""
+        rows = [self._prepared(row) for domain_rows in self.rows.values() for row in domain_rows]
+        if context_length is None:
+            return []
+        over = [row for row in rows if len(row.token_ids) + 1 > context_length]
+        if over and not drop_overlong:
+            first, more = over[0], len(over) - 1
+            raise OverlongPrompt(
+                f"{first.where}: prompt {first.id!r} has {len(first.token_ids)} tokens: no room "
+                f"for an answer in the model's context ({context_length} tokens)"
+                + (f" (and {more} more prompt{'s' if more > 1 else ''})" if more else "")
+            )
+        if over:
+            dropped = {id(row) for row in over}
+            for domain in self.domains:
+                kept = [row for row in self.rows[domain] if id(row) not in dropped]
+                if not kept:
+                    raise DatasetError(
+                        f"every prompt of domain {domain!r} is over-long for the model's "
+                        f"context ({context_length} tokens)"
+                    )
+                self.rows[domain] = kept
+        return over
+
+    def _prepared(self, row: PromptRow) -> PromptRow:
+        """`row` tokenized: every path by which a row leaves the dataset goes through here,
+        so the engine never receives a prompt this process did not tokenize."""
+        if not row.token_ids:
+            self._tokenize(row)
+            if not row.token_ids:
+                raise DatasetError(f"{row.where}: prompt {row.id!r} tokenizes to no tokens")
+        return row
 
     def serve_again(self, domain: str, prompt_id: str) -> None:
         """Have `next(domain)` return this prompt before any other."""
@@ -161,9 +211,10 @@ class Dataset:
         return cached[1]
 
     def next(self, domain: str) -> PromptRow:
-        """The domain's next prompt, tokenized on first use; wraps into a new epoch."""
+        """The domain's next prompt (one to serve again first), tokenized on first use;
+        wraps into a new epoch."""
         if self._again[domain]:
-            return self._again[domain].popleft()
+            return self._prepared(self._again[domain].popleft())
         epoch, pos = self._cursor[domain]
         rows = self.rows[domain]
         row = rows[int(self._order(domain, epoch)[pos])]
@@ -171,9 +222,7 @@ class Dataset:
         if pos == len(rows):
             epoch, pos = epoch + 1, 0
         self._cursor[domain] = [epoch, pos]
-        if not row.token_ids:
-            self._tokenize(row)
-        return row
+        return self._prepared(row)
 
     def state_dict(self) -> dict[str, Any]:
         again = {d: [r.id for r in rows] for d, rows in self._again.items() if rows}

@@ -64,6 +64,11 @@ class Delivery:
     #: (groups, until when). A stream's holds while it lives; a lease caller's for a
     #: lease TTL after its last call.
     _declared_steps: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
+    #: The most groups each consumer that declares no step has held unacked at once:
+    #: consumer -> (groups, until when), a lease TTL after it was last seen. Such a
+    #: consumer batches that many before it acks; a step of one frame would leave it
+    #: waiting for groups that admission never makes.
+    _held_peaks: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
 
     def close(self) -> None:
         """Stop serving: open streams end (with a `closing` heartbeat), lease waits return."""
@@ -72,10 +77,14 @@ class Delivery:
 
     def tend(self) -> None:
         """Once a second: expire stale leases, free stalled streams' names, forget step
-        sizes no consumer declares any more."""
+        sizes no consumer declares any more and the holdings of consumers gone."""
         if self.outbox.expire():
             self.scheduler.poke()
         self._drop_stalled_streams()
+        until = time.monotonic() + self.scheduler.config.lease_ttl_s
+        for consumer, _, _ in self._streams.values():  # a live stream is seen
+            if consumer in self._held_peaks:
+                self._held_peaks[consumer] = (self._held_peaks[consumer][0], until)
         self._update_step_groups()
 
     def _heartbeat(self, consumer: str, closing: bool = False) -> dict[str, Any]:
@@ -90,6 +99,7 @@ class Delivery:
             engine_error=self.engine_error(),
             closing=closing,
             engine_state=self.backend.health().state,
+            admission=self.scheduler.admission,
         ).model_dump()
 
     def _check_step(self, groups_per_step: int | None) -> None:
@@ -110,10 +120,32 @@ class Delivery:
             self._declared_steps[consumer] = (groups_per_step, until)
             self._update_step_groups()
 
+    def _note_holding(self, consumer: str) -> None:
+        """After a hand-out: what a consumer that declares no step now holds unacked."""
+        if consumer in self._declared_steps:
+            return
+        held = self.outbox.unacked(consumer)
+        peak, until = self._held_peaks.get(consumer, (0, 0.0))
+        now = time.monotonic()
+        ttl = self.scheduler.config.lease_ttl_s
+        self._held_peaks[consumer] = (max(held, peak if until > now else 0), now + ttl)
+        if held > self.scheduler.consumer_step_groups:
+            self._update_step_groups()
+
     def _update_step_groups(self) -> None:
+        """The trainer's step as consumers show it: the largest step declared, and the
+        most groups a consumer that declares none held unacked at once."""
         now = time.monotonic()
         self._declared_steps = {c: d for c, d in self._declared_steps.items() if d[1] > now}
-        step = max((groups for groups, _ in self._declared_steps.values()), default=0)
+        self._held_peaks = {
+            c: d
+            for c, d in self._held_peaks.items()
+            if d[1] > now and c not in self._declared_steps
+        }
+        step = max(
+            (groups for groups, _ in (*self._declared_steps.values(), *self._held_peaks.values())),
+            default=0,
+        )
         if step != self.scheduler.consumer_step_groups:
             self.scheduler.consumer_step_groups = step
             self.scheduler.poke()
@@ -265,6 +297,7 @@ class Delivery:
                     # finalizer's burst of frames costs the loop one socket send, not one
                     # per frame.
                     taken = outbox.take(consumer, ttl, max_groups=max_unacked - unacked)
+                    self._note_holding(consumer)
                     yield b"".join(map(encoding.group_message, self._delivered(taken)))
                     continue
                 now = time.monotonic()
@@ -299,10 +332,19 @@ class Delivery:
                 self.scheduler.poke()
 
     async def ack(self, delivery_ids: list[str]) -> AckResponse:
+        mistaken = self.outbox.group_ids_among(delivery_ids)
         acked, unknown = await self.outbox.ack(delivery_ids)
         self.metrics.groups_acked.inc(acked)
         self.scheduler.poke()
-        return AckResponse(acked=acked, unknown=unknown)
+        hint = None
+        if mistaken:
+            hint = (
+                f"{mistaken} of the ids are group_id values: ack each group by its "
+                "delivery_id (a group delivered again has a new one)"
+            )
+        elif unknown:
+            hint = "unknown ids: not delivered by this sampler, or already acked"
+        return AckResponse(acked=acked, unknown=unknown, hint=hint)
 
     async def lease(
         self,
@@ -330,6 +372,7 @@ class Delivery:
         delivered = self._delivered(
             self.outbox.take(lease_consumer(consumer), ttl, max_groups=max_groups)
         )
+        self._note_holding(lease_consumer(consumer))
         return encoding.lease(
             {"lease_id": uuid.uuid4().hex, "expires_at": time.time() + ttl}, delivered
         )

@@ -239,6 +239,11 @@ class Outbox:
             self._notify()
         return removed, len(delivery_ids) - removed
 
+    def group_ids_among(self, ids: list[str]) -> int:
+        """How many of `ids` are ids of delivered groups, not of their deliveries (an ack
+        that names a group_id instead of its delivery_id)."""
+        return sum(1 for i in ids if i not in self._by_delivery and i in self._delivery_ids)
+
     def _count_removed(self, frame: _Frame, groups: int) -> None:
         """`groups` of `frame` acked: out of the count of its state."""
         if frame.consumer is None:

@@ -37,7 +37,7 @@ from strategies import admission, mixing
 from strategies.allocation import AllocationPolicy
 from strategies.estimator import Estimator
 from strategies.stopping import StoppingRule, StopReason
-from trainer_client.contract.protocol import Group
+from trainer_client.contract.protocol import AdmissionWait, Group
 
 log = logging.getLogger(__name__)
 
@@ -323,9 +323,11 @@ class Scheduler:
         self._drained.set()
         self._wakeup = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
-        #: Groups per training step declared by the consumers (the service keeps it
+        #: Groups per training step as the consumers show it (the service keeps it
         #: current): without it a bound of s steps would count in single frames.
         self.consumer_step_groups = 0
+        #: What holds admission at 0 and since when (None: nothing; `capacity` keeps it).
+        self.admission: AdmissionWait | None = None
         self._state_saved_at = clock()
         self.last_error: str | None = None
         #: Recent engine calls: the time of each failure, None for each success.
@@ -487,24 +489,55 @@ class Scheduler:
         return self.sink.buffered() + len(self._unframed) + self._finalizing
 
     def capacity(self) -> int:
-        """How many prompts may be admitted now (docs/architecture.md, admission)."""
+        """How many prompts may be admitted now (docs/architecture.md, admission); what
+        holds admission at 0, when something does, is `admission`."""
+        cap, blocked_by, detail = self._room()
+        if blocked_by is None:
+            self.admission = None
+        elif self.admission is None or self.admission.blocked_by != blocked_by:
+            self.admission = AdmissionWait(blocked_by=blocked_by, since=time.time(), detail=detail)
+        elif self.admission.detail != detail:
+            self.admission = self.admission.model_copy(update={"detail": detail})
+        return cap
+
+    def _room(self) -> tuple[int, str | None, str]:
+        """(prompts that may start now, what holds it at 0 if anything, why in words).
+        A full engine (`max_active_prompts`) holds nothing up: it is busy."""
         cfg = self.config
-        if self.paused or not self.backend.health().ok:  # a dead engine would only burn prompts
-            return 0
+        if self.paused:
+            return 0, "weight_update", "new weights are being installed"
+        if not self.backend.health().ok:  # a dead engine would only burn prompts
+            return 0, "engine", "no engine can serve"
         buffered = self.buffered()
         if buffered >= cfg.max_buffered_groups:
-            return 0
+            return (
+                0,
+                "max_buffered_groups",
+                f"{buffered} groups wait for a trainer's ack (READY, LEASED or being stored), "
+                f"max_buffered_groups is {cfg.max_buffered_groups}: ack the groups you hold, "
+                "or raise max_buffered_groups",
+            )
         cap = cfg.max_active_prompts - len(self._active)
         if cfg.max_staleness is not None:
-            cap = min(
-                cap, (cfg.max_staleness + 1) * self.step_groups - (buffered + len(self._active))
-            )
-        return max(cap, 0)
+            ahead = buffered + len(self._active)
+            allowed = (cfg.max_staleness + 1) * self.step_groups
+            if ahead >= allowed:
+                return (
+                    0,
+                    "max_staleness",
+                    f"{ahead} groups are generating or not yet acked, and max_staleness "
+                    f"{cfg.max_staleness} allows {cfg.max_staleness + 1} steps of "
+                    f"{self.step_groups} groups ahead of the trainer: ack the groups you hold, "
+                    "or declare the groups you train on per step (groups_per_step)",
+                )
+            cap = min(cap, allowed - ahead)
+        return max(cap, 0), None, ""
 
     @property
     def step_groups(self) -> int:
         """Groups the trainer takes per step, what `max_staleness` counts in: the most any
-        consumer declared, and at least a frame (`batch_groups`)."""
+        consumer declared or, declaring none, held unacked at once, and at least a frame
+        (`batch_groups`)."""
         return max(self.config.batch_groups, self.consumer_step_groups)
 
     def _new_plan(self) -> PromptPlan:

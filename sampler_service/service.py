@@ -27,7 +27,7 @@ from sampler_service.metrics import Metrics
 from sampler_service.outbox import Outbox, StoreSink, described
 from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
 from sampler_service.scheduler import STATE_KEY, Scheduler, VerifyFn
-from sampler_service.startup import Prepared, check_verifiers, fitted, prepare
+from sampler_service.startup import Prepared, check_verifiers, prepare
 from sampler_service.state_dir import StateDir
 from sampler_service.stats import Stats
 from sampler_service.store import ACKED_KEY, AsyncStore
@@ -127,7 +127,7 @@ class SamplerService:
         loop = asyncio.get_running_loop()
         tokenizer = await loop.run_in_executor(None, lambda: p.tokenize.tokenizer)
         metrics.precreate(dataset.domains)
-        cfg = await fitted(p)
+        cfg = p.config
         verifiers = VerifierPool(max_workers=s.verifier_pool_size, timeout_s=s.verifier_timeout_s)
         undo.callback(verifiers.close)
         await check_verifiers(verifiers, dataset, s.verifier)
@@ -179,7 +179,16 @@ class SamplerService:
         )
         await weights.restore()
         stats = Stats(
-            scheduler, outbox, sink, backend, verifiers, metrics, health, delivery, control
+            scheduler,
+            outbox,
+            sink,
+            backend,
+            verifiers,
+            metrics,
+            health,
+            delivery,
+            control,
+            p.filtered_overlong,
         )
         scheduler.restore_state(
             await store.call(store.sync.get_many, [STATE_KEY], REPLAY_KEY_PREFIX)

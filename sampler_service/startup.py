@@ -7,7 +7,6 @@ an engine or tokenizer loads. `SamplerService.build` takes what it returns.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -27,11 +26,11 @@ from sampler_service.config import (
     overridden_by_saved,
     validate_config,
 )
-from sampler_service.dataset import Dataset, DatasetError, PromptRow
+from sampler_service.dataset import Dataset, DatasetError, OverlongPrompt, PromptRow
 from sampler_service.environments.render import check_prefix_preserving
 from sampler_service.state_dir import StateDir, StateDirError, fingerprint, open_state_dir
 from sampler_service.store import AsyncStore, Store
-from sampler_service.verifiers.pool import VerifierPool
+from sampler_service.verifiers.pool import VerifierPool, resolve_error
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +64,19 @@ class PromptTokenizer:
         return load_tokenizer(self._model_dir)
 
     def __call__(self, row: PromptRow) -> None:
+        # verbose=False: a prompt past the model's length is the start-up check's to report,
+        # in one line naming it, not the tokenizer's warning.
         tokenizer = self.tokenizer
         if isinstance(row.prompt, str):
             row.text = row.prompt
-            row.token_ids = list(tokenizer(row.prompt)["input_ids"])
+            row.token_ids = list(tokenizer(row.prompt, verbose=False)["input_ids"])
         else:
             row.text = tokenizer.apply_chat_template(
                 row.prompt, add_generation_prompt=True, tokenize=False
             )
-            row.token_ids = list(tokenizer(row.text, add_special_tokens=False)["input_ids"])
+            row.token_ids = list(
+                tokenizer(row.text, add_special_tokens=False, verbose=False)["input_ids"]
+            )
 
 
 def _context_length(model_dir: Path) -> int | None:
@@ -88,9 +91,10 @@ def _context_length(model_dir: Path) -> int | None:
 
 @dataclass
 class Prepared:
-    """What `prepare` checked and claimed: the data, the environments its rows name, the
-    state dir with its store, and the config to start from (the saved one, when the state
-    dir has one, with how far its schedule got)."""
+    """What `prepare` checked and claimed: the data (tokenized, over-long prompts dropped
+    where asked), the environments its rows name, the state dir with its store, and the
+    config to start from (the saved one, when the state dir has one, with how far its
+    schedule got; else the given one, max_tokens fitted to the context)."""
 
     settings: ServeSettings
     #: When the start began (the service's uptime counts from it).
@@ -104,8 +108,8 @@ class Prepared:
     config: SamplerConfig
     config_version: int
     schedule_applied: int
-    #: Unless someone chose max_tokens, answers get what the context leaves (`fitted`).
-    fit_max_tokens: bool
+    #: Prompts dropped for having no room for an answer (`--filter-overlong-prompts`).
+    filtered_overlong: int = 0
 
 
 def prepare(
@@ -113,10 +117,12 @@ def prepare(
     initial_config: SamplerConfig | None = None,
     given: frozenset[str] = frozenset(),
 ) -> Prepared:
-    """Check what the sampler was given and claim its state dir, before any engine or
-    tokenizer loads: a bad data file, a config the model cannot serve, a state dir held
-    by another sampler or made for another run is a `StartupError` (one message, for the
-    command line), and a data or config error leaves nothing created.
+    """Check what the sampler was given and claim its state dir, before any engine loads:
+    a bad data file or prompt, a model whose tokenizer cannot load, a config the model
+    cannot serve, a verifier or environment that cannot be imported, a state dir held by
+    another sampler or made for another run is a `StartupError` (one message, for the
+    command line). Every check that does not need the state dir runs before it exists, so
+    a refused start leaves nothing behind that would refuse the corrected one.
 
     `given`: the top-level config keys the command line set (--config, --set), named in
     a warning when the config saved by an earlier run overrides them.
@@ -124,16 +130,21 @@ def prepare(
     started_at, s = time.time(), settings
     initial = initial_config or SamplerConfig()
     tokenize = PromptTokenizer(s.model)
+    context_length = _context_length(s.model)
     try:
         dataset = Dataset(s.data, tokenize, seed=s.seed)
+        _load_tokenizer(tokenize, s.model)
+        dropped = dataset.fit_context(context_length, drop_overlong=s.filter_overlong_prompts)
+    except OverlongPrompt as exc:
+        raise StartupError(f"{exc}; --filter-overlong-prompts drops such prompts") from exc
     except DatasetError as exc:
         raise StartupError(str(exc)) from exc
-    context_length = _context_length(s.model)
     specs = dataset.env_specs() | ({s.env} if s.env else set())
     try:
         env_factories = episodes.load_factories(specs)
         if env_factories:  # chat observations need a prefix-preserving template
             check_prefix_preserving(tokenize.tokenizer, str(s.model))
+        check_verifier_imports(dataset, s.verifier)
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
     try:
@@ -153,6 +164,16 @@ def prepare(
         )
     except StateDirError as exc:
         raise StartupError(str(exc)) from exc
+    # Claimed: what follows is said once the start cannot be refused for its inputs.
+    if dropped:
+        log.warning(
+            "--filter-overlong-prompts: dropped %d over-long prompt%s (no room for an answer "
+            "in the model's context of %s tokens), e.g. %s",
+            len(dropped),
+            "" if len(dropped) == 1 else "s",
+            context_length,
+            ", ".join(f"{row.id!r} ({row.where})" for row in dropped[:3]),
+        )
     store = Store(s.state_dir / "sampler.sqlite", s.store_checkpoint_s or None)
     prepared = Prepared(
         s,
@@ -166,15 +187,19 @@ def prepare(
         initial,
         0,
         0,
-        "max_tokens" not in given,
+        len(dropped),
     )
-    if (saved := store.get("config")) is not None:
-        prepared.fit_max_tokens = False
+    if (saved := store.get("config")) is None:
+        if "max_tokens" not in given:
+            prepared.config = _fitted(initial, dataset, context_length)
+    else:
         try:
             cfg = validate_config(saved["config"])
             check_consistency(cfg, dataset.domains)
             check_context(cfg, context_length)
         except ConfigError as exc:
+            state_dir.release()
+            store.close()
             raise StartupError(
                 f"the config saved in {s.state_dir} cannot be served: {exc}; start a new "
                 "run with --fresh or another --state-dir"
@@ -192,22 +217,22 @@ def prepare(
     return prepared
 
 
-async def fitted(prepared: Prepared) -> SamplerConfig:
-    """The config to start with: max_tokens cut to what the context leaves after the
-    longest prompt, unless someone chose it."""
-    cfg, context_length = prepared.config, prepared.context_length
-    if not prepared.fit_max_tokens or context_length is None:
+def _load_tokenizer(tokenize: PromptTokenizer, model: Path) -> None:
+    """Load the model's tokenizer now: a model directory without a usable one is a
+    start-up error naming it, not a failure once the engine is loading."""
+    try:
+        tokenize.tokenizer  # noqa: B018 - a cached property: this loads it
+    except (OSError, ValueError, TypeError) as exc:
+        raise DatasetError(f"--model {model}: its tokenizer cannot be loaded ({exc})") from exc
+
+
+def _fitted(cfg: SamplerConfig, dataset: Dataset, context_length: int | None) -> SamplerConfig:
+    """`cfg` with max_tokens cut to what the context leaves after the longest prompt (the
+    prompts are tokenized and each leaves room for an answer by now: this cannot fail)."""
+    if context_length is None:
         return cfg
-    longest, prompt_id = await asyncio.get_running_loop().run_in_executor(
-        None, prepared.dataset.longest_prompt
-    )
+    longest, _ = dataset.longest_prompt()
     room = context_length - longest
-    if room < 1:
-        raise ConfigError(
-            f"prompt {prompt_id!r} has {longest} tokens: no room for an answer in the "
-            f"model's context ({context_length} tokens)",
-            "max_tokens",
-        )
     if cfg.max_tokens <= room:
         return cfg
     log.info(
@@ -220,11 +245,17 @@ async def fitted(prepared: Prepared) -> SamplerConfig:
     return cfg.model_copy(update={"max_tokens": room})
 
 
-async def check_verifiers(verifiers: VerifierPool, dataset: Dataset, default: str) -> None:
-    """Resolve the default verifier and every one the data names, or refuse to start.
+def check_verifier_imports(dataset: Dataset, default: str) -> None:
+    """Import the `python:` verifiers the flags and the data name, in this process (whose
+    `sys.path` the verifier workers get): a typo is refused before the state dir exists.
+    `check_verifiers` then resolves every spec in a worker, as verify does."""
+    for spec, user in _verifier_users(dataset, default).items():
+        if spec.startswith("python:") and (error := resolve_error(spec)[1]):
+            raise ValueError(f"verifier {spec!r}, used by {user}, cannot be loaded: {error}")
 
-    A spec that cannot be imported would otherwise score every answer 0 in silence.
-    """
+
+def _verifier_users(dataset: Dataset, default: str) -> dict[str, str]:
+    """Each verifier spec in use, with who uses it first (for the messages)."""
     # The default is checked even when every row names its own: it is what a row added
     # later, or a mistyped flag, would silently fall back to.
     users = {default: "--verifier (the default for rows naming none)"}
@@ -232,6 +263,13 @@ async def check_verifiers(verifiers: VerifierPool, dataset: Dataset, default: st
         for row in rows:
             if row.verifier is not None:
                 users.setdefault(str(row.verifier), f"prompt {row.id!r} (domain {row.domain!r})")
-    for spec, user in users.items():
+    return users
+
+
+async def check_verifiers(verifiers: VerifierPool, dataset: Dataset, default: str) -> None:
+    """Resolve the default verifier and every one the data names in a verifier worker, or
+    refuse to start. A spec that cannot be imported would otherwise score every answer 0
+    in silence."""
+    for spec, user in _verifier_users(dataset, default).items():
         if error := await verifiers.check(spec):
             raise VerifierSpecError(f"verifier {spec!r}, used by {user}, cannot be loaded: {error}")

@@ -97,8 +97,11 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     new = {d["sha256"]: d["file"] for d in current["data"]}
     added = [new[h] for h in new if h not in old]
     missing = [old[h] for h in old if h not in new]
-    if added or missing:
-        parts = [f"{f} is new" for f in added] + [f"{f} (recorded) is not given" for f in missing]
+    changed = [f for f in added if f in missing]  # the same path, another content
+    parts = [f"{f} changed since the state dir was created" for f in changed]
+    parts += [f"{f} is new" for f in added if f not in changed]
+    parts += [f"{f} (recorded) is not given" for f in missing if f not in changed]
+    if parts:
         out.append("data: " + "; ".join(parts))
     if recorded.get("backend") != current["backend"]:
         out.append(f"backend: {current['backend']} given, {recorded.get('backend')} recorded")

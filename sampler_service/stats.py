@@ -34,6 +34,8 @@ class Stats:
     health: ServiceHealth
     delivery: Delivery
     control: Control
+    #: Prompts left out at start-up for having no room for an answer in the context.
+    filtered_overlong: int = 0
     #: (monotonic time, groups emitted, answers, tokens, groups acked), once a second.
     _samples: deque[tuple[float, int, int, int, int]] = field(
         default_factory=lambda: deque(maxlen=int(RATE_WINDOW_S) + 1), init=False
@@ -107,6 +109,7 @@ class Stats:
                 "finalizing": scheduler.finalizing,
             },
             "paused": scheduler.paused,
+            "admission": _admission(scheduler),
             "last_error": scheduler.last_error,
             "engine_error": self.health.engine_error(),
             "warnings": self.health.warnings(),
@@ -114,6 +117,10 @@ class Stats:
             "engine": self.backend.health().detail,
             "replicas": self.health.replicas(),
             "domains": self._domain_shares(),
+            "prompts": {
+                "served": self.scheduler.dataset.size,
+                "filtered_overlong": self.filtered_overlong,
+            },
             **scheduler.stats.to_dict(),
             "rates": self._rates(),
             "staleness": self._staleness(),
@@ -139,3 +146,11 @@ class Stats:
         """The Prometheus exposition, its gauges current."""
         self.update_gauges()
         return self.metrics.render()
+
+
+def _admission(scheduler: Scheduler) -> dict[str, Any]:
+    """What new prompts wait on; `blocked_by` null while nothing holds them up."""
+    wait = scheduler.admission
+    if wait is None:
+        return {"blocked_by": None, "since": None, "detail": None}
+    return wait.model_dump()

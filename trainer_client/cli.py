@@ -12,6 +12,7 @@ from pathlib import Path
 
 
 def train_command(args: argparse.Namespace) -> None:
+    from trainer_client.checkpoints import StartError
     from trainer_client.contract.flags import model_from_args
     from trainer_client.exceptions import SamplerError
     from trainer_client.grpo import TrainingStopped, train
@@ -21,6 +22,8 @@ def train_command(args: argparse.Namespace) -> None:
     # Each exit below follows a saved checkpoint and the command that resumes from it.
     try:
         trainer = train(cfg)
+    except StartError as exc:  # nothing trained: --out holds a run this start cannot continue
+        args.parser.exit(2, f"adaptive-rollout train: {exc}\n")
     except TrainingStopped as exc:  # Ctrl-C or SIGTERM: the step under way was finished
         raise SystemExit(128 + exc.signum) from None
     except KeyboardInterrupt:  # a second Ctrl-C
@@ -90,14 +93,16 @@ def demo_command(args: argparse.Namespace) -> None:
 
 
 def add_toy_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("toy"), help="output directory")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("toy"), help="output directory (default: toy)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the data's split and order (default: 0)"
+    )
     p.add_argument(
         "--task",
         choices=("arithmetic", "calculator"),
         default="arithmetic",
         help="arithmetic: single answers; calculator: tool-call episodes (rows name the "
-        "calculator environment) [arithmetic]",
+        "calculator environment) (default: arithmetic)",
     )
     p.set_defaults(func=toy_command)
 

@@ -27,6 +27,7 @@ The rules (module docstring of `trainer_client.client` for the stream's):
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import secrets
@@ -69,6 +70,12 @@ STREAM_RETRYABLE = (httpx.TimeoutException, *RETRYABLE)
 
 STREAM_PATH = "/v1/groups/stream"
 _STREAM_WAIT = "heartbeat or group on the stream"
+#: What holds admission up that a consumer can release (an ack, a declared step, a knob).
+_BOUNDS = ("max_staleness", "max_buffered_groups")
+#: A stream that got no group for this long while a bound held admission says so once.
+ADMISSION_WARNING_S = 5.0
+
+log = logging.getLogger("trainer_client")
 
 
 def default_consumer_name() -> str:
@@ -235,6 +242,8 @@ class ClientCore:
         self.last_heartbeat: Heartbeat | None = None
         #: Stream connections opened so far (1 + reconnects).
         self.connections = 0
+        #: Whether this client said that its stream waits on an admission bound.
+        self.admission_warned = False
 
     @property
     def duplicates_dropped(self) -> int:
@@ -340,6 +349,8 @@ class StreamState:
         self.attempts = 0
         self.error: BaseException | str | None = None
         self.busy_since: float | None = None
+        #: When the caller last got a group (or the stream began).
+        self.last_group = time.monotonic()
         self._decoder: _LineDecoder | _MsgpackDecoder = _LineDecoder()
 
     def _silence(self) -> float:
@@ -391,6 +402,8 @@ class StreamState:
             if group is not None:
                 fresh, ack_now = self.core.dedupe.admit(group)
                 arrivals.append(Arrival(group if fresh else None, ack_now))
+                if fresh:
+                    self.last_group = self.last_seen
         return arrivals
 
     def resumed(self) -> None:
@@ -424,7 +437,29 @@ class StreamState:
                 raise EngineFailed(
                     f"sampler at {self.core.base_url}: engine failed: {beat.engine_error}"
                 )
+            self._check_admission(beat)
         return None
+
+    def _check_admission(self, beat: Heartbeat) -> None:
+        """Say once when this stream gets nothing because the sampler's admission waits on
+        a bound that only a consumer can release: otherwise heartbeats keep the watchdog
+        quiet and the caller waits forever, silently."""
+        wait = beat.admission
+        if self.core.admission_warned or wait is None or wait.blocked_by not in _BOUNDS:
+            return
+        idle = time.monotonic() - self.last_group
+        if idle < ADMISSION_WARNING_S or beat.time - wait.since < ADMISSION_WARNING_S:
+            return
+        self.core.admission_warned = True
+        log.warning(
+            "sampler at %s: no group for %.0f s, and no prompt admitted: admission waits "
+            "on %s (%s); this consumer holds %d groups unacked",
+            self.core.base_url,
+            idle,
+            wait.blocked_by,
+            wait.detail,
+            beat.unacked,
+        )
 
 
 class RequestAttempts:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from trainer_client import checkpoints
 from trainer_client.batch import BatchAssembler, TrainBatch
 from trainer_client.client import SamplerClient
 from trainer_client.contract.features import LOSS_MASK, NO_TEXT, REPLAYED
@@ -172,10 +173,13 @@ class GRPOTrainer:
         domain (default: greedy exact-match accuracy of single answers; an episode task
         passes its own, e.g. greedy episode success with the task's tool)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         from trainer_client.evaluate import greedy_accuracy_of
 
         self.cfg = cfg
+        if not cfg.progress:  # --no-progress: transformers' "Loading weights" bars too
+            hf_logging.disable_progress_bar()
         self.evaluate_rows = evaluate_rows or greedy_accuracy_of
         torch.manual_seed(cfg.seed)
         self.client = client or SamplerClient(
@@ -190,20 +194,39 @@ class GRPOTrainer:
             # replayed answers as off-policy ones (`cfg.replayed`).
             features=[NO_TEXT, LOSS_MASK, REPLAYED],
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        if cfg.fresh and (aside := checkpoints.move_aside(cfg.out_dir)) is not None:
+            tqdm.write(f"--fresh: moved {cfg.out_dir} aside to {aside}", file=sys.stderr)
+        #: The model directory training starts from: --model, or the run's newest
+        #: checkpoint in --out when this is a rerun (`checkpoints.choose_start`).
+        self.start = checkpoints.choose_start(
+            cfg.model, cfg.out_dir, resume=cfg.resume, fresh=cfg.fresh
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.start)
+        model = AutoModelForCausalLM.from_pretrained(self.start, dtype=torch.float32)
         # transformers wraps `to` with functools.wraps, whose stub asks for the model twice.
         self.model = model.to(cfg.device)  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
         self.step, self.version = 0, 0
-        state = cfg.model / "trainer_state.json"
-        if state.is_file():  # resuming from one of our checkpoints
-            saved = json.loads(state.read_text())
-            self.step, self.version = saved["step"], saved["policy_version"]
-            if (cfg.model / "optimizer.pt").is_file():
-                self.optimizer.load_state_dict(torch.load(cfg.model / "optimizer.pt"))
+        if (resumed := checkpoints.read_checkpoint(self.start)) is not None:
+            self.step, self.version = resumed.step, resumed.policy_version
+            if (self.start / "optimizer.pt").is_file():
+                self.optimizer.load_state_dict(torch.load(self.start / "optimizer.pt"))
+            if self.start != cfg.model:
+                tqdm.write(
+                    f"resuming from {self.start} (step {self.step}, policy v{self.version}); "
+                    "--fresh starts from --model instead",
+                    file=sys.stderr,
+                )
+        if moved := checkpoints.trim_log(cfg.out_dir, self.step):
+            tqdm.write(
+                f"{moved} log records of steps after {self.step} moved to "
+                f"{cfg.out_dir / checkpoints.ROLLED_BACK_LOG}: they are trained again",
+                file=sys.stderr,
+            )
+        #: Weight pushes after a training step, counted for `save_every`.
+        self._pushes = 0
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self._temperatures: dict[int, float] = {}
@@ -331,15 +354,14 @@ class GRPOTrainer:
                 self.step += 1
                 t2 = time.monotonic()
                 last = self.step == cfg.steps or time.monotonic() >= deadline
-                if self.step % cfg.sync_every == 0 or last or signals.received is not None:
-                    self.version += 1
-                    self.client.push_weights(self.model.state_dict(), self.version)
+                pushed = self.step % cfg.sync_every == 0 or last or signals.received is not None
+                if pushed:
+                    self._push(self.version + 1)
+                    self._pushes += 1
                 # Ack only once the new weights are served: `max_staleness` counts unacked
                 # groups, so an ack before the push would let the sampler start the next
                 # batch on the weights this step just replaced (one step off-policy).
                 acked = self.client.ack(batch.groups)  # used: the sampler may delete them
-                if cfg.save_every and self.step % cfg.save_every == 0:
-                    self.save(cfg.out_dir / f"checkpoint-{self.step}")
                 record = self._record(
                     batch,
                     metrics,
@@ -350,6 +372,10 @@ class GRPOTrainer:
                 )
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
+                # After the log line: a checkpoint's step is always logged.
+                if pushed and cfg.save_every and self._pushes % cfg.save_every == 0 and not last:
+                    self.save(cfg.out_dir / f"checkpoint-{self.step}")
+                    checkpoints.prune(cfg.out_dir, cfg.keep_checkpoints)
                 self.history.append(record)
                 self._check_lag(metrics)
                 # The postfix rides on the bar's next timed draw: a refresh here would draw
@@ -369,7 +395,9 @@ class GRPOTrainer:
         if self.step <= started:
             return  # nothing trained since the start (or the checkpoint resumed from)
         path = self.save(self.cfg.out_dir / f"checkpoint-{self.step}")
-        command = command_line(self.cfg.model_copy(update={"model": path}), exclude={"api_key"})
+        command = command_line(
+            self.cfg.model_copy(update={"model": path}), exclude={"api_key", "fresh", "resume"}
+        )
         tqdm.write(
             f"saved checkpoint {path} (step {self.step}, policy v{self.version}); resume with:\n"
             f"  adaptive-rollout train {shlex.join(command)}",
@@ -414,10 +442,27 @@ class GRPOTrainer:
         tqdm.write(f"warning: {message}", file=sys.stderr)
 
     # -- plumbing ---------------------------------------------------------------------------
+    def _push(self, version: int) -> None:
+        self.client.push_weights(self.model.state_dict(), version)
+        self.version = version
+
     def _prepare_sampler(self) -> None:
-        health = self.client.wait_ready()
-        # Versions only grow: continue above whatever the sampler serves (a restarted run).
-        self.version = max(self.version, health.policy_version)
+        """Serve this trainer's weights before its first step: its groups must be sampled by
+        the weights it trains. A sampler serving a newer policy (a rerun after a crash, or
+        someone else's pushes) gets them as a new version, said loudly: the versions
+        trained after this start's weights are rolled back. Versions only grow."""
+        served = self.client.wait_ready().policy_version
+        if served > self.version:
+            origin = f"{self.start} (step {self.step})" if self.step else f"--model {self.start}"
+            tqdm.write(
+                f"warning: the sampler serves policy v{served}, newer than this trainer's "
+                f"v{self.version}: pushing the weights of {origin} as v{served + 1} rolls back "
+                f"what v{self.version + 1}..v{served} learned",
+                file=sys.stderr,
+            )
+            self._push(served + 1)
+        elif served < self.version:  # the sampler restarted from an older state
+            self._push(self.version)
         if self.cfg.configure_sampler:
             config = self.client.get_config()
             if config.get("batch_groups") != self.cfg.batch_groups:
@@ -483,7 +528,8 @@ class GRPOTrainer:
             "policy_version": self.version,
             "config": self.cfg.model_dump(mode="json", exclude={"api_key"}),
         }
-        (path / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+        # Written last: a directory without it (a save cut short) is no checkpoint.
+        (path / checkpoints.STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
         return path
 
 

@@ -327,13 +327,17 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--timeout-s",
         type=float,
         default=15.0,
-        help="give up on an unreachable or starting sampler after this many seconds",
+        help="give up on an unreachable or starting sampler after this many seconds (default: 15)",
     )
 
 
 def _repeating(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    p.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: never)")
+    p.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)"
+    )
+    p.add_argument(
+        "--count", type=int, default=0, help="stop after this many refreshes (default: 0, never)"
+    )
 
 
 def add_config_arguments(p_config: argparse.ArgumentParser) -> None:
@@ -360,15 +364,21 @@ def add_config_arguments(p_config: argparse.ArgumentParser) -> None:
 def add_stats_arguments(p_stats: argparse.ArgumentParser) -> None:
     _common(p_stats)
     _repeating(p_stats)
-    p_stats.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (or --count)")
+    p_stats.add_argument(
+        "--watch", action="store_true", help="refresh until Ctrl-C or --count (default: off)"
+    )
     p_stats.set_defaults(func=_run(stats_command))
 
 
 def add_events_arguments(p_events: argparse.ArgumentParser) -> None:
     _common(p_events)
     _repeating(p_events)
-    p_events.add_argument("--since", type=int, default=0, help="print events after this seq")
-    p_events.add_argument("--follow", action="store_true", help="keep printing new events")
+    p_events.add_argument(
+        "--since", type=int, default=0, help="print events after this seq (default: 0)"
+    )
+    p_events.add_argument(
+        "--follow", action="store_true", help="keep printing new events (default: off)"
+    )
     p_events.add_argument(
         "--kind",
         action="append",

@@ -79,8 +79,17 @@ def sampling_tables(history: Sequence[dict[str, Any]], stats: dict[str, Any]) ->
             )
         )
     dropped = stats.get("dropped", {})
+    emitted = stats.get("groups_emitted", 0)
     if dropped:
-        out.append("dropped groups: " + ", ".join(f"{k} {v}" for k, v in dropped.items()))
+        # Stale drops are groups generated and thrown away: each with its share of what
+        # the sampler emitted, so the cost of the staleness bound is read off one line.
+        out.append(
+            "dropped groups: "
+            + ", ".join(
+                f"{k} {v}" + (f" ({v / emitted:.1%} of {emitted} emitted)" if emitted else "")
+                for k, v in dropped.items()
+            )
+        )
     domains = stats.get("domains", {})
     if domains:
         out.append("mixing shares (sampler, recent window):")

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer_client.contract.protocol import DEFAULT_URL, URL_ENV
 
@@ -79,7 +79,23 @@ class TrainConfig(BaseModel):
         1, ge=1, description="optimizer steps per epoch (the batch is split this many ways)"
     )
     sync_every: SyncEvery = Field(1, description="push weights to the sampler every N steps")
-    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: final only)")
+    save_every: int = Field(
+        10,
+        ge=0,
+        description="checkpoint after every N weight pushes, so a crash loses at most N pushes "
+        "of training (0: only when training ends or stops)",
+    )
+    keep_checkpoints: int = Field(
+        2, ge=0, description="periodic checkpoints kept in --out, newest first (0: all)"
+    )
+    resume: bool = Field(
+        False, description="continue from the newest checkpoint in --out (it must hold one)"
+    )
+    fresh: bool = Field(
+        False,
+        description="start from --model even if --out holds a run (moved aside, never "
+        "deleted); by default a rerun continues from the newest checkpoint in --out",
+    )
     device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1, ...)")
     consumer: str | None = Field(
         None,
@@ -119,3 +135,9 @@ class TrainConfig(BaseModel):
         description="held-out prompt file for greedy accuracy before and after (repeatable)",
         json_schema_extra={"cli_flag": "eval"},
     )
+
+    @model_validator(mode="after")
+    def _one_start(self) -> TrainConfig:
+        if self.resume and self.fresh:
+            raise ValueError("--resume and --fresh exclude each other")
+        return self

@@ -85,22 +85,31 @@ function showTimes(chart, times) {
   chart.setScale("x", { min: start, max: Math.max(times[times.length - 1] ?? start, start + MIN_SPAN_S) });
 }
 
+// Rates and queue depths are read against zero: left to itself, uPlot fits the axis to
+// the data, and a rate that moves from 41 to 43 groups/s looks like a collapse.
+const FROM_ZERO = { range: (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1] };
+// Answers per prompt and prompt counts are whole numbers: ticks at whole steps only.
+const WHOLE_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 1e6];
+
 function makeCharts() {
   const rates = $("#chart-rates"), queue = $("#chart-queue"), hist = $("#chart-hist");
   state.charts.rates = new uPlot({
     width: chartWidth(rates), height: 200,
+    scales: { y: FROM_ZERO, a: FROM_ZERO },
     series: [{}, { label: "groups/s", stroke: "#2563eb", width: 2 }, { label: "answers/s", stroke: "#15803d", width: 2, scale: "a" }],
     axes: [{}, { label: "groups/s" }, { label: "answers/s", scale: "a", side: 1, grid: { show: false } }],
   }, [[], [], []], rates);
   state.charts.queue = new uPlot({
     width: chartWidth(queue), height: 200,
+    scales: { y: FROM_ZERO },
     series: [{}, { label: "READY", stroke: "#b45309", width: 2 }, { label: "LEASED", stroke: "#7c3aed", width: 2 }],
+    axes: [{}, { incrs: WHOLE_STEPS }],
   }, [[], [], []], queue);
   state.charts.hist = new uPlot({
     width: chartWidth(hist), height: 200,
-    scales: { x: { time: false, range: (u, lo, hi) => [lo - 1, hi + 1] } },
+    scales: { x: { time: false, range: (u, lo, hi) => [lo - 1, hi + 1] }, y: FROM_ZERO },
     series: [{ label: "answers" }, { label: "prompts", fill: "#93c5fd", stroke: "#2563eb", paths: uPlot.paths.bars({ size: [0.8, 40] }), points: { show: false } }],
-    axes: [{ label: "answers generated per prompt" }, {}],
+    axes: [{ label: "answers generated per prompt", incrs: WHOLE_STEPS }, { incrs: WHOLE_STEPS }],
   }, [[], []], hist);
   window.addEventListener("resize", () => {
     for (const [name, el] of [["rates", rates], ["queue", queue], ["hist", hist]]) {

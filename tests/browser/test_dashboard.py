@@ -146,6 +146,16 @@ def test_dashboard(sampler: SamplerProcess, browser: Any, toy: Any) -> None:
             "state.history.t[0], state.history.t[state.history.t.length - 1]]"
         )
         assert low == first_t and high == max(last_t, first_t + 60), (chart, low, high)
+    # Rates and queue depths are read against zero; the histogram's ticks are whole numbers.
+    for chart, scale in (("rates", "y"), ("rates", "a"), ("queue", "y"), ("hist", "y")):
+        assert page.evaluate(f"state.charts.{chart}.scales.{scale}.min") == 0, (chart, scale)
+    wait_for(
+        "the histogram to draw",
+        lambda: page.evaluate("state.charts.hist.axes[0]._splits?.length ?? 0") > 1,
+    )
+    for axis in (0, 1):
+        ticks = page.evaluate(f"state.charts.hist.axes[{axis}]._splits")
+        assert ticks and all(float(t).is_integer() for t in ticks), (axis, ticks)
 
     # The key was asked for once: a reload keeps it (sessionStorage) and shows data again.
     page.reload()

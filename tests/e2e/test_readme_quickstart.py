@@ -27,17 +27,19 @@ SECTION = "## Run the sampler, then train against it"
 
 
 def quick_start_commands() -> list[str]:
-    """Every command of the section's bash blocks, continuation lines joined."""
+    """Every command of the section's bash blocks, continuation lines joined, in order;
+    a python block is one command: `python` and its code."""
     text = README.read_text(encoding="utf-8")
     assert SECTION in text, f"README.md has no section {SECTION!r}"
     section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    return [
-        line.strip()
-        for block in blocks
-        for line in block.replace("\\\n", " ").splitlines()
-        if line.strip()
-    ]
+    commands = []
+    for language, block in re.findall(r"```(bash|python)\n(.*?)```", section, re.S):
+        if language == "python":
+            commands.append(f"python\n{block}")
+            continue
+        lines = block.replace("\\\n", " ").splitlines()
+        commands += [line.strip() for line in lines if line.strip()]
+    return commands
 
 
 def _free_port() -> int:
@@ -96,6 +98,16 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
                 config = httpx.get(f"http://127.0.0.1:{port}/v1/config", timeout=30).json()
                 assert config["max_tokens"] == 58, config
                 continue
+            if command.startswith("python\n"):  # the trainer loop, as a user's script
+                (tmp_path / "loop.py").write_text(command.removeprefix("python\n"))
+                done = subprocess.run(
+                    [".venv/bin/python", "loop.py"], cwd=tmp_path, env=env,
+                    capture_output=True, text=True, timeout=600, check=False,
+                )  # fmt: skip
+                assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+                served = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
+                assert served["policy_version"] >= 2, served
+                continue
             if command.startswith("curl -N"):  # a stream: its first message, then Ctrl-C
                 stream = subprocess.Popen(
                     ["bash", "-c", f"exec {command}"], cwd=tmp_path, env=env,
@@ -139,3 +151,56 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
         if server is not None and server.poll() is None:
             server.kill()
             server.communicate()
+
+
+EPISODES = "## Multi-turn episodes"
+
+
+def test_the_episode_examples_run_as_written(tmp_path: Path) -> None:
+    """The episodes section's environment and row, saved under the names it gives them,
+    and its commands run from that directory: both samplers serve episodes (the user's
+    module imported from the working directory) and drop no prompt as an environment
+    error."""
+    section = README.read_text(encoding="utf-8").split(EPISODES, 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(python|jsonl|bash)\n(.*?)```", section, re.S)
+    code = {language: block for language, block in blocks if language != "bash"}
+    assert "`my_envs.py`" in section and "`my_prompts.jsonl`" in section
+    (tmp_path / "my_envs.py").write_text(code["python"])
+    (tmp_path / "my_prompts.jsonl").write_text(code["jsonl"])
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parents[1])
+    commands = [block.strip() for language, block in blocks if language == "bash"]
+    commands = [line for block in commands for line in block.splitlines() if line.strip()]
+    served = 0
+    for written in commands:
+        if " serve " not in written:
+            done = subprocess.run(
+                ["bash", "-c", written], cwd=tmp_path, capture_output=True, text=True,
+                timeout=300, check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, (written, done.stderr[-3000:])
+            continue
+        port = str(_free_port())
+        command = re.sub(r"--port \d+", f"--port {port}", written)
+        with (tmp_path / f"serve-{port}.log").open("w") as log:
+            server = subprocess.Popen(
+                ["bash", "-c", f"exec {command}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                stderr=log, text=True,
+            )  # fmt: skip
+        try:
+            line = _first_line(server, 180)
+            assert "listening on" in line, (written, (tmp_path / f"serve-{port}.log").read_text())
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=150) as c:
+                r = c.post(
+                    "/v1/groups/lease",
+                    params={"features": "loss_mask"},
+                    json={"max_groups": 1, "wait_s": 120},
+                )
+                assert r.status_code == 200 and r.json()["groups"], (written, r.text)
+                stats = c.get("/v1/stats").json()
+                assert stats["episodes"]["episodes"] > 0, (written, stats["episodes"])
+                assert "env_error" not in stats["dropped"], (written, stats["dropped"])
+            served += 1
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.communicate(timeout=90)
+    assert served == 2

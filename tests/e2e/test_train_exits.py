@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,3 +144,58 @@ def test_a_sampler_gone_past_the_watchdog_saves_a_checkpoint(
     stderr = err.read_text()
     assert "unavailable" in stderr and "Traceback" not in stderr, stderr
     assert _checkpoint(out, stderr)["step"] >= 1
+
+
+def test_a_rerun_after_kill_9_resumes_and_says_which_versions_it_rolls_back(
+    make_server: Any, toy: Any, tmp_path: Path
+) -> None:
+    # Periodic checkpoints are on by default (every 10 pushes; 3 here, to be quick). A
+    # trainer killed between two of them is run again with the same command: it must go
+    # on from the newest checkpoint, not from --model, push that checkpoint's weights as a
+    # new version with one loud line naming what it rolls back, and log each step once.
+    sampler = make_server(CONFIG)
+    out = tmp_path / "run"
+    cmd = train_command(sampler.url, toy.model_dir, out, 12, "--no-progress", "--save-every", "3")
+    proc, _ = _start(cmd, tmp_path)
+    _wait_steps(proc, out, 7)
+    proc.kill()
+    proc.wait(timeout=60)
+    killed_at = _steps_logged(out)
+    with httpx.Client(base_url=sampler.url) as c:
+        served = c.get("/health").json()["policy_version"]
+    # One push per step, made before the step is logged.
+    assert served in (killed_at, killed_at + 1)
+    newest = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert newest == killed_at // 3 * 3 and len(list(out.glob("checkpoint-*"))) <= 2
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Loading weights" not in done.stderr  # --no-progress: no bar of transformers' either
+    assert f"resuming from {out / f'checkpoint-{newest}'} (step {newest}" in done.stderr
+    rolled_back = [line for line in done.stderr.splitlines() if "rolls back" in line]
+    assert len(rolled_back) == 1, done.stderr
+    assert f"v{served}, newer than this trainer's v{newest}" in rolled_back[0]
+    assert f"as v{served + 1} rolls back what v{newest + 1}..v{served}" in rolled_back[0]
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 13)), "a step logged twice or missing"
+    # The steps after the checkpoint were trained on the checkpoint's weights, served anew.
+    assert log[newest]["policy_version"] == served + 2
+
+
+def test_a_rerun_that_would_log_steps_again_is_refused_naming_fresh_and_resume(
+    server: Any, toy: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    cmd = train_command(server.url, toy.model_dir, out, 2, "--no-progress", "--save-every", "0")
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    shutil.rmtree(out / "final")  # as a run killed with no checkpoint leaves it
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2, again.stderr
+    assert again.stderr.count("\n") == 1 and "--fresh" in again.stderr, again.stderr
+    assert "--resume" in again.stderr and "Traceback" not in again.stderr
+    fresh = subprocess.run([*cmd, "--fresh"], capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr
+    log = (out / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in log] == [1, 2]
+    assert len(list(tmp_path.glob("run.*"))) == 1  # the old run, moved aside

@@ -16,6 +16,7 @@ import json
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,28 +56,52 @@ print(json.dumps({
 
 
 @pytest.fixture(scope="module")
-def core_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv holding `pip install <sources>` and nothing else."""
-    root = tmp_path_factory.mktemp("core-install")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel `make wheel` builds, as the README says to install it, from a copy of the
+    sources (the build writes its scratch files beside them)."""
+    root = tmp_path_factory.mktemp("wheel")
     sources = root / "src"
     sources.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "Makefile"):
         shutil.copy2(REPO / name, sources / name)
-    for package in ("strategies", "sampler_service", "trainer_client"):
+    for folder in ("make", "strategies", "sampler_service", "trainer_client"):
         shutil.copytree(
-            REPO / package, sources / package, ignore=shutil.ignore_patterns("__pycache__")
+            REPO / folder, sources / folder, ignore=shutil.ignore_patterns("__pycache__")
         )
-    venv = root / "venv"
+    done = subprocess.run(
+        ["make", "-C", str(sources), "wheel", f"PYTHON={sys._base_executable}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    [built] = (sources / "dist").glob("adaptive_rollout-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def core_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv holding `pip install <the wheel>` and nothing else."""
+    venv = tmp_path_factory.mktemp("core-install") / "venv"
     base_python = str(Path(sys._base_executable))
     subprocess.run([base_python, "-m", "venv", str(venv)], check=True)
     done = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "--progress-bar", "off", str(sources)],
+        [str(venv / "bin" / "pip"), "install", "--progress-bar", "off", str(wheel)],
         capture_output=True,
         text=True,
         check=False,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     return venv
+
+
+def test_the_wheel_carries_the_license_it_declares(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        [license_file] = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        assert "Apache License" in archive.read(license_file).decode()
+        metadata = archive.read(next(n for n in names if n.endswith("METADATA"))).decode()
+    assert "License: Apache-2.0" in metadata or "License-Expression: Apache-2.0" in metadata
 
 
 @pytest.fixture(scope="module")

@@ -252,17 +252,18 @@ def test_config_weights_and_unacked_groups_survive_one_kill9(make_server, toy) -
         assert [g["group_id"] for g in again] == [g["group_id"] for g in first]
         assert {g["delivery_id"] for g in again}.isdisjoint({g["delivery_id"] for g in first})
         r = c.post("/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in again]})
-        assert r.json() == {"acked": 3, "unknown": 0}
+        assert r.json() == {"acked": 3, "unknown": 0, "hint": None}
         # Idempotent: acking again changes nothing.
-        assert (
-            c.post("/v1/groups/ack", json={"delivery_ids": [again[0]["delivery_id"]]}).json()[
-                "acked"
-            ]
-            == 0
-        )
+        r = c.post("/v1/groups/ack", json={"delivery_ids": [again[0]["delivery_id"]]})
+        assert r.json()["acked"] == 0 and "already acked" in r.json()["hint"]
         acked = {g["group_id"] for g in again}
         unacked = stream_groups(c, 4, consumer="c", max_unacked=4)
         assert acked.isdisjoint(g["group_id"] for g in unacked)
+        # Acking by group_id acks nothing, and the answer says which id was meant.
+        r = c.post("/v1/groups/ack", json={"delivery_ids": [unacked[0]["group_id"]]})
+        assert r.json()["acked"] == 0 and r.json()["unknown"] == 1
+        assert "1 of the ids are group_id values" in r.json()["hint"], r.json()
+        assert "delivery_id" in r.json()["hint"]
     server.kill()  # SIGKILL: no clean shutdown
     server.start()
     with server.client() as c:

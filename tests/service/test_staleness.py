@@ -4,10 +4,13 @@ server on the toy model; weights are pushed as a trainer would."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from support import perturbed_file, stream_groups
 
@@ -174,3 +177,124 @@ def test_groups_given_back_after_the_bound_was_lowered_are_checked_before_they_a
         assert got and all(3 - g["policy_version_min"] <= 1 for g in got)
         assert not {g["group_id"] for g in got} & {g.group_id for g in held}
         assert c.get("/v1/stats").json()["dropped"]["stale"] >= before + len(held)
+
+
+def test_prompts_served_again_after_a_restart_reach_the_engine_tokenized(
+    make_server: Any, toy: Any
+) -> None:
+    # A run whose config was saved (any PATCH: the trainer's always does) starts again
+    # without fitting max_tokens to its prompts, and so without tokenizing them all. The
+    # groups a trainer held are READY again after the restart and too stale for the
+    # weights restored: their prompts are served again, before any other. They must
+    # reach the engine tokenized, not fail there and be dropped as engine errors.
+    server = make_server({**QUICK, "max_staleness": 1})
+    weights = perturbed_file(toy.model_dir, 0.0)
+    with server.client() as c:
+        assert c.patch("/v1/config", json={"temperature": 0.9}).status_code == 200
+        held = _lease(c, 2, "trainer")
+        for version in (1, 2, 3):
+            _push(c, weights, version)
+    server.stop()  # SIGTERM: the held groups go back to READY in the store
+    server.start()
+    with server.client() as c:
+        # The held groups were made at v0 and the restored weights are v3: dropped.
+        _wait_for("the stale drop", lambda: c.get("/v1/stats").json()["dropped"].get("stale"))
+        again: list[dict] = []
+        while not {g["prompt_id"] for g in held} <= {g["prompt_id"] for g in again}:
+            dropped = c.get("/v1/stats").json()["dropped"]
+            assert "engine_error" not in dropped, f"served again, failed in the engine: {dropped}"
+            assert len(again) < 48, "the held prompts were not served again"
+            got = _lease(c, 4, "trainer", groups_per_step=4)
+            _ack(c, got)
+            again += got
+        stats = c.get("/v1/stats").json()
+        assert "engine_error" not in stats["dropped"], stats["dropped"]
+        assert not [w for w in stats["warnings"] if w.startswith("engine")], stats["warnings"]
+
+
+def _collect(url: str, n: int, timeout_s: float, **client_options: Any) -> list[Any]:
+    """Up to n groups from a `SamplerClient(url).groups()` that does not ack, whatever
+    came by `timeout_s` (a consumer that waits for n before it trains); the client is
+    closed after."""
+    got: list[Any] = []
+    stopped = threading.Event()
+    client = SamplerClient(url, **client_options)
+
+    def read() -> None:
+        try:
+            for group in client.groups():
+                got.append(group)
+                if len(got) >= n:
+                    return
+        except Exception:
+            if not stopped.is_set():  # closing the client under it ends it
+                raise
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    stopped.set()
+    client.close()
+    reader.join(30)
+    return list(got)
+
+
+def test_a_consumer_that_batches_without_declaring_its_step_is_not_left_waiting(
+    make_server: Any,
+) -> None:
+    # The sampler's default bound (max_staleness 1) and batch_groups 1: a consumer that
+    # collects 4 groups before it acks, and says nothing of its step, must get its 4.
+    server = make_server(QUICK, base={"max_tokens": 8, "max_active_prompts": 16})
+    got = _collect(server.url, 4, timeout_s=90.0, consumer="batcher")
+    assert len(got) == 4, f"an undeclared batching consumer got {len(got)} of 4 groups"
+    with server.client() as c:
+        # Its step is the most it held unacked: 4 (nothing was declared, batch_groups 1).
+        assert c.get("/v1/stats").json()["staleness"]["step_groups"] >= 4
+
+
+def test_admission_says_what_it_waits_on_and_the_client_warns_once(
+    make_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = make_server(QUICK, base={"max_tokens": 8, "max_active_prompts": 16})
+    with server.client() as c:
+        # Nobody consumes: two steps of one group are made, then admission waits on the bound.
+        admission = _wait_for(
+            "admission to wait", lambda: c.get("/v1/stats").json()["admission"]["blocked_by"]
+        )
+        assert admission == "max_staleness"
+        stats = c.get("/v1/stats").json()["admission"]
+        assert stats["since"] <= time.time() and "max_staleness" in stats["detail"]
+    # A consumer that declares a step of 1 but waits for 3 groups before it acks waits
+    # forever: the client says so once, naming the bound and the knob.
+    with caplog.at_level(logging.WARNING, logger="trainer_client"):
+        got = _collect(
+            server.url, 3, timeout_s=8.0, consumer="waiter", groups_per_step=1, heartbeat_s=0.3
+        )
+    assert len(got) == 2
+    warnings = [r.getMessage() for r in caplog.records if "max_staleness" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "groups_per_step" in warnings[0]
+    # The stream's heartbeats say it too.
+    with server.client() as c:
+        params = {"consumer": "peek", "groups_per_step": 1}
+        with c.stream("GET", "/v1/groups/stream", params=params) as r:
+            beat = orjson.loads(next(r.iter_lines()))
+    assert beat["type"] == "heartbeat" and beat["admission"]["blocked_by"] == "max_staleness"
+
+
+def test_a_large_lease_widens_the_step_only_while_its_consumer_is_seen(make_server: Any) -> None:
+    server = make_server({**QUICK, "max_staleness": 1, "lease_ttl_s": 3.0, "max_tokens": 4})
+    with server.client() as c:
+        _wait_for("two groups", lambda: c.get("/v1/stats").json()["queue"]["ready"] >= 2)
+        # An evaluation takes what there is, then more as it comes, holding it all.
+        held = _lease(c, 2, "eval")
+        held += _lease(c, 2, "eval", wait_s=30)
+        assert len(held) == 4
+        assert c.get("/v1/stats").json()["staleness"]["step_groups"] == 4
+        _ack(c, held)
+        # Acked and gone for a lease TTL: the step is one frame again.
+        _wait_for(
+            "the step to decay",
+            lambda: c.get("/v1/stats").json()["staleness"]["step_groups"] == 1,
+            timeout_s=30,
+        )

@@ -19,7 +19,7 @@ from support import collect
 from transformers import AutoTokenizer
 
 from bench.common import fixed_groups
-from sampler_service.state_dir import fingerprint
+from sampler_service.state_dir import differences, fingerprint
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -70,6 +70,52 @@ def test_data_errors_are_one_line_naming_the_file_and_create_nothing(
         serve(toy, state, data=[no_answer])
     )
     assert not state.exists()
+
+
+def test_an_empty_data_file_and_an_empty_prompt_are_refused_naming_them(
+    toy: Any, tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert f"{empty}: holds no prompts" in one_line_error(serve(toy, tmp_path / "s", data=[empty]))
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(
+        '{"prompt": "1+1=", "answer": "2"}\n{"id": "b", "prompt": "", "answer": "0"}\n'
+    )
+    line = one_line_error(serve(toy, tmp_path / "s", data=[blank]))
+    assert f"{blank}:2: prompt 'b' tokenizes to no tokens" in line
+    assert not (tmp_path / "s").exists()
+
+
+def test_an_over_long_prompt_is_one_line_creates_nothing_and_can_be_filtered(
+    make_server: Any, toy: Any, tmp_path: Path
+) -> None:
+    """A prompt with no room for one answer token in the model's context is a start-up
+    error (one line, exit 2, no state dir: the fixed data then starts); verl's
+    --filter-overlong-prompts drops such prompts instead, and counts them."""
+    rows = [json.loads(line) for line in toy.data_files[0].read_text().splitlines()[:8]]
+    data = tmp_path / "longprompt.jsonl"
+    long_row = {"id": "long", "prompt": "1+" * 101, "answer": "0", "domain": rows[0]["domain"]}
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*rows, long_row]))
+    state = tmp_path / "run"
+    line = one_line_error(serve(toy, state, data=[data]))
+    assert f"{data}:9: prompt 'long' has 202 tokens" in line, line
+    assert "model's context (64 tokens)" in line and "--filter-overlong-prompts" in line
+    assert not state.exists()
+    # The same command with the row removed starts: nothing was left to refuse it.
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    server = make_server(QUICK, name="run", data=[data])
+    server.stop()
+    # Filtered: the run starts without it and says how many it dropped.
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*rows, long_row]))
+    server = make_server(QUICK, name="filtered", data=[data], extra=["--filter-overlong-prompts"])
+    with server.client() as c:
+        stats = c.get("/v1/stats").json()
+        assert stats["prompts"]["filtered_overlong"] == 1
+        assert stats["prompts"]["served"] == len(rows)
+        assert c.get("/v1/config").json()["max_tokens"] < 64
+    server.stop()
+    assert "dropped 1 over-long prompt" in (tmp_path / "filtered.log").read_text()
 
 
 def test_an_environment_that_cannot_load_is_refused_at_start_naming_it(
@@ -243,3 +289,12 @@ def test_the_fingerprint_is_by_content(toy: Any, tmp_path: Path) -> None:
     weights.write_bytes(bytes(payload))
     assert fingerprint(copy / "model", data, "hf")["model"]["sha256"] != same["model"]["sha256"]
     assert fingerprint(copy / "model", data, "vllm")["backend"] == "vllm"
+
+
+def test_a_data_file_changed_in_place_is_named_once_as_changed(toy: Any, tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    recorded = fingerprint(toy.model_dir, [data], "hf")
+    data.write_text('{"prompt": "1+2=", "answer": "3"}\n')
+    diffs = differences(recorded, fingerprint(toy.model_dir, [data], "hf"))
+    assert diffs == [f"data: {data} changed since the state dir was created"], diffs

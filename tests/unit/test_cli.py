@@ -181,3 +181,51 @@ def test_every_subcommand_has_a_parser_that_runs_it() -> None:
         parser = command_parser(name)
         assert parser.prog == f"adaptive-rollout {name}"
         assert callable(parser.parse_args(minimal.get(name, [])).func), name
+
+
+def test_a_usage_error_is_one_line_naming_the_command(capsys) -> None:
+    for argv in (["serve", "--model", "m"], ["train", "--model"], ["stats", "--count", "x"], []):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "usage:" not in err, (argv, err)
+        assert err.startswith("adaptive-rollout") and "--help lists the flags" in err, err
+
+
+def test_help_shows_each_default_once() -> None:
+    from sampler_service.cli import COMMANDS, command_parser
+
+    def parsers() -> list[argparse.ArgumentParser]:
+        found = []
+        for name in COMMANDS:
+            parser = command_parser(name)
+            found.append(parser)
+            for action in parser._actions:  # config's get, set and schedule
+                if isinstance(action, argparse._SubParsersAction):
+                    found += action.choices.values()
+        return found
+
+    for parser in parsers():
+        for action in parser._actions:
+            if not action.option_strings or action.help in (None, argparse.SUPPRESS):
+                continue
+            flag, shown = action.option_strings[-1], action.help.count("(default:")
+            assert shown <= 1, (parser.prog, flag, action.help)
+            unset = action.default in (None, [], argparse.SUPPRESS) or action.nargs == 0
+            if not unset and not action.required:
+                assert shown == 1, f"{parser.prog} {flag} does not show its default"
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback(tmp_path: Path) -> None:
+    """`adaptive-rollout ... | head`: the command's output goes nowhere, quietly."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sampler_service", "toy", "--out", str(tmp_path / "toy")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # `| head -c 0`: nobody reads what it prints
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "Broken" not in err, err

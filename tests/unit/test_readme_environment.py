@@ -1,4 +1,5 @@
-"""The README's example environment is code that runs, with the protocol the runner calls."""
+"""The README's example environment is code that runs, with the protocol the runner calls;
+a malformed call is a wrong step for the model, never the environment's failure."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ def test_the_readme_calculator_environment_runs() -> None:
         env = namespace["make"]()
         reset = await env.reset({"id": "p", "prompt": "37*48="}, seed=0)
         call = await env.step("[37*48]")
+        malformed = await env.step("[37*]")
         answer = await env.step("1776")
         await env.close()
-        return [reset.stop, call.observation, call.done, answer.done, answer.reward]
+        return [reset.stop, call.observation, call.done, malformed.observation, answer.done]
 
-    assert asyncio.run(episode()) == [("]",), "1776;", False, True, None]
+    assert asyncio.run(episode()) == [("]",), "1776;", False, "error;", True]

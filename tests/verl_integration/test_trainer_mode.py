@@ -14,7 +14,7 @@ import importlib.util
 import subprocess
 
 import pytest
-from verl_suite import GRPO_CONFIG, REPO, verl_config
+from verl_suite import GRPO_CONFIG, REPO, Sampler, verl_config
 
 from trainer_client.client import SamplerClient
 from trainer_client.verl.session import SamplerSession
@@ -216,6 +216,47 @@ def test_incompatible_configs(patch, needle) -> None:
 def test_compatible_configs(patch) -> None:
     problems, _ = check_sampler_config({**GRPO_CONFIG, **patch}, rollout_n=4, temperature=1.0)
     assert problems == []
+
+
+def test_a_fresh_trainer_never_rolls_a_trained_policy_back_silently(toy, tmp_path, caplog) -> None:
+    """A verl run started from step 0 against a sampler that serves trained weights (a
+    rerun that found no checkpoint, or resume_mode=disable) would push step-0 weights over
+    them: refused, naming verl's resume_mode and the setting that pushes anyway; pushing
+    anyway, and pushing a resumed checkpoint's weights, each say so once."""
+    from safetensors.torch import load_file
+
+    from trainer_client.verl.session import NewerPolicyServed
+
+    fresh_sampler = Sampler(toy, tmp_path, GRPO_CONFIG).start()
+    try:
+        with SamplerClient(fresh_sampler.url) as client:
+            client.push_weights(load_file(toy.model_dir / "model.safetensors"), 7)
+        cfg = verl_config(fresh_sampler.url, overrides=["actor_rollout_ref.model.path=/m"])
+        with pytest.raises(NewerPolicyServed, match="v7") as err:
+            _start(cfg)
+        assert "trainer.resume_mode=auto" in str(err.value)
+        assert f"trainer.v1.{MODE}.push_initial_weights=always" in str(err.value)
+        with caplog.at_level("WARNING", logger="trainer_client.verl.session"):
+            anyway = SamplerSession(
+                SamplerSettings.from_verl_config(
+                    verl_config(
+                        fresh_sampler.url,
+                        overrides=["actor_rollout_ref.model.path=/m"],
+                        push_initial_weights="always",
+                    )
+                )
+            )
+            anyway.start(cfg, global_steps=0, use_critic=False, step_groups=2)
+            assert anyway.initial_push_due(0) and anyway.next_version(0, initial=True) == 8
+            resumed = SamplerSession(SamplerSettings.from_verl_config(cfg))
+            resumed.start(cfg, global_steps=3, use_critic=False, step_groups=2)
+            assert resumed.initial_push_due(3) and resumed.next_version(3, initial=True) == 8
+        rolled = [r.getMessage() for r in caplog.records if "rolling back" in r.getMessage()]
+        assert len(rolled) == 2 and all("v7" in m and "as v8" in m for m in rolled), rolled
+        for session in (anyway, resumed):
+            session.close()
+    finally:
+        fresh_sampler.stop()
 
 
 def test_v0_trainer_start_and_batches_from_the_sampler(sampler, toy) -> None:

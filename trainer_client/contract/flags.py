@@ -113,7 +113,8 @@ def add_model_arguments(
             add_model_arguments(parser, nested[0], prefix=nested[1], dest=f"{dest}{name}.")
             continue
         flag = flag_name(name, info, prefix)
-        shown = _shown_default(info)
+        # A description that says what its unset default means shows that, not "none".
+        shown = "" if "(default:" in (info.description or "") else _shown_default(info)
         help_text = " ".join(filter(None, [info.description, f"({shown})" if shown else ""]))
         # The parser's default is the model's, so tools reading the parser see the truth;
         # a default built by a factory (an environment variable, a fresh list) is left to

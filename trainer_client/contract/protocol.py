@@ -119,6 +119,15 @@ class Group(_Wire):
     delivery_id: str | None = None
 
 
+class AdmissionWait(_Wire):
+    """Why the sampler admits no new prompt now, and since when: a consumer waiting for
+    groups learns what it would take (an ack, a declared step, a knob)."""
+
+    blocked_by: Literal["weight_update", "engine", "max_buffered_groups", "max_staleness"]
+    since: float = Field(description="Unix time admission started waiting on it")
+    detail: str = Field(description="the bound's figures and what releases it")
+
+
 class Heartbeat(_Wire):
     """Sent on an idle stream so a client can tell a slow sampler from a dead one."""
 
@@ -138,6 +147,9 @@ class Heartbeat(_Wire):
         None,
         description="ok, degraded (no engine replica serving now, one recovering) or failed",
     )
+    admission: AdmissionWait | None = Field(
+        None, description="what new prompts wait on (None: admission is not held up)"
+    )
 
 
 class _Request(BaseModel):
@@ -154,10 +166,19 @@ class AckRequest(_Request):
 class AckResponse(_Wire):
     acked: int
     unknown: int
+    hint: str | None = Field(
+        None, description="what the unknown ids look like (e.g. group ids, not delivery ids)"
+    )
 
 
 class LeaseRequest(_Request):
-    max_groups: int = Field(8, ge=1, le=100_000)
+    max_groups: int = Field(
+        8,
+        ge=1,
+        le=100_000,
+        description="whole batch frames are handed out until this many groups are met, and "
+        "at least one frame when any is READY: a frame larger than max_groups comes whole",
+    )
     wait_s: float = Field(0.0, ge=0.0, le=300.0)
     consumer: str = Field("lease", min_length=1, max_length=200)
 

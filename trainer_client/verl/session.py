@@ -22,7 +22,12 @@ from trainer_client.verl.source import GroupSource
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SamplerSession", "VersionMap"]
+__all__ = ["NewerPolicyServed", "SamplerSession", "VersionMap"]
+
+
+class NewerPolicyServed(RuntimeError):
+    """A fresh trainer found the sampler serving a policy trained past its own weights:
+    its pushes would roll that policy back. The message names the ways on."""
 
 
 class VersionMap:
@@ -83,6 +88,7 @@ class SamplerSession:
             )
         if self.settings.configure_sampler and sampler_config.get("batch_groups") != step_groups:
             sampler_config = self.client.update_config(batch_groups=step_groups)
+        self._check_roll_back(health.policy_version, global_steps)
         self.versions = VersionMap(health.policy_version, global_steps)
         log.info(
             "sampler at %s: policy version %d, config version %s, %s advantages",
@@ -92,6 +98,42 @@ class SamplerSession:
             "service" if self.use_sampler_advantages else "verl",
         )
         return sampler_config
+
+    def _check_roll_back(self, served: int, global_steps: int) -> None:
+        """Never roll the served policy back silently. A fresh start (step 0: verl's
+        ``trainer.resume_mode`` found nothing, or was ``disable``) against a sampler that
+        serves a trained policy is refused unless its weights are to be pushed over it
+        (``push_initial_weights=always``), said loudly; a resumed one pushes its
+        checkpoint's weights before its first step, which replaces what was trained after
+        that checkpoint, said loudly too."""
+        if served == 0 or self.settings.weight_sync == "none":
+            return
+        key = f"trainer.v1.{MODE}.push_initial_weights"
+        push = self.settings.push_initial_weights
+        if global_steps == 0 and push != "always":
+            raise NewerPolicyServed(
+                f"the sampler at {self.settings.url} serves policy v{served}, trained past "
+                "this trainer's step-0 weights: training from them would roll it back. Resume "
+                "the run that trained it (trainer.resume_mode=auto, with its "
+                "trainer.default_local_dir), or push these weights over it (+"
+                f"{key}=always), or start the sampler on a new --state-dir"
+            )
+        if self.initial_push_due(global_steps):
+            log.warning(
+                "the sampler serves policy v%d: the weights of verl step %d are pushed over it "
+                "as v%d, rolling back what was trained after them",
+                served,
+                global_steps,
+                max(served - global_steps, 0) + global_steps + 1,
+            )
+        else:
+            log.warning(
+                "the sampler serves policy v%d and %s=never: verl step %d trains on groups "
+                "that other weights sampled until its first push",
+                served,
+                key,
+                global_steps,
+            )
 
     def initial_push_due(self, global_steps: int) -> bool:
         """Whether to push the trainer's weights before the first step (see
