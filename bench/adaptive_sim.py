@@ -38,7 +38,8 @@ from bench.common import DAPO_REFILL, RESULTS, Method, est, flags, grpo, table, 
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.dataset import Dataset, PromptRow
-from sampler_service.scheduler import MemorySink, Scheduler
+from sampler_service.finalize import MemorySink
+from sampler_service.scheduler import Scheduler
 from trainer_client.contract.protocol import Group
 
 #: Difficulty mixes: (share of prompts, (low, high] pass-rate interval).
@@ -131,9 +132,9 @@ class BatchRecorder(MemorySink):
             {
                 "t": self._clock(),
                 "cpu": time.process_time(),
-                "samples": sched.stats.samples,
-                "tokens": sched.stats.tokens,
-                "admitted": sum(d.admitted for d in sched.stats.domains.values()),
+                "samples": sched.tally.samples,
+                "tokens": sched.tally.tokens,
+                "admitted": sum(d.admitted for d in sched.tally.domains.values()),
                 "groups": len(groups),
                 "informative": informative,
                 "hard_informative": sum(
@@ -185,7 +186,7 @@ def load_history(scheduler: Scheduler, pass_rates: np.ndarray, epochs: int, seed
     8 answers were all correct or all wrong.
     """
     hist = np.random.default_rng(seed + 3)
-    lam = scheduler.estimator.params.decay
+    lam = scheduler.live.estimator.params.decay
     n_tot = np.zeros(len(pass_rates))
     n_pos = np.zeros(len(pass_rates))
     streaks = np.zeros(len(pass_rates), dtype=np.int64)
@@ -194,7 +195,7 @@ def load_history(scheduler: Scheduler, pass_rates: np.ndarray, epochs: int, seed
         n_tot = lam * n_tot + 8
         n_pos = lam * n_pos + k
         streaks = np.where((k == 0) | (k == 8), streaks + 1, 0)
-    scheduler.estimator.load_state_dict(
+    scheduler.live.estimator.load_state_dict(
         {
             "c": 0.0,
             "finalized": 0,
@@ -205,7 +206,7 @@ def load_history(scheduler: Scheduler, pass_rates: np.ndarray, epochs: int, seed
             "streaks": {f"p{i:06d}": int(s) for i, s in enumerate(streaks) if s},
         }
     )
-    scheduler.estimator.recalibrate()
+    scheduler.live.estimator.recalibrate()
 
 
 async def simulate(
@@ -295,7 +296,7 @@ async def simulate(
         / (spec.max_num_seqs * wall * k),
         "engine_tokens_per_s": (end["engine_tokens"] - start["engine_tokens"]) / (wall * k),
         "sim_cpu_s_per_batch": (end["cpu"] - start["cpu"]) / k,
-        "dropped": dict(scheduler.stats.dropped),
+        "dropped": dict(scheduler.tally.dropped),
     }
     if record_timeline:
         horizon = recs[min(len(recs), 3) - 1]["t"]

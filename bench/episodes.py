@@ -60,7 +60,8 @@ from sampler_service.episodes import (
     EpisodeRunner,
     load_factories,
 )
-from sampler_service.scheduler import MemorySink, Scheduler
+from sampler_service.finalize import MemorySink
+from sampler_service.scheduler import Scheduler
 from sampler_service.verifiers.base import Verdict
 from trainer_client.contract.protocol import Group
 
@@ -196,7 +197,7 @@ async def toy_run(
     )
 
     def snapshot() -> dict[str, Any]:
-        st = scheduler.stats
+        st = scheduler.tally
         return {
             "t": time.perf_counter(),
             "loop_cpu": time.thread_time(),
@@ -376,7 +377,7 @@ async def sim_run(
         await scheduler.stop()
         await engine.close()
     summary = step_time.summarize(trainer.records, warmup, trainer.groups)
-    episodes = scheduler.stats.episodes
+    episodes = scheduler.tally.episodes
     # time to the k-th finished group of each measured batch, from the batch's start
     starts = [r["t"] for r in trainer.records[warmup:-1]]
     ends = [r["t_frame"] for r in trainer.records[warmup + 1 :]]
@@ -391,7 +392,7 @@ async def sim_run(
         "max_turns_seen": max(episodes.turns),
         "env_errors": episodes.env_errors,
         "env_sim_s": episodes.env_seconds,
-        "dropped": dict(scheduler.stats.dropped),
+        "dropped": dict(scheduler.tally.dropped),
         "group_times": per_batch,
     }
 

@@ -326,21 +326,21 @@ class Stages:
 
     def install(self) -> None:
         from sampler_service.encoding import JSONEncoding, MsgpackEncoding
+        from sampler_service.finalize import Finalizer
         from sampler_service.outbox import StoreSink
-        from sampler_service.scheduler import Scheduler
 
-        finalize, add_frames = Scheduler._finalize, StoreSink.add_frames
+        finalize, add_frames = Finalizer.finalize, StoreSink.add_frames
 
-        async def finalize_seen(scheduler: Scheduler, runs: list[Any]) -> None:
+        async def finalize_seen(finalizer: Finalizer, runs: list[Any]) -> None:
             for run in runs:
                 self.seen([c.token_ids for c in run.completions], "finalize")
-            await finalize(scheduler, runs)
+            await finalize(finalizer, runs)
 
         async def add_frames_seen(sink: StoreSink, frames: list[Any], *args: Any) -> None:
             await add_frames(sink, frames, *args)
             self.stored([group for frame in frames for group in frame.kept])
 
-        Scheduler._finalize = functools.wraps(finalize)(finalize_seen)  # type: ignore[method-assign]
+        Finalizer.finalize = functools.wraps(finalize)(finalize_seen)  # type: ignore[method-assign]
         StoreSink.add_frames = functools.wraps(add_frames)(add_frames_seen)  # type: ignore[method-assign]
         for encoding in (JSONEncoding, MsgpackEncoding):
             self._wrap_group_message(encoding)
@@ -463,8 +463,8 @@ def serve(spec: dict[str, Any]) -> None:
             "engine_tokens": engine.stats.tokens if engine else 0,
             "verifier_calls": service.verifiers.stats.calls,
             "verifier_pids": service.verifiers.worker_pids(),
-            "samples": scheduler.stats.samples,
-            "groups_emitted": scheduler.stats.groups_emitted,
+            "samples": scheduler.tally.samples,
+            "groups_emitted": scheduler.tally.groups_emitted,
             "queue": service.stats.document()["queue"],
             "probes": probes.totals,
             "probes_missing": probes.missing,

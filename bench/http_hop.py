@@ -51,7 +51,7 @@ from bench.common import ROOT, child_env, fmt, grpo, table, tree_cpu_s, write_js
 from bench.overhead import VLLM_PYTHON
 from bench.scaleout import Timed
 from sampler_service.backends.base import Backend, Completion, SamplingParams
-from sampler_service.scheduler import VolatileSink
+from sampler_service.finalize import VolatileSink
 
 ARMS = ("in-process", "http")
 ANSWERS = ("long", "toy")

@@ -65,7 +65,8 @@ from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler, verify_rewa
 from sampler_service.backends.base import Backend, Completion, SamplingParams, TensorSpec
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
-from sampler_service.scheduler import Scheduler, VolatileSink
+from sampler_service.finalize import VolatileSink
+from sampler_service.scheduler import Scheduler
 from sampler_service.verifiers.base import Verdict
 from trainer_client.contract.protocol import Group
 

@@ -56,7 +56,8 @@ from sampler_service.backends.base import (
 )
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset
-from sampler_service.scheduler import GroupSink, Scheduler
+from sampler_service.finalize import GroupSink
+from sampler_service.scheduler import Scheduler
 from sampler_service.verifiers.base import Verdict
 
 #: Completion text for a correct / incorrect simulated answer.

@@ -71,7 +71,8 @@ from bench import adaptive_sim, virtual_clock
 from bench.common import DAPO_REFILL, Method, est, flags, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
-from sampler_service.scheduler import Scheduler, VolatileSink
+from sampler_service.finalize import VolatileSink
+from sampler_service.scheduler import Scheduler
 from trainer_client.contract.protocol import Group
 
 #: The simulated engine's defaults (a ~1.5B model on one GPU), with wrong and hard
@@ -201,7 +202,7 @@ class Trainer(VolatileSink):
     def _snapshot(self) -> dict[str, Any]:
         assert self.scheduler is not None and self.engine is not None
         loop = asyncio.get_running_loop()
-        st = self.scheduler.stats
+        st = self.scheduler.tally
         return {
             "t": loop.time(),
             "answers": st.samples,

@@ -13,7 +13,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -332,23 +333,20 @@ class SamplerConfig(_Live):
         return [admission.build(p.name, **p.params) for p in self.admission_policies]
 
     def policy_set(self) -> PolicySet:
-        """The group and batch policies this config names, built (their scopes are
-        `check_consistency`'s to check)."""
-        group: list[selection.GroupSelection] = []
-        for spec in self.group_policies:
-            policy = selection.build(spec.name, **spec.params)
-            assert isinstance(policy, selection.GroupSelection)
-            group.append(policy)
-        selections: list[selection.BatchSelection] = []
-        weightings: list[Reweighting] = []
-        for spec in self.batch_policies:
-            if spec.name in selection.SELECTIONS.names():
-                policy = selection.build(spec.name, **spec.params)
-                assert isinstance(policy, selection.BatchSelection)
-                selections.append(policy)
-            else:
-                weightings.append(reweighting.build(spec.name, **spec.params))
-        return PolicySet(tuple(group), tuple(selections), tuple(weightings))
+        """The group and batch policies this config names, built (`build_policy`)."""
+        group = [
+            build_policy(spec, "group", f"group_policies[{i}]")
+            for i, spec in enumerate(self.group_policies)
+        ]
+        batch = [
+            build_policy(spec, "batch", f"batch_policies[{i}]")
+            for i, spec in enumerate(self.batch_policies)
+        ]
+        return PolicySet(
+            tuple(group),
+            tuple(p for p in batch if isinstance(p, selection.BatchSelection)),
+            tuple(p for p in batch if not isinstance(p, selection.BatchSelection)),
+        )
 
 
 class ConfigView(SamplerConfig):
@@ -362,23 +360,38 @@ def _constrained(info: FieldInfo) -> Any:
     return Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
 
 
-def _partial(model: type[SamplerConfig]) -> type[BaseModel]:
-    """The model of a PATCH body: every key optional, plus the expected config_version."""
+def _patch_type(info: FieldInfo) -> Any:
+    """A field's type in a PATCH body: a nested model (or an optional one) becomes its own
+    patch, so `{"allocation": {"params": {...}}}` may leave the policy's name as it is;
+    anything else (scalars with their bounds, lists) is given whole."""
+    annotation = info.annotation
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else ()
+    for model in (annotation, *members):
+        if isinstance(model, type) and issubclass(model, _Live):
+            patch = _partial(model, f"{model.__name__}Patch")
+            return patch | None if type(None) in members else patch
+    return _constrained(info)
+
+
+def _partial(model: type[_Live], name: str) -> type[BaseModel]:
+    """The model of a patch of `model`: every key optional (absent keys keep their value;
+    an explicit null is valid only where the config itself allows one), nested models
+    patched likewise."""
     fields: dict[str, Any] = {
-        # Absent keys keep their value; an explicit null is only valid where the config
-        # itself allows one.
-        name: (_constrained(info), Field(None, description=info.description))
-        for name, info in model.model_fields.items()
+        key: (_patch_type(info), Field(None, description=info.description))
+        for key, info in model.model_fields.items()
     }
-    fields["config_version"] = (
-        int,
-        Field(None, ge=0, description="refuse (409) unless this is the current version"),
+    return create_model(name, __base__=_Live, **fields)
+
+
+class ConfigPatch(_partial(SamplerConfig, "SamplerConfigPatch")):  # type: ignore[misc]
+    """PATCH /v1/config: the knobs to change, merged into the live config and validated
+    whole (`parse_patch`)."""
+
+    # Absent: any version; an explicit null is no version and is refused.
+    config_version: int = Field(  # type: ignore[assignment]
+        None, ge=0, description="refuse (409) unless this is the current version"
     )
-    return create_model("ConfigPatch", __base__=_Live, **fields)
-
-
-#: PATCH /v1/config body, for the API document (the service merges and validates).
-ConfigPatch = _partial(SamplerConfig)
 
 
 #: PolicyError.field values that mean "no such policy" rather than a bad parameter.
@@ -389,8 +402,10 @@ def _policy_field(where: str, field: str | None) -> str:
     return f"{where}.name" if field in _FAMILY_KEYS else f"{where}.params.{field}"
 
 
-def _build_policy(spec: PolicySpec, scope: str, where: str) -> Any:
-    """Build one policy to validate it; errors name `where.params.<param>`."""
+def build_policy(spec: PolicySpec, scope: str, where: str) -> Any:
+    """A group or batch policy by its spec: a selection (group or batch scope) or a
+    reweighting (batch: sample or token scope), checked against `scope`; errors name
+    `where.name` or `where.params.<param>`."""
     policy: Policy
     try:
         if scope == "group" or spec.name in selection.SELECTIONS.names():
@@ -447,7 +462,7 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
             ) from exc
     for attr, scope in (("group_policies", "group"), ("batch_policies", "batch")):
         for i, spec in enumerate(getattr(cfg, attr)):
-            _build_policy(spec, scope, f"{attr}[{i}]")
+            build_policy(spec, scope, f"{attr}[{i}]")
     try:
         mixing.build(cfg.mixing.name, domains=domains, **cfg.mixing.params)
     except PolicyError as exc:
@@ -506,16 +521,34 @@ def apply_step(current: dict[str, Any], patch: dict[str, Any], domains: list[str
     return cfg
 
 
+def _config_error(exc: ValidationError) -> ConfigError:
+    """A pydantic error as one ConfigError naming the knob at fault."""
+    first = exc.errors()[0]
+    # List positions read as in the error messages of whole-config checks: a[0].b
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+    field = path.lstrip(".") or None
+    return ConfigError(f"{field}: {first['msg']}" if field else first["msg"], field)
+
+
 def validate_config(data: dict[str, Any]) -> SamplerConfig:
     """Parse a full config dict, turning pydantic errors into one ConfigError."""
     try:
         return SamplerConfig.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        # List positions read as in the error messages of whole-config checks: a[0].b
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
-        field = path.lstrip(".") or None
-        raise ConfigError(f"{field}: {first['msg']}" if field else first["msg"], field) from exc
+        raise _config_error(exc) from exc
+
+
+def parse_patch(body: Any) -> tuple[dict[str, Any], int | None]:
+    """A PATCH body read by its model (`ConfigPatch`): the knobs it sets, nested ones as
+    far as it names them, and the config_version it expects (None: any)."""
+    if not isinstance(body, dict):
+        raise ConfigError("the body must be a JSON object of config keys")
+    try:
+        patch = ConfigPatch.model_validate(body)
+    except ValidationError as exc:
+        raise _config_error(exc) from exc
+    changes = patch.model_dump(exclude_unset=True)
+    return changes, changes.pop("config_version", None)
 
 
 def merge_patch(current: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:

@@ -21,9 +21,11 @@ from sampler_service.config import (
     check_consistency,
     check_context,
     merge_patch,
+    parse_patch,
     validate_config,
 )
 from sampler_service.errors import ServiceError
+from sampler_service.live_config import LiveConfig
 from sampler_service.scheduler import Scheduler
 from sampler_service.store import AsyncStore
 
@@ -62,7 +64,7 @@ class EventLog:
 
 @dataclass(eq=False)
 class Control:
-    """PATCH /v1/config and the live schedule, over the scheduler's config.
+    """PATCH /v1/config and the live schedule, over the live config.
 
     Schedule steps key on groups trained on (acked, counted here) or on the served policy
     version; each applies once, in order. `after_change` runs after every config or
@@ -70,6 +72,7 @@ class Control:
     feature a change makes required applies to streams already open.
     """
 
+    live: LiveConfig
     scheduler: Scheduler
     events: EventLog
     domains: list[str]
@@ -83,35 +86,23 @@ class Control:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
 
     def get_config(self) -> dict[str, Any]:
-        return {
-            "config_version": self.scheduler.config_version,
-            **self.scheduler.config.model_dump(),
-        }
+        return {"config_version": self.live.version, **self.live.config.model_dump()}
 
-    async def patch_config(self, patch: Any) -> dict[str, Any]:
-        if not isinstance(patch, dict):
-            raise ServiceError(
-                422, "invalid_config", "the body must be a JSON object of config keys"
-            )
+    async def patch_config(self, body: Any) -> dict[str, Any]:
+        """Apply a PATCH body (its model: `config.ConfigPatch`) on top of the live config."""
         async with self._lock:
-            patch = dict(patch)
-            has_expected = "config_version" in patch
-            expected = patch.pop("config_version", None)
-            if has_expected and (type(expected) is not int):
-                raise ServiceError(
-                    422,
-                    "invalid_config",
-                    "config_version: must be an integer (the version this change expects)",
-                    "config_version",
-                )
-            if has_expected and expected != self.scheduler.config_version:
+            try:
+                patch, expected = parse_patch(body)
+            except ConfigError as exc:
+                raise ServiceError(422, "invalid_config", str(exc), exc.field) from exc
+            if expected is not None and expected != self.live.version:
                 raise ServiceError(
                     409,
                     "config_version_conflict",
-                    f"config_version is {self.scheduler.config_version}, not {expected}",
+                    f"config_version is {self.live.version}, not {expected}",
                     "config_version",
                 )
-            old = self.scheduler.config
+            old = self.live.config
             merged = merge_patch(old.model_dump(), patch)
             # Judged on what it changes (a knob it does not name is not held against it)
             # and on whether the result is consistent, as the start-up config is.
@@ -147,10 +138,10 @@ class Control:
     ) -> None:
         """Persist and install `cfg` as the next version, logged with its diff, in one
         transaction with the schedule's progress. Callers hold the lock."""
-        old = self.scheduler.config.model_dump(mode="json")
+        old = self.live.config.model_dump(mode="json")
         new = cfg.model_dump(mode="json")
         diff = {k: [old.get(k), v] for k, v in new.items() if old.get(k) != v}
-        version = self.scheduler.config_version + 1
+        version = self.live.version + 1
         record = {"config": new, "version": version, "schedule_applied": applied}
         await self.events.record(
             "config",
@@ -159,13 +150,14 @@ class Control:
             {"config": record},
         )
         self.schedule_applied = applied
-        await self.scheduler.apply_config(cfg, version)
+        await self.live.install(cfg, version)
+        self.scheduler.poke()
         await self.scheduler.form_frames()
         log.info("config v%d (%s): %s", version, source, diff)
         await self.after_change()
 
     def _schedule_due(self) -> bool:
-        schedule = self.scheduler.config.schedule
+        schedule = self.live.config.schedule
         if self.schedule_applied >= len(schedule):
             return False
         kind, threshold = schedule[self.schedule_applied].at.key()
@@ -182,7 +174,7 @@ class Control:
             return
         async with self._lock:
             while self._schedule_due():
-                cfg, i = self.scheduler.config, self.schedule_applied
+                cfg, i = self.live.config, self.schedule_applied
                 step = cfg.schedule[i]
                 kind, threshold = step.at.key()
                 detail = {"step": i, "at": {kind: threshold}}
@@ -191,7 +183,7 @@ class Control:
                 except ConfigError as exc:
                     record = {
                         "config": cfg.model_dump(mode="json"),
-                        "version": self.scheduler.config_version,
+                        "version": self.live.version,
                         "schedule_applied": i + 1,
                     }
                     await self.events.record(

@@ -12,27 +12,25 @@ import logging
 import math
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sampler_service.aio import wait_event
 from sampler_service.backends.base import Backend
+from sampler_service.consumers import ConsumerSteps
 from sampler_service.dataset import Dataset
 from sampler_service.encoding import Encoding
 from sampler_service.errors import ServiceError
-from sampler_service.metrics import Metrics
+from sampler_service.live_config import LiveConfig
 from sampler_service.outbox import Delivered, Outbox, lease_consumer, stream_consumer
 from sampler_service.scheduler import Scheduler
 from sampler_service.store import AsyncStore, StoredGroup
+from sampler_service.tally import Tally
 from trainer_client.contract import features as wire_features
 from trainer_client.contract.protocol import AckResponse, Heartbeat
 
 log = logging.getLogger(__name__)
-
-#: /v1/stats `staleness` covers this many of the last delivered groups.
-STALENESS_WINDOW = 100
 
 
 @dataclass(eq=False)
@@ -41,34 +39,24 @@ class Delivery:
 
     outbox: Outbox
     scheduler: Scheduler
+    live: LiveConfig
+    #: The step consumers show (declared or held), which admission counts in.
+    consumers: ConsumerSteps
     backend: Backend
     store: AsyncStore
     dataset: Dataset
-    metrics: Metrics
+    tally: Tally
     #: What heartbeats report as the engine's failure.
     engine_error: Callable[[], str | None]
     #: A lease waits at most this long for a frame.
     max_lease_wait_s: float
     #: Rows name environments: groups hold episodes with observation tokens.
     serves_episodes: bool = False
-    groups_delivered: int = field(default=0, init=False)
-    #: Each recently delivered group's lag: served version at delivery minus its oldest
-    #: sample's (last, mean, max and histogram in /v1/stats).
-    lags: deque[int] = field(default_factory=lambda: deque(maxlen=STALENESS_WINDOW), init=False)
     _closing: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     # Live streams: token -> (consumer, heartbeat_s, when its socket last took a message).
     _streams: dict[object, tuple[str, float, float]] = field(default_factory=dict, init=False)
     #: The wire features each live stream declared (token -> names).
     _stream_features: dict[object, frozenset[str]] = field(default_factory=dict, init=False)
-    #: Groups per training step declared by consumers (`groups_per_step`): consumer ->
-    #: (groups, until when). A stream's holds while it lives; a lease caller's for a
-    #: lease TTL after its last call.
-    _declared_steps: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
-    #: The most groups each consumer that declares no step has held unacked at once:
-    #: consumer -> (groups, until when), a lease TTL after it was last seen. Such a
-    #: consumer batches that many before it acks; a step of one frame would leave it
-    #: waiting for groups that admission never makes.
-    _held_peaks: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
 
     def close(self) -> None:
         """Stop serving: open streams end (with a `closing` heartbeat), lease waits return."""
@@ -81,17 +69,16 @@ class Delivery:
         if self.outbox.expire():
             self.scheduler.poke()
         self._drop_stalled_streams()
-        until = time.monotonic() + self.scheduler.config.lease_ttl_s
+        until = time.monotonic() + self.live.config.lease_ttl_s
         for consumer, _, _ in self._streams.values():  # a live stream is seen
-            if consumer in self._held_peaks:
-                self._held_peaks[consumer] = (self._held_peaks[consumer][0], until)
-        self._update_step_groups()
+            self.consumers.seen(consumer, until)
+        self.consumers.refresh()
 
     def _heartbeat(self, consumer: str, closing: bool = False) -> dict[str, Any]:
         return Heartbeat(
             time=time.time(),
             policy_version=self.backend.policy_version,
-            config_version=self.scheduler.config_version,
+            config_version=self.live.version,
             ready=self.outbox.ready_groups,
             leased=self.outbox.leased_groups,
             active_prompts=self.scheduler.active_prompts + self.scheduler.finalizing,
@@ -99,11 +86,11 @@ class Delivery:
             engine_error=self.engine_error(),
             closing=closing,
             engine_state=self.backend.health().state,
-            admission=self.scheduler.admission,
+            admission=self.scheduler.admission.wait,
         ).model_dump()
 
     def _check_step(self, groups_per_step: int | None) -> None:
-        limit = self.scheduler.config.max_buffered_groups
+        limit = self.live.config.max_buffered_groups
         if groups_per_step is not None and groups_per_step > limit:
             raise ServiceError(
                 422,
@@ -113,52 +100,15 @@ class Delivery:
                 "groups_per_step",
             )
 
-    def _declare_step(self, consumer: str, groups_per_step: int | None, until: float) -> None:
-        """Note the step size a consumer trains on (admission under max_staleness counts
-        steps); without a declaration a step is one frame (`batch_groups`)."""
-        if groups_per_step is not None:
-            self._declared_steps[consumer] = (groups_per_step, until)
-            self._update_step_groups()
-
     def _note_holding(self, consumer: str) -> None:
-        """After a hand-out: what a consumer that declares no step now holds unacked."""
-        if consumer in self._declared_steps:
-            return
-        held = self.outbox.unacked(consumer)
-        peak, until = self._held_peaks.get(consumer, (0, 0.0))
-        now = time.monotonic()
-        ttl = self.scheduler.config.lease_ttl_s
-        self._held_peaks[consumer] = (max(held, peak if until > now else 0), now + ttl)
-        if held > self.scheduler.consumer_step_groups:
-            self._update_step_groups()
-
-    def _update_step_groups(self) -> None:
-        """The trainer's step as consumers show it: the largest step declared, and the
-        most groups a consumer that declares none held unacked at once."""
-        now = time.monotonic()
-        self._declared_steps = {c: d for c, d in self._declared_steps.items() if d[1] > now}
-        self._held_peaks = {
-            c: d
-            for c, d in self._held_peaks.items()
-            if d[1] > now and c not in self._declared_steps
-        }
-        step = max(
-            (groups for groups, _ in (*self._declared_steps.values(), *self._held_peaks.values())),
-            default=0,
-        )
-        if step != self.scheduler.consumer_step_groups:
-            self.scheduler.consumer_step_groups = step
-            self.scheduler.poke()
+        """After a hand-out: what the consumer now holds (its step, if it declared none)."""
+        until = time.monotonic() + self.live.config.lease_ttl_s
+        self.consumers.holding(consumer, self.outbox.unacked(consumer), until)
 
     def _delivered(self, delivered: list[Delivered]) -> list[Delivered]:
         """Record each delivered group's lag behind the served weights."""
         served = self.backend.policy_version
-        for item in delivered:
-            lag = served - item.group.policy_version_min
-            self.lags.append(lag)
-            self.metrics.delivered_staleness.observe(lag)
-            self.metrics.staleness.set(lag)
-        self.groups_delivered += len(delivered)
+        self.tally.delivered(served - item.group.policy_version_min for item in delivered)
         return delivered
 
     async def drop_stale_frames(self) -> None:
@@ -172,7 +122,7 @@ class Delivery:
     def _take_out_stale(self) -> list[StoredGroup]:
         """Take stale frames out of the outbox now, with no await between this and a
         hand-out; returns their groups for `_discard_stale`."""
-        bound = self.scheduler.config.max_staleness
+        bound = self.live.config.max_staleness
         if bound is None:
             return []
         frames = self.outbox.drop_stale(self.backend.policy_version, bound)
@@ -180,7 +130,7 @@ class Delivery:
         if members:
             for member in members:
                 self.dataset.serve_again(member.domain, member.prompt_id)
-            self.scheduler.count_dropped("stale", len(members))
+            self.tally.dropped_groups("stale", len(members))
             self.scheduler.poke()
             log.info(
                 "dropped %d READY groups (%d frames) more than %d versions behind v%d; "
@@ -204,7 +154,7 @@ class Delivery:
         required = {}
         if self.serves_episodes:
             required[wire_features.LOSS_MASK] = "train on Sample.loss_mask == 1 tokens only"
-        if self.scheduler.config.replay is not None:
+        if self.live.config.replay is not None:
             required[wire_features.REPLAYED] = (
                 "treat Sample.replayed answers as off-policy (clip their importance ratio or "
                 "drop them)"
@@ -261,7 +211,7 @@ class Delivery:
             )
         self._streams[token] = (consumer, heartbeat_s, time.monotonic())
         self._stream_features[token] = features
-        self._declare_step(consumer, groups_per_step, math.inf)
+        self.consumers.declare(consumer, groups_per_step, math.inf)
         return self._stream(consumer, token, max_unacked, heartbeat_s, encoding)
 
     async def _stream(
@@ -291,7 +241,7 @@ class Delivery:
                 size = outbox.next_frame_size()
                 unacked = outbox.unacked(consumer)
                 if size is not None and (unacked + size <= max_unacked or unacked == 0):
-                    ttl = self.scheduler.config.lease_ttl_s
+                    ttl = self.live.config.lease_ttl_s
                     sending()
                     # Every READY frame the credit allows goes out in one write: a
                     # finalizer's burst of frames costs the loop one socket send, not one
@@ -312,8 +262,7 @@ class Delivery:
             self._streams.pop(token, None)
             self._stream_features.pop(token, None)
             outbox.disconnect(consumer, token)
-            if self._declared_steps.pop(consumer, None) is not None:
-                self._update_step_groups()
+            self.consumers.forget(consumer)
             self.scheduler.poke()
 
     def _drop_stalled_streams(self) -> None:
@@ -334,7 +283,7 @@ class Delivery:
     async def ack(self, delivery_ids: list[str]) -> AckResponse:
         mistaken = self.outbox.group_ids_among(delivery_ids)
         acked, unknown = await self.outbox.ack(delivery_ids)
-        self.metrics.groups_acked.inc(acked)
+        self.tally.acked(acked)
         self.scheduler.poke()
         hint = None
         if mistaken:
@@ -356,8 +305,8 @@ class Delivery:
     ) -> bytes:
         """An encoded LeaseResponse, built from the stored group bytes."""
         self._check_step(groups_per_step)
-        ttl = self.scheduler.config.lease_ttl_s
-        self._declare_step(lease_consumer(consumer), groups_per_step, time.monotonic() + ttl)
+        ttl = self.live.config.lease_ttl_s
+        self.consumers.declare(lease_consumer(consumer), groups_per_step, time.monotonic() + ttl)
         deadline = time.monotonic() + min(wait_s, self.max_lease_wait_s)
         while True:
             await self.drop_stale_frames()
@@ -368,7 +317,7 @@ class Delivery:
             ):
                 break
             await wait_event(self.outbox.changed(), deadline - time.monotonic())
-        ttl = self.scheduler.config.lease_ttl_s
+        ttl = self.live.config.lease_ttl_s
         delivered = self._delivered(
             self.outbox.take(lease_consumer(consumer), ttl, max_groups=max_groups)
         )

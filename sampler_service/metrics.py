@@ -6,8 +6,7 @@ process, as tests and benchmarks run them, from colliding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, get_args
+from collections.abc import Callable, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,8 +18,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from strategies.selection import SELECTIONS
-from strategies.stopping import StopReason
+from sampler_service.tally import Tally, TallyCollector
 
 # `*_created` series double every counter and histogram in the text format and carry
 # nothing a dashboard uses.
@@ -29,24 +27,8 @@ disable_created_metrics()
 PREFIX = "adaptive_rollout_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# Known label values, created at zero when the service starts (Metrics.precreate).
-OUTCOMES = ("positive", "negative", "error")
-STOP_REASONS = get_args(StopReason)
-# crash: the verifier's worker died; unavailable: not called, its breaker is open.
-VERIFIER_ERROR_KINDS = ("timeout", "error", "crash", "unavailable")
-# The scheduler's own reasons to drop a finalized group; selection policies drop under
-# their names.
-# stale: a READY frame that fell more than max_staleness versions behind the weights.
-DROP_REASONS = (
-    "engine_error",
-    "env_error",
-    "verifier_unavailable",
-    "too_few_samples",
-    "stale",
-    *SELECTIONS.names(),
-)
-# stale_version: the version did not increase (409); rejected: the file failed vetting
-# (422); error: the engine failed while loading vetted weights.
+#: stale_version: the version did not increase (409); rejected: the file failed vetting
+#: (422); error: the engine failed while loading vetted weights.
 WEIGHT_FAILURE_REASONS = ("stale_version", "rejected", "error")
 
 
@@ -54,51 +36,10 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         counter, gauge, histogram = self._counter, self._gauge, self._histogram
-        self.samples_generated = counter(
-            "samples_generated", "Answers generated", "domain", "outcome"
-        )
-        self.generated_tokens = counter("generated_tokens", "Response tokens generated")
-        self.groups_emitted = counter("groups_emitted", "Groups stored for delivery", "domain")
-        self.groups_dropped = counter("groups_dropped", "Finalized groups not emitted", "reason")
-        self.replayed_answers = counter(
-            "replayed_answers", "Earlier right answers put into all-wrong groups (config replay)"
-        )
-        self.prompts_skipped = counter(
-            "prompts_skipped",
-            "Prompts an admission policy passed over before generating any answer",
-            "domain",
-        )
-        self.stop_reasons = counter("stop_reasons", "Why prompts stopped sampling", "reason")
-        self.samples_per_group = histogram(
-            "samples_per_group",
-            "Answers generated per finalized prompt",
-            buckets=(1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256),
-        )
-        self.pass_rate = histogram(
-            "pass_rate",
-            "Per-prompt pass rate over all answers",
-            buckets=tuple(i / 10 for i in range(11)),
-        )
         self.queue_depth = gauge("queue_depth", "Stored groups by state", "state")
         self.active_prompts = gauge("active_prompts", "Prompts being sampled")
         self.policy_version = gauge("policy_version", "Served weights version")
         self.config_version = gauge("config_version", "Sampler config version")
-        self.staleness = gauge(
-            "staleness",
-            "Policy versions between the weights served when the last group was delivered and "
-            "that group's oldest sample",
-        )
-        self.delivered_staleness = histogram(
-            "delivered_staleness",
-            "Per delivered group: served policy version at delivery minus its oldest sample's",
-            buckets=(0, 1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 1024),
-        )
-        self.groups_acked = counter("groups_acked", "Groups acked by a trainer (deleted)")
-        self.wave_latency = histogram(
-            "wave_latency_seconds", "Time to generate and verify one wave"
-        )
-        self.verifier_errors = counter("verifier_errors", "Verifier failures", "kind")
-        self.verifier_latency = histogram("verifier_latency_seconds", "Time per verification")
         self.mixing_share = gauge("mixing_share", "Domain shares", "domain", "kind")
         self.weight_updates = counter("weight_updates", "Weight updates applied")
         self.weight_update_seconds = histogram(
@@ -157,22 +98,6 @@ class Metrics:
             "kind",
         )
 
-        self.episode_turns = histogram(
-            "episode_turns",
-            "Model turns per finished episode",
-            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
-        )
-        self.env_errors = counter(
-            "env_errors",
-            "Environment failures (exception or time-out); each episode was run again",
-        )
-        self.env_seconds = counter("env_seconds", "Seconds spent in environment calls")
-        self.episode_tokens = counter(
-            "episode_tokens",
-            "Tokens of finished episodes: model (sampled) or observation",
-            "kind",
-        )
-
     # Every metric is named under PREFIX and registered in this instance's registry; the
     # three makers below keep each definition to its name, help text and labels.
 
@@ -191,37 +116,22 @@ class Metrics:
     ) -> Histogram:
         return Histogram(PREFIX + name, doc, labels, registry=self.registry, buckets=buckets)
 
-    def observe_episodes(self, wave: Any) -> None:
-        """A wave of episodes (`sampler_service.episodes.EpisodeWave`) finished."""
-        for episode in wave.completions:
-            sampled = sum(episode.loss_mask) if episode.loss_mask is not None else 0
-            self.episode_turns.observe(episode.num_turns)
-            self.episode_tokens.labels("model").inc(sampled)
-            self.episode_tokens.labels("observation").inc(len(episode.token_ids) - sampled)
-        self.env_errors.inc(len(wave.env_errors))
-        self.env_seconds.inc(wave.env_seconds)
-
-    def precreate(self, domains: list[str]) -> None:
-        """Create every known label set at zero.
-
-        A labelled series is otherwise absent until its first increment, and
-        `increase()`/`rate()` over an absent series is empty rather than 0, so alert rules
-        such as "no groups for N minutes" could never fire on a sampler that never emitted.
-        """
-        for domain in domains:
-            self.groups_emitted.labels(domain)
-            for outcome in OUTCOMES:
-                self.samples_generated.labels(domain, outcome)
-        for reason in DROP_REASONS:
-            self.groups_dropped.labels(reason)
-        for reason in STOP_REASONS:
-            self.stop_reasons.labels(reason)
-        for kind in VERIFIER_ERROR_KINDS:
-            self.verifier_errors.labels(kind)
-        for reason in WEIGHT_FAILURE_REASONS:
+    def follow(
+        self,
+        tally: Tally,
+        *,
+        active_prompts: Callable[[], int],
+        policy_version: Callable[[], int],
+        config_version: Callable[[], int],
+    ) -> None:
+        """Read the sampling figures from `tally` and these gauges from their owners at
+        each scrape: nothing here is written twice."""
+        self.registry.register(TallyCollector(tally, PREFIX))
+        self.active_prompts.set_function(active_prompts)
+        self.policy_version.set_function(policy_version)
+        self.config_version.set_function(config_version)
+        for reason in WEIGHT_FAILURE_REASONS:  # every reason's series from the start
             self.weight_update_failures.labels(reason)
-        for kind in ("model", "observation"):
-            self.episode_tokens.labels(kind)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,9 +48,8 @@ class ReplayStore:
     _answers: dict[str, deque[Replayed]] = field(default_factory=dict)
     #: Prompts whose kept answers changed since `changes` was last asked.
     _changed: set[str] = field(default_factory=set)
-    #: Right answers stored and answers replayed into groups since start (or restore).
+    #: Right answers stored since start (or restore); replays are the tally's to count.
     stored: int = 0
-    replayed: int = 0
 
     def remember(
         self,
@@ -85,7 +84,6 @@ class ReplayStore:
         if not kept:
             self._answers.pop(prompt_id, None)
             return None
-        self.replayed += 1
         return kept[-1]
 
     def stats(self) -> dict[str, int]:
@@ -93,7 +91,6 @@ class ReplayStore:
             "prompts": len(self._answers),
             "answers": sum(len(kept) for kept in self._answers.values()),
             "stored": self.stored,
-            "replayed": self.replayed,
         }
 
     def changes(self) -> dict[str, list[dict[str, Any]]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,10 +20,12 @@ from sampler_service.aio import TaskSet
 from sampler_service.backends.base import Backend, Completion
 from sampler_service.backends.factory import build_backend
 from sampler_service.config import SamplerConfig, ServeSettings
+from sampler_service.consumers import ConsumerSteps
 from sampler_service.control import Control, EventLog
 from sampler_service.dataset import PromptRow
 from sampler_service.delivery import Delivery
 from sampler_service.health import ServiceHealth
+from sampler_service.live_config import LiveConfig
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Outbox, StoreSink, described
 from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
@@ -31,6 +34,7 @@ from sampler_service.startup import Prepared, check_verifiers, prepare
 from sampler_service.state_dir import StateDir
 from sampler_service.stats import Stats
 from sampler_service.store import ACKED_KEY, AsyncStore
+from sampler_service.tally import Tally
 from sampler_service.verifiers.base import Verdict
 from sampler_service.verifiers.pool import VerifierPool
 from sampler_service.weights.manager import WeightPlaces, WeightsManager
@@ -40,7 +44,7 @@ from trainer_client.contract.wire import unpack_group
 log = logging.getLogger(__name__)
 
 
-def _verifier(verifiers: VerifierPool, default: str, metrics: Metrics) -> VerifyFn:
+def _verifier(verifiers: VerifierPool, default: str, tally: Tally) -> VerifyFn:
     """The scheduler's verify call: the row's verifier (else `default`) on a wave's answers."""
 
     async def verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
@@ -48,9 +52,7 @@ def _verifier(verifiers: VerifierPool, default: str, metrics: Metrics) -> Verify
         texts = [c.verified_text for c in completions]
         verdicts = await verifiers.verify_wave(spec, texts, row.answer, row.metadata)
         for verdict in verdicts:
-            metrics.verifier_latency.observe(verdict.seconds)
-            if verdict.kind != "ok":
-                metrics.verifier_errors.labels(verdict.kind).inc()
+            tally.verified(verdict.kind, verdict.seconds)
         return verdicts
 
     return verify
@@ -126,8 +128,8 @@ class SamplerService:
         sink = StoreSink(store, outbox)
         loop = asyncio.get_running_loop()
         tokenizer = await loop.run_in_executor(None, lambda: p.tokenize.tokenizer)
-        metrics.precreate(dataset.domains)
-        cfg = p.config
+        live = LiveConfig(p.config, p.config_version, dataset.domains, dataset.prompt_ids())
+        tally = Tally(dataset.domains, time.monotonic)
         verifiers = VerifierPool(max_workers=s.verifier_pool_size, timeout_s=s.verifier_timeout_s)
         undo.callback(verifiers.close)
         await check_verifiers(verifiers, dataset, s.verifier)
@@ -135,30 +137,42 @@ class SamplerService:
         backend = engine or build_backend(s, tokenizer, metrics, events.replica_changed)
         await backend.start()
         undo.push_async_callback(backend.close)
+        consumers = ConsumerSteps()
         scheduler = Scheduler(
             backend=backend,
             dataset=dataset,
-            verify=_verifier(verifiers, s.verifier, metrics),
+            verify=_verifier(verifiers, s.verifier, tally),
             sink=sink,
-            config=cfg,
-            config_version=p.config_version,
+            live=live,
+            consumer_step=lambda: consumers.step,
+            tally=tally,
             metrics=metrics,
             seed=s.seed,
             episodes=_episode_runner(p),
+        )
+        consumers.on_change = scheduler.poke
+        metrics.follow(
+            tally,
+            active_prompts=lambda: scheduler.active_prompts,
+            policy_version=lambda: backend.policy_version,
+            config_version=lambda: live.version,
         )
         health = ServiceHealth(s, p.started_at, backend, scheduler, verifiers)
         delivery = Delivery(
             outbox,
             scheduler,
+            live,
+            consumers,
             backend,
             store,
             dataset,
-            metrics,
+            tally,
             health.engine_error,
             s.max_lease_wait_s,
             serves_episodes=bool(p.env_factories),
         )
         control = Control(
+            live,
             scheduler,
             events,
             dataset.domains,
@@ -186,7 +200,6 @@ class SamplerService:
             verifiers,
             metrics,
             health,
-            delivery,
             control,
             p.filtered_overlong,
         )
@@ -199,8 +212,6 @@ class SamplerService:
             sink.remember(stored.group_id)
         scheduler.restore_pending([unpack_group(stored.payload) for stored in pending])
         await scheduler.form_frames()
-        metrics.config_version.set(p.config_version)
-        metrics.policy_version.set(backend.policy_version)
         # Frames stored under older weights than those restored may be too stale now.
         await delivery.drop_stale_frames()
         # Steps whose condition was met just before a crash apply now.
@@ -252,7 +263,7 @@ class SamplerService:
         await self.backend.close()
         stored = await self.store.call(self.store.sync.count)
         self.shutdown_summary = (
-            f"adaptive-rollout sampler stopped: {self.delivery.groups_delivered} groups "
+            f"adaptive-rollout sampler stopped: {self.scheduler.tally.groups_delivered} groups "
             f"delivered and {self.control.trained_groups - self._acked_at_start} acked since "
             f"it started; {stored} groups stored in {self.settings.state_dir} for the next start"
         )

@@ -4,13 +4,12 @@ mixing shares per domain, throughput over a window, and delivered groups' stalen
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sampler_service.backends.base import Backend
 from sampler_service.control import Control
-from sampler_service.delivery import Delivery
 from sampler_service.health import ServiceHealth
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Outbox, StoreSink
@@ -32,7 +31,6 @@ class Stats:
     verifiers: VerifierPool
     metrics: Metrics
     health: ServiceHealth
-    delivery: Delivery
     control: Control
     #: Prompts left out at start-up for having no room for an answer in the context.
     filtered_overlong: int = 0
@@ -46,7 +44,7 @@ class Stats:
         self._samples.append(self._counters())
 
     def _counters(self) -> tuple[float, int, int, int, int]:
-        st = self.scheduler.stats
+        st = self.scheduler.tally
         acked = self.control.trained_groups
         return (time.monotonic(), st.groups_emitted, st.samples, st.tokens, acked)
 
@@ -63,8 +61,8 @@ class Stats:
         return {"window_s": dt, **rates}
 
     def _domain_shares(self) -> dict[str, dict[str, Any]]:
-        st = self.scheduler.stats
-        targets = self.scheduler.mixer.proportions()
+        st = self.scheduler.tally
+        targets = self.scheduler.live.mixer.proportions()
         out = {}
         for domain, ds in st.domains.items():
             rates = ds.recent_pass_rates
@@ -83,16 +81,10 @@ class Stats:
     def _staleness(self) -> dict[str, Any]:
         """Delivered groups' lag behind the served weights (over the last ones delivered)
         and what bounds it."""
-        lags = self.delivery.lags
         return {
-            "last": lags[-1] if lags else None,
-            "mean": sum(lags) / len(lags) if lags else None,
-            "max": max(lags) if lags else None,
-            "window": len(lags),
-            "histogram": {str(lag): n for lag, n in sorted(Counter(lags).items())},
+            **self.scheduler.tally.staleness(),
             "max_staleness": self.scheduler.config.max_staleness,
-            "step_groups": self.scheduler.step_groups,
-            "dropped_stale": self.scheduler.stats.dropped.get("stale", 0),
+            "step_groups": self.scheduler.admission.step_groups,
         }
 
     def document(self) -> dict[str, Any]:
@@ -100,7 +92,7 @@ class Stats:
         scheduler, outbox = self.scheduler, self.outbox
         return {
             "policy_version": self.backend.policy_version,
-            "config_version": scheduler.config_version,
+            "config_version": scheduler.live.version,
             "queue": {
                 "ready": outbox.ready_groups,
                 "leased": outbox.leased_groups,
@@ -121,7 +113,7 @@ class Stats:
                 "served": self.scheduler.dataset.size,
                 "filtered_overlong": self.filtered_overlong,
             },
-            **scheduler.stats.to_dict(),
+            **scheduler.tally.to_dict(scheduler.replay.stats()),
             "rates": self._rates(),
             "staleness": self._staleness(),
             "allocation": scheduler.allocation_stats(),
@@ -150,7 +142,7 @@ class Stats:
 
 def _admission(scheduler: Scheduler) -> dict[str, Any]:
     """What new prompts wait on; `blocked_by` null while nothing holds them up."""
-    wait = scheduler.admission
+    wait = scheduler.admission.wait
     if wait is None:
         return {"blocked_by": None, "since": None, "detail": None}
     return wait.model_dump()

@@ -19,7 +19,8 @@ from bench import adaptive_sim, virtual_clock
 from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
-from sampler_service.scheduler import MemorySink, Scheduler
+from sampler_service.finalize import MemorySink
+from sampler_service.scheduler import Scheduler
 
 PROMPTS = 16
 CONFIG = {
@@ -58,8 +59,8 @@ def _first_waves(history: dict[str, list[float]] | None) -> tuple[dict[int, int]
             config=SamplerConfig(**CONFIG),
         )
         if history is not None:
-            scheduler.estimator.load_state_dict({"c": 0.0, "finalized": 0, "stats": history})
-        prior = {i: scheduler.estimator.p(f"p{i:06d}") for i in range(PROMPTS)}
+            scheduler.live.estimator.load_state_dict({"c": 0.0, "finalized": 0, "stats": history})
+        prior = {i: scheduler.live.estimator.p(f"p{i:06d}") for i in range(PROMPTS)}
         scheduler.start()
         try:
             async with asyncio.timeout(1e6):

@@ -26,8 +26,9 @@ from sampler_service.config import EpisodeKnobs
 from sampler_service.dataset import PromptRow
 from sampler_service.environments.tools import tool_schema
 from sampler_service.episodes import EpisodeRenderer, EpisodeRunner, load_factories
+from sampler_service.finalize import MemorySink
 from sampler_service.grouping import on_one_prompt
-from sampler_service.scheduler import MemorySink, Scheduler
+from sampler_service.scheduler import Scheduler
 from sampler_service.startup import PromptTokenizer
 from sampler_service.verifiers import exact
 
@@ -183,7 +184,7 @@ async def test_groups_obey_the_rule_counted_in_episodes(toy, engine, tmp_path) -
             assert not (any(earlier) and not all(earlier))
         else:
             assert group.stop_reason == "n_max" and group.stats.n_generated == 8
-    assert scheduler.stats.episodes.episodes >= sum(len(g.samples) for g in groups)
+    assert scheduler.tally.episodes.episodes >= sum(len(g.samples) for g in groups)
 
 
 async def test_the_environments_terminal_reward_is_what_the_rule_counts(
@@ -379,7 +380,7 @@ async def test_a_failing_environment_never_stalls_nor_counts_as_wrong(
             held.append(episode_envs.HELD.get_nowait())
         for gate in held:
             gate.set()
-    stats = scheduler.stats.episodes
+    stats = scheduler.tally.episodes
     assert stats.env_errors > 0
     expected = "raised RuntimeError" if env == "raises" else "took longer than env_timeout_s"
     assert stats.last_env_error is not None and expected in stats.last_env_error
@@ -399,13 +400,13 @@ async def test_an_environment_that_always_fails_drops_its_prompts(toy, engine, t
     scheduler.start()
     try:
         async with asyncio.timeout(120):
-            while scheduler.stats.dropped["env_error"] < 3:
+            while scheduler.tally.dropped["env_error"] < 3:
                 await asyncio.sleep(0.05)
     finally:
         await scheduler.stop()
     assert not sink.groups()
-    assert scheduler.stats.samples == 0  # no failed episode was counted as an answer
-    assert scheduler.stats.episodes.env_errors >= 6
+    assert scheduler.tally.samples == 0  # no failed episode was counted as an answer
+    assert scheduler.tally.episodes.env_errors >= 6
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int, int]]:

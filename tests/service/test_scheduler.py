@@ -26,7 +26,8 @@ from sampler_service.backends.base import Completion
 from sampler_service.backends.hf import HFBackend
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.dataset import Dataset, PromptRow
-from sampler_service.scheduler import MemorySink, Scheduler
+from sampler_service.finalize import MemorySink
+from sampler_service.scheduler import Scheduler
 from sampler_service.verifiers import exact
 from sampler_service.verifiers.base import Verdict
 
@@ -116,7 +117,7 @@ async def run_until(
         print(
             f"waited for {n_groups} groups with stop reasons {sorted(reasons)}, got",
             len(sink.groups()),
-            scheduler.stats.to_dict(),
+            scheduler.tally.to_dict(scheduler.replay.stats()),
             scheduler.last_error,
             file=sys.stderr,
         )
@@ -207,7 +208,7 @@ async def test_est_rule_spends_budgets_and_learns(new_scheduler) -> None:
         rbar = rewards.sum() / len(rewards)
         expected = [(r - rbar) / (rbar + 1e-6) ** 0.5 for r in rewards]
         np.testing.assert_allclose([s.advantage for s in g.samples], expected, atol=1e-9)
-    assert any(scheduler.estimator.seen(g.prompt_id) for g in groups)
+    assert any(scheduler.live.estimator.seen(g.prompt_id) for g in groups)
 
 
 async def test_prompts_admitted_under_one_config_share_its_plan_until_the_next(
@@ -221,14 +222,14 @@ async def test_prompts_admitted_under_one_config_share_its_plan_until_the_next(
     )
     first, second = scheduler._admit(), scheduler._admit()
     assert first.plan is second.plan
-    old_estimator = scheduler.estimator
-    await scheduler.apply_config(scheduler.config.model_copy(update={"n_max": 6}), 1)
+    old_estimator = scheduler.live.estimator
+    await scheduler.live.install(scheduler.config.model_copy(update={"n_max": 6}), 1)
     third = scheduler._admit()
     assert third.plan is not first.plan
     assert (third.plan.config_version, third.plan.rule.params.n_max) == (1, 6)
     assert (first.plan.config_version, first.plan.rule.params.n_max) == (0, 8)
-    assert scheduler.estimator is not old_estimator
-    assert third.plan.rule.params.estimator is scheduler.estimator
+    assert scheduler.live.estimator is not old_estimator
+    assert third.plan.rule.params.estimator is scheduler.live.estimator
     assert first.plan.rule.params.estimator is old_estimator
 
 
@@ -245,20 +246,21 @@ async def test_a_patch_rebuilds_only_the_policies_whose_knobs_it_changes(new_sch
 
     async def patch(version: int, **knobs: Any) -> None:
         cfg = SamplerConfig.model_validate({**scheduler.config.model_dump(), **knobs})
-        await scheduler.apply_config(cfg, version)
+        await scheduler.live.install(cfg, version)
 
-    mixer, admission, allocation = scheduler.mixer, scheduler._admission, scheduler._allocation
+    live = scheduler.live
+    mixer, admission, allocation = live.mixer, live.admission, live.allocation
     await patch(1, temperature=0.5)
-    assert scheduler._plan.sampling.temperature == 0.5
-    assert scheduler.mixer is mixer
-    assert scheduler._admission is admission and scheduler._allocation is allocation
+    assert live.plan.sampling.temperature == 0.5
+    assert live.mixer is mixer
+    assert live.admission is admission and live.allocation is allocation
     await patch(2, mixing={"name": "static"})
-    assert scheduler.mixer is not mixer and scheduler.config.mixing.name == "static"
-    assert scheduler._admission is admission and scheduler._allocation is allocation
+    assert live.mixer is not mixer and scheduler.config.mixing.name == "static"
+    assert live.admission is admission and live.allocation is allocation
     await patch(3, n_max=12)  # a new estimator: the allocation calibrates afresh
-    assert scheduler._allocation is not allocation and scheduler._admission is admission
+    assert live.allocation is not allocation and live.admission is admission
     await patch(4, admission_policies=[])
-    assert scheduler._admission == [] and scheduler._plan.config_version == 4
+    assert live.admission == [] and live.plan.config_version == 4
 
 
 async def test_pilot_commit_commits_only_after_an_informative_or_promising_pilot(
@@ -278,7 +280,7 @@ async def test_pilot_commit_commits_only_after_an_informative_or_promising_pilot
             assert len(pilot) == 1 and g.stop_reason == "budget"
     stats = scheduler.allocation_stats()
     assert stats["policy"] == {"name": "pilot_commit", "params": {}}
-    assert stats["cut"] == scheduler.stats.stop_reasons["budget"] > 0
+    assert stats["cut"] == scheduler.tally.stop_reasons["budget"] > 0
 
 
 async def test_knapsack_spends_its_budgets_under_a_rule_that_never_stops_early(
@@ -352,7 +354,7 @@ async def test_staleness_zero_admits_one_prompt_at_a_time(new_scheduler) -> None
     scheduler, sink = new_scheduler(**fixed_groups(2, max_staleness=0))
 
     def admitted() -> int:
-        return sum(d.admitted for d in scheduler.stats.domains.values())
+        return sum(d.admitted for d in scheduler.tally.domains.values())
 
     scheduler.start()
     try:
@@ -420,7 +422,7 @@ async def test_weight_drain_timeout_aborts_waves_still_running(new_scheduler, ca
     finally:
         await scheduler.stop()
     assert "aborting them" in caplog.text
-    assert "engine_error" not in scheduler.stats.dropped
+    assert "engine_error" not in scheduler.tally.dropped
     assert all(g.stats.n_generated == 4 for g in sink.groups())
 
 
@@ -446,22 +448,22 @@ async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(new_s
     scheduler, _ = new_scheduler(
         **fixed_groups(2, max_active_prompts=4, max_buffered_groups=1000),
     )
-    sink = scheduler.sink = SlowSink()
+    sink = scheduler.finalizer.sink = SlowSink()
     scheduler.start()
     try:
         async with asyncio.timeout(120):
             # Finished groups pile up behind the slow store while generation goes on:
             # their prompts no longer hold the 4 engine slots.
-            while scheduler._finalizing < 8:
+            while scheduler.finalizing < 8:
                 assert scheduler.active_prompts <= 4
                 await asyncio.sleep(0.01)
             assert scheduler.buffered() >= 8  # waiting groups count for backpressure
     finally:
         await scheduler.stop()
     # Every prompt whose answers were all in got its group stored.
-    assert scheduler._finalizing == 0
-    finished = sum(scheduler.stats.stop_reasons.values())
-    assert finished >= 8 and len(sink.groups()) + len(scheduler._unframed) == finished
+    assert scheduler.finalizing == 0
+    finished = sum(scheduler.tally.stop_reasons.values())
+    assert finished >= 8 and len(sink.groups()) + len(scheduler.finalizer.unframed) == finished
     # Groups that finished while a write ran went into the next one together.
     assert max(sink.writes) > 1 and sum(sink.writes) == len(sink.groups())
 
@@ -480,13 +482,13 @@ async def test_an_estimator_rebuilt_off_the_loop_keeps_every_finished_group(new_
                     await asyncio.sleep(0.05)
                 n_max = 12 if version % 2 else 8
                 cfg = scheduler.config.model_copy(update={"n_max": n_max})
-                await scheduler.apply_config(cfg, version)
-                assert scheduler.estimator.params.n_max == n_max
+                await scheduler.live.install(cfg, version)
+                assert scheduler.live.estimator.params.n_max == n_max
     finally:
         await scheduler.stop()
-    finished = sum(scheduler.stats.samples_per_group.values())
+    finished = sum(scheduler.tally.samples_per_group.values())
     assert finished >= 22
-    assert scheduler.estimator.state_dict()["finalized"] == finished
+    assert scheduler.live.estimator.state_dict()["finalized"] == finished
 
 
 async def test_the_next_groups_are_built_while_a_write_is_in_the_store(new_scheduler) -> None:
@@ -507,7 +509,7 @@ async def test_the_next_groups_are_built_while_a_write_is_in_the_store(new_sched
     sink.add_frames = slow_store  # type: ignore[method-assign]
 
     def built() -> int:
-        return sum(scheduler.stats.samples_per_group.values())
+        return sum(scheduler.tally.samples_per_group.values())
 
     scheduler.start()
     try:

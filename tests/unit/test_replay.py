@@ -20,7 +20,7 @@ def test_only_right_answers_are_kept_the_newest_per_prompt() -> None:
     # d is right too; with at most 2 per prompt the oldest (a) goes.
     store.remember("p", [_answer("d", 1)], [1.0], 0.5, 2)
     store.remember("q", [_answer("e", 1)], [0.0], 0.5, 2)  # nothing right: no entry
-    assert store.stats() == {"prompts": 1, "answers": 2, "stored": 3, "replayed": 0}
+    assert store.stats() == {"prompts": 1, "answers": 2, "stored": 3}
     taken = store.take("p", served_version=1, max_version_lag=4)
     assert taken is not None and (taken.completion.text, taken.reward) == ("d", 1.0)
     assert store.take("q", served_version=1, max_version_lag=4) is None

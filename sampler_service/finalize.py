@@ -1,0 +1,299 @@
+"""Finished prompts to stored groups: accounting, group building, framing, storing.
+
+A prompt leaves its engine slot as soon as its last wave is verified and queues here, so
+the next prompt is admitted at once and the engine never waits on the store. Finalizer
+tasks take every prompt that finished while the last write ran (up to `STORE_BATCH`) and
+store their groups in one write; while one batch is written (the store's thread) the next
+is built (the event loop). Waiting prompts count as buffered for backpressure.
+
+The `Finalizer` never references the scheduler that feeds it: it is handed the live
+config, the sink, the tally and replay store, and callables for the served version and
+the state to save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from sampler_service import grouping
+from sampler_service.live_config import LiveConfig
+from sampler_service.prompt_run import PromptRun
+from sampler_service.replay import Replayed, ReplayStore
+from sampler_service.tally import PromptOutcome, Tally
+from trainer_client.contract.protocol import Group
+
+log = logging.getLogger(__name__)
+
+#: Most finished prompts a finalizer stores in one write. Those that finished while
+#: the last write ran share the next one: a commit per group would cap the front at one
+#: store round trip per group, and a backlog would wait in line for its turn. A larger
+#: batch makes the first of a burst wait for the last: a 700-token group of 4 answers
+#: takes ~0.2 ms to build and ~0.3-0.6 ms to write, so 64 at once held the first ~50 ms.
+STORE_BATCH = 16
+#: Finalizer tasks: while one batch is written (the store's thread), the next is built
+#: (the event loop), so a burst of finished prompts pays one of the two, not the sum.
+#: The store's frame lock keeps writes one at a time, in the order they were built.
+FINALIZERS = 2
+#: Seconds between snapshots of the mixer/estimator/dataset state, which travel with the
+#: next finished group into the store. By time, not by count: a snapshot of 8,192
+#: prompts' estimator state takes ~27 ms of the event loop. A crash loses at most this
+#: much state (a few prompts are served again), never a finished group.
+STATE_EVERY_S = 1.0
+
+
+class GroupSink(Protocol):
+    """Where finished groups go: the durable store in the service, memory in benchmarks."""
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        """Store a group that waits for its frame, with `state` (`Scheduler.saved_state`:
+        state keys and their values) when given."""
+        ...
+
+    async def add_frames(
+        self, frames: Sequence[grouping.FrameResult], state: dict[str, Any] | None = None
+    ) -> None:
+        """Store frames together (`state`, when given, with them) and offer them in order;
+        a member may not have been through `add_pending` (it completed its frame as it
+        finished), and a dropped member is deleted if it was."""
+        ...
+
+    def buffered(self) -> int:
+        """Framed groups not yet acked (READY + LEASED)."""
+        ...
+
+
+class Finalizer:
+    """Finished prompts' groups, built and stored (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        live: LiveConfig,
+        sink: GroupSink,
+        tally: Tally,
+        replay: ReplayStore,
+        served_version: Callable[[], int],
+        saved_state: Callable[[], dict[str, Any]],
+        clock: Callable[[], float],
+        on_error: Callable[[str], None],
+    ) -> None:
+        self.live, self.sink, self.tally, self.replay = live, sink, tally, replay
+        self._served_version = served_version
+        self._saved_state = saved_state
+        self._clock = clock
+        self._on_error = on_error
+        self._state_saved_at = clock()
+        #: Groups stored but not yet in a frame (a frame is `batch_groups` groups).
+        self.unframed: list[Group] = []
+        self._frame_lock = asyncio.Lock()
+        self._queue: asyncio.Queue[PromptRun] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        #: Prompts whose answers are all in, their groups not yet stored.
+        self.finalizing = 0
+        #: Called after each batch: backpressure may have eased.
+        self.on_stored: Callable[[], None] = lambda: None
+
+    # -- life cycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._run(), name=f"finalizer-{i}") for i in range(FINALIZERS)
+        ]
+
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Store what is queued (bounded wait), then stop."""
+        if not self._tasks:
+            return
+        try:
+            async with asyncio.timeout(drain_timeout_s):
+                await self._queue.join()
+        except TimeoutError:
+            log.error("stopped with %d finished groups not stored", self.finalizing)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    def put(self, run: PromptRun) -> None:
+        """A prompt whose answers are all in: its group is built and stored soon."""
+        self.finalizing += 1
+        self._queue.put_nowait(run)
+
+    def restore_pending(self, groups: list[Group]) -> None:
+        """Finished groups stored before a restart but not yet framed."""
+        self.unframed.extend(groups)
+
+    async def _run(self) -> None:
+        """Store finished prompts' groups: whatever finished meanwhile goes in one write."""
+        while True:
+            runs = [await self._queue.get()]
+            while len(runs) < STORE_BATCH and not self._queue.empty():
+                runs.append(self._queue.get_nowait())
+            try:
+                await self.finalize(runs)
+            except Exception as exc:  # a failed write must not stop the finalizer
+                self._on_error(f"storing {len(runs)} groups failed: {exc!r}")
+                log.exception("storing the groups of %d prompts failed", len(runs))
+            finally:
+                self.finalizing -= len(runs)
+                for _ in runs:
+                    self._queue.task_done()
+                self.on_stored()
+
+    # -- groups -----------------------------------------------------------------------
+    async def finalize(self, runs: list[PromptRun]) -> None:
+        """Account for finished prompts, build their groups (`grouping`) and store them
+        in one write."""
+        groups = []
+        for run in runs:
+            try:
+                group = self._built(run)
+            except Exception as exc:  # one bad group must not stop the rest
+                self._on_error(f"finalizing prompt {run.row.id} failed: {exc!r}")
+                log.exception("finalizing prompt %s failed", run.row.id)
+                continue
+            if group is not None:
+                groups.append(group)
+        if groups:
+            await self._store(groups)
+
+    def _built(self, run: PromptRun) -> Group | None:
+        """Account for a finished prompt and build its group; None if it is dropped."""
+        run.done = True
+        row = run.row
+        stop_reason = run.stop_reason()
+        self.tally.prompt_finished(
+            PromptOutcome(row.domain, run.n_generated, run.n_pos, stop_reason, run.budget, run.cut)
+        )
+        self.live.learned(row.id, run.n_generated, run.n_pos)
+        replay = self._replay_for(run)
+        result = grouping.build_group(
+            row=row,
+            cfg=run.plan.cfg,
+            config_version=run.plan.config_version,
+            group_policies=run.plan.policies.group,
+            completions=run.completions,
+            verdicts=run.verdicts,
+            n_pos=run.n_pos,
+            stop_reason=stop_reason,
+            n_env_errors=run.env_errors,
+            replay=replay,
+        )
+        reward_mean = sum(v.reward for v in run.verdicts) / len(run.verdicts)
+        self.live.mixer.observe(row.domain, reward_mean, result.mean_abs_advantage)
+        group = result.group
+        if group is None:
+            self.tally.dropped_groups(str(result.drop_reason))
+            return None
+        if replay is not None and any(s.replayed for s in group.samples):
+            self.tally.replayed_answer()
+        return group
+
+    def _replay_for(self, run: PromptRun) -> Replayed | None:
+        """An earlier right answer for a prompt whose answers are all wrong (config
+        `replay`), or None; a prompt with right answers has them kept for later."""
+        knobs = run.plan.cfg.replay
+        if knobs is None:
+            return None
+        if run.n_pos == 0:
+            return self.replay.take(run.row.id, self._served_version(), knobs.max_version_lag)
+        rewards = [v.reward for v in run.verdicts]
+        threshold = run.plan.cfg.positive_threshold
+        self.replay.remember(run.row.id, run.completions, rewards, threshold, knobs.per_prompt)
+        return None
+
+    async def _store(self, groups: list[Group]) -> None:
+        """Store finished groups: those that complete frames framed, in one write (so
+        each is written once), and those that wait for the rest of their frame as
+        pending, so a restart still finds them."""
+        async with self._frame_lock:
+            state = None
+            if self._clock() - self._state_saved_at >= STATE_EVERY_S:
+                state, self._state_saved_at = self._saved_state(), self._clock()
+            size = self.live.config.batch_groups
+            unframed = len(self.unframed)
+            framed = (unframed + len(groups)) // size * size - unframed
+            for group in groups[max(framed, 0) :]:
+                await self.sink.add_pending(group, state)
+                state = None
+            self.unframed.extend(groups)
+            await self._form_frames(state)
+
+    async def form_frames(self) -> None:
+        """Re-check framing (e.g. after batch_groups was lowered by a PATCH)."""
+        async with self._frame_lock:
+            await self._form_frames()
+
+    async def _form_frames(self, state: dict[str, Any] | None = None) -> None:
+        """Frame what is unframed, every frame in one write; `state` is stored with them."""
+        size = self.live.config.batch_groups
+        count = len(self.unframed) // size * size
+        if not count:
+            return
+        frames = []
+        policies = self.live.policies
+        for start in range(0, count, size):
+            frame = grouping.apply_batch_policies(
+                self.unframed[start : start + size],
+                policies.selections,
+                policies.weightings,
+                batch_id=grouping.new_id(),
+            )
+            for _, reason in frame.dropped:
+                self.tally.dropped_groups(reason)
+            for group in frame.kept:
+                self.tally.emitted(group.domain)
+            frames.append(frame)
+        # The members stay in `unframed` until the sink has offered them: while their
+        # frames are written they must still count as buffered, or admission
+        # (max_staleness) would see room that the frames are about to take.
+        try:
+            await self.sink.add_frames(frames, state)
+        finally:
+            del self.unframed[:count]
+
+
+class VolatileSink:
+    """Base of the in-memory sinks (benchmarks, tests): nothing is stored, so a group that
+    waits for the rest of its frame needs no write, and frames need no shared one: each
+    subclass takes them one at a time (`add_frame`)."""
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        return None
+
+    async def add_frames(
+        self, frames: Sequence[grouping.FrameResult], state: dict[str, Any] | None = None
+    ) -> None:
+        """Each frame to `add_frame` in turn; `state` with the first."""
+        for frame in frames:
+            await self.add_frame(frame.kept, [g.group_id for g, _ in frame.dropped], state)
+            state = None
+
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
+        """One frame's kept groups and the ids of the members dropped from it."""
+        raise NotImplementedError
+
+
+class MemorySink(VolatileSink):
+    """In-memory sink for benchmarks and tests: frames are 'acked' by popping them."""
+
+    def __init__(self) -> None:
+        self.frames: list[list[Group]] = []
+        self.dropped: list[str] = []
+
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
+        if groups:
+            self.frames.append(groups)
+        self.dropped.extend(dropped)
+
+    def buffered(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+    def groups(self) -> list[Group]:
+        return [g for frame in self.frames for g in frame]

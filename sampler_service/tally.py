@@ -1,0 +1,424 @@
+"""Every figure of sampling and delivery, counted once.
+
+Each event of a prompt's life is one record, built once where it happens: a wave's
+outcome (`WaveOutcome`), a prompt's end (`PromptOutcome`), a group emitted or dropped, a
+delivery, a verdict. The `Tally` adds each record to its counters in one place.
+`/v1/stats` (and so the dashboard and `adaptive-rollout stats`) reads `Tally.to_dict()`,
+and `/metrics` reads the same counters at each scrape through `TallyCollector`: no
+figure has a second writer that could drift from the first. vLLM's `IterationStats` is
+the model: a record built once, read by every view.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from strategies.selection import SELECTIONS
+from strategies.stopping import StopReason
+
+#: Known label values, exported at zero from the start: `increase()` over an absent
+#: series is empty, not 0, so an alert on "no groups for N minutes" could never fire.
+OUTCOMES = ("positive", "negative", "error")
+STOP_REASONS = get_args(StopReason)
+#: The scheduler's own reasons to drop a group; selection policies drop under their names.
+#: stale: a READY frame that fell more than max_staleness versions behind the weights.
+DROP_REASONS = (
+    "engine_error",
+    "env_error",
+    "verifier_unavailable",
+    "too_few_samples",
+    "stale",
+    *SELECTIONS.names(),
+)
+#: crash: the verifier's worker died; unavailable: not called, its breaker is open.
+VERIFIER_ERROR_KINDS = ("timeout", "error", "crash", "unavailable")
+#: Last delivered groups whose lag /v1/stats `staleness` summarizes.
+STALENESS_WINDOW = 100
+#: Prompts' pass rates and domain shares are over this many recent prompts.
+RECENT = 200
+
+#: Histogram buckets, as /metrics has always exported them.
+SAMPLES_PER_GROUP_BUCKETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+PASS_RATE_BUCKETS = tuple(i / 10 for i in range(11))
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 1024)
+EPISODE_TURN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+#: prometheus_client's default buckets, for durations.
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeCost:
+    """What a wave of episodes spent beyond its answers."""
+
+    turns: tuple[int, ...]  # model turns of each finished episode
+    model_tokens: int  # sampled (loss mask 1)
+    observation_tokens: int  # appended from observations (loss mask 0)
+    env_errors: int  # environment failures met (each episode run again)
+    env_seconds: float
+    last_env_error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class WaveOutcome:
+    """One wave's answers as they were counted."""
+
+    domain: str
+    answers: int
+    positives: int
+    #: Answers whose verifier failed (scored 0, counted as negatives by the rule).
+    verifier_errors: int
+    #: Sampled tokens of the answers (an episode's model tokens).
+    tokens: int
+    #: Generation and verification, from issue to the last verdict (None: the wave's
+    #: prompt was dropped, its answers not counted).
+    seconds: float | None
+    episodes: EpisodeCost | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptOutcome:
+    """A prompt whose sampling ended (its group is built next, and may still be dropped)."""
+
+    domain: str
+    answers: int
+    positives: int
+    stop_reason: str
+    #: The allocation budget it ended with (None: no allocation policy).
+    budget: int | None = None
+    #: The allocation budget, not the rule or n_max, ended it.
+    cut: bool = False
+
+
+class Buckets:
+    """A histogram of a continuous value: counts per bucket and the sum."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
+        self.sum = 0.0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        cumulative, total = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            cumulative.append((floatToGoString(bound), total))
+        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=self.sum)
+
+
+def _histogram(
+    name: str, doc: str, values: Counter[Any], bounds: Sequence[float]
+) -> HistogramMetricFamily:
+    """A histogram family of exactly counted values (`values`: value -> count)."""
+    cumulative = []
+    for bound in (*bounds, float("inf")):
+        cumulative.append((floatToGoString(bound), sum(n for v, n in values.items() if v <= bound)))
+    total = sum(float(v) * n for v, n in values.items())
+    return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=total)
+
+
+@dataclass
+class DomainTally:
+    admitted: int = 0
+    emitted: int = 0
+    skipped: int = 0  # prompts an admission policy passed over (no answer generated)
+    samples: int = 0
+    positives: int = 0
+    recent_pass_rates: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+
+
+@dataclass
+class AllocationTally:
+    """Prompts finished under an allocation policy (since start, whichever policy)."""
+
+    groups: int = 0
+    cut: int = 0  # stopped by the allocation budget (stop reason `budget`)
+    answers: int = 0
+    budgets: int = 0  # sum of the budgets the prompts ended with
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "groups": self.groups,
+            "cut": self.cut,
+            "answers": self.answers,
+            "mean_answers": self.answers / self.groups if self.groups else None,
+            "mean_budget": self.budgets / self.groups if self.groups else None,
+        }
+
+
+@dataclass
+class EpisodeTally:
+    """Multi-turn episodes finished, and what they spent (since start)."""
+
+    episodes: int = 0
+    turns: Counter[int] = field(default_factory=Counter)  # model turns -> episodes
+    env_errors: int = 0
+    env_seconds: float = 0.0
+    model_tokens: int = 0
+    observation_tokens: int = 0
+    last_env_error: str | None = None
+
+    def add(self, cost: EpisodeCost) -> None:
+        self.episodes += len(cost.turns)
+        self.turns.update(cost.turns)
+        self.model_tokens += cost.model_tokens
+        self.observation_tokens += cost.observation_tokens
+        self.env_errors += cost.env_errors
+        self.env_seconds += cost.env_seconds
+        if cost.last_env_error is not None:
+            self.last_env_error = cost.last_env_error
+
+    def to_dict(self) -> dict[str, Any]:
+        turns = sum(k * v for k, v in self.turns.items())
+        return {
+            "episodes": self.episodes,
+            "turns_per_episode": turns / self.episodes if self.episodes else None,
+            "turns": {str(k): v for k, v in sorted(self.turns.items())},
+            "env_errors": self.env_errors,
+            "last_env_error": self.last_env_error,
+            "env_seconds": self.env_seconds,
+            "model_tokens": self.model_tokens,
+            "observation_tokens": self.observation_tokens,
+        }
+
+
+class Tally:
+    """The counters every view reads (see the module docstring)."""
+
+    def __init__(self, domains: Iterable[str], clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.started = clock()
+        self.domains = {d: DomainTally() for d in domains}
+        #: (domain, outcome) -> answers: positive, negative or a verifier error.
+        self.answers: Counter[tuple[str, str]] = Counter()
+        self.samples = 0
+        self.tokens = 0
+        self.wave_seconds = Buckets(SECONDS_BUCKETS)
+        self.episodes = EpisodeTally()
+        self.samples_per_group: Counter[int] = Counter()
+        self.pass_rates: Counter[float] = Counter()
+        self.stop_reasons: Counter[str] = Counter()
+        self.allocation = AllocationTally()
+        self.groups_emitted = 0
+        self.dropped: Counter[str] = Counter()
+        self.replayed = 0
+        self.recent_emitted: deque[str] = deque(maxlen=RECENT)
+        self.recent_admitted: deque[str] = deque(maxlen=RECENT)
+        self.groups_delivered = 0
+        #: Lag of every delivered group (served version at delivery minus its oldest
+        #: sample's), and of the last STALENESS_WINDOW in order.
+        self.lags: Counter[int] = Counter()
+        self.recent_lags: deque[int] = deque(maxlen=STALENESS_WINDOW)
+        self.groups_acked = 0
+        self.verifier_errors: Counter[str] = Counter()
+        self.verifier_seconds = Buckets(SECONDS_BUCKETS)
+
+    # -- records ------------------------------------------------------------------------
+    def admitted(self, domain: str) -> None:
+        self.domains[domain].admitted += 1
+        self.recent_admitted.append(domain)
+
+    def skipped(self, domain: str) -> None:
+        self.domains[domain].skipped += 1
+
+    def wave(self, outcome: WaveOutcome) -> None:
+        domain = self.domains[outcome.domain]
+        negatives = outcome.answers - outcome.positives - outcome.verifier_errors
+        self.answers[outcome.domain, "positive"] += outcome.positives
+        self.answers[outcome.domain, "negative"] += negatives
+        self.answers[outcome.domain, "error"] += outcome.verifier_errors
+        domain.samples += outcome.answers
+        domain.positives += outcome.positives
+        self.samples += outcome.answers
+        self.tokens += outcome.tokens
+        if outcome.seconds is not None:
+            self.wave_seconds.add(outcome.seconds)
+        if outcome.episodes is not None:
+            self.episodes.add(outcome.episodes)
+
+    def prompt_finished(self, outcome: PromptOutcome) -> None:
+        rate = outcome.positives / outcome.answers
+        self.samples_per_group[outcome.answers] += 1
+        self.stop_reasons[outcome.stop_reason] += 1
+        self.pass_rates[rate] += 1
+        self.domains[outcome.domain].recent_pass_rates.append(rate)
+        if outcome.budget is not None:
+            self.allocation.groups += 1
+            self.allocation.cut += outcome.cut
+            self.allocation.answers += outcome.answers
+            self.allocation.budgets += outcome.budget
+
+    def emitted(self, domain: str) -> None:
+        self.groups_emitted += 1
+        self.domains[domain].emitted += 1
+        self.recent_emitted.append(domain)
+
+    def dropped_groups(self, reason: str, groups: int = 1) -> None:
+        """Groups not delivered, by reason (at finalizing, framing, or once stored)."""
+        self.dropped[reason] += groups
+
+    def replayed_answer(self) -> None:
+        self.replayed += 1
+
+    def delivered(self, lags: Iterable[int]) -> None:
+        for lag in lags:
+            self.groups_delivered += 1
+            self.lags[lag] += 1
+            self.recent_lags.append(lag)
+
+    def acked(self, groups: int) -> None:
+        self.groups_acked += groups
+
+    def verified(self, kind: str, seconds: float) -> None:
+        """A verdict: its kind (`ok` or a failure) and the time the verifier took."""
+        self.verifier_seconds.add(seconds)
+        if kind != "ok":
+            self.verifier_errors[kind] += 1
+
+    # -- views --------------------------------------------------------------------------
+    def staleness(self) -> dict[str, Any]:
+        """The recently delivered groups' lag behind the served weights."""
+        lags = self.recent_lags
+        return {
+            "last": lags[-1] if lags else None,
+            "mean": sum(lags) / len(lags) if lags else None,
+            "max": max(lags) if lags else None,
+            "window": len(lags),
+            "histogram": {str(lag): n for lag, n in sorted(Counter(lags).items())},
+            "dropped_stale": self.dropped.get("stale", 0),
+        }
+
+    def to_dict(self, replay: dict[str, Any]) -> dict[str, Any]:
+        """The sampling figures of /v1/stats (`replay`: the replay store's own)."""
+        elapsed = max(self._clock() - self.started, 1e-9)
+        return {
+            "elapsed_s": elapsed,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "groups_emitted": self.groups_emitted,
+            "samples_per_s": self.samples / elapsed,
+            "tokens_per_s": self.tokens / elapsed,
+            "groups_per_s": self.groups_emitted / elapsed,
+            "samples_per_group": {str(k): v for k, v in sorted(self.samples_per_group.items())},
+            "stop_reasons": dict(self.stop_reasons),
+            "dropped": dict(self.dropped),
+            "skipped": {d: t.skipped for d, t in self.domains.items()},
+            "episodes": self.episodes.to_dict(),
+            "replay": {**replay, "replayed": self.replayed},
+        }
+
+
+class TallyCollector(Collector):
+    """/metrics' view of a `Tally`: its counters as Prometheus families at each scrape."""
+
+    def __init__(self, tally: Tally, prefix: str) -> None:
+        self.tally, self.prefix = tally, prefix
+
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
+        return CounterMetricFamily(self.prefix + name, doc, labels=labels)
+
+    def collect(self) -> Iterator[Metric]:
+        t, p = self.tally, self.prefix
+        answers = self._counter("samples_generated", "Answers generated", ("domain", "outcome"))
+        skipped = self._counter(
+            "prompts_skipped",
+            "Prompts an admission policy passed over before generating any answer",
+            ("domain",),
+        )
+        emitted = self._counter("groups_emitted", "Groups stored for delivery", ("domain",))
+        for domain, counts in t.domains.items():
+            for outcome in OUTCOMES:
+                answers.add_metric([domain, outcome], t.answers[domain, outcome])
+            skipped.add_metric([domain], counts.skipped)
+            emitted.add_metric([domain], counts.emitted)
+        yield from (answers, skipped, emitted)
+        tokens = self._counter("generated_tokens", "Response tokens generated")
+        tokens.add_metric([], t.tokens)
+        yield tokens
+        dropped = self._counter("groups_dropped", "Finalized groups not emitted", ("reason",))
+        for reason in sorted({*DROP_REASONS, *t.dropped}):
+            dropped.add_metric([reason], t.dropped[reason])
+        yield dropped
+        reasons = self._counter("stop_reasons", "Why prompts stopped sampling", ("reason",))
+        for reason in sorted({*STOP_REASONS, *t.stop_reasons}):
+            reasons.add_metric([reason], t.stop_reasons[reason])
+        yield reasons
+        replayed = self._counter(
+            "replayed_answers", "Earlier right answers put into all-wrong groups (config replay)"
+        )
+        replayed.add_metric([], t.replayed)
+        yield replayed
+        yield _histogram(
+            p + "samples_per_group",
+            "Answers generated per finalized prompt",
+            t.samples_per_group,
+            SAMPLES_PER_GROUP_BUCKETS,
+        )
+        yield _histogram(
+            p + "pass_rate",
+            "Per-prompt pass rate over all answers",
+            t.pass_rates,
+            PASS_RATE_BUCKETS,
+        )
+        yield t.wave_seconds.family(
+            p + "wave_latency_seconds", "Time to generate and verify one wave"
+        )
+        yield _histogram(
+            p + "delivered_staleness",
+            "Per delivered group: served policy version at delivery minus its oldest sample's",
+            t.lags,
+            STALENESS_BUCKETS,
+        )
+        last_lag = GaugeMetricFamily(
+            p + "staleness",
+            "Policy versions between the weights served when the last group was delivered and "
+            "that group's oldest sample",
+            value=t.recent_lags[-1] if t.recent_lags else 0,
+        )
+        yield last_lag
+        acked = self._counter("groups_acked", "Groups acked by a trainer (deleted)")
+        acked.add_metric([], t.groups_acked)
+        yield acked
+        verifier = self._counter("verifier_errors", "Verifier failures", ("kind",))
+        for kind in sorted({*VERIFIER_ERROR_KINDS, *t.verifier_errors}):
+            verifier.add_metric([kind], t.verifier_errors[kind])
+        yield verifier
+        yield t.verifier_seconds.family(p + "verifier_latency_seconds", "Time per verification")
+        yield from self._episodes()
+
+    def _episodes(self) -> Iterator[Metric]:
+        e, p = self.tally.episodes, self.prefix
+        yield _histogram(
+            p + "episode_turns", "Model turns per finished episode", e.turns, EPISODE_TURN_BUCKETS
+        )
+        errors = self._counter(
+            "env_errors",
+            "Environment failures (exception or time-out); each episode was run again",
+        )
+        errors.add_metric([], e.env_errors)
+        seconds = self._counter("env_seconds", "Seconds spent in environment calls")
+        seconds.add_metric([], e.env_seconds)
+        tokens = self._counter(
+            "episode_tokens",
+            "Tokens of finished episodes: model (sampled) or observation",
+            ("kind",),
+        )
+        tokens.add_metric(["model"], e.model_tokens)
+        tokens.add_metric(["observation"], e.observation_tokens)
+        yield from (errors, seconds, tokens)

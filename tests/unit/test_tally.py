@@ -1,0 +1,76 @@
+"""Every figure is counted once: the records of a few prompts go into one `Tally`, and
+`/v1/stats`' figures and `/metrics`' series are both read from it, so they agree."""
+
+from __future__ import annotations
+
+import itertools
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sampler_service.metrics import Metrics
+from sampler_service.tally import EpisodeCost, PromptOutcome, Tally, WaveOutcome
+
+
+def _series(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+
+
+def test_stats_and_metrics_read_the_same_counts() -> None:
+    clock = itertools.count().__next__
+    tally = Tally(["add", "mul"], lambda: float(clock()))
+    metrics = Metrics()
+    metrics.follow(
+        tally, active_prompts=lambda: 3, policy_version=lambda: 7, config_version=lambda: 2
+    )
+    tally.admitted("add")
+    tally.skipped("mul")
+    tally.wave(
+        WaveOutcome("add", answers=4, positives=1, verifier_errors=1, tokens=40, seconds=0.2)
+    )
+    cost = EpisodeCost((1, 2), model_tokens=9, observation_tokens=5, env_errors=1,
+                       env_seconds=0.5, last_env_error="boom")  # fmt: skip
+    tally.wave(WaveOutcome("mul", 2, 2, 0, 9, 0.1, cost))
+    tally.wave(WaveOutcome("mul", 0, 0, 0, 0, None))  # a dropped wave: no latency
+    tally.prompt_finished(PromptOutcome("add", 4, 1, "rule"))
+    tally.prompt_finished(PromptOutcome("mul", 2, 2, "budget", budget=2, cut=True))
+    tally.emitted("add")
+    tally.dropped_groups("stale", 3)
+    tally.delivered([0, 2])
+    tally.acked(1)
+    tally.verified("ok", 0.01)
+    tally.verified("timeout", 10.0)
+
+    stats = tally.to_dict({"prompts": 0})
+    series = _series(metrics)
+    assert (stats["samples"], stats["tokens"], stats["groups_emitted"]) == (6, 49, 1)
+    assert series["adaptive_rollout_generated_tokens_total", ()] == stats["tokens"]
+    answers = {
+        outcome: series["adaptive_rollout_samples_generated_total", (("domain", "add"), ("outcome", outcome))]
+        for outcome in ("positive", "negative", "error")
+    }  # fmt: skip
+    assert answers == {"positive": 1, "negative": 2, "error": 1}
+    assert series["adaptive_rollout_groups_dropped_total", (("reason", "stale"),)] == 3
+    assert series["adaptive_rollout_groups_dropped_total", (("reason", "engine_error"),)] == 0
+    assert series["adaptive_rollout_stop_reasons_total", (("reason", "budget"),)] == 1
+    assert series["adaptive_rollout_prompts_skipped_total", (("domain", "mul"),)] == 1
+    assert series["adaptive_rollout_samples_per_group_count", ()] == 2
+    assert series["adaptive_rollout_samples_per_group_bucket", (("le", "2.0"),)] == 1
+    assert series["adaptive_rollout_wave_latency_seconds_count", ()] == 2  # not the dropped one
+    assert series["adaptive_rollout_delivered_staleness_bucket", (("le", "1.0"),)] == 1
+    assert series["adaptive_rollout_staleness", ()] == tally.staleness()["last"] == 2
+    assert series["adaptive_rollout_groups_acked_total", ()] == 1
+    assert series["adaptive_rollout_verifier_errors_total", (("kind", "timeout"),)] == 1
+    assert series["adaptive_rollout_verifier_latency_seconds_count", ()] == 2
+    assert stats["episodes"]["episodes"] == 2 and stats["episodes"]["last_env_error"] == "boom"
+    assert series["adaptive_rollout_episode_tokens_total", (("kind", "model"),)] == 9
+    assert series["adaptive_rollout_env_errors_total", ()] == 1
+    assert series["adaptive_rollout_active_prompts", ()] == 3
+    assert (
+        series["adaptive_rollout_policy_version", ()],
+        series["adaptive_rollout_config_version", ()],
+    ) == (7, 2)
+    assert tally.allocation.to_dict()["cut"] == 1
