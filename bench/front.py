@@ -1177,7 +1177,7 @@ def _overhead_file(root: Path) -> bytes | None:
     return path.read_bytes() if path.exists() else None
 
 
-# -- tables (printed here, rendered into BENCHMARKS.md by bench/render.py) ----------------------
+# -- tables (printed here; bench/render.py renders them into BENCHMARKS.md and bench/notes/front.md)
 
 
 def _fmt_value(value: Any) -> Any:

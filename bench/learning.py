@@ -1112,7 +1112,8 @@ def equal_rows(block: dict[str, Any]) -> list[dict[str, Any]]:
 Columns = list[tuple[str, str]]
 
 #: The tables of one setting's summary, by name: how to read their rows from the setting's
-#: block, and their columns. `main` prints them; bench/render.py puts them in BENCHMARKS.md.
+#: block, and their columns. `main` prints them; bench/render.py puts them in BENCHMARKS.md
+#: and bench/notes/learning.md.
 TABLES: dict[str, tuple[Callable[[dict[str, Any]], list[dict[str, Any]]], Columns]] = {
     "headline": (
         headline_rows,

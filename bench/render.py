@@ -1,16 +1,19 @@
-"""Render BENCHMARKS.md tables from the committed result JSON.
+"""Render the benchmark tables of BENCHMARKS.md and bench/notes/*.md from the committed
+result JSON.
 
-A table in BENCHMARKS.md that comes from a result file sits between two markers,
+A table on one of those pages that comes from a result file sits between two markers,
 
     <!-- render:NAME -->
     ...
     <!-- /render:NAME -->
 
 and is rewritten by this script from `bench/results/*.json`, so the prose's numbers are
-those of the committed run. `tests/bench/test_render.py` fails when they differ.
+those of the committed run. Each block appears on one page: BENCHMARKS.md holds the
+current figures, a benchmark's notes the rest of its tables. `tests/bench/test_render.py`
+fails when a page and the JSON differ.
 
-    python -m bench.render           # rewrite BENCHMARKS.md
-    python -m bench.render --check   # exit 1 if BENCHMARKS.md is out of date
+    python -m bench.render           # rewrite the pages
+    python -m bench.render --check   # exit 1 if a page is out of date
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench import episodes, front, http_hop, learning, scaleout
@@ -27,6 +31,7 @@ from bench.common import RESULTS, ROOT, fmt, table
 from bench.step_time import steps_table
 
 DOC = ROOT / "BENCHMARKS.md"
+NOTES = ROOT / "bench" / "notes"
 _BLOCK = re.compile(
     r"(<!-- render:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /render:(?P=name) -->)", re.S
 )
@@ -369,6 +374,11 @@ RENDERERS: dict[str, Callable[[], str]] = {
 }
 
 
+def docs() -> list[Path]:
+    """Every page with rendered tables: BENCHMARKS.md, then the benchmarks' notes."""
+    return [DOC, *sorted(NOTES.glob("*.md"))]
+
+
 def render(text: str) -> str:
     """`text` with every marked block replaced by its freshly rendered table."""
 
@@ -383,14 +393,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only report whether it is up to date")
     args = p.parse_args(argv)
-    text = DOC.read_text()
-    fresh = render(text)
-    if args.check:
-        if fresh != text:
-            print(f"{DOC} is out of date: run python -m bench.render", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(fresh)
+    stale = []
+    for doc in docs():
+        text = doc.read_text()
+        fresh = render(text)
+        if fresh == text:
+            continue
+        stale.append(doc)
+        if not args.check:
+            doc.write_text(fresh)
+    if args.check and stale:
+        for doc in stale:
+            print(f"{doc} is out of date: run python -m bench.render", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -4,7 +4,8 @@
 #   make bench BENCH_ARGS=       the full runs (more batches, seeds and repeats)
 #   make bench-step | bench-sim | bench-overhead | bench-stream | bench-learning |
 #   bench-scaleout | bench-soak | bench-front | bench-episodes | bench-http-hop    one of them
-#   make bench-render            rewrite BENCHMARKS.md's tables from bench/results/*.json
+#   make bench-render            rewrite the tables of BENCHMARKS.md and bench/notes/*.md
+#                                from bench/results/*.json
 #
 # Results go to bench/results/*.json and *.png. Performance figures are ratios measured
 # side by side in one run; on a shared machine, rerun before comparing across runs.

@@ -1,6 +1,6 @@
 """HTTP clients for the sampler service: sync `SamplerClient` and `AsyncSamplerClient`.
 
-Both speak the sampler's HTTP API (README, "HTTP API") over httpx. They are twins with
+Both speak the sampler's HTTP API (docs/api.md) over httpx. They are twins with
 the same methods: each method here only sends requests, reads bytes and sleeps, and asks
 `trainer_client.client_state` what a response means and what comes next (retries, the
 stream's reconnects, watchdog and duplicate filter), so the two cannot drift apart.

@@ -109,13 +109,14 @@ _OUR_IMAGE = re.compile(r"\badaptive-rollout-(cpu|cuda):([\w.-]+)")
 
 
 def _our_image_tags() -> list[tuple[str, str, str]]:
-    """(where, flavour, tag) of our images in the compose file, manifests and READMEs."""
+    """(where, flavour, tag) of our images in the compose file, manifests and docs."""
     out = [
         (where, *m.groups()) for where, image in images() for m in [_OUR_IMAGE.search(image)] if m
     ]
     texts = [
         *DOCKERFILES,
         REPO / "README.md",
+        *sorted((REPO / "docs").glob("*.md")),  # docs/deploy.md: which image for which hardware
         K8S / "README.md",
         COMPOSE,
         K8S / "kustomization.yaml",

@@ -1,7 +1,8 @@
-"""The README's quick start, run as written: its commands are read from README.md (so this
-test breaks when the README drifts from what works) and run in a fresh directory that
-looks like the repository after `make venv`, against a real sampler on a loopback port.
-The one change: port 8000 becomes a free port, so the test never meets another server."""
+"""The README's quick start and the episodes page's examples, run as written: their
+commands are read from README.md and docs/episodes.md (so this test breaks when the docs
+drift from what works) and run in a fresh directory that looks like the repository after
+`make venv`, against a real sampler on a loopback port. The one change: port 8000 becomes
+a free port, so the test never meets another server."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import pytest
 pytestmark = pytest.mark.timeout(900)
 
 README = Path(__file__).parents[2] / "README.md"
+EPISODES_PAGE = Path(__file__).parents[2] / "docs" / "episodes.md"
 SECTION = "## Run the sampler, then train against it"
 
 
@@ -94,7 +96,7 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
                 assert f"listening on http://127.0.0.1:{port}" in line, (
                     line + (tmp_path / "serve.log").read_text()[-3000:]
                 )
-                # As the README says: answers get what the toy's context leaves.
+                # As docs/serve.md says: answers get what the toy's context leaves.
                 config = httpx.get(f"http://127.0.0.1:{port}/v1/config", timeout=30).json()
                 assert config["max_tokens"] == 58, config
                 continue
@@ -153,15 +155,15 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
             server.communicate()
 
 
-EPISODES = "## Multi-turn episodes"
+EPISODES = "# Multi-turn episodes"
 
 
 def test_the_episode_examples_run_as_written(tmp_path: Path) -> None:
-    """The episodes section's environment and row, saved under the names it gives them,
+    """The episodes page's environment and row, saved under the names it gives them,
     and its commands run from that directory: both samplers serve episodes (the user's
     module imported from the working directory) and drop no prompt as an environment
     error."""
-    section = README.read_text(encoding="utf-8").split(EPISODES, 1)[1].split("\n## ", 1)[0]
+    section = EPISODES_PAGE.read_text(encoding="utf-8").split(EPISODES, 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```(python|jsonl|bash)\n(.*?)```", section, re.S)
     code = {language: block for language, block in blocks if language != "bash"}
     assert "`my_envs.py`" in section and "`my_prompts.jsonl`" in section

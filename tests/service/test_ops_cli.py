@@ -100,7 +100,7 @@ def test_cli_against_live_sampler(make_server: Any, toy: Any, tmp_path: Path) ->
     assert followed.returncode == 0, followed.stderr
     assert followed.stdout.splitlines() == lines[1:]  # each event once, however many polls
 
-    # The shipped schedule file, as the README offers it: its starting knobs come with its
+    # The shipped schedule file, as docs/operate.md offers it: its starting knobs come with its
     # schedule in one PATCH, none is dropped.
     shipped = json.loads((REPO / "docs" / "k_schedule.json").read_text())
     applied = cli(url, "config", "schedule", str(REPO / "docs" / "k_schedule.json"))

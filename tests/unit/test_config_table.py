@@ -1,15 +1,15 @@
-"""The README's config table is rendered from the live config model and the registries."""
+"""The config page's table is rendered from the live config model and the registries."""
 
 from __future__ import annotations
 
 from sampler_service.config import SamplerConfig
-from sampler_service.config_table import README, readme_block, render
+from sampler_service.config_table import PAGE, page_block, render
 from strategies.reweighting import REWEIGHTINGS
 
 
-def test_the_readme_config_table_is_the_models() -> None:
-    assert readme_block(README.read_text()) == render(), (
-        "README.md's config table differs from SamplerConfig: "
+def test_the_config_page_table_is_the_models() -> None:
+    assert page_block(PAGE.read_text()) == render(), (
+        "docs/config.md's config table differs from SamplerConfig: "
         "run `python -m sampler_service.config_table --write`"
     )
 

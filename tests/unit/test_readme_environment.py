@@ -1,4 +1,4 @@
-"""The README's example environment is code that runs, with the protocol the runner calls;
+"""The episodes page's example environment is code that runs, with the protocol the runner calls;
 a malformed call is a wrong step for the model, never the environment's failure."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import asyncio
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "episodes.md"
 
 
-def test_the_readme_calculator_environment_runs() -> None:
-    section = README.read_text().split("## Multi-turn episodes", 1)[1]
+def test_the_episodes_page_calculator_environment_runs() -> None:
+    section = PAGE.read_text().split("# Multi-turn episodes", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code, "no python block in the README's episodes section"
+    assert code, "no python block in docs/episodes.md"
     namespace: dict = {}
-    exec(compile(code.group(1), "README.md", "exec"), namespace)
+    exec(compile(code.group(1), "docs/episodes.md", "exec"), namespace)
 
     async def episode() -> list:
         env = namespace["make"]()

@@ -49,7 +49,7 @@ class Domain:
         return [(a, b) for a in self.left for b in self.right]
 
     def row(self, a: int, b: int) -> dict[str, str]:
-        """The prompt row (the dataset format of the README) for ``a op b``."""
+        """The prompt row (the prompt file format of docs/serve.md) for ``a op b``."""
         prompt = f"{a}{self.op}{b}="
         answer = a + b if self.op == "+" else a * b
         return {

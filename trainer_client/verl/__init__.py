@@ -16,7 +16,7 @@
   needs to pace steps (the sampler owns the real data).
 
 Importing this package imports neither verl nor torch; its submodules `v1`, `v0` and
-`weights` need verl (``pip install 'adaptive-rollout[verl]'``). See README "Train with verl".
+`weights` need verl (``pip install 'adaptive-rollout[verl]'``). See docs/verl.md.
 """
 
 from trainer_client.verl.settings import (
