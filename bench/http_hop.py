@@ -239,13 +239,13 @@ async def drive(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """The driver process: both backends up for the whole run (see the module docstring)."""
     from transformers import AutoTokenizer
 
-    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+    from sampler_service.backends.http.transport import HTTPPoolSettings, build_http_fleet
     from sampler_service.backends.vllm import VLLMBackend
 
     model = Path(spec["model"])
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     local = VLLMBackend(model, tokenizer=tokenizer, seed=0, max_model_len=64)
-    http = HTTPEngineBackend(
+    http = build_http_fleet(
         model,
         HTTPPoolSettings(
             urls=(spec["url"],), instance_id="bench-http-hop", weights_dir=Path(spec["weights"])

@@ -8,9 +8,10 @@ applies what depends on the version). File weights are persisted as the restart 
 (the `weights` item of the store; an upload kept under the state dir, or in the shared
 `--weights-dir`) and restored before /ready. NCCL weights exist only in the engine.
 
-The manager knows its engine, the store, the metrics and three callables the service
-hands it (the pause, the engine's failure, what follows an install): it knows nothing
-of the service, so it can be built and tested alone.
+The manager knows its engine (as `WeightTarget`, the part of an engine it drives), the
+store, the metrics and three callables the service hands it (the pause, the engine's
+failure, what follows an install): it knows nothing of the service or of the engines'
+package, so it can be built and tested alone.
 """
 
 from __future__ import annotations
@@ -26,19 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sampler_service.backends.base import (
-    Backend,
-    NCCLDescription,
-    NCCLGroupStale,
-    NCCLUnavailable,
-    NotSupported,
-    WeightsNotServed,
-    WeightsRejected,
-)
-from sampler_service.errors import ServiceError
+from sampler_service.errors import NotSupported, ServiceError
 from sampler_service.metrics import Metrics
 from sampler_service.store import AsyncStore
 from sampler_service.weights.nccl import NCCLUpdateRequest, vet_update_info
+from sampler_service.weights.types import (
+    NCCLDescription,
+    NCCLGroupStale,
+    NCCLUnavailable,
+    WeightsNotServed,
+    WeightsRejected,
+    WeightTarget,
+)
 from trainer_client.contract.protocol import WeightsResponse
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class WeightsManager:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: WeightTarget,
         places: WeightPlaces,
         store: AsyncStore,
         metrics: Metrics,

@@ -4,6 +4,7 @@ not provoke, a script error, or a request to another origin fails it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import threading
@@ -218,17 +219,28 @@ def test_the_dashboard_lists_the_engine_servers_of_backend_http(
     """With `--backend http` the servers are in /v1/stats under engine.servers (no Ray
     replicas): the replicas panel lists them. The sampler's own stats are served with the
     server list of an HTTP engine backend (its real rows) spliced in."""
-    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+    from sampler_service.backends.http.transport import HTTPPoolSettings, HTTPTransport
+    from sampler_service.fleet.table import Table
+    from sampler_service.metrics import Metrics
 
-    backend = HTTPEngineBackend(
-        toy.model_dir,
-        HTTPPoolSettings(
-            urls=("http://10.0.0.1:8000", "http://10.0.0.2:8000"),
-            instance_id="dashboard-test",
-            weights_dir=tmp_path,
-        ),
-    )
-    servers = backend.servers()
+    async def rows() -> list[dict[str, Any]]:
+        """An HTTP fleet's rows of two servers not reached yet, as the fleet's table
+        writes them."""
+        transport = HTTPTransport(
+            toy.model_dir,
+            HTTPPoolSettings(
+                urls=("http://10.0.0.1:8000", "http://10.0.0.2:8000"),
+                instance_id="dashboard-test",
+                weights_dir=tmp_path,
+            ),
+        )
+        table = Table(transport, Metrics(), changed=lambda: None, failed=lambda seat: None)
+        for member in await transport.open():
+            table.add(member)
+        await transport.close()
+        return table.rows()
+
+    servers = asyncio.run(rows())
     servers[0] |= {
         "state": "ok",
         "inflight_samples": 24,

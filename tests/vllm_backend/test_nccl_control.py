@@ -17,14 +17,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from sampler_service.backends.base import NCCLDescription, NCCLGroupStale, TensorSpec
 from sampler_service.backends.vllm import VLLMBackend
+from sampler_service.fleet.nccl import replica_init_infos
 from sampler_service.nccl_routes import create_nccl_router
 from sampler_service.store import AsyncStore, Store
 from sampler_service.weights.manager import WeightPlaces, WeightsManager
-from sampler_service.weights.nccl import (
-    nccl_replica_init_infos,
-)
+from sampler_service.weights.types import NCCLDescription, NCCLGroupStale, TensorSpec
 from trainer_client.nccl import (
     NCCLTransferError,
     NCCLWeightSender,
@@ -179,7 +177,7 @@ def test_http_round_versions_and_refusals(tmp_path: Path) -> None:
 
 
 class StubPool:
-    """What the routes ask of a pool of engine replicas (`RayPoolBackend`)."""
+    """What the routes ask of a fleet of engine replicas (`Fleet`)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
@@ -206,7 +204,7 @@ class StubPool:
         )
 
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
-        self.calls.append(("init", nccl_replica_init_infos(init_info, [2, 2])))
+        self.calls.append(("init", replica_init_infos(init_info, [2, 2])))
         self.group = "ok"
 
     async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file, save
 from vllm_suite import REPORT, LoopThread
 
-from sampler_service.backends.base import GenerationAborted, SamplingParams, WeightsRejected
+from sampler_service.backends.base import GenerationAborted, SamplingParams
+from sampler_service.weights.types import WeightsRejected
 from trainer_client.toy import eval_rows
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
