@@ -9,7 +9,7 @@ the service's default admission (`max_active_prompts`, 64 prompts in flight).
 
 - in-process: `VLLMBackend` in the driver (vLLM's AsyncLLM front end on the driver's
   event loop, its engine core a child process);
-- http: `HTTPEngineBackend` in the driver, to one `vllm serve` server (its API server and
+- http: the HTTP engine fleet in the driver, to one `vllm serve` server (its API server and
   engine core are processes of their own), token-in/token-out `/v1/completions`.
 
 Both engines stay up for the whole run and windows alternate between them in pairs, the

@@ -491,10 +491,6 @@ class VLLMBackend(CheckpointBackend):
 
     # ------------------------------------------------------------------ NCCL transfer (GPU)
 
-    def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
-        """See `Checkpoint.nccl_specs` (the stub backends of the tests override this)."""
-        return (self._checkpoint or read_checkpoint(self._model_dir)).nccl_specs()
-
     def nccl_workers(self) -> int:
         """Inference-side ranks of the NCCL transfer group (TP x PP x DP workers)."""
         if self._engine is None:
@@ -503,7 +499,7 @@ class VLLMBackend(CheckpointBackend):
         return int(parallel.world_size * parallel.data_parallel_size)
 
     async def nccl_describe(self) -> NCCLDescription:
-        specs, required = self.nccl_specs()
+        specs, required = (self._checkpoint or read_checkpoint(self._model_dir)).nccl_specs()
         return NCCLDescription(
             enabled=self._nccl_ready,
             inference_ranks=self.nccl_workers(),

@@ -17,6 +17,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from sampler_service.backends.checkpoint import Checkpoint
 from sampler_service.backends.vllm import VLLMBackend
 from sampler_service.fleet.nccl import replica_init_infos
 from sampler_service.nccl_routes import create_nccl_router
@@ -40,9 +41,7 @@ class StubBackend(VLLMBackend):
         self.calls: list[tuple[str, Any]] = []
         self._version = 0
         self._nccl_ready = True
-
-    def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
-        return dict(SPECS), set(SPECS)
+        self._checkpoint = Checkpoint(list(SPECS), dict(SPECS), {}, {})
 
     def nccl_workers(self) -> int:
         return 2

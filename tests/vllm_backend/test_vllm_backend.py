@@ -300,7 +300,8 @@ def test_failed_nccl_receive_keeps_the_previous_weights(engines: Engines) -> Non
 
     before = engines.run(generate())
     version = engines.vllm.policy_version
-    specs, required = engines.vllm.nccl_specs()
+    described = engines.run(engines.vllm.nccl_describe())
+    specs, required = described.specs, described.required
     names = sorted(required)
     info = {
         "names": names,
