@@ -21,7 +21,7 @@ from typing import Any
 from sampler_service.backends.base import Backend, BackendHealth, PauseMode, SamplingParams, Wave
 from sampler_service.config import ReplicaSettings
 from sampler_service.errors import NotSupported
-from sampler_service.fleet.member import Attached, Member, Probe, Source
+from sampler_service.fleet.member import Attached, Member, Probe, Source, Transport
 from sampler_service.fleet.pool import Fleet
 from sampler_service.metrics import Metrics
 from sampler_service.weights.types import NCCLDescription, WeightsNotServed, WeightsRejected
@@ -104,7 +104,7 @@ class LocalMember:
         await self.engine.close()
 
 
-class LocalTransport:
+class LocalTransport(Transport):
     """A fleet of one's wire: nothing between the fleet and its engine."""
 
     reads_weight_files = False
@@ -134,18 +134,6 @@ class LocalTransport:
 
     def retain(self, source: Source) -> Source:
         return replace(source, payload=None)
-
-    async def release(self, source: Source) -> None:
-        """Nothing is kept."""
-
-    async def roster(self, present: list[str]) -> tuple[list[str], list[str]] | None:
-        return None
-
-    def member(self, name: str) -> Member:
-        raise NotSupported("a fleet of one has no other member")
-
-    def detail(self, committed: int) -> dict[str, Any]:
-        return {}
 
 
 #: A fleet of one engine caps nothing: the scheduler's admission bounds its load.

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sampler_service.backends.base import PauseMode, SamplingParams, Wave
+from sampler_service.errors import NotSupported
 from sampler_service.weights.types import NCCLDescription, TensorSpec
 
 
@@ -173,7 +174,8 @@ class Member(Protocol):
 
 
 class Transport(Protocol):
-    """A fleet's wire as a whole: what its members share, and its words."""
+    """A fleet's wire as a whole: what its members share, and its words. A transport
+    subclasses it for the defaults of a fixed fleet that keeps what it staged."""
 
     @property
     def name(self) -> str:
@@ -217,22 +219,23 @@ class Transport(Protocol):
 
     def retain(self, source: Source) -> Source:
         """What of committed weights the fleet keeps to load them again (into a member
-        that comes back, or to roll one back)."""
-        ...
+        that comes back, or to roll one back): all of it, unless a transport says less."""
+        return source
 
     async def release(self, source: Source) -> None:
-        """Weights no member will load again (replaced, or refused)."""
-        ...
+        """Weights no member will load again (replaced, or refused); nothing to free
+        unless a transport staged something."""
+        return None
 
     async def roster(self, present: list[str]) -> tuple[list[str], list[str]] | None:
         """(names to add, names to retire) to go from the `present` members to those
         there are now; None: no change known (a fixed fleet, or a lookup that failed)."""
-        ...
+        return None
 
     def member(self, name: str) -> Member:
         """A member for a name the roster lists for the first time."""
-        ...
+        raise NotSupported(f"the {self.noun}s of this fleet are fixed")
 
     def detail(self, committed: int) -> dict[str, Any]:
         """The transport's own fields of the health detail."""
-        ...
+        return {}

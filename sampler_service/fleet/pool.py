@@ -115,15 +115,15 @@ class Fleet(Backend):
         return self.transport.name
 
     @property
-    def model_name(self) -> str:
-        return self.upkeep.model_name
-
-    @property
     def policy_version(self) -> int:
         return self.weights.committed
 
     def weight_specs(self) -> Mapping[str, TensorSpec]:
         return self.upkeep.specs
+
+    @property
+    def model_name(self) -> str:
+        return self.upkeep.model_name
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -184,12 +184,7 @@ class Fleet(Backend):
                 continue
             finally:
                 self._router.release(seat, n)
-            seat.last_ok = time.monotonic()
-            seat.waves += 1
-            seat.wave_seconds += seat.last_ok - started
-            _, wave_seconds, generated_tokens = self.table.series(seat)
-            wave_seconds.observe(seat.last_ok - started)
-            generated_tokens.inc(sum(len(c.token_ids) for c in out))
+            self.table.finished(seat, started, sum(len(c.token_ids) for c in out))
             return out
 
     async def _answers(self, seat: Seat, wave: Wave) -> list[Completion]:

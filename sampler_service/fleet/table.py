@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from sampler_service.fleet.member import Member, MemberDown, Transport
 from sampler_service.metrics import Metrics
@@ -23,16 +23,7 @@ log = logging.getLogger(__name__)
 #: `down` (not answering; its owner brings it back), `gone` (left the roster), `failed`
 #: (given up).
 MemberState = Literal["starting", "ok", "syncing", "paused", "recovering", "down", "gone", "failed"]
-STATES: tuple[MemberState, ...] = (
-    "starting",
-    "ok",
-    "syncing",
-    "paused",
-    "recovering",
-    "down",
-    "gone",
-    "failed",
-)
+STATES: tuple[MemberState, ...] = get_args(MemberState)
 #: Why a member's waves were re-issued (label `reason`).
 REISSUE_REASONS = (
     "died",
@@ -45,6 +36,17 @@ REISSUE_REASONS = (
     "start",
     "foreign_weights",
 )
+
+
+@dataclass
+class Tally:
+    """What a member's row counts: its restarts, its waves sent again elsewhere because
+    it failed under them, and the waves it finished with the seconds they took."""
+
+    restarts: int = 0
+    reissued: int = 0
+    waves: int = 0
+    wave_seconds: float = 0.0
 
 
 @dataclass(eq=False)
@@ -64,12 +66,12 @@ class Seat:
     #: Moves at every failure: a call that started in an older epoch reports its error
     #: without failing the member a second time.
     epoch: int = 0
+    #: Samples in flight on it (its load, as the router counts it).
     inflight: int = 0
-    restarts: int = 0
-    reissued: int = 0
-    waves: int = 0
-    wave_seconds: float = 0.0
+    tally: Tally = field(default_factory=Tally)
+    #: When it last answered a probe or a wave (routed to only while that is recent).
     last_ok: float = 0.0
+    #: Why it last failed, and what it last answered wrong.
     reason: str = ""
     error: str | None = None
     #: Answering, but not routed to until a load makes it serve what the others do.
@@ -125,16 +127,17 @@ class Table:
         return seat
 
     def row(self, seat: Seat) -> dict[str, Any]:
+        tally = seat.tally
         return {
             self.transport.row_key: seat.index,
             **seat.member.describe(),
             "state": seat.state,
             "policy_version": seat.version,
             "inflight_samples": seat.inflight,
-            "restarts": seat.restarts,
-            "waves": seat.waves,
-            "mean_wave_s": round(seat.wave_seconds / seat.waves, 3) if seat.waves else None,
-            "reissued_waves": seat.reissued,
+            "restarts": tally.restarts,
+            "waves": tally.waves,
+            "mean_wave_s": round(tally.wave_seconds / tally.waves, 3) if tally.waves else None,
+            "reissued_waves": tally.reissued,
             "weights_mismatch": seat.distrusted,
             "error": seat.error,
         }
@@ -217,8 +220,17 @@ class Table:
             )
         return seat.series
 
+    def finished(self, seat: Seat, started: float, tokens: int) -> None:
+        """A wave of the member came back whole at its last answer."""
+        seat.last_ok = time.monotonic()
+        seat.tally.waves += 1
+        seat.tally.wave_seconds += seat.last_ok - started
+        _, wave_seconds, generated_tokens = self.series(seat)
+        wave_seconds.observe(seat.last_ok - started)
+        generated_tokens.inc(tokens)
+
     def reissued(self, seat: Seat, n: int, reason: str) -> None:
-        seat.reissued += 1
+        seat.tally.reissued += 1
         label = str(seat.index)
         self.metrics.replica_reissued_waves.labels(label, reason).inc()
         self.metrics.replica_wasted_samples.labels(label).inc(n)

@@ -162,10 +162,10 @@ class Upkeep:
                         await self._route(seat)
                         return
                     if member.restartable:
-                        seat.restarts += 1
+                        seat.tally.restarts += 1
                         self.metrics.replica_restarts.labels(str(seat.index)).inc()
-                        if seat.restarts > self.settings.max_restarts:
-                            log.error("%s used up its %d restarts", member.name, seat.restarts - 1)
+                        if seat.tally.restarts > self.settings.max_restarts:
+                            log.error("%s used up its restarts", member.name)
                             self.table.set_state(seat, "failed")
                             return
                     attached = await member.recover(seat.kill)

@@ -24,6 +24,17 @@ from sampler_service.weights.types import NCCLDescription, TensorSpec
 SPECS = {"a.weight": TensorSpec((2,), "F32"), "b.weight": TensorSpec((2,), "F32")}
 
 
+def trainer_init(world_size: int) -> dict[str, Any]:
+    """What the trainer sends (vLLM's NCCLTrainerInitInfo, written for rank offset 1)."""
+    return {
+        "master_address": "127.0.0.1",
+        "master_port": 29600,
+        "rank_offset": 1,
+        "world_size": world_size,
+        "packed": True,
+    }
+
+
 class FakeMember:
     """One engine; `restartable` ones behave as Ray replicas (the fleet restarts them, a
     restart brings back the base model, which they cannot load otherwise), the others as

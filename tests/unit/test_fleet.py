@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from sampler_service.backends.base import (
-    Backend,
+    CheckpointBackend,
     Completion,
     GenerationAborted,
     SamplingParams,
@@ -36,7 +36,7 @@ from sampler_service.weights.types import (
     WeightsRejected,
 )
 
-from .fake_fleet import SPECS, FakeMember, FakeTransport
+from .fake_fleet import SPECS, FakeMember, FakeTransport, trainer_init
 
 SAMPLING = SamplingParams(max_tokens=2)
 EVERY = list(SPECS)
@@ -382,15 +382,6 @@ async def test_waves_go_to_members_that_are_ok_and_charge_them(fleet: Any) -> No
 
 
 # -- NCCL -----------------------------------------------------------------------------------
-def _init(world: int) -> dict[str, Any]:
-    return {
-        "master_address": "127.0.0.1",
-        "master_port": 29600,
-        "rank_offset": 1,
-        "world_size": world,
-    }
-
-
 UPDATE = {"names": EVERY, "dtype_names": ["float32"] * 2, "shapes": [[2], [2]]}
 
 
@@ -424,16 +415,14 @@ async def test_the_nccl_group_spans_every_member_and_goes_stale_when_one_restart
     described = await pool.nccl_describe()
     assert described.enabled and described.inference_ranks == 3
     assert described.group == "none" and "init first" in (described.stale or "")
-    assert described.replicas == [
-        {"replica": 0, "workers": 1, "rank_offset": 1},
-        {"replica": 1, "workers": 2, "rank_offset": 2},
-    ]
+    rows = [(r["replica"], r["workers"], r["rank_offset"]) for r in described.replicas or []]
+    assert rows == [(0, 1, 1), (1, 2, 2)] and len(described.replicas[0]) == 3  # type: ignore[index]
     with pytest.raises(NCCLGroupStale, match="init first"):
         await pool.nccl_update(UPDATE, 1)
     with pytest.raises(ValueError, match="world_size 3"):
-        await pool.nccl_init(_init(3))
+        await pool.nccl_init(trainer_init(3))
     assert not any(m.named("join") for m in members)  # refused before any member joins
-    await pool.nccl_init(_init(4))
+    await pool.nccl_init(trainer_init(4))
     assert [m.named("join") for m in members] == [[("join", 1, 4)], [("join", 2, 4)]]
     assert pool.nccl_group_state() == "ok"
     for m in members:
@@ -460,7 +449,7 @@ async def test_the_nccl_group_spans_every_member_and_goes_stale_when_one_restart
     assert not any(m.named("receive") or m.named("pause") for m in members)
 
     # The trainer forms the group again; the next round reaches both.
-    await pool.nccl_init(_init(4))
+    await pool.nccl_init(trainer_init(4))
     await pool.nccl_update(UPDATE, 2)
     assert [r["policy_version"] for r in pool.members()] == [2, 2]
     await pool.nccl_shutdown()
@@ -478,7 +467,7 @@ async def test_a_failed_receive_distrusts_a_member_holding_part_of_the_round(
 
     members = [FakeMember(i, restartable=False) for i in range(3)]
     pool = await fleet(members)
-    await pool.nccl_init(_init(4))
+    await pool.nccl_init(trainer_init(4))
     members[1].refuse_receive = PartialWeights
     members[2].refuse_receive = RuntimeError
     with pytest.raises(RuntimeError, match="failed on member 1") as failed:
@@ -501,7 +490,7 @@ async def test_a_group_is_refused_while_a_member_has_the_transfer_off(fleet: Any
     pool = await fleet(members)
     assert not (await pool.nccl_describe()).enabled
     with pytest.raises(NCCLUnavailable, match="off on member 1: turn the transfer on") as off:
-        await pool.nccl_init(_init(3))
+        await pool.nccl_init(trainer_init(3))
     assert "member 0" not in str(off.value)
     assert not any(m.named("join") for m in members)
 
@@ -528,29 +517,30 @@ async def test_a_whole_wave_yields_its_answers_in_order_and_cancels_only_whole()
 
 
 # -- a fleet of one -------------------------------------------------------------------------
-class _Engine(Backend):
+class _Engine(CheckpointBackend):
     """An in-process engine: answers at once, loads what it is given, has no pause."""
 
     name = "toy"
 
     def __init__(self) -> None:
-        self.version = 0
+        super().__init__("toy")
         self.loads: list[int] = []
         self.broken = False
-
-    @property
-    def model_name(self) -> str:
-        return "toy"
-
-    @property
-    def policy_version(self) -> int:
-        return self.version
 
     async def start(self) -> None:
         """Nothing to load."""
 
     async def close(self) -> None:
         """Nothing to free."""
+
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        return SPECS
+
+    async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        self.loads.append(version)
+        if "bad" in tensors:
+            raise RuntimeError("the reload failed (previous weights restored)")
+        self._version = version
 
     async def generate(
         self,
@@ -562,16 +552,7 @@ class _Engine(Backend):
     ) -> list[Completion]:
         if self.broken:
             raise GenerationAborted("the engine dropped it")
-        return [Completion([1], [-1.0], "a", "stop", self.version) for _ in range(n)]
-
-    def weight_specs(self) -> Mapping[str, TensorSpec]:
-        return SPECS
-
-    async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
-        self.loads.append(version)
-        if "bad" in tensors:
-            raise RuntimeError("the reload failed (previous weights restored)")
-        self.version = version
+        return [Completion([1], [-1.0], "a", "stop", self._version) for _ in range(n)]
 
 
 async def test_a_fleet_of_one_barriers_its_engine_and_keeps_its_own_errors() -> None:

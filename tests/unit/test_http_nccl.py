@@ -29,6 +29,7 @@ from sampler_service.fleet.pool import Fleet
 from sampler_service.weights.types import NCCLGroupStale, NCCLUnavailable, WeightsNotServed
 
 from .fake_engines import FakeSGLang, FakeVLLM, Rendezvous
+from .fake_fleet import trainer_init
 
 UPDATE = {"names": ["model.embed_tokens.weight"], "dtype_names": ["float32"], "shapes": [[8, 4]]}
 ROUND = [
@@ -39,17 +40,6 @@ ROUND = [
     "/reset_prefix_cache",
     "/resume",
 ]
-
-
-def _init_info(world_size: int) -> dict[str, Any]:
-    """What the trainer sends (vLLM's NCCLTrainerInitInfo, written for rank offset 1)."""
-    return {
-        "master_address": "127.0.0.1",
-        "master_port": 29600,
-        "rank_offset": 1,
-        "world_size": world_size,
-        "packed": True,
-    }
 
 
 def label(version: int) -> str:
@@ -95,7 +85,7 @@ def _round(fakes: list[FakeVLLM], parties: int) -> None:
 async def _commit_over_nccl(backend: Fleet, fakes: list[FakeVLLM], version: int) -> None:
     """The trainer forms the group over every server and sends `version`."""
     _round(fakes, len(fakes))
-    await backend.nccl_init(_init_info(1 + sum(f.world_size for f in fakes)))
+    await backend.nccl_init(trainer_init(1 + sum(f.world_size for f in fakes)))
     _round(fakes, len(fakes))
     await backend.nccl_update(UPDATE, version)
 
@@ -151,18 +141,18 @@ async def test_an_nccl_round_reaches_every_server_at_its_own_ranks(
     for fake in fakes:
         fake.calls.clear()
     _round(fakes, 2)
-    await backend.nccl_init(_init_info(4))
+    await backend.nccl_init(trainer_init(4))
     assert [_bodies(f, "/init_weight_transfer_engine") for f in fakes] == [
-        [{"init_info": {**_init_info(4), "rank_offset": 1}}],
-        [{"init_info": {**_init_info(4), "rank_offset": 2}}],
+        [{"init_info": {**trainer_init(4), "rank_offset": 1}}],
+        [{"init_info": {**trainer_init(4), "rank_offset": 2}}],
     ]
     assert backend.nccl_group_state() == "ok"
     # the trainer sized the group for another layout: refused before any server joins
     with pytest.raises(ValueError, match="world_size 3"):
-        await backend.nccl_init(_init_info(3))
+        await backend.nccl_init(trainer_init(3))
     assert [len(_bodies(f, "/init_weight_transfer_engine")) for f in fakes] == [1, 1]
     _round(fakes, 2)
-    await backend.nccl_init(_init_info(4))
+    await backend.nccl_init(trainer_init(4))
     for fake in fakes:
         fake.calls.clear()
     _round(fakes, 2)  # both receive at once, or the broadcast never completes
@@ -193,7 +183,7 @@ async def test_a_failed_receive_takes_its_server_out_and_labels_nothing_wrong(
     fakes = [FakeVLLM(), FakeVLLM()]
     backend = await pool(fakes)
     _round(fakes, 2)
-    await backend.nccl_init(_init_info(3))
+    await backend.nccl_init(trainer_init(3))
     fakes[1].refuse_updates = True
     for fake in fakes:
         fake.calls.clear()
@@ -289,7 +279,7 @@ async def test_a_server_that_comes_up_after_the_group_was_formed_makes_it_stale(
     assert [s["state"] for s in backend.members()] == ["ok", "down"]
     assert (await backend.nccl_describe()).inference_ranks == 1
     _round(fakes, 1)
-    await backend.nccl_init(_init_info(2))
+    await backend.nccl_init(trainer_init(2))
     assert backend.nccl_group_state() == "ok"
     fakes[1].healthy = True
     await _until("the late server is not attached", lambda: backend.members()[1]["state"] == "ok")
@@ -310,7 +300,7 @@ async def test_servers_without_a_weight_transfer_config_refuse_the_group(
     described = await backend.nccl_describe()
     assert not described.enabled and described.inference_ranks == 3
     with pytest.raises(NCCLUnavailable, match="weight-transfer-config") as refused:
-        await backend.nccl_init(_init_info(4))
+        await backend.nccl_init(trainer_init(4))
     assert backend.members()[1]["url"] in str(refused.value)
     assert backend.members()[0]["url"] not in str(refused.value)
     assert not any(_bodies(f, "/init_weight_transfer_engine") for f in fakes)
@@ -318,6 +308,6 @@ async def test_servers_without_a_weight_transfer_config_refuse_the_group(
 
 async def test_sglang_servers_refuse_nccl_saying_why(pool: Any) -> None:
     backend = await pool([FakeSGLang()], dialect=SGLANG)
-    for call in (backend.nccl_describe(), backend.nccl_init(_init_info(2))):
+    for call in (backend.nccl_describe(), backend.nccl_init(trainer_init(2))):
         with pytest.raises(NCCLUnavailable, match="SGLang's distributed update"):
             await call

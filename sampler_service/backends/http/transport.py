@@ -42,7 +42,7 @@ from sampler_service.backends.http.discovery import (
 )
 from sampler_service.backends.http.member import HTTPMember, Servers
 from sampler_service.config import ReplicaSettings
-from sampler_service.fleet.member import Member, Source
+from sampler_service.fleet.member import Member, Source, Transport
 from sampler_service.fleet.pool import Fleet
 from sampler_service.metrics import Metrics
 from sampler_service.weights.types import WeightsRejected
@@ -81,7 +81,7 @@ class HTTPPoolSettings:
     resolver: Callable[[str, int], list[str]] | None = None
 
 
-class HTTPTransport:
+class HTTPTransport(Transport):
     """The servers' shared wire: see the module docstring."""
 
     name = "http"
@@ -214,9 +214,6 @@ class HTTPTransport:
             except ValueError:  # another drive
                 os.symlink(target, link)
         return where
-
-    def retain(self, source: Source) -> Source:
-        return source
 
     async def release(self, source: Source) -> None:
         await asyncio.to_thread(shutil.rmtree, source.payload, ignore_errors=True)

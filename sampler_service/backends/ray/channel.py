@@ -60,12 +60,7 @@ class ReplicaChannel:
         self._tasks = TaskSet()
 
     async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Completion]:
         loop = asyncio.get_running_loop()
         call_id = next(self._ids)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -21,8 +22,7 @@ from sampler_service.backends.base import Backend
 from sampler_service.backends.ray.member import RayMember
 from sampler_service.backends.ray.replica import Replica
 from sampler_service.config import ReplicaSettings
-from sampler_service.errors import NotSupported
-from sampler_service.fleet.member import Member, Source
+from sampler_service.fleet.member import Member, Source, Transport
 from sampler_service.fleet.pool import Fleet
 from sampler_service.metrics import Metrics
 
@@ -36,8 +36,11 @@ def actor_name(instance_id: str, index: int) -> str:
     return f"adaptive-rollout/{instance_id}/replica-{index}"
 
 
-class RayTransport:
-    """The replicas' shared wire: see the module docstring."""
+@dataclass
+class RayTransport(Transport):
+    """The replicas' shared wire: see the module docstring. `instance_id` names this
+    sampler's replicas (a restarted one finds them); `torch_threads` is each replica
+    engine's torch thread count."""
 
     name = "ray"
     reads_weight_files = True
@@ -46,21 +49,12 @@ class RayTransport:
     rows_key = "replicas"
     nccl_hint = "vLLM weight_transfer_config not set"
 
-    def __init__(
-        self,
-        factory: Callable[[], Backend],
-        settings: ReplicaSettings,
-        *,
-        instance_id: str,
-        torch_threads: int = 1,
-    ) -> None:
-        """`instance_id` names this sampler's replicas (a restarted one finds them);
-        `torch_threads` is each replica engine's torch thread count."""
-        self._factory = factory
-        self.settings = settings
-        self._instance_id = instance_id
-        self._torch_threads = torch_threads
-        self._owns_ray = False
+    factory: Callable[[], Backend]
+    settings: ReplicaSettings
+    instance_id: str
+    torch_threads: int = 1
+    #: A Ray this transport started, and ends.
+    _owns_ray: bool = field(default=False, init=False)
 
     def _init_ray(self) -> None:
         s = self.settings
@@ -84,7 +78,7 @@ class RayTransport:
         actor_class = ray.remote(Replica)
         members: list[Member] = []
         for i in range(s.count):
-            name = actor_name(self._instance_id, i)
+            name = actor_name(self.instance_id, i)
             handle = actor_class.options(
                 name=name,
                 namespace=NAMESPACE,
@@ -95,7 +89,7 @@ class RayTransport:
                 max_concurrency=1000,
                 num_cpus=s.cpus,
                 num_gpus=s.gpus,
-            ).remote(self._factory, i, self._torch_threads, s.orphan_s)
+            ).remote(self.factory, i, self.torch_threads, s.orphan_s)
             members.append(RayMember(i, name, handle, orphan_s=s.orphan_s, on_exit=s.on_exit))
         return members
 
@@ -110,21 +104,6 @@ class RayTransport:
 
     async def stage_files(self, files: Sequence[str], version: int, names: Sequence[str]) -> Source:
         return Source(version, frozenset(names), ("files", [str(f) for f in files]))
-
-    def retain(self, source: Source) -> Source:
-        return source
-
-    async def release(self, source: Source) -> None:
-        """An object ref goes when nothing holds it; files are the weights manager's."""
-
-    async def roster(self, present: list[str]) -> tuple[list[str], list[str]] | None:
-        return None
-
-    def member(self, name: str) -> Member:
-        raise NotSupported("the replicas are the --replicas N the sampler started")
-
-    def detail(self, committed: int) -> dict[str, Any]:
-        return {}
 
 
 def build_ray_fleet(
