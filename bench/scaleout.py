@@ -407,7 +407,7 @@ async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> list[dict[st
                 try:
                     rate, _ = await _drive(backend, dataset, verify, cfg, warmup_s, measure_s)
                     if kind == "pool":
-                        health = await backend.replica_health(0)
+                        health = await _replica(backend, 0).replica_health()
                         calls[level][0] += health["submit_calls"]
                         calls[level][1] += health["submitted_waves"]
                 finally:
