@@ -175,8 +175,11 @@ class Wave(abc.ABC):
     @abc.abstractmethod
     async def cancel(self, indices: Collection[int]) -> None: ...
 
-    async def answers(self) -> list[Completion]:
+    def answers(self) -> Awaitable[list[Completion]]:
         """Every answer, in index order: the wave read to its end."""
+        return self._read_all()
+
+    async def _read_all(self) -> list[Completion]:
         out: list[Completion | None] = [None] * self.n
         async for index, answer in self:
             out[index] = answer
@@ -198,8 +201,9 @@ class WholeWave(Wave):
         for index, answer in enumerate(await self._call):
             yield index, answer
 
-    async def answers(self) -> list[Completion]:
-        return await self._call
+    def answers(self) -> Awaitable[list[Completion]]:
+        """The engine call itself: awaiting it, or cancelling it, needs no task of its own."""
+        return self._call
 
     async def cancel(self, indices: Collection[int]) -> None:
         done = self._call.done()

@@ -188,21 +188,28 @@ class Fleet(Backend):
             return out
 
     async def _answers(self, seat: Seat, wave: Wave) -> list[Completion]:
-        """The wave's answers, unless its member is found failed first (the wave is
-        then cancelled: its request ends on the member)."""
-        assert seat.down is not None
+        """The wave's answers, unless its member is found failed first: the wave is then
+        cancelled (its request ends on the member) and MemberDown raised. A whole wave
+        is read as its engine call, with no task or wait of its own: a toy wave lasts
+        milliseconds, and the front's CPU per wave is what bounds it."""
+        down = seat.down
+        assert down is not None
         reading = asyncio.ensure_future(wave.answers())
-        either: set[asyncio.Future[Any]] = {reading, seat.down}
+
+        def lost(_: asyncio.Future[None]) -> None:
+            reading.cancel()
+
+        down.add_done_callback(lost)
         try:
-            done, _ = await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # the caller gave up: so does the engine
-            reading.cancel()
-            raise
-        if reading not in done:
-            reading.cancel()
-            await wave.cancel(range(wave.n))
-            raise MemberDown(f"{seat.member.name} failed during the wave", seat.reason)
-        return reading.result()
+            return await reading
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not down.done() or (task is not None and task.cancelling()):
+                raise  # the caller gave up (the engine call went with it)
+        finally:
+            down.remove_done_callback(lost)
+        await wave.cancel(range(wave.n))
+        raise MemberDown(f"{seat.member.name} failed during the wave", seat.reason)
 
     async def abort_all(self) -> int:
         up = [s for s in self.table.seats if s.up]
