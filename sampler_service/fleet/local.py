@@ -4,7 +4,8 @@ of one.
 The fleet's weight barrier (pause, load, label, confirm, resume) and its wave handles
 are the same as for a fleet of many; what a fleet of one leaves out is what only many
 need. No probes and no restarts: the engine reports its own health, and its failure is
-the sampler's. No rollback across members: an engine-level reload after a failed load
+the sampler's. Like any member it serves only the committed version: after a failed NCCL
+round it waits, at the file weights it restored, for the trainer's next round. No rollback across members: an engine-level reload after a failed load
 stays inside the engine (vLLM reloads what it served before), and the member reports
 it as a load that failed and restored itself. Nothing is kept to load again: no member
 ever comes back to be resynced, so the committed tensors are not held in memory.
@@ -165,6 +166,14 @@ class LocalFleet(Fleet):
         await super().start()
 
     def health(self) -> BackendHealth:
-        """The engine's own: it knows its health without probes, and callers read its
-        detail (its dtype, device, process)."""
-        return self.engine.health()
+        """The engine's own (it knows its health without probes, and callers read its
+        detail: its dtype, device, process), but `degraded` while the fleet routes nothing
+        to a healthy engine: an NCCL round that failed left it at older weights than the
+        committed ones, and it waits for the trainer's next round or file push."""
+        health = self.engine.health()
+        if health.ok and not super().health().ok:
+            waiting = (
+                f"serves v{self.engine.policy_version}, not the committed v{self.policy_version}"
+            )
+            return BackendHealth(False, {**health.detail, "error": waiting}, "degraded")
+        return health

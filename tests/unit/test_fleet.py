@@ -29,6 +29,7 @@ from sampler_service.fleet.local import LocalFleet
 from sampler_service.fleet.nccl import rank_offsets, replica_init_infos
 from sampler_service.fleet.pool import Fleet
 from sampler_service.weights.types import (
+    NCCLDescription,
     NCCLGroupStale,
     NCCLUnavailable,
     TensorSpec,
@@ -525,6 +526,7 @@ class _Engine(CheckpointBackend):
     def __init__(self) -> None:
         super().__init__("toy")
         self.loads: list[int] = []
+        self.file_version = 0
         self.broken = False
 
     async def start(self) -> None:
@@ -540,6 +542,18 @@ class _Engine(CheckpointBackend):
         self.loads.append(version)
         if "bad" in tensors:
             raise RuntimeError("the reload failed (previous weights restored)")
+        self._version = self.file_version = version
+
+    async def nccl_describe(self) -> NCCLDescription:
+        return NCCLDescription(True, 1, SPECS, frozenset(SPECS))
+
+    async def nccl_init(self, init_info: dict[str, Any]) -> None:
+        """Joins at once: no trainer here."""
+
+    async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:
+        if self.broken:  # vLLM reloads the last file weights, under their version
+            self._version = self.file_version
+            raise RuntimeError(f"NCCL weight update to version {version} failed")
         self._version = version
 
     async def generate(
@@ -573,5 +587,22 @@ async def test_a_fleet_of_one_barriers_its_engine_and_keeps_its_own_errors() -> 
         engine.broken = True
         with pytest.raises(GenerationAborted):  # the engine's own errors reach the caller
             await pool.generate([1], 1, SAMPLING)
+        engine.broken = False
+        # NCCL: one member at rank offset 1; a failed round leaves it at its file weights
+        described = await pool.nccl_describe()
+        assert described.inference_ranks == 1 and described.group == "none"
+        await pool.nccl_init(trainer_init(2))
+        await pool.nccl_update(UPDATE, 2)
+        assert pool.policy_version == 2 and pool.health().ok
+        await pool.nccl_update(UPDATE, 3)
+        engine.broken = True  # a later round fails: the engine restores its file weights
+        with pytest.raises(RuntimeError, match="form the NCCL group again"):
+            await pool.nccl_update(UPDATE, 4)
+        engine.broken = False
+        health = pool.health()
+        assert pool.policy_version == 3 and health.state == "degraded" and not health.ok
+        assert "serves v1, not the committed v3" in health.detail["error"]
+        await pool.load_weights({"a.weight": 0, "b.weight": 0}, 5)  # a file push serves again
+        assert pool.health().ok and await _versions(pool) == {5}
     finally:
         await pool.close()
