@@ -39,7 +39,7 @@ REISSUE_REASONS = (
 
 
 @dataclass
-class Tally:
+class SeatCounts:
     """What a member's row counts: its restarts, its waves sent again elsewhere because
     it failed under them, and the waves it finished with the seconds they took."""
 
@@ -68,7 +68,7 @@ class Seat:
     epoch: int = 0
     #: Samples in flight on it (its load, as the router counts it).
     inflight: int = 0
-    tally: Tally = field(default_factory=Tally)
+    counts: SeatCounts = field(default_factory=SeatCounts)
     #: When it last answered a probe or a wave (routed to only while that is recent).
     last_ok: float = 0.0
     #: Why it last failed, and what it last answered wrong.
@@ -127,17 +127,17 @@ class Table:
         return seat
 
     def row(self, seat: Seat) -> dict[str, Any]:
-        tally = seat.tally
+        counts = seat.counts
         return {
             self.transport.row_key: seat.index,
             **seat.member.describe(),
             "state": seat.state,
             "policy_version": seat.version,
             "inflight_samples": seat.inflight,
-            "restarts": tally.restarts,
-            "waves": tally.waves,
-            "mean_wave_s": round(tally.wave_seconds / tally.waves, 3) if tally.waves else None,
-            "reissued_waves": tally.reissued,
+            "restarts": counts.restarts,
+            "waves": counts.waves,
+            "mean_wave_s": round(counts.wave_seconds / counts.waves, 3) if counts.waves else None,
+            "reissued_waves": counts.reissued,
             "weights_mismatch": seat.distrusted,
             "error": seat.error,
         }
@@ -223,14 +223,14 @@ class Table:
     def finished(self, seat: Seat, started: float, tokens: int) -> None:
         """A wave of the member came back whole at its last answer."""
         seat.last_ok = time.monotonic()
-        seat.tally.waves += 1
-        seat.tally.wave_seconds += seat.last_ok - started
+        seat.counts.waves += 1
+        seat.counts.wave_seconds += seat.last_ok - started
         _, wave_seconds, generated_tokens = self.series(seat)
         wave_seconds.observe(seat.last_ok - started)
         generated_tokens.inc(tokens)
 
     def reissued(self, seat: Seat, n: int, reason: str) -> None:
-        seat.tally.reissued += 1
+        seat.counts.reissued += 1
         label = str(seat.index)
         self.metrics.replica_reissued_waves.labels(label, reason).inc()
         self.metrics.replica_wasted_samples.labels(label).inc(n)

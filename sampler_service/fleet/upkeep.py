@@ -162,9 +162,9 @@ class Upkeep:
                         await self._route(seat)
                         return
                     if member.restartable:
-                        seat.tally.restarts += 1
+                        seat.counts.restarts += 1
                         self.metrics.replica_restarts.labels(str(seat.index)).inc()
-                        if seat.tally.restarts > self.settings.max_restarts:
+                        if seat.counts.restarts > self.settings.max_restarts:
                             log.error("%s used up its restarts", member.name)
                             self.table.set_state(seat, "failed")
                             return
