@@ -238,9 +238,9 @@ def parse_generate(body: bytes, loads: Callable[[bytes], Any] = orjson.loads) ->
 
 
 def backend_parser(dialect: str) -> Callable[..., Parsed]:
-    """What `--backend http` runs on a body of its `dialect` (`http_dialects`), plus each
+    """What `--backend http` runs on a body of its `dialect` (`backends/http/dialects.py`), plus each
     choice's text where the server sent one (the backend decodes its own)."""
-    from sampler_service.backends.http_dialects import DIALECTS
+    from sampler_service.backends.http.dialects import DIALECTS
 
     answers = DIALECTS[dialect].answers  # type: ignore[index]
 

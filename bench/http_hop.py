@@ -9,7 +9,7 @@ the service's default admission (`max_active_prompts`, 64 prompts in flight).
 
 - in-process: `VLLMBackend` in the driver (vLLM's AsyncLLM front end on the driver's
   event loop, its engine core a child process);
-- http: `HTTPEngineBackend` in the driver, to one `vllm serve` server (its API server and
+- http: the HTTP engine fleet in the driver, to one `vllm serve` server (its API server and
   engine core are processes of their own), token-in/token-out `/v1/completions`.
 
 Both engines stay up for the whole run and windows alternate between them in pairs, the
@@ -239,13 +239,13 @@ async def drive(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """The driver process: both backends up for the whole run (see the module docstring)."""
     from transformers import AutoTokenizer
 
-    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+    from sampler_service.backends.http.transport import HTTPPoolSettings, build_http_fleet
     from sampler_service.backends.vllm import VLLMBackend
 
     model = Path(spec["model"])
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     local = VLLMBackend(model, tokenizer=tokenizer, seed=0, max_model_len=64)
-    http = HTTPEngineBackend(
+    http = build_http_fleet(
         model,
         HTTPPoolSettings(
             urls=(spec["url"],), instance_id="bench-http-hop", weights_dir=Path(spec["weights"])

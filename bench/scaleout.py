@@ -5,10 +5,10 @@ Five measurements, each side by side in one run on one local Ray:
 
 1. **Routing scales**: the real scheduler drives N = 1, 2, 4, 8 replicas of the simulated
    engine (`bench/sim_backend.py`, real time, each in its own Ray actor) through the
-   real pool; groups/s at N against N x the groups/s of one replica (target >= 0.9).
+   real fleet; groups/s at N against N x the groups/s of one replica (target >= 0.9).
    The simulated engine sleeps instead of computing, so this measures what the front and
    Ray add (routing, the Ray calls that carry the waves), not the machine's compute.
-2. **Ray hop**: one hf replica of the toy model through the pool against the same engine
+2. **Ray hop**: one hf replica of the toy model through the fleet against the same engine
    in a child process (the default `--hf-engine process`); groups/s ratio (target >= 0.95)
    at the service's default admission (64 active prompts) and at 16, where the engine
    waits on every wave's round trip, so Ray's per-call latency shows in full.
@@ -17,9 +17,9 @@ Five measurements, each side by side in one run on one local Ray:
 4. **Kill to re-issue**: two simulated replicas; one is killed with SIGKILL while it has
    waves in flight; the time until every wave in flight at the kill has finished
    (re-issued on the survivor), next to the median wave time. Repeated `--kills` times
-   (a fresh pool each), as one kill lands at a random point of the waves.
-5. **Call costs**: one hf replica, waves sent one Ray call each vs through the pool's
-   channel (driver CPU per burst), and one wave's latency through the pool, the engine
+   (a fresh fleet each), as one kill lands at a random point of the waves.
+5. **Call costs**: one hf replica, waves sent one Ray call each vs through the fleet's
+   channel (driver CPU per burst), and one wave's latency through the fleet, the engine
    process and an empty Ray call.
 
 6. **Several fronts** (no Ray; simulated time, `bench/virtual_clock.py`): S fronts, each
@@ -62,12 +62,13 @@ import numpy as np
 from bench import virtual_clock
 from bench.common import ROOT, environment, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler, verify_reward_text
-from sampler_service.backends.base import Backend, Completion, SamplingParams, TensorSpec
+from sampler_service.backends.base import Backend, Completion, SamplingParams
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.finalize import VolatileSink
 from sampler_service.scheduler import Scheduler
 from sampler_service.verifiers.base import Verdict
+from sampler_service.weights.types import TensorSpec
 from trainer_client.contract.protocol import Group
 
 #: A replica of the simulated engine: 64 sequences, 50 ms per decode step, short answers
@@ -155,16 +156,21 @@ def _sim_dataset(work: Path) -> tuple[Dataset, np.ndarray]:
 def _pool(
     factory: Any, replicas: int, tag: str, torch_threads: int = 0, max_inflight: int = 96
 ) -> Any:
-    """A pool on the bench's Ray session; the simulated engine's cap is 1.5 x its 64 seqs."""
-    from sampler_service.backends.ray_pool import RayPoolBackend
+    """A fleet on the bench's Ray session; the simulated engine's cap is 1.5 x its 64 seqs."""
+    from sampler_service.backends.ray.transport import build_ray_fleet
     from sampler_service.config import ReplicaSettings
 
     settings = ReplicaSettings(
         count=replicas, cpus=0.1, max_inflight=max_inflight, probe_s=1.0, probe_timeout_s=10.0
     )
-    return RayPoolBackend(
+    return build_ray_fleet(
         factory, settings, instance_id=f"bench-{tag}-{os.getpid()}", torch_threads=torch_threads
     )
+
+
+def _replica(pool: Any, index: int) -> Any:
+    """A fleet's replica `index`: its actor handle, its channel, its own health answer."""
+    return pool.table.seats[index].member
 
 
 async def _drive(
@@ -246,7 +252,7 @@ async def routing(work: Path, counts: list[int], warmup_s: float, measure_s: flo
 class _SlowedFirst:
     """Factory of the simulated engine whose replica 0 decodes `factor` x slower.
 
-    The pool builds every replica's engine with one factory; this one asks Ray which
+    The fleet builds every replica's engine with one factory; this one asks Ray which
     replica it is building for.
     """
 
@@ -271,7 +277,7 @@ async def affinity(work: Path, warmup_s: float, measure_s: float, factor: float)
         rate, _ = await _drive(
             pool, dataset, verify_reward_text, _sim_config(2), warmup_s, measure_s
         )
-        waves = [(await pool.replica_health(i))["submitted_waves"] for i in range(2)]
+        waves = [(await _replica(pool, i).replica_health())["submitted_waves"] for i in range(2)]
     finally:
         await pool.close()
     result = {
@@ -402,7 +408,7 @@ async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> list[dict[st
                 try:
                     rate, _ = await _drive(backend, dataset, verify, cfg, warmup_s, measure_s)
                     if kind == "pool":
-                        health = await backend.replica_health(0)
+                        health = await _replica(backend, 0).replica_health()
                         calls[level][0] += health["submit_calls"]
                         calls[level][1] += health["submitted_waves"]
                 finally:
@@ -470,7 +476,7 @@ async def call_costs(bursts: int, waves: int) -> dict[str, Any]:
     pool = _pool(factory, 1, "calls", torch_threads=1, max_inflight=10_000)
     await pool.start()
     try:
-        actor = pool._replicas[0]
+        actor = _replica(pool, 0)
         result = {
             "burst_per_wave_calls": await per_burst(
                 lambda i: actor.handle.generate.remote([1, 2, i % 8], 8, burst)

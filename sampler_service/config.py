@@ -29,7 +29,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from sampler_service.backends.engine_service import ServiceName
+from sampler_service.backends.http.discovery import ServiceName
 from strategies import admission, mixing, reweighting, selection, stopping
 from strategies.allocation import ALLOCATIONS, AllocationPolicy
 from strategies.estimator import Estimator, EstKnobs

@@ -51,7 +51,8 @@ class EventLog:
         return await self._store.call(self._store.sync.event_page, since, limit, kinds)
 
     def replica_changed(self, detail: dict[str, Any]) -> None:
-        """Log a replica's state change; the pool reports it from the event loop."""
+        """Log a replica's or a server's state change; the fleet reports it from the event
+        loop."""
 
         async def record() -> None:
             try:

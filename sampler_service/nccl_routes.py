@@ -24,15 +24,15 @@ the last file-based weights (and version) again until the trainer sends a newer 
 With engine replicas (`serve --replicas N`, vLLM on each) the group spans every replica:
 world size = 1 (the trainer) + the sum of the replicas' workers, which GET reports as
 `inference_ranks` (with each replica's `rank_offset` under `replicas`). The trainer sends
-one init as for a single engine (rank offset 1); the pool gives each replica its own
-offset (`weights.nccl.nccl_replica_init_infos`) and fans init, update and shutdown out to all
+one init as for a single engine (rank offset 1); the fleet gives each replica its own
+offset (`fleet.nccl.replica_init_infos`) and fans init, update and shutdown out to all
 of them. A replica that restarts (or comes up) after the group was formed makes it
 stale (`"group": "stale"` in GET): the next update answers 409 `nccl_group_stale` before
 any transfer, and the trainer forms the group again (`NCCLWeightSender.connect`); the
 restarted replica serves the last file weights, is not routed to, and joins at that init.
 hf replicas answer 409 `nccl_unavailable`, as a single hf engine does. `--backend http`
 lays out and fans out the same way over the `vllm serve` servers it drives, through their
-own weight-transfer endpoints (`backends/http_engine.py`).
+own weight-transfer endpoints (`backends/http/member.py`).
 
 Mounting (sampler_service/app.py, inside the authenticated /v1 router):
     `v1.include_router(create_nccl_router(lambda: service.weights))`

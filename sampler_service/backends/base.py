@@ -1,15 +1,21 @@
 """The one async interface every inference engine sits behind.
 
 The scheduler only ever talks to this interface, so the same adaptive loop drives the
-transformers backend on a laptop, vLLM on a GPU node, a Ray pool of replicas, or the
-simulated engine of the benchmarks.
+transformers backend on a laptop, vLLM on a GPU node, a fleet of Ray replicas or HTTP
+servers, or the simulated engine of the benchmarks.
+
+A wave's answers come as a `Wave`: each answer with its index as it finishes, and a
+cancel by index. An engine that answers whole waves hands them all at once
+(`WholeWave`) and declares that it cannot cancel one answer alone, so a reader that
+stops early works with every engine.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +23,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from sampler_service.errors import NotSupported
+from sampler_service.weights.types import NCCLDescription, NCCLUnavailable, TensorSpec
 from trainer_client.contract.wire import narrow_array
 
 #: Why an answer ended. An episode adds `turns` (max_turns reached) and `timeout` (an
@@ -29,26 +37,9 @@ class GenerationAborted(RuntimeError):
     """The engine dropped a request (weight update in `abort` mode); re-issue it."""
 
 
-class WeightsRejected(ValueError):
-    """A weight file was refused before anything was loaded (maps to HTTP 4xx)."""
-
-
-class WeightsNotServed(RuntimeError):
-    """No engine could install the new weights; the old version stays (maps to HTTP 503)."""
-
-
-class NotSupported(RuntimeError):
-    """The engine does not offer this capability; the message says what would (maps to
-    HTTP 409). What `Backend` declares but an engine lacks raises it."""
-
-
-class NCCLUnavailable(NotSupported):
-    """The engine cannot take weights over NCCL (not vLLM, or transfer not configured)."""
-
-
-class NCCLGroupStale(RuntimeError):
-    """The NCCL group no longer spans every engine replica (one restarted, or one came
-    up after the group was formed): the trainer must form it again (maps to HTTP 409)."""
+#: How an engine pauses: `wait` lets running requests finish, `abort` ends them
+#: (GenerationAborted), `keep` freezes them with their cache until resume.
+PauseMode = Literal["wait", "abort", "keep"]
 
 
 @dataclass(frozen=True)
@@ -163,31 +154,64 @@ def as_list(values: TokenIds | Floats) -> list[Any]:
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, shape and dtype of one model tensor, used to vet weight files up front."""
+class Wave(abc.ABC):
+    """One wave of `n` answers to one prompt, issued: each answer's index is fixed now.
 
-    shape: tuple[int, ...]
-    dtype: str  # safetensors dtype string, e.g. "F32", "BF16"
-
-
-@dataclass(frozen=True)
-class NCCLDescription:
-    """What an engine, or a pool of engines, offers the NCCL weight transfer.
-
-    `specs` are the tensors a round may send (checkpoint names) and `required` those it
-    must send. A pool adds its group's state (`none`, `ok` or `stale`), each replica's
-    ranks, and `stale`: why an update would be refused now (None for one engine, which
-    has no group of replicas to go stale).
+    Iterating yields `(index, answer)` as each answer finishes. `cancel(indices)` stops
+    answers not yet finished; an engine that can stop only the whole wave says so
+    (`cancels_answers` False) and raises NotSupported for anything less than every
+    answer left. A wave is read once.
     """
 
-    enabled: bool
-    inference_ranks: int
-    specs: Mapping[str, TensorSpec]
-    required: frozenset[str]
-    group: str | None = None
-    replicas: list[dict[str, Any]] | None = None
-    stale: str | None = None
+    #: Whether `cancel` stops single answers, or only the whole wave.
+    cancels_answers: bool = False
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    @abc.abstractmethod
+    def __aiter__(self) -> AsyncIterator[tuple[int, Completion]]: ...
+
+    @abc.abstractmethod
+    async def cancel(self, indices: Collection[int]) -> None: ...
+
+    def answers(self) -> Awaitable[list[Completion]]:
+        """Every answer, in index order: the wave read to its end."""
+        return self._read_all()
+
+    async def _read_all(self) -> list[Completion]:
+        out: list[Completion | None] = [None] * self.n
+        async for index, answer in self:
+            out[index] = answer
+        missing = [i for i, answer in enumerate(out) if answer is None]
+        if missing:
+            raise GenerationAborted(f"the wave ended without answers {missing}")
+        return [answer for answer in out if answer is not None]
+
+
+class WholeWave(Wave):
+    """A wave whose engine answers all of it at once: its answers come together when the
+    engine call returns, and only the whole wave can be cancelled."""
+
+    def __init__(self, answers: Awaitable[list[Completion]], n: int) -> None:
+        super().__init__(n)
+        self._call = asyncio.ensure_future(answers)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Completion]]:
+        for index, answer in enumerate(await self._call):
+            yield index, answer
+
+    def answers(self) -> Awaitable[list[Completion]]:
+        """The engine call itself: awaiting it, or cancelling it, needs no task of its own."""
+        return self._call
+
+    async def cancel(self, indices: Collection[int]) -> None:
+        done = self._call.done()
+        if not done and not set(range(self.n)) <= set(indices):
+            raise NotSupported("this engine answers whole waves: it cancels all of one or none")
+        if not done:
+            self._call.cancel()
+            await asyncio.gather(self._call, return_exceptions=True)
 
 
 HealthState = Literal["ok", "degraded", "failed"]
@@ -250,6 +274,29 @@ class Backend(abc.ABC):
         so the turns of an episode find their prefix in its cache; without it a
         multi-replica backend keys on the prompt's tokens.
         """
+
+    def wave(
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
+    ) -> Wave:
+        """`generate`'s n answers as a wave handle, issued now: each answer as it
+        finishes, and cancelled by index where the engine can (whole waves here)."""
+        call = self.generate(prompt_token_ids, n, sampling, affinity_key=affinity_key)
+        return WholeWave(call, n)
+
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        """Hold new requests in the engine until `resume`; `mode` says what happens to
+        the running ones. The scheduler's own gate keeps waves out either way: this is
+        the engine's part of a weight update's barrier."""
+        raise NotSupported(f"the {self.name} engine does not pause (mode {mode})")
+
+    async def resume(self) -> None:
+        """Serve again after `pause`."""
+        raise NotSupported(f"the {self.name} engine does not pause")
 
     @abc.abstractmethod
     def weight_specs(self) -> Mapping[str, TensorSpec]:

@@ -30,10 +30,11 @@ from sampler_service.backends.base import (
     Backend,
     BackendHealth,
     Completion,
+    PauseMode,
     SamplingParams,
-    TensorSpec,
     packed,
 )
+from sampler_service.weights.types import TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,12 @@ class EngineProcess(Backend):
 
     async def abort_all(self) -> int:
         return await self._call("abort_all")
+
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        await self._call("resume")
 
     async def score(
         self, prompt_token_ids: list[int], response_token_ids: list[int], temperature: float = 1.0

@@ -1,6 +1,6 @@
-"""The engine the settings ask for, built: one engine in this process or a child, Ray
-replicas, or `vllm serve` servers driven over HTTP. Each kind is imported only when
-chosen, so a default sampler never imports Ray or vLLM."""
+"""The engine the settings ask for, built as a fleet: one engine in this process or a
+child (a fleet of one), Ray replicas, or `vllm serve` servers driven over HTTP. Each kind
+is imported only when chosen, so a default sampler never imports Ray or vLLM."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _engine_factory(settings: ServeSettings) -> Any:
     )
 
 
-def build_replica_pool(
+def _replica_fleet(
     settings: ServeSettings,
     metrics: Metrics,
     on_state_change: Callable[[dict[str, Any]], None] | None = None,
@@ -49,14 +49,14 @@ def build_replica_pool(
     # inherit it).
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
-        from sampler_service.backends.ray_pool import RayPoolBackend
+        from sampler_service.backends.ray.transport import build_ray_fleet
     except ImportError as exc:
         raise RuntimeError(
             f"--replicas {settings.replica.count} / --ray-address need Ray: "
             "pip install 'adaptive-rollout[ray]'"
         ) from exc
 
-    return RayPoolBackend(
+    return build_ray_fleet(
         _engine_factory(settings),
         settings.replica,
         instance_id=_instance_id(settings.state_dir),
@@ -66,11 +66,16 @@ def build_replica_pool(
     )
 
 
-def build_http_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics) -> Backend:
+def _http_fleet(
+    settings: ServeSettings,
+    tokenizer: Any,
+    metrics: Metrics,
+    on_state_change: Callable[[dict[str, Any]], None] | None = None,
+) -> Backend:
     """`vllm serve` servers the user runs (`--engine-url`), driven over HTTP."""
-    from sampler_service.backends.engine_service import ServiceName
-    from sampler_service.backends.http_dialects import DIALECTS
-    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+    from sampler_service.backends.http.dialects import DIALECTS
+    from sampler_service.backends.http.discovery import ServiceName
+    from sampler_service.backends.http.transport import HTTPPoolSettings, build_http_fleet
 
     assert settings.weights_dir is not None  # required by ServeSettings
     pool = HTTPPoolSettings(
@@ -82,20 +87,13 @@ def build_http_backend(settings: ServeSettings, tokenizer: Any, metrics: Metrics
         services=tuple(ServiceName.parse(name) for name in settings.engine_service),
         resolve_s=settings.engine_resolve_s,
     )
-    return HTTPEngineBackend(settings.model, pool, tokenizer=tokenizer, metrics=metrics)
+    return build_http_fleet(
+        settings.model, pool, tokenizer=tokenizer, metrics=metrics, on_state_change=on_state_change
+    )
 
 
-def build_backend(
-    settings: ServeSettings,
-    tokenizer: Any,
-    metrics: Metrics,
-    on_replica_change: Callable[[dict[str, Any]], None] | None = None,
-) -> Backend:
-    """The engine `settings` name; `on_replica_change` hears a Ray replica's state changes."""
-    if settings.uses_ray:
-        return build_replica_pool(settings, metrics, on_replica_change)
-    if settings.backend == "http":
-        return build_http_backend(settings, tokenizer, metrics)
+def _engine(settings: ServeSettings, tokenizer: Any) -> Backend:
+    """The one engine of a fleet of one."""
     if settings.backend == "vllm":
         from sampler_service.backends.vllm import VLLMBackend
 
@@ -110,3 +108,21 @@ def build_backend(
     return HFBackend(
         settings.model, device=settings.device, dtype=settings.dtype, tokenizer=tokenizer
     )
+
+
+def build_backend(
+    settings: ServeSettings,
+    tokenizer: Any,
+    metrics: Metrics,
+    on_member_change: Callable[[dict[str, Any]], None] | None = None,
+) -> Backend:
+    """The engine `settings` name; `on_member_change` hears a replica's or a server's
+    state changes. One engine in the sampler's process keeps its metrics and events to
+    itself: absent replica series mean one engine."""
+    if settings.uses_ray:
+        return _replica_fleet(settings, metrics, on_member_change)
+    if settings.backend == "http":
+        return _http_fleet(settings, tokenizer, metrics, on_member_change)
+    from sampler_service.fleet.local import LocalFleet
+
+    return LocalFleet(_engine(settings, tokenizer))

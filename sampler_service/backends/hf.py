@@ -40,9 +40,9 @@ from sampler_service.backends.base import (
     FinishReason,
     GenerationAborted,
     SamplingParams,
-    TensorSpec,
     check_request,
 )
+from sampler_service.weights.types import TensorSpec
 from sampler_service.weights.vetting import WeightSpecs, check_tensor, tensor_spec
 from trainer_client.contract.dtypes import SERVING_DTYPES, safetensors_code, torch_dtype
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -43,19 +42,24 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from sampler_service.backends.base import (
     BackendHealth,
     CheckpointBackend,
     Completion,
     GenerationAborted,
-    NCCLDescription,
+    PauseMode,
     SamplingParams,
-    TensorSpec,
-    WeightsRejected,
     check_request,
 )
+from sampler_service.backends.checkpoint import (
+    Checkpoint,
+    eos_token_ids,
+    read_checkpoint,
+    read_json,
+)
+from sampler_service.weights.types import NCCLDescription, TensorSpec, WeightsRejected
 from trainer_client.contract.dtypes import (
     BY_SAFETENSORS,
     FLOAT_CODES,
@@ -94,79 +98,6 @@ def engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Checkpoint:
-    """The model's Hugging Face checkpoint: tensor order, specs and files."""
-
-    order: list[str]  # canonical names in file order (the order vLLM loads best)
-    specs: dict[str, TensorSpec]  # canonical name -> spec
-    files: dict[str, str]  # canonical name -> safetensors file holding it
-    aliases: dict[str, str | None]  # accepted other name -> canonical name (None: skip)
-
-    def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
-        """Tensors an NCCL round may send (checkpoint names only: they go to vLLM's loader
-        unchanged) and those it must send (all but a tied lm_head)."""
-        specs = dict(self.specs)
-        if "lm_head.weight" in self.aliases:  # tied: vLLM's loader skips it
-            specs["lm_head.weight"] = self.specs["model.embed_tokens.weight"]
-        return specs, set(self.specs)
-
-
-def read_checkpoint(model_dir: Path) -> _Checkpoint:
-    """Names, shapes and dtypes of every tensor in `model_dir/*.safetensors` (headers only).
-
-    Also accepts the names a bare base-model `save_pretrained` writes (without the
-    `model.` prefix), and `lm_head.weight` of a model with tied embeddings (which
-    checkpoints omit and vLLM ignores).
-    """
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"{model_dir}: no *.safetensors checkpoint files (vLLM backend needs one)"
-        )
-    order: list[str] = []
-    specs: dict[str, TensorSpec] = {}
-    where: dict[str, str] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                meta = handle.get_slice(name)
-                specs[name] = TensorSpec(shape=tuple(meta.get_shape()), dtype=meta.get_dtype())
-                where[name] = str(file)
-                order.append(name)
-    aliases: dict[str, str | None] = {}
-    for name in order:
-        if name.startswith("model.") and name[len("model.") :] not in specs:
-            aliases[name[len("model.") :]] = name
-    config = _read_json(model_dir / "config.json")
-    tied = bool(config.get("tie_word_embeddings", False))
-    embed = "model.embed_tokens.weight"
-    if tied and "lm_head.weight" not in specs and embed in specs:
-        aliases["lm_head.weight"] = None
-    return _Checkpoint(order, specs, where, aliases)
-
-
-def eos_token_ids(model_dir: Path) -> list[int]:
-    """End-of-sequence ids from config.json and generation_config.json (as the hf backend)."""
-    ids: list[int] = []
-    for file in ("config.json", "generation_config.json"):
-        value = _read_json(model_dir / file).get("eos_token_id")
-        for token in [value] if isinstance(value, int) else value or []:
-            if isinstance(token, int) and token not in ids:
-                ids.append(token)
-    return ids
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 class VLLMBackend(CheckpointBackend):
     """`AsyncLLM` behind the sampler's backend interface.
 
@@ -200,7 +131,7 @@ class VLLMBackend(CheckpointBackend):
         #: The version of the newest weights that came from files (the ones a failed NCCL
         #: round can fall back to).
         self._file_version = 0
-        self._checkpoint: _Checkpoint | None = None
+        self._checkpoint: Checkpoint | None = None
         self._sources: dict[str, str] = {}  # canonical name -> file with its current value
         self._eos: list[int] = []
         self._vocab_size = 0
@@ -242,7 +173,7 @@ class VLLMBackend(CheckpointBackend):
                 args["kv_cache_memory_bytes"] = _CPU_KV_CACHE_BYTES
             # vLLM's CPU "auto" dtype downcasts float32 checkpoints to bfloat16; keep the
             # checkpoint's own dtype unless asked otherwise (CPU parity runs in float32).
-            config = _read_json(self._model_dir / "config.json")
+            config = read_json(self._model_dir / "config.json")
             own = config.get("dtype") or config.get("torch_dtype")
             if isinstance(own, str) and own in SERVING_DTYPES:
                 args["dtype"] = own
@@ -453,14 +384,14 @@ class VLLMBackend(CheckpointBackend):
             await engine.abort(request_ids)
         return len(request_ids)
 
-    async def pause(self, mode: Literal["abort", "wait", "keep"] = "wait") -> None:
+    async def pause(self, mode: PauseMode = "wait") -> None:
         """vLLM's own pause: new requests queue in the engine until `resume`.
 
-        The sampler's scheduler gates its waves itself; this is for callers that drive
-        the backend directly. `abort` ends in-flight requests (GenerationAborted), `wait`
-        lets them finish, `keep` freezes them until resume. Clears the prefix cache.
+        `abort` ends in-flight requests (GenerationAborted), `wait` lets them finish,
+        `keep` freezes them until resume with their cache kept (every other mode clears
+        the prefix cache, whose blocks the next weights would not have computed).
         """
-        await self._require_running().pause_generation(mode=mode, clear_cache=True)
+        await self._require_running().pause_generation(mode=mode, clear_cache=mode != "keep")
 
     async def resume(self) -> None:
         await self._require_running().resume_generation()
@@ -471,12 +402,7 @@ class VLLMBackend(CheckpointBackend):
     # ------------------------------------------------------------------ weights
 
     def weight_specs(self) -> Mapping[str, TensorSpec]:
-        checkpoint = self._checkpoint or read_checkpoint(self._model_dir)
-        specs = dict(checkpoint.specs)
-        for alias, canonical in checkpoint.aliases.items():
-            # a tied lm_head.weight has the embedding's spec (and is skipped on load)
-            specs.setdefault(alias, checkpoint.specs[canonical or "model.embed_tokens.weight"])
-        return specs
+        return (self._checkpoint or read_checkpoint(self._model_dir)).weight_specs()
 
     async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
         """Install a (possibly partial) checkpoint-named state dict as `version`.
@@ -520,7 +446,9 @@ class VLLMBackend(CheckpointBackend):
                 await engine.collective_rpc(_LOAD_RPC, args=(plan,))
                 await _reset_prefix_cache(engine)
             except Exception as exc:
-                await self._rollback(engine, checkpoint, path, exc)
+                log.error("weight load failed (%r); reloading the previous weights", exc)
+                await self._restore_files(engine, f"a failed load ({exc!r})")
+                path.unlink(missing_ok=True)
                 raise RuntimeError(
                     f"vLLM weight load failed (previous weights restored): {exc}"
                 ) from exc
@@ -538,19 +466,21 @@ class VLLMBackend(CheckpointBackend):
             time.monotonic() - started,
         )
 
-    async def _rollback(
-        self, engine: Any, checkpoint: _Checkpoint, path: Path, exc: Exception
-    ) -> None:
-        log.error("weight load failed (%r); reloading the previous weights", exc)
+    async def _restore_files(self, engine: Any, after: str) -> bool:
+        """Reload every tensor from the file that holds its current value (the engine's
+        own reload after a failed load or NCCL round); False when that failed too and the
+        engine stops serving, its weights unknown."""
+        checkpoint = self._checkpoint
+        assert checkpoint is not None
+        plan = [(name, self._sources[name]) for name in checkpoint.order]
         try:
-            await engine.collective_rpc(
-                _LOAD_RPC, args=([(n, self._sources[n]) for n in checkpoint.order],)
-            )
+            await engine.collective_rpc(_LOAD_RPC, args=(plan,))
             await _reset_prefix_cache(engine)
         except Exception as again:  # the engine's weights are now unknown
-            self._failure = f"weights unknown after a failed load and a failed rollback: {again!r}"
-            log.exception("rollback failed")
-        path.unlink(missing_ok=True)
+            self._failure = f"weights unknown after {after} and a failed reload: {again!r}"
+            log.exception("reloading the weights from their files failed")
+            return False
+        return True
 
     def _drop_unused(self, old_files: set[str]) -> None:
         """Delete update files of ours that no tensor is served from any more."""
@@ -561,10 +491,6 @@ class VLLMBackend(CheckpointBackend):
 
     # ------------------------------------------------------------------ NCCL transfer (GPU)
 
-    def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
-        """See `_Checkpoint.nccl_specs` (the stub backends of the tests override this)."""
-        return (self._checkpoint or read_checkpoint(self._model_dir)).nccl_specs()
-
     def nccl_workers(self) -> int:
         """Inference-side ranks of the NCCL transfer group (TP x PP x DP workers)."""
         if self._engine is None:
@@ -573,7 +499,7 @@ class VLLMBackend(CheckpointBackend):
         return int(parallel.world_size * parallel.data_parallel_size)
 
     async def nccl_describe(self) -> NCCLDescription:
-        specs, required = self.nccl_specs()
+        specs, required = (self._checkpoint or read_checkpoint(self._model_dir)).nccl_specs()
         return NCCLDescription(
             enabled=self._nccl_ready,
             inference_ranks=self.nccl_workers(),
@@ -622,7 +548,7 @@ class VLLMBackend(CheckpointBackend):
                 else:
                     log.warning("closing the failed NCCL update also failed: %r", exc)
             if failure is not None:
-                served = await self._recover_from_failed_transfer(engine, failure)
+                served = await self._served_after_failed_transfer(engine, failure)
                 raise RuntimeError(
                     f"NCCL weight update to version {version} failed: {failure!r}; {served}"
                 ) from failure
@@ -632,7 +558,7 @@ class VLLMBackend(CheckpointBackend):
             self._sources_stale = True
         log.info("vllm backend serving policy version %d (NCCL)", version)
 
-    async def _recover_from_failed_transfer(self, engine: Any, failure: BaseException) -> str:
+    async def _served_after_failed_transfer(self, engine: Any, failure: BaseException) -> str:
         """Reload whole weights after a failed NCCL round; returns what is served now.
 
         A receive that broke off leaves the layers that got nothing without weights (vLLM
@@ -641,19 +567,8 @@ class VLLMBackend(CheckpointBackend):
         came over NCCL they exist nowhere else, so the last file-based weights are served
         again under their own (older) version, which samples then carry.
         """
-        checkpoint = self._checkpoint
-        assert checkpoint is not None
         log.error("NCCL weight update failed (%r); reloading weights from files", failure)
-        plan = [(name, self._sources[name]) for name in checkpoint.order]
-        try:
-            await engine.collective_rpc(_LOAD_RPC, args=(plan,))
-            await _reset_prefix_cache(engine)
-        except Exception as again:  # the engine's weights are now unknown
-            self._failure = (
-                f"weights unknown after a failed NCCL update ({failure!r}) and a failed "
-                f"reload from files ({again!r})"
-            )
-            log.exception("reload after a failed NCCL update failed")
+        if not await self._restore_files(engine, f"a failed NCCL update ({failure!r})"):
             return "the engine could not reload its weights and stops serving"
         if self._sources_stale:
             self._version = self._file_version

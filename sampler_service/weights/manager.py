@@ -8,9 +8,10 @@ applies what depends on the version). File weights are persisted as the restart 
 (the `weights` item of the store; an upload kept under the state dir, or in the shared
 `--weights-dir`) and restored before /ready. NCCL weights exist only in the engine.
 
-The manager knows its engine, the store, the metrics and three callables the service
-hands it (the pause, the engine's failure, what follows an install): it knows nothing
-of the service, so it can be built and tested alone.
+The manager knows its engine (as `WeightTarget`, the part of an engine it drives), the
+store, the metrics and three callables the service hands it (the pause, the engine's
+failure, what follows an install): it knows nothing of the service or of the engines'
+package, so it can be built and tested alone.
 """
 
 from __future__ import annotations
@@ -22,23 +23,22 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sampler_service.backends.base import (
-    Backend,
-    NCCLDescription,
-    NCCLGroupStale,
-    NCCLUnavailable,
-    NotSupported,
-    WeightsNotServed,
-    WeightsRejected,
-)
-from sampler_service.errors import ServiceError
+from sampler_service.errors import NotSupported, ServiceError
 from sampler_service.metrics import Metrics
 from sampler_service.store import AsyncStore
 from sampler_service.weights.nccl import NCCLUpdateRequest, vet_update_info
+from sampler_service.weights.types import (
+    NCCLDescription,
+    NCCLGroupStale,
+    NCCLUnavailable,
+    WeightsNotServed,
+    WeightsRejected,
+    WeightTarget,
+)
 from trainer_client.contract.protocol import WeightsResponse
 
 log = logging.getLogger(__name__)
@@ -66,27 +66,21 @@ class WeightPlaces:
 Installed = Callable[[int, str, float, float], Awaitable[None]]
 
 
+@dataclass(eq=False)
 class WeightsManager:
-    """Vetting, the pause, the version check, install, persist and restore (see above)."""
+    """Vetting, the pause, the version check, install, persist and restore (see above).
 
-    def __init__(
-        self,
-        backend: Backend,
-        places: WeightPlaces,
-        store: AsyncStore,
-        metrics: Metrics,
-        *,
-        pause: Callable[[], AbstractAsyncContextManager[None]],
-        engine_error: Callable[[], str | None],
-        installed: Installed,
-    ) -> None:
-        self.backend = backend
-        self.places = places
-        self._store = store
-        self._metrics = metrics
-        self._pause = pause
-        self._engine_error = engine_error
-        self._installed = installed
+    `pause` stops new requests for the length of its block, `engine_error` says why the
+    engine cannot take weights (None: it can), `installed` is what follows an install."""
+
+    backend: WeightTarget
+    places: WeightPlaces
+    store: AsyncStore
+    metrics: Metrics
+    _: KW_ONLY
+    pause: Callable[[], AbstractAsyncContextManager[None]]
+    engine_error: Callable[[], str | None]
+    installed: Installed
 
     # -- checks -----------------------------------------------------------------------
     def size_limit(self) -> int:
@@ -98,7 +92,7 @@ class WeightsManager:
 
     def check_engine(self) -> None:
         """503 for weight calls while the engine is dead: there is nothing to load into."""
-        if error := self._engine_error():
+        if error := self.engine_error():
             raise ServiceError(
                 503, "engine_failed", f"the engine failed and cannot take weights: {error}"
             )
@@ -107,7 +101,7 @@ class WeightsManager:
         self.check_engine()
         current = self.backend.policy_version
         if version <= current:
-            self._metrics.weight_update_failures.labels("stale_version").inc()
+            self.metrics.weight_update_failures.labels("stale_version").inc()
             raise ServiceError(
                 409,
                 "stale_version",
@@ -146,7 +140,7 @@ class WeightsManager:
         """
 
         def refused(exc: WeightsRejected) -> ServiceError:
-            self._metrics.weight_update_failures.labels("rejected").inc()
+            self.metrics.weight_update_failures.labels("rejected").inc()
             message = str(exc)
             for file in files if shown_as else ():
                 message = message.replace(str(file), str(shown_as))
@@ -172,7 +166,7 @@ class WeightsManager:
         except WeightsRejected as exc:
             raise refused(exc) from exc
         started = time.monotonic()
-        async with self._pause():
+        async with self.pause():
             self.check_version(version)
             try:
                 if shared:
@@ -182,11 +176,11 @@ class WeightsManager:
             except WeightsRejected as exc:
                 raise refused(exc) from exc
             except WeightsNotServed as exc:
-                self._metrics.weight_update_failures.labels("error").inc()
+                self.metrics.weight_update_failures.labels("error").inc()
                 raise ServiceError(503, "weights_not_served", str(exc)) from exc
             except Exception as exc:
-                self._metrics.weight_update_failures.labels("error").inc()
-                if self._engine_error() is None:
+                self.metrics.weight_update_failures.labels("error").inc()
+                if self.engine_error() is None:
                     raise
                 raise ServiceError(
                     503, "engine_failed", f"the engine failed while loading weights: {exc}"
@@ -197,9 +191,9 @@ class WeightsManager:
         return WeightsResponse(policy_version=version, tensors=len(names), load_s=elapsed)
 
     async def _served(self, version: int, transport: str, seconds: float, paused_s: float) -> None:
-        self._metrics.weight_updates.inc()
-        self._metrics.weight_update_seconds.observe(paused_s)
-        await self._installed(version, transport, seconds, paused_s)
+        self.metrics.weight_updates.inc()
+        self.metrics.weight_update_seconds.observe(paused_s)
+        await self.installed(version, transport, seconds, paused_s)
 
     async def put(self, upload: Path, version: int) -> WeightsResponse:
         """Install an uploaded safetensors file, then keep it as the restart weights."""
@@ -242,7 +236,7 @@ class WeightsManager:
         try:
             files = weight_files(Path(path))
         except WeightsRejected as exc:
-            self._metrics.weight_update_failures.labels("rejected").inc()
+            self.metrics.weight_update_failures.labels("rejected").inc()
             raise ServiceError(422, "weights_rejected", str(exc), "path") from exc
         saved = await self._saved()
         result = await self._install(files, version, "path")
@@ -251,11 +245,11 @@ class WeightsManager:
         return result
 
     async def _saved(self) -> dict[str, Any] | None:
-        saved: dict[str, Any] | None = await self._store.call(self._store.sync.get, STORE_KEY)
+        saved: dict[str, Any] | None = await self.store.call(self.store.sync.get, STORE_KEY)
         return saved
 
     async def _persist(self, record: dict[str, Any]) -> None:
-        await self._store.call(self._store.sync.put, {STORE_KEY: record})
+        await self.store.call(self.store.sync.put, {STORE_KEY: record})
 
     @staticmethod
     def _drop_replaced_upload(saved: dict[str, Any] | None, kept: list[Path]) -> None:
@@ -331,7 +325,7 @@ class WeightsManager:
             raise ServiceError(422, "weights_rejected", problem, "update_info")
         self.check_version(req.version)
         started = time.monotonic()
-        async with self._pause():
+        async with self.pause():
             self.check_version(req.version)
             try:
                 await self._engine_call(

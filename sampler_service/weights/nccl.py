@@ -1,4 +1,4 @@
-"""What the NCCL weight transfer (vLLM backend on GPUs) checks and computes, without I/O.
+"""What an NCCL weight transfer's requests are, and the vetting of an update, without I/O.
 
 For large models a trainer sends weights GPU to GPU instead of uploading a file: the
 trainer (rank 0) and every vLLM worker (ranks 1..W) form one NCCL group, and each update
@@ -7,25 +7,18 @@ into the live model. Only metadata goes over HTTP (the routes: `sampler_service.
 
 An update is vetted before any NCCL call (names, shapes, floating dtypes), because a
 receiver that refuses after the trainer started broadcasting would leave the trainer
-blocked in NCCL; the trainer client runs the same checks first.
-
-With engine replicas (`serve --replicas N`, vLLM on each) the group spans every replica:
-world size = 1 (the trainer) + the sum of the replicas' workers. The trainer sends one
-init as for a single engine (rank offset 1); the pool gives each replica its own offset
-(`nccl_replica_init_infos`), and remembers who joined (`NCCLGroup`): an engine that
-restarts or comes up after the group was formed makes it stale.
+blocked in NCCL; the trainer client runs the same checks first. The group's layout over
+several engines, and its staleness, are the fleet's (`sampler_service.fleet.nccl`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sampler_service.backends.base import NCCLGroupStale
 from trainer_client.contract.dtypes import FLOAT_NAMES
 
 
@@ -73,88 +66,3 @@ def vet_update_info(
         if dtype not in FLOAT_NAMES:
             return f"tensor {name!r}: dtype {dtype} is not a floating dtype"
     return None
-
-
-def nccl_rank_offsets(workers: Sequence[int]) -> list[int]:
-    """Each replica's first rank in the trainer's NCCL group: the trainer is rank 0, then
-    each replica's workers in replica order (world size = 1 + sum(workers))."""
-    offsets, rank = [], 1
-    for count in workers:
-        if count < 1:
-            raise ValueError(f"a replica needs at least one NCCL rank, got {count}")
-        offsets.append(rank)
-        rank += count
-    return offsets
-
-
-def nccl_replica_init_infos(init_info: Mapping[str, Any], workers: Sequence[int]) -> list[dict]:
-    """The trainer's worker init info (vLLM `NCCLWeightTransferInitInfo` fields, written
-    for one engine at rank offset 1) as each replica must get it: its own rank offset,
-    the whole group's world size. ValueError when the trainer sized the group otherwise.
-    """
-    world = 1 + sum(workers)
-    if init_info.get("world_size") != world:
-        raise ValueError(
-            f"world_size {init_info.get('world_size')!r} does not match the sampler's group: "
-            f"1 trainer rank + {sum(workers)} replica ranks = {world} (GET /v1/weights/nccl "
-            "again: a replica may have restarted)"
-        )
-    if init_info.get("rank_offset", 1) != 1:
-        raise ValueError(
-            f"rank_offset must be 1 (the trainer is rank 0 and the sampler lays out its "
-            f"replicas' ranks after it), got {init_info.get('rank_offset')!r}"
-        )
-    return [{**init_info, "rank_offset": offset} for offset in nccl_rank_offsets(workers)]
-
-
-def nccl_replicas(engines: Sequence[Mapping[str, Any]], workers: Sequence[int]) -> list[dict]:
-    """The `replicas` rows of GET /v1/weights/nccl: each engine (as `engines` names it),
-    its ranks and its first rank in the group."""
-    offsets = nccl_rank_offsets(workers)
-    return [
-        {**engine, "workers": count, "rank_offset": offset}
-        for engine, count, offset in zip(engines, workers, offsets, strict=True)
-    ]
-
-
-#: Why an update is refused when no group was formed.
-NO_NCCL_GROUP = "no NCCL group is formed: POST /v1/weights/nccl/init first"
-
-
-@dataclass(frozen=True)
-class NCCLGroup:
-    """A formed group over a pool's engines: each member's identity when it joined (by
-    engine index; anything a restart changes) and their ranks."""
-
-    members: dict[int, Hashable]
-    workers: list[int]
-
-    def __str__(self) -> str:
-        return f"trainer + {self.workers} ranks at offsets {nccl_rank_offsets(self.workers)}"
-
-    def stale_reason(self, engines: Iterable[tuple[int, str, bool, Hashable]]) -> str | None:
-        """Why the group no longer spans the pool, or None; `engines` are every engine's
-        (index, name for the message, up now, identity now)."""
-        for index, name, up, identity in engines:
-            joined = self.members.get(index)
-            if joined is None:
-                if up:
-                    return f"{name} came up after the NCCL group was formed"
-            elif not up or identity != joined:
-                return f"{name} restarted or failed since the NCCL group was formed"
-        return None
-
-
-def nccl_group_for_update(group: NCCLGroup | None, stale: str | None) -> NCCLGroup:
-    """The group an update goes to; NCCLGroupStale, before any transfer, when there is none
-    or it no longer spans the pool (`stale`: why)."""
-    if group is None or stale is not None:
-        raise NCCLGroupStale(stale or NO_NCCL_GROUP)
-    return group
-
-
-def nccl_group_state(group: NCCLGroup | None, stale: str | None) -> str:
-    """none (no group formed), ok, or stale (an engine restarted or joined since)."""
-    if group is None:
-        return "none"
-    return "stale" if stale else "ok"

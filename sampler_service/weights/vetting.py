@@ -22,7 +22,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from sampler_service.backends.base import TensorSpec, WeightsRejected
+from sampler_service.weights.types import TensorSpec, WeightsRejected
 from trainer_client.contract.dtypes import BY_SAFETENSORS, FLOAT_CODES, safetensors_code
 
 # Same bound the safetensors library applies; stops a forged length from allocating GBs.

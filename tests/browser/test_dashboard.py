@@ -228,17 +228,25 @@ def test_the_dashboard_lists_the_engine_servers_of_backend_http(
     """With `--backend http` the servers are in /v1/stats under engine.servers (no Ray
     replicas): the replicas panel lists them. The sampler's own stats are served with the
     server list of an HTTP engine backend (its real rows) spliced in."""
-    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+    from sampler_service.backends.checkpoint import read_checkpoint
+    from sampler_service.backends.http.member import HTTPMember, Servers
+    from sampler_service.backends.http.transport import HTTPPoolSettings, HTTPTransport
+    from sampler_service.config import ReplicaSettings
+    from sampler_service.fleet.table import Table
+    from sampler_service.metrics import Metrics
 
-    backend = HTTPEngineBackend(
+    urls = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
+    transport = HTTPTransport(
         toy.model_dir,
-        HTTPPoolSettings(
-            urls=("http://10.0.0.1:8000", "http://10.0.0.2:8000"),
-            instance_id="dashboard-test",
-            weights_dir=tmp_path,
-        ),
+        HTTPPoolSettings(urls=urls, instance_id="dashboard-test", weights_dir=tmp_path),
     )
-    servers = backend.servers()
+    shared = Servers(
+        "dashboard-test", toy.model_dir, read_checkpoint(toy.model_dir), ReplicaSettings()
+    )
+    table = Table(transport, Metrics(), changed=lambda: None, failed=lambda seat: None)
+    for url in urls:  # two servers not reached yet, as the fleet's table lists them
+        table.add(HTTPMember(url, shared))
+    servers = table.rows()
     servers[0] |= {
         "state": "ok",
         "inflight_samples": 24,

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from ray_helpers import BASE_CONFIG, ENV, Sampler, free_port, wait_for
 
-from sampler_service.backends.replica import FAULT_EXIT_IN_LOAD_ENV
+from sampler_service.backends.ray.replica import FAULT_EXIT_IN_LOAD_ENV
 
 # The suite's own Ray token: Ray's default token file in the home directory is shared by
 # every Ray on the machine. Set before anything imports ray (it reads these at import);

@@ -15,8 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sampler_service.backends.base import NCCLDescription
 from sampler_service.backends.hf import HFBackend
+from sampler_service.weights.types import NCCLDescription
 
 
 class FakeNCCLEngine(HFBackend):

@@ -1,8 +1,8 @@
 """NCCL weight transfer fanned out to every replica's ranks, and the stale group.
 
-The pool runs in this process against a real Ray head; each replica is a real actor
+The fleet runs in this process against a real Ray head; each replica is a real actor
 whose engine is `fake_nccl.FakeNCCLEngine` (an hf engine answering the vLLM backend's
-NCCL calls without a transfer: no GPU here). What is checked is the pool's part: the
+NCCL calls without a transfer: no GPU here). What is checked is the fleet's part: the
 rank offsets each replica is given, the fan-out of init and update, and that a replica
 restart makes the next update fail with NCCLGroupStale before any replica is asked to
 receive, the restarted replica serving the last file weights (unrouted, not recycled)
@@ -24,9 +24,10 @@ import pytest
 from fake_nccl import FakeNCCLEngine
 from ray_helpers import ROOT
 
-from sampler_service.backends.base import NCCLGroupStale, SamplingParams
-from sampler_service.backends.ray_pool import RayPoolBackend
+from sampler_service.backends.base import SamplingParams
+from sampler_service.backends.ray.transport import build_ray_fleet
 from sampler_service.config import ReplicaSettings
+from sampler_service.weights.types import NCCLGroupStale
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -62,7 +63,7 @@ def test_nccl_fans_out_to_every_replica_and_a_restart_makes_the_group_stale(
     trainer_init = {"master_address": "127.0.0.1", "master_port": 29600, "rank_offset": 1}
 
     async def run() -> None:
-        pool = RayPoolBackend(factory, settings, instance_id=uuid.uuid4().hex[:8])
+        pool = build_ray_fleet(factory, settings, instance_id=uuid.uuid4().hex[:8])
         await pool.start()
         try:
             reps = pool.health().detail["replicas"]

@@ -1,6 +1,6 @@
-"""The pool's waves to a replica: batched Ray calls, each wave still answered on its own.
+"""The fleet's waves to a replica: batched Ray calls, each wave still answered on its own.
 
-The pool runs in this process against a real Ray head; the replica is a real actor whose
+The fleet runs in this process against a real Ray head; the replica is a real actor whose
 engine is `gated_engine.GatedEngine` (the toy hf model, holding back waves for one prompt
 until the test opens a file gate), so which wave is done when is decided by the test,
 not by timing.
@@ -20,8 +20,9 @@ from gated_engine import GATED_TOKEN, GatedEngine
 from ray_helpers import ROOT
 
 from sampler_service.backends.base import GenerationAborted, SamplingParams
-from sampler_service.backends.ray_pool import RayPoolBackend
-from sampler_service.backends.replica import NotStarted, Replica
+from sampler_service.backends.ray.member import RayMember
+from sampler_service.backends.ray.replica import NotStarted, Replica
+from sampler_service.backends.ray.transport import build_ray_fleet
 from sampler_service.config import ReplicaSettings
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -45,10 +46,12 @@ def test_waves_of_one_loop_turn_share_a_call_and_each_returns_when_done(
     settings = ReplicaSettings(count=1, probe_s=60.0)
 
     async def run() -> None:
-        pool = RayPoolBackend(factory, settings, instance_id=uuid.uuid4().hex[:8])
+        pool = build_ray_fleet(factory, settings, instance_id=uuid.uuid4().hex[:8])
         await pool.start()
+        replica = pool.table.seats[0].member
+        assert isinstance(replica, RayMember)
         try:
-            before = await pool.replica_health(0)
+            before = await replica.replica_health()
 
             # Eight waves asked for in one loop turn: one submit call carries them all.
             waves = [
@@ -64,7 +67,7 @@ def test_waves_of_one_loop_turn_share_a_call_and_each_returns_when_done(
                 assert len(out) == 2 and all(len(c.token_ids) for c in out)
             await _settle()
             assert not held.done()
-            after = await pool.replica_health(0)
+            after = await replica.replica_health()
             assert after["submit_calls"] - before["submit_calls"] == 1
             assert after["submitted_waves"] - before["submitted_waves"] == 8
 

@@ -20,7 +20,7 @@ from safetensors.torch import load, save
 from support import perturbed_file
 from test_cluster import _agreed, _args, _at_version, _greedy
 
-from sampler_service.backends.replica import FAULT_REJECT_WEIGHTS_ENV
+from sampler_service.backends.ray.replica import FAULT_REJECT_WEIGHTS_ENV
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(1500)]
 

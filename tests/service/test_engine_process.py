@@ -17,9 +17,10 @@ import safetensors.torch
 import torch
 from transformers import AutoTokenizer
 
-from sampler_service.backends.base import SamplingParams, WeightsRejected, as_list
+from sampler_service.backends.base import SamplingParams, as_list
 from sampler_service.backends.engine_process import EngineProcess, EngineProcessDied
 from sampler_service.backends.hf import HFBackend
+from sampler_service.weights.types import WeightsRejected
 from sampler_service.weights.vetting import vet_weight_file
 
 pytestmark = pytest.mark.timeout(180)

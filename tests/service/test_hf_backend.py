@@ -20,13 +20,9 @@ from support import perturbed_state
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2ForCausalLM
 
-from sampler_service.backends.base import (
-    Completion,
-    GenerationAborted,
-    SamplingParams,
-    WeightsRejected,
-)
+from sampler_service.backends.base import Completion, GenerationAborted, SamplingParams
 from sampler_service.backends.hf import HFBackend
+from sampler_service.weights.types import WeightsRejected
 from sampler_service.weights.vetting import spec_bytes, vet_weight_file
 from trainer_client.toy.model import build_config
 

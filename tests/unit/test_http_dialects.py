@@ -1,8 +1,8 @@
-"""The HTTP engine backend against SGLang's native API, and headless-Service discovery.
+"""The HTTP engine fleet against SGLang's native API, and headless-Service discovery.
 
 SGLang cannot be installed here, so its server is `fake_engines.FakeSGLang`, a small
 aiohttp app on loopback that answers with the request and response shapes of SGLang's
-http_server.py and io_struct.py; the backend is the real one.
+http_server.py and io_struct.py; the fleet is the real one.
 """
 
 from __future__ import annotations
@@ -15,22 +15,30 @@ from typing import Any
 
 import pytest
 
-from sampler_service.backends.base import SamplingParams, WeightsNotServed
-from sampler_service.backends.engine_service import ServiceName, membership, resolve_service
-from sampler_service.backends.http_dialects import SGLANG
-from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+from sampler_service.backends.base import SamplingParams
+from sampler_service.backends.checkpoint import read_checkpoint
+from sampler_service.backends.http.dialects import SGLANG
+from sampler_service.backends.http.discovery import ServiceName, membership, resolve_service
+from sampler_service.backends.http.member import weight_label
+from sampler_service.backends.http.transport import HTTPPoolSettings, build_http_fleet
 from sampler_service.config import ReplicaSettings
+from sampler_service.fleet.pool import Fleet
+from sampler_service.weights.types import WeightsNotServed
 
 from .fake_engines import FakeSGLang
 
 
-def _backend(toy: Any, tmp_path: Path, **kw: Any) -> HTTPEngineBackend:
+def _backend(toy: Any, tmp_path: Path, **kw: Any) -> Fleet:
     settings = HTTPPoolSettings(
         instance_id="t",
         weights_dir=tmp_path / "w",
         **{"dialect": SGLANG, "replica": ReplicaSettings(probe_s=0.2), **kw},
     )
-    return HTTPEngineBackend(toy.model_dir, settings)
+    return build_http_fleet(toy.model_dir, settings)
+
+
+def label(version: int) -> str:
+    return weight_label("t", version)
 
 
 async def test_sglang_waves_come_back_as_token_ids_and_logprobs(
@@ -41,7 +49,7 @@ async def test_sglang_waves_come_back_as_token_ids_and_logprobs(
     backend = _backend(toy, tmp_path, urls=(f"http://127.0.0.1:{port}",))
     await backend.start()
     try:
-        assert fake.version == backend.label(0)  # a fresh server is labelled v0
+        assert fake.version == label(0)  # a fresh server is labelled v0
         sampling = SamplingParams(
             max_tokens=3, temperature=0.7, top_p=0.9, seed=11, stop=("</a>",), stop_token_ids=(9,)
         )
@@ -76,7 +84,7 @@ async def test_sglang_weight_load_pauses_loads_from_disk_labels_and_continues(
     try:
         weights = tmp_path / "v1.safetensors"
         weights.write_bytes(b"")
-        names = list(backend._required)
+        names = list(read_checkpoint(toy.model_dir).specs)
         for fake in fakes:
             fake.calls.clear()
         await backend.load_weight_files([str(weights)], 1, names)
@@ -91,13 +99,13 @@ async def test_sglang_weight_load_pauses_loads_from_disk_labels_and_continues(
             ]
             model_path = Path(fake.calls[1][1]["model_path"])
             assert [p.resolve() for p in model_path.iterdir()] == [weights.resolve()]
-            assert fake.version == backend.label(1)
+            assert fake.version == label(1)
         # one server refuses the next load: both go back to v1, nothing is committed
         fakes[1].refuse_loads = True
         with pytest.raises(WeightsNotServed, match="not committed"):
             await backend.load_weight_files([str(weights)], 2, names)
         assert backend.policy_version == 1
-        assert [f.version for f in fakes] == [backend.label(1)] * 2
+        assert [f.version for f in fakes] == [label(1)] * 2
         assert [p for p, _ in fakes[0].calls][-3:] == [
             "/update_weights_from_disk",
             "/update_weight_version",
@@ -122,14 +130,14 @@ async def test_a_server_left_paused_by_a_load_is_resumed_before_it_is_routed_to(
     try:
         assert fake.paused is False
         assert [p for p, _ in fake.calls] == ["/update_weight_version", "/continue_generation"]
-        assert [s["state"] for s in backend.servers()] == ["ok"]
+        assert [s["state"] for s in backend.members()] == ["ok"]
         fake.paused, fake.version = True, "someone-else"  # dropped out, then relabelled
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if not fake.paused and fake.version == backend.label(0):
+            if not fake.paused and fake.version == label(0):
                 break
-        assert fake.paused is False and fake.version == backend.label(0)
-        assert [s["state"] for s in backend.servers()] == ["ok"]
+        assert fake.paused is False and fake.version == label(0)
+        assert [s["state"] for s in backend.members()] == ["ok"]
     finally:
         await backend.close()
 
@@ -154,11 +162,11 @@ async def test_a_server_whose_weight_checksums_disagree_is_taken_out_of_routing(
     try:
         weights = tmp_path / "v1.safetensors"
         weights.write_bytes(b"")
-        names = list(backend._required)
+        names = list(read_checkpoint(toy.model_dir).specs)
         fakes[2].checksums = {"model.layers.0.qkv_proj.weight": "0bad"}
         await backend.load_weight_files([str(weights)], 1, names)
         assert backend.policy_version == 1
-        servers = backend.servers()
+        servers = backend.members()
         assert [s["weights_mismatch"] for s in servers] == [False, False, True]
         assert servers[0]["weights_checksum"] == servers[1]["weights_checksum"] is not None
         assert "differ" in servers[2]["error"]
@@ -171,14 +179,14 @@ async def test_a_server_whose_weight_checksums_disagree_is_taken_out_of_routing(
             if [p for p, _ in fakes[2].calls].count("/update_weights_from_disk") >= 2:
                 break
             await asyncio.sleep(0.1)
-        assert backend.servers()[2]["weights_mismatch"]
+        assert backend.members()[2]["weights_mismatch"]
         fakes[2].checksums = dict(fakes[0].checksums)
         for _ in range(50):
-            if not backend.servers()[2]["weights_mismatch"]:
+            if not backend.members()[2]["weights_mismatch"]:
                 break
             await asyncio.sleep(0.1)
-        assert backend.servers()[2]["weights_mismatch"] is False
-        assert backend.servers()[2]["policy_version"] == 1
+        assert backend.members()[2]["weights_mismatch"] is False
+        assert backend.members()[2]["policy_version"] == 1
         # two servers that disagree: neither is trusted, nothing is committed
         await backend.close()
         backend = _backend(
@@ -194,7 +202,7 @@ async def test_a_server_whose_weight_checksums_disagree_is_taken_out_of_routing(
         with pytest.raises(WeightsNotServed, match="checksums disagree"):
             await backend.load_weight_files([str(weights)], 2, names)
         assert backend.policy_version == before
-        assert [s["weights_mismatch"] for s in backend.servers()] == [True, True]
+        assert [s["weights_mismatch"] for s in backend.members()] == [True, True]
     finally:
         await backend.close()
 
@@ -243,11 +251,11 @@ async def test_servers_join_and_leave_with_the_service(
     )
     await backend.start()
     try:
-        assert [s["url"] for s in backend.servers()] == [f"http://127.0.0.1:{port}"]
+        assert [s["url"] for s in backend.members()] == [f"http://127.0.0.1:{port}"]
         second.version = "adaptive-rollout/other/v7"  # started with other weights
         pods.append("127.0.0.2")
         for _ in range(100):
-            states = {s["url"]: s["state"] for s in backend.servers()}
+            states = {s["url"]: s["state"] for s in backend.members()}
             if states.get(f"http://127.0.0.2:{port}") == "ok":
                 break
             await asyncio.sleep(0.05)
@@ -258,13 +266,13 @@ async def test_servers_join_and_leave_with_the_service(
             "/update_weight_version",
         ]
         assert second.calls[0][1]["model_path"] == str(toy.model_dir)
-        assert second.version == backend.label(0)
+        assert second.version == label(0)
         pods.remove("127.0.0.1")
         for _ in range(100):
-            if backend.servers()[0]["state"] == "gone":
+            if backend.members()[0]["state"] == "gone":
                 break
             await asyncio.sleep(0.05)
-        assert [s["state"] for s in backend.servers()] == ["gone", "ok"]
+        assert [s["state"] for s in backend.members()] == ["gone", "ok"]
         first.calls.clear()
         await backend.generate([1, 2], 1, SamplingParams(max_tokens=2))
         assert not first.calls and second.calls[-1][0] == "/generate"
@@ -274,7 +282,7 @@ async def test_servers_join_and_leave_with_the_service(
 
 def test_vllm_generate_answers_carry_their_weight_labels_and_must_add_up() -> None:
     """/inference/v1/generate's tokens-mode choice, as vLLM's protocol.py shapes it."""
-    from sampler_service.backends.http_dialects import VLLM_GENERATE
+    from sampler_service.backends.http.dialects import VLLM_GENERATE
 
     def choice(index: int, ids: list[int], spans: list[tuple[str, int, int]] | None) -> dict:
         return {
@@ -308,7 +316,7 @@ def test_vllm_generate_answers_carry_their_weight_labels_and_must_add_up() -> No
 def test_vllm_completions_answers_take_the_lists_as_parsed_and_check_they_line_up() -> None:
     """/v1/completions' choice with `return_token_ids` and `return_tokens_as_token_ids`,
     as vLLM's protocol shapes it; an abort names vLLM's own id for the request."""
-    from sampler_service.backends.http_dialects import VLLM
+    from sampler_service.backends.http.dialects import VLLM
 
     def choice(index: int, ids: list[int], tokens: list[int]) -> dict:
         return {

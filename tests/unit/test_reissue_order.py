@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from sampler_service.backends.routing import WaveRouter
+from sampler_service.fleet.routing import WaveRouter
 
 CAP = 16
 

@@ -11,8 +11,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sampler_service.backends.base import Backend, Completion, SamplingParams, TensorSpec
-from sampler_service.backends.replica import Replica
+from sampler_service.backends.base import Backend, Completion, SamplingParams
+from sampler_service.backends.ray.replica import Replica
+from sampler_service.weights.types import TensorSpec
 
 WINDOW_S = 0.5
 

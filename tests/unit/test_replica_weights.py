@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sampler_service.backends.replica import fault_rejects
+from sampler_service.backends.ray.replica import fault_rejects
 from sampler_service.cli import add_serve_arguments
 from sampler_service.config import ServeSettings
 from trainer_client.contract.flags import model_from_args

@@ -1,6 +1,6 @@
-"""The wave router shared by the Ray pool and the HTTP engine pool (no engines), the
-`--backend http` flags, and the HTTP pool's rule that only servers carrying the
-committed weight label are handed waves, and its refusal of partial updates."""
+"""The fleet's wave router (no engines), the `--backend http` flags, and the HTTP fleet's
+refusal of partial updates before any server sees them. The rule that only members
+serving the committed version are handed waves is the fleet suite's (test_fleet.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ import argparse
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from sampler_service.backends.base import WeightsRejected
-from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
-from sampler_service.backends.routing import STICKY_SLACK_SAMPLES, WaveRouter, choose
+from sampler_service.backends.http.transport import HTTPPoolSettings, build_http_fleet
 from sampler_service.cli import add_serve_arguments
-from sampler_service.config import ServeSettings
+from sampler_service.config import ReplicaSettings, ServeSettings
+from sampler_service.fleet.routing import STICKY_SLACK_SAMPLES, WaveRouter, choose
+from sampler_service.weights.types import WeightsRejected
 from trainer_client.contract.flags import model_from_args
+
+from .fake_engines import FakeVLLM
 
 
 @dataclass(eq=False)
@@ -79,28 +82,6 @@ async def test_router_keeps_fifo_order_and_reissued_waves_first() -> None:
     assert order == ["again", "fresh"] and router.affinity[3] == 0
 
 
-async def test_only_servers_with_the_committed_label_are_handed_waves(tmp_path: Path) -> None:
-    backend = HTTPEngineBackend(
-        tmp_path,
-        HTTPPoolSettings(
-            urls=("http://127.0.0.1:1", "http://127.0.0.1:2"), instance_id="t", weights_dir=tmp_path
-        ),
-    )
-    fresh, labelled = backend._servers
-    for srv in backend._servers:
-        backend._set_state(srv, "ok")
-    fresh.label, labelled.label = "default", backend.label(0)
-    for key in range(6):
-        assert await backend._router.acquire(key, 4) is labelled
-    labelled.label = backend.label(1)  # weights moved on without it
-    waiting = asyncio.create_task(backend._router.acquire(99, 4))
-    await asyncio.sleep(0)
-    assert not waiting.done()
-    fresh.label = backend.label(0)
-    backend._router.dispatch()
-    assert await asyncio.wait_for(waiting, 1) is fresh
-
-
 def _serve(*flags: str) -> ServeSettings:
     parser = argparse.ArgumentParser(prog="serve")
     add_serve_arguments(parser)
@@ -148,14 +129,23 @@ def test_http_backend_flags(tmp_path: Path) -> None:
             _serve(*bad)
 
 
-async def test_http_pool_refuses_a_partial_update_before_any_server_sees_it(
-    tmp_path: Path,
+async def test_http_fleet_refuses_a_partial_update_before_any_server_sees_it(
+    toy: Any, tmp_path: Path, serve: Any
 ) -> None:
-    backend = HTTPEngineBackend(
-        tmp_path,
-        HTTPPoolSettings(urls=("http://127.0.0.1:1",), instance_id="t", weights_dir=tmp_path),
+    fake = FakeVLLM()
+    settings = HTTPPoolSettings(
+        urls=(f"http://127.0.0.1:{await serve(fake)}",),
+        instance_id="t",
+        weights_dir=tmp_path / "w",
+        replica=ReplicaSettings(probe_s=60.0),
     )
-    backend._required = {"model.norm.weight", "model.embed_tokens.weight"}
-    with pytest.raises(WeightsRejected, match="whole checkpoints"):
-        await backend.load_weight_files(["w.safetensors"], 1, ["model.norm.weight"])
-    assert backend.policy_version == 0 and not list(tmp_path.iterdir())
+    backend = build_http_fleet(toy.model_dir, settings)
+    await backend.start()
+    try:
+        fake.calls.clear()
+        with pytest.raises(WeightsRejected, match="whole checkpoints"):
+            await backend.load_weight_files(["w.safetensors"], 1, ["model.norm.weight"])
+        assert backend.policy_version == 0 and not list((tmp_path / "w").iterdir())
+        assert not fake.calls
+    finally:
+        await backend.close()

@@ -1,5 +1,6 @@
-"""The weights package without an engine: the NCCL rank layout of a pool, an NCCL
-update's vetting, and the front's header-only and streaming vetting of weight files."""
+"""The weights package without an engine: an NCCL update's vetting, and the front's
+header-only and streaming vetting of weight files. (The NCCL group's rank layout over a
+fleet is the fleet suite's, test_fleet.py.)"""
 
 from __future__ import annotations
 
@@ -9,34 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sampler_service.backends.base import TensorSpec, WeightsRejected
-from sampler_service.weights import nccl
 from sampler_service.weights.nccl import NCCLUpdateInfo, vet_update_info
+from sampler_service.weights.types import TensorSpec, WeightsRejected
 from sampler_service.weights.vetting import vet_weight_files_streaming, vet_weight_headers
 
 SPECS = {"a.weight": TensorSpec((4, 2), "F32"), "b.weight": TensorSpec((3,), "BF16")}
-
-
-def test_replica_ranks_follow_the_trainer_in_replica_order() -> None:
-    assert nccl.nccl_rank_offsets([1, 1]) == [1, 2]
-    assert nccl.nccl_rank_offsets([2, 4, 1]) == [1, 3, 7]  # TP 2, TP 4, TP 1
-    with pytest.raises(ValueError):
-        nccl.nccl_rank_offsets([2, 0])
-
-
-def test_each_replica_gets_its_offset_and_the_whole_world() -> None:
-    # What vLLM's trainer engine sends for one engine: rank_offset 1, world = 1 + ranks.
-    sent = {"master_address": "10.0.0.5", "master_port": 29600, "rank_offset": 1}
-    infos = nccl.nccl_replica_init_infos({**sent, "world_size": 7}, [2, 4])
-    assert [i["rank_offset"] for i in infos] == [1, 3]
-    assert all(i["world_size"] == 7 and i["master_port"] == 29600 for i in infos)
-    # Every rank 1..6 is held by exactly one replica worker.
-    ranks = [i["rank_offset"] + w for i, n in zip(infos, [2, 4], strict=True) for w in range(n)]
-    assert sorted(ranks) == list(range(1, 7))
-    with pytest.raises(ValueError, match="world_size 3 does not match"):
-        nccl.nccl_replica_init_infos({**sent, "world_size": 3}, [2, 4])
-    with pytest.raises(ValueError, match="rank_offset must be 1"):
-        nccl.nccl_replica_init_infos({**sent, "world_size": 7, "rank_offset": 2}, [2, 4])
 
 
 def test_vet_update_info() -> None:

@@ -202,9 +202,9 @@ def _http_backend(
     """A second client of server 0 under the fleet's instance, started for the block and
     closed after it: its label is the fleet's committed one, so this client resyncs
     nothing."""
-    from sampler_service.backends.http_engine import HTTPEngineBackend, HTTPPoolSettings
+    from sampler_service.backends.http.transport import HTTPPoolSettings, build_http_fleet
 
-    http = HTTPEngineBackend(
+    http = build_http_fleet(
         toy.model_dir,
         HTTPPoolSettings(
             urls=(fleet.servers[0].url,),
@@ -245,7 +245,7 @@ def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(
     weight_versions spans: a server someone else relabelled is caught by the first wave
     it answers, which is sent again once the server is resynced, never kept."""
     from sampler_service.backends.base import SamplingParams
-    from sampler_service.backends.http_dialects import VLLM_GENERATE
+    from sampler_service.backends.http.dialects import VLLM_GENERATE
     from sampler_service.config import ReplicaSettings
 
     sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
@@ -405,7 +405,7 @@ def test_an_abort_reaches_the_requests_it_names(fleet: Fleet, name: str) -> None
     runs them under ids of its own making, so the dialect's abort body must name those:
     requests sent as the backend sends them are aborted by the bodies it builds."""
     from sampler_service.backends.base import SamplingParams
-    from sampler_service.backends.http_dialects import DIALECTS
+    from sampler_service.backends.http.dialects import DIALECTS
 
     dialect = DIALECTS[name]  # type: ignore[index]
     server = fleet.servers[0]

@@ -17,14 +17,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from sampler_service.backends.base import NCCLDescription, NCCLGroupStale, TensorSpec
+from sampler_service.backends.checkpoint import Checkpoint
 from sampler_service.backends.vllm import VLLMBackend
+from sampler_service.fleet.nccl import replica_init_infos
 from sampler_service.nccl_routes import create_nccl_router
 from sampler_service.store import AsyncStore, Store
 from sampler_service.weights.manager import WeightPlaces, WeightsManager
-from sampler_service.weights.nccl import (
-    nccl_replica_init_infos,
-)
+from sampler_service.weights.types import NCCLDescription, NCCLGroupStale, TensorSpec
 from trainer_client.nccl import (
     NCCLTransferError,
     NCCLWeightSender,
@@ -42,9 +41,7 @@ class StubBackend(VLLMBackend):
         self.calls: list[tuple[str, Any]] = []
         self._version = 0
         self._nccl_ready = True
-
-    def nccl_specs(self) -> tuple[dict[str, TensorSpec], set[str]]:
-        return dict(SPECS), set(SPECS)
+        self._checkpoint = Checkpoint(list(SPECS), dict(SPECS), {}, {})
 
     def nccl_workers(self) -> int:
         return 2
@@ -179,7 +176,7 @@ def test_http_round_versions_and_refusals(tmp_path: Path) -> None:
 
 
 class StubPool:
-    """What the routes ask of a pool of engine replicas (`RayPoolBackend`)."""
+    """What the routes ask of a fleet of engine replicas (`Fleet`)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
@@ -206,7 +203,7 @@ class StubPool:
         )
 
     async def nccl_init(self, init_info: dict[str, Any]) -> None:
-        self.calls.append(("init", nccl_replica_init_infos(init_info, [2, 2])))
+        self.calls.append(("init", replica_init_infos(init_info, [2, 2])))
         self.group = "ok"
 
     async def nccl_update(self, update_info: dict[str, Any], version: int) -> None:

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file, save
 from vllm_suite import REPORT, LoopThread
 
-from sampler_service.backends.base import GenerationAborted, SamplingParams, WeightsRejected
+from sampler_service.backends.base import GenerationAborted, SamplingParams
+from sampler_service.weights.types import WeightsRejected
 from trainer_client.toy import eval_rows
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -299,7 +300,8 @@ def test_failed_nccl_receive_keeps_the_previous_weights(engines: Engines) -> Non
 
     before = engines.run(generate())
     version = engines.vllm.policy_version
-    specs, required = engines.vllm.nccl_specs()
+    described = engines.run(engines.vllm.nccl_describe())
+    specs, required = described.specs, described.required
     names = sorted(required)
     info = {
         "names": names,

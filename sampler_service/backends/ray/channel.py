@@ -14,8 +14,8 @@ another: a wave's result comes back with the first collect after it finished.
 
 Failure: a submit call that fails (the actor is dead, or restarted and not started yet)
 fails the waves it carried; a collect call that fails fails every wave still waiting (its
-actor died, none of them will finish); the pool calls `fail_all` when it detects a
-failure by other means (a hung probe, a restarted process). Every failure starts a new
+actor died, none of them will finish); the fleet's member calls `fail_all` when the
+fleet found a failure by other means (a hung probe, a restarted process). Every failure starts a new
 generation: the collect loop of an earlier one can still deliver results, but its error
 never fails the waves sent since.
 
@@ -39,7 +39,7 @@ from sampler_service.backends.base import Completion, SamplingParams
 COLLECT_POLL_S = 5.0
 
 #: One wave as sent: (call id, prompt token ids, n, sampling).
-Wave = tuple[int, list[int], int, SamplingParams]
+SentWave = tuple[int, list[int], int, SamplingParams]
 #: One finished wave as returned: (call id, ok, completions if ok else the error).
 Finished = tuple[int, bool, Any]
 
@@ -54,18 +54,13 @@ class ReplicaChannel:
         self._ids = itertools.count()
         self._generation = 0
         self._collecting = False
-        self._outbox: list[Wave] = []
+        self._outbox: list[SentWave] = []
         # call id -> (generation it was sent in, the caller's future)
         self._waiting: dict[int, tuple[int, asyncio.Future[list[Completion]]]] = {}
         self._tasks = TaskSet()
 
     async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Completion]:
         loop = asyncio.get_running_loop()
         call_id = next(self._ids)
@@ -83,7 +78,7 @@ class ReplicaChannel:
             self._waiting.pop(call_id, None)
 
     def fail_all(self, error: BaseException) -> None:
-        """Fail every wave waiting (the pool found the replica failed); a new generation."""
+        """Fail every wave waiting (the fleet found the replica failed); a new generation."""
         self._fail_generation(self._generation, error)
 
     async def close(self) -> None:

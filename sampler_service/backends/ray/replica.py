@@ -1,14 +1,15 @@
 """One engine replica: an unchanged backend (hf, vLLM, the simulated engine) in a Ray actor.
 
-The pool (`ray_pool.py`) creates this class as a detached, named Ray actor, so a sampler
-that restarts finds its replicas still warm. The actor holds no scheduling logic: it
-builds its backend from a picklable factory, runs waves concurrently on its event loop
-(so the backend batches them as it does in-process; the pool sends and collects them in
-batched calls, `replica_channel.py`), loads weights, and answers health probes. It imports nothing of Ray itself, so the same class runs in a
-test without a cluster.
+The Ray transport (`transport.py`) creates this class as a detached, named Ray actor, so
+a sampler that restarts finds its replicas still warm. The actor holds no scheduling
+logic: it builds its backend from a picklable factory, runs waves concurrently on its
+event loop (so the backend batches them as it does in-process; its fleet member sends
+and collects them in batched calls, `channel.py`), loads weights, and answers health
+probes. It imports nothing of Ray itself, so the same class runs in a test without a
+cluster.
 
 A Ray restart runs `__init__` again on a fresh process: the new incarnation reports
-`started: False` until the pool calls `start()` and loads the committed weights into it.
+`started: False` until the fleet calls `start()` and loads the committed weights into it.
 
 Orphans exit: a detached replica outlives its sampler on purpose (a restarted one
 re-attaches), but one that has heard from no sampler (no call, no probe) for `orphan_s`
@@ -31,17 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from sampler_service.aio import TaskSet
-from sampler_service.backends.base import (
-    Backend,
-    Completion,
-    NCCLDescription,
-    NCCLUnavailable,
-    SamplingParams,
-    WeightsRejected,
-    packed,
-)
+from sampler_service.backends.base import Backend, Completion, PauseMode, SamplingParams, packed
 from sampler_service.backends.engine_process import picklable
-from sampler_service.backends.replica_channel import Finished, Wave
+from sampler_service.backends.ray.channel import Finished, SentWave
+from sampler_service.weights.types import NCCLDescription, NCCLUnavailable, WeightsRejected
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +83,12 @@ class Replica:
         self._starting: asyncio.Lock | None = None
         self._inflight = 0
         self._generated_tokens = 0
-        # The pool's batched calls: its session, and waves finished but not collected.
+        # The member's batched calls: its session, and waves finished but not collected.
         self._session = ""
         self._finished: list[Finished] = []
         self._has_finished = asyncio.Event()
         self._wave_tasks = TaskSet()
-        self._submit_calls = 0  # with _submitted_waves: how well the pool's batching works
+        self._submit_calls = 0  # with _submitted_waves: how well the batching works
         self._submitted_waves = 0
         # Orphan watch (module docstring): when a sampler last called, and whether an
         # engine load (which may outlast the window) is under way.
@@ -235,7 +229,7 @@ class Replica:
         *,
         affinity_key: str | None = None,
     ) -> list[Completion]:
-        """One wave in one call: for a second driver asking a replica directly (the pool
+        """One wave in one call: for a second driver asking a replica directly (the fleet
         sends its waves through `submit_waves` and `collect_waves`)."""
         engine = self._engine()
         return await self._run(engine, prompt_token_ids, n, sampling)
@@ -252,7 +246,7 @@ class Replica:
         self._generated_tokens += sum(len(c.token_ids) for c in out)
         return [packed(c) for c in out]
 
-    # -- the pool's batched calls (replica_channel.py) -----------------------------------
+    # -- the member's batched calls (channel.py) ------------------------------------------
     def _check_session(self, session: str) -> None:
         if session != self._session:
             raise NotStarted(
@@ -261,7 +255,7 @@ class Replica:
                 else f"replica {self._index} (pid {os.getpid()}) has no engine loaded"
             )
 
-    async def submit_waves(self, session: str, waves: list[Wave]) -> None:
+    async def submit_waves(self, session: str, waves: list[SentWave]) -> None:
         """Start each wave; its result goes to the session's next `collect_waves`."""
         engine = self._engine()
         self._check_session(session)
@@ -343,7 +337,7 @@ class Replica:
         await self.load_weights(tensors, version)
         return time.monotonic() - started
 
-    # -- NCCL weight transfer (vLLM engines; the pool fans the trainer's calls out) -------
+    # -- NCCL weight transfer (vLLM engines; the fleet fans the trainer's calls out) ------
     async def nccl_describe(self) -> NCCLDescription | None:
         """This engine's NCCL ranks, tensors and whether the transfer is configured, or
         None: its engine cannot take weights over NCCL (only the vLLM backend can)."""
@@ -366,6 +360,16 @@ class Replica:
     async def abort_all(self) -> int:
         self._heard()
         return await self._engine().abort_all() if self._backend is not None else 0
+
+    async def pause(self, mode: PauseMode) -> None:
+        await self._engine().pause(mode)
+
+    async def resume(self) -> None:
+        await self._engine().resume()
+
+    async def policy_version(self) -> int:
+        """The version its engine serves (a read, unlike `health`, which generates)."""
+        return self._engine().policy_version
 
     async def health(self) -> dict[str, Any]:
         """The probe: the backend's own health, plus a 1-token generate when idle.

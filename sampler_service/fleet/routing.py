@@ -1,7 +1,7 @@
-"""Wave routing shared by the engine pools (Ray replicas, HTTP servers): bookkeeping only.
+"""The fleet's wave routing: bookkeeping only.
 
 Routing is sticky least-outstanding: load is the samples in flight on an engine, counted
-by the pool, never polled. A prompt's next wave goes back to the engine that ran its last
+by the fleet, never polled. A prompt's next wave goes back to the engine that ran its last
 one (its prefix is cached there) unless that engine's load exceeds the least-loaded one's
 by more than 64 samples and 1.5x. An engine takes at most `max_inflight` samples (a larger
 wave still goes to an idle one); waves wait in one FIFO, a prompt's wave for its own
@@ -12,8 +12,8 @@ wave (behind earlier re-issued ones), and one may take an engine below its cap e
 ends up over it by that wave: a failure costs detection plus about one wave where an
 engine has room, never a wait behind the fresh work that queued meanwhile.
 
-The pool says which engines exist and which are routable now (callbacks), and charges an
-engine when it is handed a wave; the router never talks to an engine.
+The fleet says which engines exist and which are routable now (callbacks), and charges
+an engine when it is handed a wave; the router never talks to an engine.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def affinity(prompt_token_ids: Sequence[int], affinity_key: str | None) -> int:
 
 
 class Target(Protocol):
-    """An engine as the router sees it: its position in the pool and its load."""
+    """An engine as the router sees it: its position in the fleet and its load."""
 
     index: int
     inflight: int

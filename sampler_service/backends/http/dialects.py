@@ -1,4 +1,4 @@
-"""What differs between inference servers the HTTP engine backend drives: paths and
+"""What differs between inference servers driven over HTTP (`--backend http`): paths and
 field names, one small table per server kind.
 
 Everything else (routing, labels, the weight barrier, probes, re-issue) is the same for
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from sampler_service.backends.base import SamplingParams
+from sampler_service.backends.base import PauseMode, SamplingParams
 
 DialectName = Literal["vllm", "vllm-generate", "sglang"]
 
@@ -66,7 +66,10 @@ class Dialect:
     generate: str
     weight_label: str
     set_label: str
+    #: The pause, `{mode}` standing for the mode where the path names it.
     pause: str
+    #: The modes a pause takes (a mode another server kind has raises NotSupported).
+    pause_modes: tuple[PauseMode, ...]
     resume: str
     reload: str
     abort: str
@@ -226,7 +229,8 @@ VLLM = Dialect(
     generate="/v1/completions",
     weight_label="/weight_info",
     set_label="/update_weight_version",
-    pause="/pause?mode=wait",
+    pause="/pause?mode={mode}",
+    pause_modes=("wait", "abort", "keep"),
     resume="/resume",
     reload="/collective_rpc",
     abort="/abort_requests",
@@ -251,6 +255,7 @@ SGLANG = Dialect(
     weight_label="/get_weight_version",
     set_label="/update_weight_version",
     pause="/pause_generation",
+    pause_modes=("wait",),
     resume="/continue_generation",
     reload="/update_weights_from_disk",
     abort="/abort_request",
