@@ -16,7 +16,8 @@ Its other modes misbehave on purpose: `garbage` answers 200 with text that holds
 verdict and no logprobs; `status` answers 500; `notjson` answers 200 with a body that is
 not JSON; `slow` waits `--delay` seconds before grading (a judge past its time-out);
 `--fail-first K` answers the first K requests with 503, then grades. `GET /stats` says
-how many requests and prompts it served, so a test can tell batched requests apart.
+how many requests and prompts it served, so a test can tell batched requests apart, and
+`GET /last` shows the last request (path, Authorization header, body).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class State:
         self.delay_s, self.item_delay_s = delay_s, item_delay_s
         self.fail_first = fail_first
         self.requests = self.prompts = 0
+        #: The last request: its path, Authorization header and body.
+        self.last: dict[str, Any] = {}
         self.lock = threading.Lock()
 
 
@@ -145,10 +148,11 @@ def serve(host: str, port: int, state: State) -> ThreadingHTTPServer:
             self.wfile.write(payload)
 
         def do_GET(self) -> None:
-            if self.path == "/stats":
+            if self.path in ("/stats", "/last"):
                 with state.lock:
                     counts = {"requests": state.requests, "prompts": state.prompts}
-                self._send(200, json.dumps(counts).encode())
+                    shown = counts if self.path == "/stats" else state.last
+                self._send(200, json.dumps(shown).encode())
             else:
                 self._send(200 if self.path == "/health" else 404, b"{}")
 
@@ -156,6 +160,9 @@ def serve(host: str, port: int, state: State) -> ThreadingHTTPServer:
             length = int(self.headers.get("Content-Length") or 0)
             try:
                 body = json.loads(self.rfile.read(length))
+                with state.lock:
+                    key = self.headers.get("Authorization")
+                    state.last = {"path": self.path, "authorization": key, "body": body}
                 status, payload = _reply(state, self.path, body)
             except (ValueError, KeyError, TypeError) as exc:
                 status, payload = 400, json.dumps({"error": repr(exc)}).encode()
