@@ -9,22 +9,25 @@ failed is a failed verdict, never a reward.
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from support import collect, lease, rows_with, write_jsonl
 
 from sampler_service.config import JudgeKnobs, SamplerConfig
 from sampler_service.dataset import PromptRow
 from sampler_service.tally import Tally
-from sampler_service.verifiers import testing_judge
+from sampler_service.verifiers import exact, testing_judge
 from sampler_service.verifiers.judge import Judges
 from sampler_service.verifiers.retry import RetryPolicy, verify_with_retries
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(300)
 
 #: What the scripted judge reads: the response and the reference, one per line.
 TEMPLATE = "question: {prompt}\nresponse: {response}\nanswer: {answer}"
@@ -230,3 +233,91 @@ async def test_the_api_key_the_model_and_the_prompt_go_to_the_judge(judge_server
     await judge.verify_wave("g", chat_row, ["7"])
     body = httpx.get(url + "/last").json()["body"]
     assert body["messages"][-1]["content"].startswith("question: 3+4=\n")
+
+
+# -- a sampler whose rows are graded by a judge ---------------------------------------
+#: A judge config for the toy: the scripted judge reads the response and the answer.
+GRADER = {"api": "completions", "template": TEMPLATE, "batch": 4, "verdict": {"form": "label"}}
+JUDGED = {"rule": "balanced", "k_pos": 1, "k_neg": 1, "n_max": 8, "wave_size": 4, "group_size": 2}
+
+
+def _judged_rows(toy: Any, where: Path, judge: str = "judge:grader") -> Path:
+    return write_jsonl(where / "add2.jsonl", rows_with(toy.data_files[1], verifier=judge))
+
+
+def test_a_sampler_grades_its_rows_with_a_judge(make_server, toy, tmp_path, judge_server) -> None:
+    """Rows naming `judge:grader` are graded by the scripted judge over HTTP: rewards are
+    its verdicts, the rule counts them, /v1/stats and /metrics count its requests, and its
+    knobs are live, each refused with its field when it cannot be served."""
+    url = judge_server()
+    server = make_server(
+        {**JUDGED, "judges": {"grader": GRADER}},
+        data=[_judged_rows(toy, tmp_path)],
+        extra=["--judge-url", f"grader={url}"],
+    )
+    with server.client() as c:
+        groups = collect(c, 6)
+        for g in groups:
+            rewards = [s["reward"] for s in g["samples"]]
+            expected = [exact.verify(s["response_text"], g["answer"]) for s in g["samples"]]
+            assert rewards == expected, g
+            st = g["stats"]
+            assert st["n_pos"] + st["n_neg"] == st["n_generated"] <= 8
+            if g["stop_reason"] == "rule":
+                assert st["n_pos"] >= 1 and st["n_neg"] >= 1
+        stats = c.get("/v1/stats").json()
+        judged = stats["judges"]["grader"]
+        assert judged["verdicts"] > 0 and judged["requests"] < judged["answers"]  # batched
+        assert sum(judged["failures"].values()) == 0 and judged["retries"] == 0
+        assert _served(url)["requests"] >= judged["requests"]
+        metrics = c.get("/metrics").text
+        assert re.search(r'judge_verdicts_total\{judge="grader"\} [1-9]', metrics), metrics
+        assert 'judge_failures_total{cause="timeout",judge="grader"} 0.0' in metrics
+
+        for body, field in (
+            ({"judges": {"other": {}}}, "judges.other"),  # no server for it
+            ({"judges": {"grader": {"template": "{answer}"}}}, "judges.grader.template"),
+            ({"judges": {"grader": {"batch": 0}}}, "judges.grader.batch"),
+            ({"judges": {"grader": {"timeout_s": "30"}}}, "judges.grader.timeout_s"),
+            ({"judges": {"grader": {"verdict": {"form": "yes_prob"}, "api": "classify"}}},
+             "judges.grader"),
+        ):  # fmt: skip
+            r = c.patch("/v1/config", json=body)
+            assert r.status_code == 422, (body, r.text)
+            assert r.json()["error"]["field"] == field, r.json()
+        r = c.patch("/v1/config", json={"judges": {"grader": {"batch": 1, "retries": 0}}})
+        assert r.status_code == 200, r.text
+        assert r.json()["judges"]["grader"]["batch"] == 1
+        assert r.json()["judges"]["grader"]["template"] == TEMPLATE  # merged, not replaced
+
+
+def test_a_judge_that_fails_drops_its_prompts_and_never_yields_a_negative(
+    make_server, toy, tmp_path, judge_server
+) -> None:
+    """A judge that answers 500 to everything: every prompt is asked again, then dropped
+    as verifier_error; no group is emitted, the sampler stays live and says why."""
+    url = judge_server(mode="status")
+    server = make_server(
+        {**JUDGED, "judges": {"grader": {**GRADER, "retries": 1, "backoff_s": 0.01}}},
+        data=[_judged_rows(toy, tmp_path)],
+        extra=["--judge-url", f"grader={url}"],
+    )
+    with server.client() as c:
+        deadline = time.monotonic() + 120
+        while (stats := c.get("/v1/stats").json())["dropped"].get("verifier_error", 0) < 5:
+            assert time.monotonic() < deadline, stats["dropped"]
+            time.sleep(0.2)
+        assert lease(c, 8, wait_s=0.0) == []
+        assert stats["groups_emitted"] == 0 and stats["samples"] == 0
+        judged = stats["judges"]["grader"]
+        assert judged["verdicts"] == 0 and judged["failures"]["status"] > 0
+        assert judged["retries"] > 0
+        assert any(w.startswith("judge grader") for w in c.get("/health").json()["warnings"])
+
+
+def test_a_judge_in_use_needs_a_server_and_knobs_at_start_up(make_server, toy, tmp_path) -> None:
+    data = [_judged_rows(toy, tmp_path)]
+    with pytest.raises(RuntimeError, match="judge 'grader'.*not configured"):
+        make_server(data=data, extra=["--judge-url", "grader=http://127.0.0.1:9"], name="knobs")
+    with pytest.raises(RuntimeError, match="--judge-url grader=URL"):
+        make_server({"judges": {"grader": GRADER}}, data=data, name="url")
