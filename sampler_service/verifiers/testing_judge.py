@@ -168,8 +168,15 @@ def serve(host: str, port: int, state: State) -> ThreadingHTTPServer:
                 status, payload = 400, json.dumps({"error": repr(exc)}).encode()
             self._send(status, payload)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            # A client that gave up (its time-out) resets the connection: not news.
+            if not isinstance(sys.exc_info()[1], ConnectionError):
+                super().handle_error(request, client_address)
+
+    server = Server((host, port), Handler)
     threading.Thread(target=server.serve_forever, name="testing-judge", daemon=True).start()
     return server
 
