@@ -170,6 +170,7 @@ def serve(host: str, port: int, state: State) -> ThreadingHTTPServer:
 
     class Server(ThreadingHTTPServer):
         daemon_threads = True
+        request_queue_size = 1024  # a client opening many connections at once
 
         def handle_error(self, request: Any, client_address: Any) -> None:
             # A client that gave up (its time-out) resets the connection: not news.
