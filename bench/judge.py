@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import common
 from bench.common import child_env, environment, fmt, table, write_json
 from bench.overhead import VLLM_PYTHON
 from sampler_service.backends.base import Completion
@@ -166,15 +167,12 @@ def results_table(data: dict[str, Any]) -> str:
 
 
 def run_line(data: dict[str, Any]) -> str:
-    s, env = data["settings"], data["environment"]
-    minutes, seconds = divmod(round(data["real_s"]), 60)
-    return (
-        f"{'Quick' if s['quick'] else 'Full'} run ({minutes} min {seconds} s, {env['cpus']} "
-        f"CPUs, {env['time']}): {s['pairs']} pairs per judge, windows of {fmt(s['warmup_s'])} s "
-        f"warm-up + {fmt(s['measure_s'])} s measured, {s['prompts']} waves of {s['wave']} "
-        "answers in flight; load average at the end (1, 5, 15 min) "
-        + ", ".join(f"{x:.1f}" for x in data["load_average"])
-        + ".\n"
+    s = data["settings"]
+    return common.run_line(
+        data,
+        f"{s['pairs']} pairs per judge, windows of {fmt(s['warmup_s'])} s warm-up + "
+        f"{fmt(s['measure_s'])} s measured, {s['prompts']} waves of {s['wave']} answers in "
+        "flight",
     )
 
 
