@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -77,12 +78,11 @@ def _verifier(
             return await verify_with_retries(
                 once, len(texts), lambda: program, tally.verifier_retried
             )
-        name = judge
         return await verify_with_retries(
             once,
             len(texts),
-            lambda: RetryPolicy(judges.knobs(name).retries, judges.knobs(name).backoff_s),
-            lambda answers: tally.judge_retried(name, answers),
+            functools.partial(judges.retry_policy, judge),
+            functools.partial(tally.judge_retried, judge),
         )
 
     return verify

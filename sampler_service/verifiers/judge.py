@@ -36,6 +36,7 @@ from sampler_service.dataset import PromptRow
 from sampler_service.tally import JudgeCall, Tally
 from sampler_service.verifiers import verdicts
 from sampler_service.verifiers.base import Verdict, VerdictKind
+from sampler_service.verifiers.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,11 @@ class Judges:
     def knobs(self, name: str) -> JudgeKnobs:
         """The judge's live knobs (the config always holds every judge a row names)."""
         return self._knobs()[name]
+
+    def retry_policy(self, name: str) -> RetryPolicy:
+        """How the judge's failed judgements are asked again, from its live knobs."""
+        knobs = self.knobs(name)
+        return RetryPolicy(knobs.retries, knobs.backoff_s)
 
     async def verify_wave(
         self, name: str, row: PromptRow, responses: Sequence[str]

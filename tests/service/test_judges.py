@@ -25,7 +25,7 @@ from sampler_service.dataset import PromptRow
 from sampler_service.tally import Tally
 from sampler_service.verifiers import exact, testing_judge
 from sampler_service.verifiers.judge import Judges
-from sampler_service.verifiers.retry import RetryPolicy, verify_with_retries
+from sampler_service.verifiers.retry import verify_with_retries
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -192,8 +192,7 @@ async def test_failures_are_asked_again_with_backoff_until_the_judge_answers(
     for retries, kinds in ((2, ["error"] * 4), (3, ["ok"] * 4)):
         url = judge_server(fail_first=3)
         judge, tally = judges(url, api="completions", retries=retries, backoff_s=0.05)
-        knobs = judge.knobs("g")
-        policy = RetryPolicy(knobs.retries, knobs.backoff_s)
+        policy = judge.retry_policy("g")
         retried: list[int] = []
 
         async def once(indices: Any, judge: Judges = judge) -> list:
