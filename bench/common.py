@@ -198,6 +198,18 @@ def table(
     return "\n".join(lines)
 
 
+def run_line(data: dict[str, Any], detail: str) -> str:
+    """A result's first line: its mode, wall time, CPUs and date, `detail`, and the load
+    average at its end (a shared machine's load moves absolute rates, not ratios)."""
+    s, env = data["settings"], data["environment"]
+    minutes, seconds = divmod(round(data["real_s"]), 60)
+    load = ", ".join(f"{x:.1f}" for x in data["load_average"])
+    return (
+        f"{'Quick' if s['quick'] else 'Full'} run ({minutes} min {seconds} s, {env['cpus']} "
+        f"CPUs, {env['time']}): {detail}; load average at the end (1, 5, 15 min) {load}.\n"
+    )
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     import numpy as np
 

@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import common
 from bench.common import ROOT, child_env, fmt, grpo, table, tree_cpu_s, write_json
 from bench.overhead import VLLM_PYTHON
 from bench.scaleout import Timed
@@ -368,15 +369,12 @@ def targets_table(data: dict[str, Any]) -> str:
 
 
 def run_line(data: dict[str, Any]) -> str:
-    s, env = data["settings"], data["environment"]
-    minutes, seconds = divmod(round(data["real_s"]), 60)
-    return (
-        f"{'Quick' if s['quick'] else 'Full'} run ({minutes} min {seconds} s, {env['cpus']} "
-        f"CPUs, {env['time']}): {s['pairs']} pairs per answer kind, windows of "
-        f"{fmt(s['warmup_s'])} s warm-up + {fmt(s['measure_s'])} s measured, n = {s['n']}, "
-        f"long answers of {s['max_tokens']} tokens; load average at the end (1, 5, 15 min) "
-        + ", ".join(f"{x:.1f}" for x in data["load_average"])
-        + ".\n"
+    s = data["settings"]
+    return common.run_line(
+        data,
+        f"{s['pairs']} pairs per answer kind, windows of {fmt(s['warmup_s'])} s warm-up + "
+        f"{fmt(s['measure_s'])} s measured, n = {s['n']}, long answers of {s['max_tokens']} "
+        "tokens",
     )
 
 

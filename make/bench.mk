@@ -3,7 +3,8 @@
 #   make bench                   every benchmark in its quick mode (each < 10 minutes on 2 cores)
 #   make bench BENCH_ARGS=       the full runs (more batches, seeds and repeats)
 #   make bench-step | bench-sim | bench-overhead | bench-stream | bench-learning |
-#   bench-scaleout | bench-soak | bench-front | bench-episodes | bench-http-hop    one of them
+#   bench-scaleout | bench-soak | bench-front | bench-episodes | bench-http-hop |
+#   bench-judge                  one of them
 #   make bench-render            rewrite the tables of BENCHMARKS.md and bench/notes/*.md
 #                                from bench/results/*.json
 #
@@ -11,7 +12,7 @@
 # side by side in one run; on a shared machine, rerun before comparing across runs.
 BENCH_ARGS ?= --quick
 
-BENCHES := step sim overhead stream learning scaleout soak front episodes http-hop
+BENCHES := step sim overhead stream learning scaleout soak front episodes http-hop judge
 
 .PHONY: bench $(BENCHES:%=bench-%) bench-render
 
@@ -27,6 +28,8 @@ $(BENCHES:%=bench-%): bench-%: venv
 
 # The HTTP hop against the in-process vLLM backend: both run in .venv-vllm.
 bench-http-hop: venv-vllm
+# The judge bench's `vllm` judge is the toy under vllm serve, from .venv-vllm.
+bench-judge: venv-vllm
 
 bench-render: venv
 	$(BIN)/python -m bench.render

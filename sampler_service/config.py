@@ -22,14 +22,17 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StringConstraints,
     ValidationError,
     create_model,
+    field_validator,
     model_serializer,
     model_validator,
 )
 from pydantic.fields import FieldInfo
 
 from sampler_service.backends.http.discovery import ServiceName
+from sampler_service.verifiers.verdicts import pattern_error, template_error
 from strategies import admission, mixing, reweighting, selection, stopping
 from strategies.allocation import ALLOCATIONS, AllocationPolicy
 from strategies.estimator import Estimator, EstKnobs
@@ -156,6 +159,182 @@ class ReplayKnobs(_Live):
 
 
 Reweighting = reweighting.SampleReweighting | reweighting.TokenReweighting
+
+#: A judge's name, as rows and --verifier name it (`judge:NAME`) and --judge-url gives it.
+JudgeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+JUDGE_PREFIX = "judge:"
+
+
+def _checked_pattern(pattern: str | None) -> str | None:
+    if pattern is not None and (error := pattern_error(pattern)):
+        raise ValueError(error)
+    return pattern
+
+
+class ScoreVerdict(_Live):
+    """The judge gives a number on a scale; the reward is its place on that scale."""
+
+    form: Literal["score"] = "score"
+    pattern: str | None = Field(
+        None,
+        max_length=1000,
+        description="a regular expression whose group (or whole match) is the score in the "
+        "judge's text; null: the last number in the text",
+    )
+    low: float = Field(0.0, ge=-1e12, le=1e12, description="the scale's bottom: reward 0")
+    high: float = Field(1.0, ge=-1e12, le=1e12, description="the scale's top: reward 1")
+    sigmoid: bool = Field(
+        False,
+        description="apply the logistic function first (a reward model's raw logit); the "
+        "scale applies to the result",
+    )
+    index: int = Field(
+        0, ge=0, le=1_000_000, description="api classify: the class whose probability is the score"
+    )
+
+    _pattern = field_validator("pattern")(_checked_pattern)
+
+    @model_validator(mode="after")
+    def _scale(self) -> ScoreVerdict:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low:g}) must be below high ({self.high:g})")
+        return self
+
+
+class LabelVerdict(_Live):
+    """The judge names a label; each label has its reward."""
+
+    form: Literal["label"] = "label"
+    labels: dict[Annotated[str, StringConstraints(min_length=1, max_length=200)], float] = Field(
+        default_factory=lambda: {"yes": 1.0, "no": 0.0},
+        min_length=1,
+        max_length=100,
+        description="label -> reward in [0, 1]; matched as a whole word, whatever its case",
+    )
+    pattern: str | None = Field(
+        None,
+        max_length=1000,
+        description="a regular expression whose group (or whole match) is the label; null: "
+        "the last label in the judge's text",
+    )
+
+    _pattern = field_validator("pattern")(_checked_pattern)
+
+    @field_validator("labels")
+    @classmethod
+    def _rewards(cls, labels: dict[str, float]) -> dict[str, float]:
+        seen: set[str] = set()
+        for label, reward in labels.items():
+            key = label.strip().casefold()
+            if not key:
+                raise ValueError("a label must not be blank")
+            if key in seen:
+                raise ValueError(f"label {label!r} is given twice (labels ignore case and space)")
+            seen.add(key)
+            if not 0.0 <= reward <= 1.0:
+                raise ValueError(f"label {label!r}: reward {reward:g} is not in [0, 1]")
+        return labels
+
+
+class YesProbVerdict(_Live):
+    """The reward is the judge's probability of answering `yes` (its first token's
+    logprobs), against `no` when one is given."""
+
+    form: Literal["yes_prob"] = "yes_prob"
+    yes: str = Field("yes", min_length=1, max_length=200, description="the token that says yes")
+    no: str | None = Field(
+        "no",
+        max_length=200,
+        description="the token that says no: the reward is P(yes) / (P(yes) + P(no)); null: P(yes)",
+    )
+    top_logprobs: int = Field(
+        20, ge=1, le=1000, description="first-token candidates asked for (OpenAI allows 20)"
+    )
+
+
+JudgeVerdict = Annotated[ScoreVerdict | LabelVerdict | YesProbVerdict, Field(discriminator="form")]
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "Grade a response to a question against the reference answer.\n\n"
+    "Question:\n{prompt}\n\nReference answer:\n{answer}\n\nResponse:\n{response}\n\n"
+    "Is the response correct? Reply with one word: yes or no."
+)
+
+
+class JudgeKnobs(_Live):
+    """A model that grades answers over HTTP (`sampler_service.verifiers.judge`). Its
+    server's URL and key are start-up settings (`--judge-url`, `--judge-api-key`)."""
+
+    api: Literal["chat", "completions", "classify"] = Field(
+        "chat",
+        description="chat: /v1/chat/completions, one answer per request; completions: "
+        "/v1/completions, `batch` answers per request as a prompt list; classify: vLLM's "
+        "/classify (a reward or classification model), `batch` answers per request",
+    )
+    model: str | None = Field(
+        None, max_length=1000, description="the model name sent; null: the server's own"
+    )
+    system: str | None = Field(
+        None, max_length=100_000, description="api chat: a system message before the prompt"
+    )
+    template: str = Field(
+        DEFAULT_JUDGE_TEMPLATE,
+        min_length=1,
+        max_length=100_000,
+        description="the judge's prompt, with {prompt}, {response} and {answer} (the row's "
+        "prompt, the answer to grade, the reference answer); {{ and }} are literal braces",
+    )
+    verdict: JudgeVerdict = Field(
+        default_factory=LabelVerdict,
+        description="how the reply is read: score (a number on a scale), label (a label's "
+        "reward) or yes_prob (P(yes) from the first token's logprobs)",
+    )
+    max_tokens: int = Field(
+        16, ge=1, le=100_000, description="tokens the judge may write (yes_prob asks for 1)"
+    )
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="the judge's temperature")
+    batch: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="api completions and classify: answers per request (1: a request per answer)",
+    )
+    concurrency: int = Field(
+        16, ge=1, le=4096, description="requests in flight to the judge at once"
+    )
+    timeout_s: float = Field(
+        60.0, gt=0.0, le=3600.0, description="a request's time limit, from send to last byte"
+    )
+    retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="times a failed judgement (an error, a time-out, a reply with no verdict) "
+        "is asked again before its prompt is dropped as verifier_error",
+    )
+    backoff_s: float = Field(
+        0.5,
+        ge=0.0,
+        le=60.0,
+        description="wait before the first retry; doubled for each next one (at most 60 s), "
+        "each drawn between half and all of it",
+    )
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, template: str) -> str:
+        if error := template_error(template):
+            raise ValueError(error)
+        return template
+
+    @model_validator(mode="after")
+    def _api_reads_verdict(self) -> JudgeKnobs:
+        if self.api == "classify" and self.verdict.form == "yes_prob":
+            raise ValueError(
+                "api classify returns class probabilities, not token logprobs: use verdict "
+                "form score (a class's probability) or label (the predicted class)"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -297,6 +476,13 @@ class SamplerConfig(_Live):
         default_factory=list,
         max_length=1000,
         description="config patches the sampler applies itself as training progresses",
+    )
+    judges: dict[JudgeName, JudgeKnobs] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="models that grade answers over HTTP, by name: a row's verifier (or "
+        "--verifier) `judge:NAME` asks the judge NAME, whose server is the start-up flag "
+        "--judge-url NAME=URL",
     )
 
     def build_rule(self, estimator: Any = None) -> stopping.StoppingRule:
@@ -470,6 +656,28 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
     _check_schedule(cfg, domains)
 
 
+def check_judges(cfg: SamplerConfig, served: Iterable[str], used: dict[str, str]) -> None:
+    """Every judge of the config has a server, and every judge in use is in the config.
+
+    `served`: the judges given a URL at start-up (--judge-url); `used`: each judge a row
+    or --verifier names (`judge:NAME`), with who names it first.
+    """
+    served = set(served)
+    for name in cfg.judges:
+        if name not in served:
+            raise ConfigError(
+                f"judges.{name}: no server for this judge; start the sampler with "
+                f"--judge-url {name}=URL",
+                f"judges.{name}",
+            )
+    for name, user in used.items():
+        if name not in cfg.judges:
+            raise ConfigError(
+                f"judges: judge {name!r}, used by {user}, is not configured (set judges.{name})",
+                "judges",
+            )
+
+
 def check_context(cfg: SamplerConfig, context_length: int | None) -> None:
     """max_tokens beyond the model's context could never be generated."""
     if context_length is not None and cfg.max_tokens > context_length:
@@ -551,11 +759,16 @@ def parse_patch(body: Any) -> tuple[dict[str, Any], int | None]:
     return changes, changes.pop("config_version", None)
 
 
+_WHOLE = frozenset({"params", "verdict"})
+
+
 def merge_patch(current: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """JSON merge patch: nested objects merge, lists and scalars replace."""
+    """JSON merge patch: nested objects merge, lists and scalars replace. A policy's
+    `params` and a judge's `verdict` are replaced whole: their keys depend on the name or
+    form beside them, so keys of the old one must not linger in the new."""
     merged = copy.deepcopy(current)
     for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key != "params":
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in _WHOLE:
             merged[key] = merge_patch(merged[key], value)
         else:
             merged[key] = copy.deepcopy(value)
@@ -659,8 +872,33 @@ class ServeSettings(_Strict):
         "exact",
         description="default verifier for rows without one: exact | math | "
         "python:module:function (python: specs import with the working directory on "
-        "sys.path, as under python -m)",
+        "sys.path, as under python -m) | judge:NAME (a model over HTTP: --judge-url)",
     )
+    judge_url: dict[JudgeName, str] = Field(
+        default_factory=dict,
+        description="NAME=URL: the judge NAME (a verifier judge:NAME, its knobs the live "
+        "config's judges.NAME) is the server at URL, `vllm serve` or any OpenAI-compatible "
+        "server, given as its base (http://host:port, no /v1); repeatable",
+        json_schema_extra={"cli_flag": "judge-url"},
+    )
+    judge_api_key: str | None = Field(
+        default_factory=lambda: os.environ.get("ADAPTIVE_ROLLOUT_JUDGE_API_KEY") or None,
+        description="sent to every judge as 'Authorization: Bearer KEY' (vllm serve "
+        "--api-key; default: env ADAPTIVE_ROLLOUT_JUDGE_API_KEY)",
+        repr=False,
+    )
+
+    @field_validator("judge_url")
+    @classmethod
+    def _judge_urls(cls, urls: dict[str, str]) -> dict[str, str]:
+        for name, url in urls.items():
+            parsed = urlsplit(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ValueError(f"judge_url {name}={url!r} must be http(s)://HOST[:PORT]")
+            if parsed.query or parsed.fragment:
+                raise ValueError(f"judge_url {name}={url!r} must be a base URL, no query")
+        return urls
+
     env: str | None = Field(
         None,
         description="default environment for rows without one (their prompts are answered "
@@ -793,6 +1031,14 @@ class ServeSettings(_Strict):
     )
     heartbeat_s: float = Field(5.0, gt=0.0, description="stream heartbeat interval")
     verifier_timeout_s: float = Field(10.0, gt=0.0, description="time limit per verification")
+    verifier_retries: int = Field(
+        1,
+        ge=0,
+        le=10,
+        description="times a failed verification (an exception, a value not in [0, 1], a "
+        "crash or a time-out) is asked again before its prompt is dropped as verifier_error; "
+        "a failure is never a negative (judges have their own: judges.NAME.retries)",
+    )
     verifier_workers: int | None = Field(
         None,
         ge=1,

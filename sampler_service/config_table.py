@@ -102,20 +102,41 @@ def _optional_model(field: FieldInfo) -> type[BaseModel] | None:
     return None
 
 
-def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
+def _models(field: FieldInfo) -> list[type[BaseModel]]:
+    """The models a knob holds: those of a union of models (a tagged one), or a dict's."""
+    annotation = field.annotation
+    if typing.get_origin(annotation) is dict:
+        annotation = typing.get_args(annotation)[1]
+    members = typing.get_args(annotation) or (annotation,)
+    return [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+
+
+def _rows(model: type[BaseModel], prefix: str = "", form: str = "") -> list[str]:
     rows = []
     for name, field in model.model_fields.items():
+        if form and name == "form":  # the tag: named in each of the form's rows
+            continue
         default = _default(field)
+        models = _models(field)
+        if len(models) > 1:  # one of several forms: each form's knobs, under its name
+            meaning = (field.description or "").replace("|", "\\|")
+            rows.append(f"| `{prefix}{name}` | {_value(default)} | {meaning} |")
+            for member in models:
+                tag = _default(member.model_fields["form"])
+                rows.extend(_rows(member, f"{prefix}{name}.", f"form `{tag}`: "))
+            continue
         if isinstance(default, BaseModel) and name not in POLICY_FAMILIES:
             rows.extend(_rows(type(default), prefix=f"{prefix}{name}."))
             continue
-        meaning = (field.description or "").replace("|", "\\|")
+        meaning = form + (field.description or "").replace("|", "\\|")
         if name in POLICY_FAMILIES:
             meaning += f'; as `{{"name", "params"}}`: {_policies(name)}'
         rows.append(f"| `{prefix}{name}` | {_value(default)}{_bounds(field)} | {meaning} |")
         settings = _optional_model(field) if default is None else None
         if settings is not None and name not in POLICY_FAMILIES:
             rows.extend(_rows(settings, prefix=f"{prefix}{name}."))  # once it is set
+        if typing.get_origin(field.annotation) is dict and models:  # each entry, by its key
+            rows.extend(_rows(models[0], prefix=f"{prefix}{name}.NAME."))
     return rows
 
 

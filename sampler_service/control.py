@@ -84,6 +84,9 @@ class Control:
     trained_groups: int
     #: Steps of the live schedule already applied (or skipped); they never run again.
     schedule_applied: int
+    #: Checks a config against what the sampler was started with (its judges' servers,
+    #: the judges its data names); a ConfigError names the knob.
+    check_started: Callable[[SamplerConfig], None]
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
 
     def get_config(self) -> dict[str, Any]:
@@ -110,6 +113,7 @@ class Control:
             try:
                 cfg = validate_config(merged)
                 check_consistency(cfg, self.domains)
+                self.check_started(cfg)
                 if "max_tokens" in patch:
                     check_context(cfg, self.context_length)
             except ConfigError as exc:
@@ -181,6 +185,7 @@ class Control:
                 detail = {"step": i, "at": {kind: threshold}}
                 try:
                     new = apply_step(cfg.model_dump(mode="json"), step.set, self.domains)
+                    self.check_started(new)
                 except ConfigError as exc:
                     record = {
                         "config": cfg.model_dump(mode="json"),

@@ -187,7 +187,6 @@ def build_group(
             reward=float(rewards[i]),
             finish_reason=c.finish_reason,
             policy_version=c.policy_version,
-            verifier_error=verdicts[i].error if i < n_gen else None,
             advantage=float(a),
             loss_mask=cast(list[int] | None, c.loss_mask),
             num_turns=c.num_turns,

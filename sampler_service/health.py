@@ -10,6 +10,7 @@ from typing import Any
 from sampler_service.backends.base import Backend
 from sampler_service.config import ServeSettings
 from sampler_service.scheduler import Scheduler
+from sampler_service.verifiers.judge import Judges
 from sampler_service.verifiers.pool import VerifierPool
 from trainer_client.contract.protocol import Health
 
@@ -40,6 +41,7 @@ class ServiceHealth:
     backend: Backend
     scheduler: Scheduler
     verifiers: VerifierPool
+    judges: Judges
     ready: bool = field(default=False, init=False)
 
     def engine_error(self) -> str | None:
@@ -64,11 +66,16 @@ class ServiceHealth:
         return self.backend.health().detail.get("replicas")
 
     def warnings(self) -> list[str]:
-        """Verifier specs failing or cut off, and an engine failing most of its calls."""
+        """Verifier specs failing or cut off, judges failing, and an engine failing most of
+        its calls."""
         if not self.ready:
             return []
         engine = self.scheduler.engine_warning()
-        return [*self.verifiers.warnings(), *([engine] if engine else [])]
+        return [
+            *self.verifiers.warnings(),
+            *self.judges.warnings(),
+            *([engine] if engine else []),
+        ]
 
     def health(self) -> Health:
         if not self.ready:

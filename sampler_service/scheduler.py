@@ -44,7 +44,8 @@ from trainer_client.contract.protocol import Group
 log = logging.getLogger(__name__)
 
 #: Scores a wave's answers to one prompt together (one hand-off to a verifier pool per
-#: wave, not per answer): a verdict per answer, in order.
+#: wave, not per answer): a verdict per answer, in order. A failed verification is a
+#: verdict of a kind other than `ok` (after whatever retries the function makes itself).
 VerifyFn = Callable[[PromptRow, Sequence[Completion]], Awaitable[list[Verdict]]]
 
 #: Attempts at a wave whose engine call fails before the prompt is given up.
@@ -348,8 +349,10 @@ class Scheduler:
         """Generate and verify one wave; why the prompt must be dropped, or None.
 
         "engine_error": the engine kept failing. "verifier_unavailable": the prompt's
-        verifier is refusing calls after too many time-outs; its answers are not scored 0
-        (that would emit a wrong group), the prompt is dropped instead.
+        verifier is refusing calls after too many time-outs. "verifier_error": a
+        verification still failed after its retries. A failed verification says nothing
+        about its answer: scoring it 0 would count a negative that never was, so no answer
+        of the wave counts and the prompt is dropped instead.
         """
         started = self.clock()
         answers: tuple[list[Completion], EpisodeCost | None] | None = None
@@ -382,8 +385,10 @@ class Scheduler:
             verdicts = await self._score(run.row, completions)
             if any(v.kind == "unavailable" for v in verdicts):
                 failed = "verifier_unavailable"
+            elif any(v.kind != "ok" for v in verdicts):
+                failed = "verifier_error"
         if failed is not None:  # no answer counts; what episodes cost was still spent
-            self.tally.wave(WaveOutcome(run.row.domain, 0, 0, 0, 0, None, episodes))
+            self.tally.wave(WaveOutcome(run.row.domain, 0, 0, 0, None, episodes))
             return failed
         self.tally.wave(self._counted(run, completions, verdicts, started, episodes))
         return None
@@ -398,19 +403,18 @@ class Scheduler:
     ) -> WaveOutcome:
         """Add a verified wave to its prompt; the wave's outcome, for the tally."""
         threshold = run.plan.cfg.positive_threshold
-        n_pos = errors = tokens = 0
+        n_pos = tokens = 0
         for completion, verdict in zip(completions, verdicts, strict=True):
             positive = verdict.reward > threshold
             run.outcomes.append(positive)
             n_pos += positive
-            errors += verdict.error is not None
             tokens += len(completion.token_ids)
         run.completions.extend(completions)
         run.verdicts.extend(verdicts)
         run.n_pos += n_pos
         run.n_neg += len(verdicts) - n_pos
         return WaveOutcome(
-            run.row.domain, len(verdicts), n_pos, errors, tokens, self.clock() - started, episodes
+            run.row.domain, len(verdicts), n_pos, tokens, self.clock() - started, episodes
         )
 
     async def _answers(self, run: PromptRun, n: int) -> tuple[list[Completion], EpisodeCost | None]:

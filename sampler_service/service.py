@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from sampler_service import episodes
 from sampler_service.aio import TaskSet
 from sampler_service.backends.base import Backend, Completion
 from sampler_service.backends.factory import build_backend
-from sampler_service.config import SamplerConfig, ServeSettings
+from sampler_service.config import JUDGE_PREFIX, SamplerConfig, ServeSettings
 from sampler_service.consumers import ConsumerSteps
 from sampler_service.control import Control, EventLog
 from sampler_service.dataset import PromptRow
@@ -36,24 +37,53 @@ from sampler_service.stats import Stats
 from sampler_service.store import ACKED_KEY, AsyncStore
 from sampler_service.tally import Tally
 from sampler_service.verifiers.base import Verdict
+from sampler_service.verifiers.judge import Judges
 from sampler_service.verifiers.pool import VerifierPool
+from sampler_service.verifiers.retry import RetryPolicy, verify_with_retries
 from sampler_service.weights.manager import WeightPlaces, WeightsManager
 from trainer_client.contract.protocol import AckResponse
 from trainer_client.contract.wire import unpack_group
 
 log = logging.getLogger(__name__)
 
+#: The wait before a program verifier's first retry (doubled for each next one): a
+#: crashed or hung worker has been replaced by then.
+_PROGRAM_BACKOFF_S = 0.2
 
-def _verifier(verifiers: VerifierPool, default: str, tally: Tally) -> VerifyFn:
-    """The scheduler's verify call: the row's verifier (else `default`) on a wave's answers."""
+
+def _verifier(
+    verifiers: VerifierPool, judges: Judges, settings: ServeSettings, tally: Tally
+) -> VerifyFn:
+    """The scheduler's verify call: the row's verifier (else --verifier) on a wave's
+    answers, a program in the pool or a judge over HTTP, its failures asked again
+    (`retry`): what it returns still failed after every retry."""
+    program = RetryPolicy(settings.verifier_retries, _PROGRAM_BACKOFF_S)
 
     async def verify(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
-        spec = row.verifier or default
+        spec = row.verifier or settings.verifier
         texts = [c.verified_text for c in completions]
-        verdicts = await verifiers.verify_wave(spec, texts, row.answer, row.metadata)
-        for verdict in verdicts:
-            tally.verified(verdict.kind, verdict.seconds)
-        return verdicts
+        judge = spec.removeprefix(JUDGE_PREFIX) if spec.startswith(JUDGE_PREFIX) else None
+
+        async def once(indices: Sequence[int]) -> list[Verdict]:
+            chosen = [texts[i] for i in indices]
+            if judge is None:
+                verdicts = await verifiers.verify_wave(spec, chosen, row.answer, row.metadata)
+            else:
+                verdicts = await judges.verify_wave(judge, row, chosen)
+            for verdict in verdicts:
+                tally.verified(verdict.kind, verdict.seconds)
+            return verdicts
+
+        if judge is None:
+            return await verify_with_retries(
+                once, len(texts), lambda: program, tally.verifier_retried
+            )
+        return await verify_with_retries(
+            once,
+            len(texts),
+            functools.partial(judges.retry_policy, judge),
+            functools.partial(tally.judge_retried, judge),
+        )
 
     return verify
 
@@ -83,6 +113,7 @@ class SamplerService:
     outbox: Outbox
     sink: StoreSink
     verifiers: VerifierPool
+    judges: Judges
     backend: Backend
     scheduler: Scheduler
     health: ServiceHealth
@@ -129,9 +160,11 @@ class SamplerService:
         loop = asyncio.get_running_loop()
         tokenizer = await loop.run_in_executor(None, lambda: p.tokenize.tokenizer)
         live = LiveConfig(p.config, p.config_version, dataset.domains, dataset.prompt_ids())
-        tally = Tally(dataset.domains, time.monotonic)
+        tally = Tally(dataset.domains, time.monotonic, judges=s.judge_url)
         verifiers = VerifierPool(max_workers=s.verifier_pool_size, timeout_s=s.verifier_timeout_s)
         undo.callback(verifiers.close)
+        judges = Judges(s.judge_url, s.judge_api_key, lambda: live.config.judges, tally)
+        undo.push_async_callback(judges.close)
         await check_verifiers(verifiers, dataset, s.verifier)
         events = EventLog(store)
         backend = engine or build_backend(s, tokenizer, metrics, events.replica_changed)
@@ -141,7 +174,7 @@ class SamplerService:
         scheduler = Scheduler(
             backend=backend,
             dataset=dataset,
-            verify=_verifier(verifiers, s.verifier, tally),
+            verify=_verifier(verifiers, judges, s, tally),
             sink=sink,
             live=live,
             consumer_step=lambda: consumers.step,
@@ -157,7 +190,7 @@ class SamplerService:
             policy_version=lambda: backend.policy_version,
             config_version=lambda: live.version,
         )
-        health = ServiceHealth(s, p.started_at, backend, scheduler, verifiers)
+        health = ServiceHealth(s, p.started_at, backend, scheduler, verifiers, judges)
         delivery = Delivery(
             outbox,
             scheduler,
@@ -181,6 +214,7 @@ class SamplerService:
             delivery.config_changed,
             int(await store.call(store.sync.get, ACKED_KEY, 0)),
             p.schedule_applied,
+            p.check_judges,
         )
         weights = WeightsManager(
             backend,
@@ -223,6 +257,7 @@ class SamplerService:
             outbox,
             sink,
             verifiers,
+            judges,
             backend,
             scheduler,
             health,
@@ -260,6 +295,7 @@ class SamplerService:
         await self.scheduler.stop()
         await self.store.call(self.store.sync.put, self.scheduler.saved_state())
         self.verifiers.close()
+        await self.judges.close()
         await self.backend.close()
         stored = await self.store.call(self.store.sync.count)
         self.shutdown_summary = (

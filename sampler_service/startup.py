@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,13 @@ import orjson
 
 from sampler_service import episodes
 from sampler_service.config import (
+    JUDGE_PREFIX,
     ConfigError,
     SamplerConfig,
     ServeSettings,
     check_consistency,
     check_context,
+    check_judges,
     overridden_by_saved,
     validate_config,
 )
@@ -33,6 +35,9 @@ from sampler_service.store import AsyncStore, Store
 from sampler_service.verifiers.pool import VerifierPool, resolve_error
 
 log = logging.getLogger(__name__)
+
+#: The store's file in the state dir.
+STORE_FILE = "sampler.sqlite"
 
 
 class VerifierSpecError(RuntimeError):
@@ -110,6 +115,12 @@ class Prepared:
     schedule_applied: int
     #: Prompts dropped for having no room for an answer (`--filter-overlong-prompts`).
     filtered_overlong: int = 0
+    #: Each judge a row or --verifier names, with who names it first (`check_judges`).
+    judges_used: dict[str, str] = field(default_factory=dict)
+
+    def check_judges(self, cfg: SamplerConfig) -> None:
+        """A config's judges against the servers given and the judges the data uses."""
+        check_judges(cfg, self.settings.judge_url, self.judges_used)
 
 
 def prepare(
@@ -147,10 +158,14 @@ def prepare(
         check_verifier_imports(dataset, s.verifier)
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
+    used = judges_used(dataset, s.verifier)
+    # A run the state dir holds serves its saved config, whose judges are checked below.
+    resumes = not s.fresh and (s.state_dir / STORE_FILE).exists()
     try:
         if "max_tokens" in given:
             check_context(initial, context_length)
         check_consistency(initial, dataset.domains)
+        check_judges(initial, s.judge_url, {} if resumes else used)
     except ConfigError as exc:
         hint = (
             f"; start with --set max_tokens=N, N <= {context_length}"
@@ -174,7 +189,7 @@ def prepare(
             context_length,
             ", ".join(f"{row.id!r} ({row.where})" for row in dropped[:3]),
         )
-    store = Store(s.state_dir / "sampler.sqlite", s.store_checkpoint_s or None)
+    store = Store(s.state_dir / STORE_FILE, s.store_checkpoint_s or None)
     prepared = Prepared(
         s,
         started_at,
@@ -188,15 +203,23 @@ def prepare(
         0,
         0,
         len(dropped),
+        used,
     )
     if (saved := store.get("config")) is None:
         if "max_tokens" not in given:
             prepared.config = _fitted(initial, dataset, context_length)
+        try:
+            prepared.check_judges(initial)
+        except ConfigError as exc:
+            state_dir.release()
+            store.close()
+            raise StartupError(f"--config/--set: {exc}") from exc
     else:
         try:
             cfg = validate_config(saved["config"])
             check_consistency(cfg, dataset.domains)
             check_context(cfg, context_length)
+            prepared.check_judges(cfg)
         except ConfigError as exc:
             state_dir.release()
             store.close()
@@ -266,10 +289,21 @@ def _verifier_users(dataset: Dataset, default: str) -> dict[str, str]:
     return users
 
 
+def judges_used(dataset: Dataset, default: str) -> dict[str, str]:
+    """Each judge (`judge:NAME`) the flags and the data name, with who names it first."""
+    return {
+        spec.removeprefix(JUDGE_PREFIX): user
+        for spec, user in _verifier_users(dataset, default).items()
+        if spec.startswith(JUDGE_PREFIX)
+    }
+
+
 async def check_verifiers(verifiers: VerifierPool, dataset: Dataset, default: str) -> None:
-    """Resolve the default verifier and every one the data names in a verifier worker, or
-    refuse to start. A spec that cannot be imported would otherwise score every answer 0
-    in silence."""
+    """Resolve the default verifier and every program verifier the data names in a
+    verifier worker, or refuse to start. A spec that cannot be imported would otherwise
+    fail every verification in silence. Judges were checked against the config."""
     for spec, user in _verifier_users(dataset, default).items():
+        if spec.startswith(JUDGE_PREFIX):
+            continue
         if error := await verifiers.check(spec):
             raise VerifierSpecError(f"verifier {spec!r}, used by {user}, cannot be loaded: {error}")

@@ -7,6 +7,10 @@ delivery, a verdict. The `Tally` adds each record to its counters in one place.
 and `/metrics` reads the same counters at each scrape through `TallyCollector`: no
 figure has a second writer that could drift from the first. vLLM's `IterationStats` is
 the model: a record built once, read by every view.
+
+A verification that failed is never an answer: a wave with one is not counted (its
+prompt is dropped as `verifier_error` or `verifier_unavailable`), so every answer counted
+here is a positive or a negative.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ from strategies.stopping import StopReason
 
 #: Known label values, exported at zero from the start: `increase()` over an absent
 #: series is empty, not 0, so an alert on "no groups for N minutes" could never fire.
-OUTCOMES = ("positive", "negative", "error")
+OUTCOMES = ("positive", "negative")
 STOP_REASONS = get_args(StopReason)
 #: The scheduler's own reasons to drop a group; selection policies drop under their names.
 #: stale: a READY frame that fell more than max_staleness versions behind the weights.
+#: verifier_error: a verification still failed after its retries (never a negative).
 DROP_REASONS = (
     "engine_error",
     "env_error",
+    "verifier_error",
     "verifier_unavailable",
     "too_few_samples",
     "stale",
@@ -45,6 +51,9 @@ DROP_REASONS = (
 )
 #: crash: the verifier's worker died; unavailable: not called, its breaker is open.
 VERIFIER_ERROR_KINDS = ("timeout", "error", "crash", "unavailable")
+#: Why a judge's request left answers without a verdict: no reply in time, the server
+#: unreachable or the connection lost, an error status, a reply with no verdict in it.
+JUDGE_FAILURES = ("timeout", "transport", "status", "unreadable")
 #: Last delivered groups whose lag /v1/stats `staleness` summarizes.
 STALENESS_WINDOW = 100
 #: Prompts' pass rates and domain shares are over this many recent prompts.
@@ -78,8 +87,6 @@ class WaveOutcome:
     domain: str
     answers: int
     positives: int
-    #: Answers whose verifier failed (scored 0, counted as negatives by the rule).
-    verifier_errors: int
     #: Sampled tokens of the answers (an episode's model tokens).
     tokens: int
     #: Generation and verification, from issue to the last verdict (None: the wave's
@@ -102,6 +109,21 @@ class PromptOutcome:
     cut: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class JudgeCall:
+    """One request to a judge (`sampler_service.verifiers.judge`)."""
+
+    judge: str
+    #: Answers the request asked a verdict for.
+    answers: int
+    seconds: float
+    #: Why some answers got no verdict (one of JUDGE_FAILURES), None when all did.
+    cause: str | None = None
+    #: Answers without a verdict: all of them unless the cause is `unreadable`.
+    failed: int = 0
+    error: str | None = None
+
+
 class Buckets:
     """A histogram of a continuous value: counts per bucket and the sum."""
 
@@ -114,12 +136,16 @@ class Buckets:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def family(self, name: str, doc: str) -> HistogramMetricFamily:
-        cumulative, total = [], 0
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound, count at or below it), as Prometheus histograms carry them."""
+        out, total = [], 0
         for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             total += count
-            cumulative.append((floatToGoString(bound), total))
-        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=self.sum)
+            out.append((floatToGoString(bound), total))
+        return out
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        return HistogramMetricFamily(name, doc, buckets=self.cumulative(), sum_value=self.sum)
 
 
 def _histogram(
@@ -198,10 +224,50 @@ class EpisodeTally:
         }
 
 
+@dataclass
+class JudgeTally:
+    """One judge's requests and what came of them (since start)."""
+
+    requests: int = 0
+    #: Answers asked a verdict for, every try counted.
+    answers: int = 0
+    verdicts: int = 0
+    #: Answers left without a verdict, by cause (JUDGE_FAILURES).
+    failures: Counter[str] = field(default_factory=Counter)
+    #: Answers asked again after a failure.
+    retries: int = 0
+    seconds: Buckets = field(default_factory=lambda: Buckets(SECONDS_BUCKETS))
+    last_error: str | None = None
+
+    def add(self, call: JudgeCall) -> None:
+        self.requests += 1
+        self.answers += call.answers
+        self.verdicts += call.answers - call.failed
+        if call.cause is not None:
+            self.failures[call.cause] += call.failed
+        if call.error is not None:
+            self.last_error = call.error
+        self.seconds.add(call.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "answers": self.answers,
+            "verdicts": self.verdicts,
+            "failures": {cause: self.failures[cause] for cause in JUDGE_FAILURES},
+            "retries": self.retries,
+            "mean_request_s": self.seconds.sum / self.requests if self.requests else None,
+            "last_error": self.last_error,
+        }
+
+
 class Tally:
     """The counters every view reads (see the module docstring)."""
 
-    def __init__(self, domains: Iterable[str], clock: Callable[[], float]) -> None:
+    def __init__(
+        self, domains: Iterable[str], clock: Callable[[], float], judges: Iterable[str] = ()
+    ) -> None:
+        """`judges`: the judges' names, whose series exist from the start."""
         self._clock = clock
         self.started = clock()
         self.domains = {d: DomainTally() for d in domains}
@@ -228,6 +294,10 @@ class Tally:
         self.groups_acked = 0
         self.verifier_errors: Counter[str] = Counter()
         self.verifier_seconds = Buckets(SECONDS_BUCKETS)
+        #: Answers a program verifier was asked again after a failure (a judge's retries
+        #: are its own: `judges`).
+        self.verifier_retries = 0
+        self.judges = {name: JudgeTally() for name in judges}
 
     # -- records ------------------------------------------------------------------------
     def admitted(self, domain: str) -> None:
@@ -239,10 +309,8 @@ class Tally:
 
     def wave(self, outcome: WaveOutcome) -> None:
         domain = self.domains[outcome.domain]
-        negatives = outcome.answers - outcome.positives - outcome.verifier_errors
         self.answers[outcome.domain, "positive"] += outcome.positives
-        self.answers[outcome.domain, "negative"] += negatives
-        self.answers[outcome.domain, "error"] += outcome.verifier_errors
+        self.answers[outcome.domain, "negative"] += outcome.answers - outcome.positives
         domain.samples += outcome.answers
         domain.positives += outcome.positives
         self.samples += outcome.answers
@@ -291,6 +359,18 @@ class Tally:
         if kind != "ok":
             self.verifier_errors[kind] += 1
 
+    def verifier_retried(self, answers: int) -> None:
+        """Answers a program verifier is asked again after a failure."""
+        self.verifier_retries += answers
+
+    def judged(self, call: JudgeCall) -> None:
+        """A request to a judge."""
+        self.judges[call.judge].add(call)
+
+    def judge_retried(self, judge: str, answers: int) -> None:
+        """Answers a judge is asked again after a failure."""
+        self.judges[judge].retries += answers
+
     # -- views --------------------------------------------------------------------------
     def staleness(self) -> dict[str, Any]:
         """The recently delivered groups' lag behind the served weights."""
@@ -321,6 +401,9 @@ class Tally:
             "skipped": {d: t.skipped for d, t in self.domains.items()},
             "episodes": self.episodes.to_dict(),
             "replay": {**replay, "replayed": self.replayed},
+            "verifier_errors": {kind: self.verifier_errors[kind] for kind in VERIFIER_ERROR_KINDS},
+            "verifier_retries": self.verifier_retries,
+            "judges": {name: judge.to_dict() for name, judge in self.judges.items()},
         }
 
 
@@ -400,7 +483,39 @@ class TallyCollector(Collector):
             verifier.add_metric([kind], t.verifier_errors[kind])
         yield verifier
         yield t.verifier_seconds.family(p + "verifier_latency_seconds", "Time per verification")
+        retries = self._counter(
+            "verifier_retries", "Answers a program verifier was asked again after a failure"
+        )
+        retries.add_metric([], t.verifier_retries)
+        yield retries
+        yield from self._judges()
         yield from self._episodes()
+
+    def _judges(self) -> Iterator[Metric]:
+        judges, p = self.tally.judges, self.prefix
+        requests = self._counter("judge_requests", "Requests sent to a judge", ("judge",))
+        answers = self._counter(
+            "judge_answers", "Answers a judge was asked to grade, every try", ("judge",)
+        )
+        verdicts = self._counter("judge_verdicts", "Verdicts a judge gave", ("judge",))
+        failures = self._counter(
+            "judge_failures", "Answers a judge's request left without a verdict", ("judge", "cause")
+        )
+        retries = self._counter(
+            "judge_retries", "Answers a judge was asked again after a failure", ("judge",)
+        )
+        seconds = HistogramMetricFamily(
+            p + "judge_request_seconds", "Time of one request to a judge", labels=("judge",)
+        )
+        for name, judge in judges.items():
+            requests.add_metric([name], judge.requests)
+            answers.add_metric([name], judge.answers)
+            verdicts.add_metric([name], judge.verdicts)
+            retries.add_metric([name], judge.retries)
+            for cause in JUDGE_FAILURES:
+                failures.add_metric([name, cause], judge.failures[cause])
+            seconds.add_metric([name], judge.seconds.cumulative(), judge.seconds.sum)
+        yield from (requests, answers, verdicts, failures, retries, seconds)
 
     def _episodes(self) -> Iterator[Metric]:
         e, p = self.tally.episodes, self.prefix

@@ -1,8 +1,12 @@
 """Verifier contract: (response_text, reference answer, metadata) -> reward in [0, 1].
 
 Verifiers are plain synchronous functions so they can run in a process pool that
-enforces a time limit; a verifier that raises or hangs yields reward 0 and a
-`verifier_error`, never a stalled or dead service.
+enforces a time limit. A verifier that returns a reward has answered, 0 for "wrong"
+included. One that raises, returns something other than a reward, crashes its process
+or hangs past the time limit has failed: its verdict's `kind` says so, and a failure is
+never a reward. It is asked again (`retry`), and if it keeps failing the prompt is
+dropped as `verifier_error`: a failure never becomes a negative, and never stalls or
+kills the service.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class VerifierFn(Protocol):
 
 @dataclass(frozen=True)
 class Verdict:
+    #: Meaningful only when `kind` is `ok`.
     reward: float
     error: str | None = None
     seconds: float = 0.0

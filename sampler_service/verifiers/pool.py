@@ -115,7 +115,8 @@ class _SpecHealth:
 def run_verifier(
     spec: str, response: str, answer: str, metadata: dict[str, Any] | None
 ) -> tuple[float, str | None]:
-    """Call the verifier `spec` names; any failure is reward 0 with an error message."""
+    """Call the verifier `spec` names: (reward, None), or for any failure (0, why), which
+    the pool turns into a failed verdict."""
     try:
         value = resolve(spec)(response, answer, metadata)
     except Exception as exc:  # noqa: BLE001
@@ -255,8 +256,10 @@ class VerifierPool:
     (`verify` for one).
 
     A verifier that raises, returns something other than a number in [0, 1], crashes its
-    process or runs past `timeout_s` yields reward 0 with `error` set (its worker is then
-    replaced); verify itself only raises once the pool is closed. Specs in INLINE run
+    process or runs past `timeout_s` yields a failed verdict (kind `error`, `crash` or
+    `timeout`, `error` set; its worker is then replaced), which is not a reward: the
+    caller asks it again or drops the prompt. verify itself only raises once the pool is
+    closed. Specs in INLINE run
     in-process, all others in a worker process: at most `max_workers` at once, the rest
     wait for a free worker (a wait that is not part of the time limit). A wave goes to
     the workers free when it comes, one message to each, or whole to the next free one:

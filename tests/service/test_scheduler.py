@@ -27,7 +27,7 @@ from sampler_service.backends.hf import HFBackend
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.finalize import MemorySink
-from sampler_service.scheduler import Scheduler
+from sampler_service.scheduler import Scheduler, VerifyFn
 from sampler_service.verifiers import exact
 from sampler_service.verifiers.base import Verdict
 
@@ -72,7 +72,7 @@ ROUNDS: dict[str, Any] = {"mode": "rounds", "cohort_size": 6, "rule": "balanced"
 
 
 def make_scheduler(
-    toy, backend: HFBackend, data: list[Path] | None = None, **cfg: Any
+    toy, backend: HFBackend, data: list[Path] | None = None, verify: VerifyFn = _verify, **cfg: Any
 ) -> tuple[Scheduler, MemorySink]:
     tokenizer = AutoTokenizer.from_pretrained(toy.model_dir)
 
@@ -86,9 +86,7 @@ def make_scheduler(
     )
     check_consistency(config, dataset.domains)
     sink = MemorySink()
-    scheduler = Scheduler(
-        backend=backend, dataset=dataset, verify=_verify, sink=sink, config=config
-    )
+    scheduler = Scheduler(backend=backend, dataset=dataset, verify=verify, sink=sink, config=config)
     return scheduler, sink
 
 
@@ -525,3 +523,35 @@ async def test_the_next_groups_are_built_while_a_write_is_in_the_store(new_sched
     finally:
         release.set()
         await scheduler.stop()
+
+
+async def test_a_failed_verification_drops_its_prompt_and_is_never_a_negative(toy, backend) -> None:
+    """A verifier that crashes on every right answer once turned each into a negative
+    (reward 0): groups of all-wrong answers that were not. Its failures now drop their
+    prompts as verifier_error; the groups emitted hold no right answer scored 0, and the
+    answers counted are those with a verdict."""
+
+    async def crashes_on_right(row: PromptRow, completions: Sequence[Completion]) -> list[Verdict]:
+        verdicts = await _verify(row, completions)
+        return [Verdict(0.0, "crashed", kind="crash") if v.reward else v for v in verdicts]
+
+    # add2 is about 40% right: prompts with a right answer and all-wrong ones, both.
+    scheduler, sink = make_scheduler(
+        toy, backend, [toy.data_files[1]], verify=crashes_on_right, **fixed_groups(4)
+    )
+    scheduler.start()
+    try:
+        async with asyncio.timeout(300):
+            while len(sink.groups()) < 3 or scheduler.tally.dropped["verifier_error"] < 3:
+                await asyncio.sleep(0.05)
+    finally:
+        await scheduler.stop()
+    for group in sink.groups():
+        assert group.stats.n_pos == 0 and group.stats.n_neg == group.stats.n_generated == 4
+        for s in group.samples:
+            assert exact.verify(s.response_text or "", group.answer) == 0.0, group.prompt_id
+            assert s.verifier_error is None
+    tally = scheduler.tally
+    assert sum(tally.answers[d, "positive"] for d in tally.domains) == 0
+    # Every counted answer is in a group: those of dropped prompts were never counted.
+    assert tally.samples == sum(g.stats.n_generated for g in sink.groups())

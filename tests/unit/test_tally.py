@@ -8,7 +8,7 @@ import itertools
 from prometheus_client.parser import text_string_to_metric_families
 
 from sampler_service.metrics import Metrics
-from sampler_service.tally import EpisodeCost, PromptOutcome, Tally, WaveOutcome
+from sampler_service.tally import EpisodeCost, JudgeCall, PromptOutcome, Tally, WaveOutcome
 
 
 def _series(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -21,20 +21,18 @@ def _series(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
 
 def test_stats_and_metrics_read_the_same_counts() -> None:
     clock = itertools.count().__next__
-    tally = Tally(["add", "mul"], lambda: float(clock()))
+    tally = Tally(["add", "mul"], lambda: float(clock()), judges=["grader", "idle"])
     metrics = Metrics()
     metrics.follow(
         tally, active_prompts=lambda: 3, policy_version=lambda: 7, config_version=lambda: 2
     )
     tally.admitted("add")
     tally.skipped("mul")
-    tally.wave(
-        WaveOutcome("add", answers=4, positives=1, verifier_errors=1, tokens=40, seconds=0.2)
-    )
+    tally.wave(WaveOutcome("add", answers=4, positives=1, tokens=40, seconds=0.2))
     cost = EpisodeCost((1, 2), model_tokens=9, observation_tokens=5, env_errors=1,
                        env_seconds=0.5, last_env_error="boom")  # fmt: skip
-    tally.wave(WaveOutcome("mul", 2, 2, 0, 9, 0.1, cost))
-    tally.wave(WaveOutcome("mul", 0, 0, 0, 0, None))  # a dropped wave: no latency
+    tally.wave(WaveOutcome("mul", 2, 2, 9, 0.1, cost))
+    tally.wave(WaveOutcome("mul", 0, 0, 0, None))  # a dropped wave: no latency
     tally.prompt_finished(PromptOutcome("add", 4, 1, "rule"))
     tally.prompt_finished(PromptOutcome("mul", 2, 2, "budget", budget=2, cut=True))
     tally.emitted("add")
@@ -43,6 +41,11 @@ def test_stats_and_metrics_read_the_same_counts() -> None:
     tally.acked(1)
     tally.verified("ok", 0.01)
     tally.verified("timeout", 10.0)
+    tally.verifier_retried(1)
+    tally.judged(JudgeCall("grader", 8, 0.5))
+    tally.judged(JudgeCall("grader", 8, 0.3, "unreadable", 2, "unreadable: no verdict"))
+    tally.judged(JudgeCall("grader", 1, 60.0, "timeout", 1, "timeout: no reply"))
+    tally.judge_retried("grader", 3)
 
     stats = tally.to_dict({"prompts": 0})
     series = _series(metrics)
@@ -50,11 +53,14 @@ def test_stats_and_metrics_read_the_same_counts() -> None:
     assert series["adaptive_rollout_generated_tokens_total", ()] == stats["tokens"]
     answers = {
         outcome: series["adaptive_rollout_samples_generated_total", (("domain", "add"), ("outcome", outcome))]
-        for outcome in ("positive", "negative", "error")
+        for outcome in ("positive", "negative")
     }  # fmt: skip
-    assert answers == {"positive": 1, "negative": 2, "error": 1}
+    # Every answer counted is a positive or a negative: a failed verification never is one.
+    assert answers == {"positive": 1, "negative": 3}
+    assert not [key for key in series if ("outcome", "error") in key[1]]
     assert series["adaptive_rollout_groups_dropped_total", (("reason", "stale"),)] == 3
-    assert series["adaptive_rollout_groups_dropped_total", (("reason", "engine_error"),)] == 0
+    for reason in ("engine_error", "verifier_error", "verifier_unavailable"):
+        assert series["adaptive_rollout_groups_dropped_total", (("reason", reason),)] == 0
     assert series["adaptive_rollout_stop_reasons_total", (("reason", "budget"),)] == 1
     assert series["adaptive_rollout_prompts_skipped_total", (("domain", "mul"),)] == 1
     assert series["adaptive_rollout_samples_per_group_count", ()] == 2
@@ -65,6 +71,34 @@ def test_stats_and_metrics_read_the_same_counts() -> None:
     assert series["adaptive_rollout_groups_acked_total", ()] == 1
     assert series["adaptive_rollout_verifier_errors_total", (("kind", "timeout"),)] == 1
     assert series["adaptive_rollout_verifier_latency_seconds_count", ()] == 2
+    assert stats["verifier_errors"]["timeout"] == 1
+    assert series["adaptive_rollout_verifier_retries_total", ()] == stats["verifier_retries"] == 1
+    judge, idle = stats["judges"]["grader"], stats["judges"]["idle"]
+    assert (judge["requests"], judge["answers"], judge["verdicts"], judge["retries"]) == (
+        3,
+        17,
+        14,
+        3,
+    )
+    assert judge["failures"] == {"timeout": 1, "transport": 0, "status": 0, "unreadable": 2}
+    assert judge["last_error"] == "timeout: no reply"
+    assert judge["mean_request_s"] == (0.5 + 0.3 + 60.0) / 3
+    grader = (("judge", "grader"),)
+    assert series["adaptive_rollout_judge_requests_total", grader] == judge["requests"]
+    assert series["adaptive_rollout_judge_answers_total", grader] == judge["answers"]
+    assert series["adaptive_rollout_judge_verdicts_total", grader] == judge["verdicts"]
+    assert series["adaptive_rollout_judge_retries_total", grader] == judge["retries"]
+    for cause, count in judge["failures"].items():
+        key = ("adaptive_rollout_judge_failures_total", (("cause", cause), ("judge", "grader")))
+        assert series[key] == count
+    assert series["adaptive_rollout_judge_request_seconds_count", grader] == 3
+    assert series["adaptive_rollout_judge_request_seconds_bucket", (*grader, ("le", "0.5"))] == 2
+    # A judge with no request yet has its series, at zero.
+    assert (
+        idle["requests"]
+        == series["adaptive_rollout_judge_requests_total", (("judge", "idle"),)]
+        == 0
+    )
     assert stats["episodes"]["episodes"] == 2 and stats["episodes"]["last_env_error"] == "boom"
     assert series["adaptive_rollout_episode_tokens_total", (("kind", "model"),)] == 9
     assert series["adaptive_rollout_env_errors_total", ()] == 1

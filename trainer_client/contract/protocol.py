@@ -62,7 +62,12 @@ class Sample(_Wire):
     reward: float
     finish_reason: str
     policy_version: int
-    verifier_error: str | None = None
+    verifier_error: str | None = Field(
+        None,
+        description="always null from this sampler: a verification that fails is never a "
+        "reward, its prompt is dropped (verifier_error); the field stays so that groups "
+        "stored by earlier versions still read",
+    )
     advantage: float = 0.0
     weight: float = Field(1.0, description="sample weight, mean 1 over its batch frame")
     token_weights: Floats | None = None
