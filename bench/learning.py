@@ -90,6 +90,7 @@ import numpy as np
 from bench.common import DAPO_REFILL, RESULTS, flags, grpo, table, write_json
 from bench.step_time import ENGINE, SYNC_S
 from trainer_client.demo import SEQ_BALANCE
+from trainer_client.report import save_figure
 
 COMMON: dict[str, Any] = {
     "temperature": 1.0,
@@ -1197,7 +1198,7 @@ def _plot(setting: str, block: dict[str, Any], png: Path) -> Path:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("toy task, reference GRPO trainer: mean over seeds, band = min..max", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    save_figure(fig, png, dpi=100)
     plt.close(fig)
     return png
 
