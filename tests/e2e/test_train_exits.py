@@ -158,6 +158,9 @@ def test_a_rerun_after_kill_9_resumes_and_says_which_versions_it_rolls_back(
     cmd = train_command(sampler.url, toy.model_dir, out, 12, "--no-progress", "--save-every", "3")
     proc, _ = _start(cmd, tmp_path)
     _wait_steps(proc, out, 7)
+    # Killed between two checkpoints (right after one, nothing would be rolled back).
+    logged = _steps_logged(out)
+    _wait_steps(proc, out, logged + (logged % 3 == 0))
     proc.kill()
     proc.wait(timeout=60)
     killed_at = _steps_logged(out)
