@@ -117,6 +117,7 @@ class HTTPMember:
     """One server: see the module docstring."""
 
     restartable = False
+    cancels_answers = False  # its waves are answered whole
 
     def __init__(self, url: str, servers: Servers) -> None:
         self.name = self.address = url.rstrip("/")

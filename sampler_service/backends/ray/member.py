@@ -45,6 +45,7 @@ class RayMember:
 
     restartable = True
     address = None
+    cancels_answers = False  # its waves are answered whole
 
     def __init__(
         self, index: int, actor_name: str, handle: Any, *, orphan_s: float, on_exit: str
