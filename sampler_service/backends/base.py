@@ -196,6 +196,8 @@ class Wave(abc.ABC):
     cancels_answers: bool = False
 
     def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
         self.n = n
 
     @abc.abstractmethod
