@@ -5,9 +5,7 @@ that fails calls instead of hanging them."""
 from __future__ import annotations
 
 import functools
-import json
 import os
-import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from support import endless
 from transformers import AutoTokenizer
 
 from sampler_service.backends.base import SamplingParams, as_list
@@ -27,16 +26,6 @@ from sampler_service.weights.vetting import vet_weight_file
 pytestmark = pytest.mark.timeout(180)
 
 SEEDED = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
-
-
-def _endless(model_dir: Path, out: Path) -> Path:
-    """A copy whose EOS id is outside the vocabulary: every answer runs to max_tokens."""
-    shutil.copytree(model_dir, out)
-    for name in ("config.json", "generation_config.json"):
-        path = out / name
-        if path.exists():
-            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": 1_000_000}))
-    return out
 
 
 async def test_same_answers_scores_and_weight_loads_as_in_process(toy: Any) -> None:
@@ -91,7 +80,7 @@ async def test_a_killed_engine_fails_waiting_and_later_calls(toy: Any, tmp_path:
     import asyncio
 
     remote = EngineProcess(
-        functools.partial(HFBackend, _endless(toy.model_dir, tmp_path / "endless"))
+        functools.partial(HFBackend, endless(toy.model_dir, tmp_path / "endless"))
     )
     await remote.start()
     try:
@@ -117,7 +106,7 @@ async def test_a_cancel_reaches_the_rows_in_the_child(toy: Any, tmp_path: Path) 
     import asyncio
 
     remote = EngineProcess(
-        functools.partial(HFBackend, _endless(toy.model_dir, tmp_path / "endless")),
+        functools.partial(HFBackend, endless(toy.model_dir, tmp_path / "endless")),
         torch_threads=1,
     )
     await remote.start()
