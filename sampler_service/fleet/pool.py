@@ -183,10 +183,10 @@ class Fleet(Backend):
         while True:
             seat = await self._router.acquire(key, n, reissue)
             epoch, started = seat.epoch, time.monotonic()
-            wave = seat.member.generate(prompt, n, sampling, self.weights.committed)
             # A weight update's abort raises GenerationAborted out of here: the scheduler
             # re-issues the wave after the update.
             try:
+                wave = seat.member.generate(prompt, n, sampling, self.weights.committed)
                 out = await self._read(seat, wave, wave.answers())
             except (ForeignWeights, MemberDown) as exc:
                 self._lost(seat, epoch, exc, n)
