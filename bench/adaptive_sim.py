@@ -41,6 +41,7 @@ from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.finalize import MemorySink
 from sampler_service.scheduler import Scheduler
 from trainer_client.contract.protocol import Group
+from trainer_client.report import save_figure
 
 #: Difficulty mixes: (share of prompts, (low, high] pass-rate interval).
 MIXES: dict[str, list[tuple[float, tuple[float, float]]]] = {
@@ -712,7 +713,7 @@ def _plot(
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = RESULTS / "adaptive_sim.png"
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 

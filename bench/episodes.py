@@ -64,6 +64,7 @@ from sampler_service.finalize import MemorySink
 from sampler_service.scheduler import Scheduler
 from sampler_service.verifiers.base import Verdict
 from trainer_client.contract.protocol import Group
+from trainer_client.report import save_figure
 
 # -- environments -----------------------------------------------------------------------
 #: CPU seconds of every finished environment thread (reset to close), this process.
@@ -503,7 +504,7 @@ def plot(sim: dict[str, Any], batch: int, path: Path) -> None:
     ax.set_title("Episode groups under a long tail of turns")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

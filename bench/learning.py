@@ -90,6 +90,7 @@ import numpy as np
 from bench.common import DAPO_REFILL, RESULTS, flags, grpo, table, write_json
 from bench.step_time import ENGINE, SYNC_S
 from trainer_client.demo import SEQ_BALANCE
+from trainer_client.report import save_figure
 
 COMMON: dict[str, Any] = {
     "temperature": 1.0,
@@ -205,6 +206,11 @@ METHODS: dict[str, dict[str, Any]] = {
         "label": "Seq-Pos K_pos 1 + posterior budget + history skip + replay",
         "kind": "adaptive",
         "config": {**_SEQPOS1_POSTERIOR, "replay": _REPLAY},
+    },
+    "seqpos1_posterior_replay_exact": {
+        "label": "Seq-Pos K_pos 1 + posterior budget + history skip + replay, exact stopping",
+        "kind": "adaptive",
+        "config": {**_SEQPOS1_POSTERIOR, "replay": _REPLAY, "stopping": "exact"},
     },
     "grpo4_replay": {
         "label": "GRPO n=4 + replay of earlier right answers",
@@ -333,7 +339,9 @@ def run_one(config: dict[str, Any], seed: int, work: Path) -> dict[str, Any]:
         toy.model_dir,
         data_files,
         state,
-        config["sampler"],
+        # A method that names no stopping counts whole waves: every run in the cache was
+        # measured so, before exact stopping existed (the key hashes the config as named).
+        {"stopping": "wave", **config["sampler"]},
         work / f"sampler-{name}.log",
         seed=seed,
         extra=["--torch-threads", "1"],
@@ -359,8 +367,9 @@ def run_one(config: dict[str, Any], seed: int, work: Path) -> dict[str, Any]:
             m, tok = trainer.model, trainer.tokenizer
             h = trainer.history
             return {
-                "answers": stats["samples"],
-                "tokens": stats["tokens"],
+                "answers": _generated(stats),
+                # Every decoded token: surplus answers and dropped prompts cost too.
+                "tokens": stats["waste"]["decoded"] if "waste" in stats else stats["tokens"],
                 "trained_answers": sum(sum(r["domain_generated"].values()) for r in h),
                 "samples_trained": sum(r["samples"] for r in h),
                 "groups_trained": sum(r["groups"] for r in h),
@@ -394,7 +403,7 @@ def run_one(config: dict[str, Any], seed: int, work: Path) -> dict[str, Any]:
                     trainer.train()
                     wall += time.monotonic() - t0
                     stats = trainer.client.stats()
-                    answers = stats["samples"]
+                    answers = _generated(stats)
                     per_step = answers / max(trainer.step, 1)
                 points.append(point(trainer, stats, wall))
             final = trainer.client.stats()
@@ -412,6 +421,12 @@ def run_one(config: dict[str, Any], seed: int, work: Path) -> dict[str, Any]:
         | {"dropped": final["dropped"], "skipped": final["skipped"]},
         "real_s": time.monotonic() - started,
     }
+
+
+def _generated(stats: dict[str, Any]) -> int:
+    """Answers the engine was asked for: those the rules counted, and those above where a
+    prompt's rule held (surplus, under exact stopping)."""
+    return int(stats["samples"]) + int(stats.get("waste", {}).get("surplus_answers", 0))
 
 
 def starting_histogram(setting: str, seed: int = 0) -> dict[str, Any]:
@@ -1051,6 +1066,55 @@ def targets(by_setting: dict[str, Any], step_time: dict[str, Any] | None) -> dic
         e["met"] = bool(st["step_target_met"] or st["engine_target_met"])
         e["reason"] = None if e["met"] else _step_time_why(st)
     out["step_time"] = e
+    out.update(_exact_targets(by_setting.get(HARD_SETTINGS[0])))
+    return out
+
+
+#: The method exact stopping is judged on, and its twin counting whole waves.
+EXACT_PAIR = ("seqpos1_posterior_replay_exact", "seqpos1_posterior_replay")
+
+
+def _exact_targets(block: dict[str, Any] | None) -> dict[str, Any]:
+    """`exact/learning_mul_<axis>`: answers and decoded tokens to GRPO n=4's final
+    training-prompt T=1 on mul, exact stopping over the same method counting whole waves,
+    per seed, as a geometric mean with a paired 95% interval; met when exact stopping is
+    no costlier on average."""
+    exact, wave = EXACT_PAIR
+    out = {}
+    for axis in ("answers", "tokens"):
+        e = _entry(
+            f"{axis} to GRPO n=4's final training-prompt T=1: {exact} over {wave}",
+            HARD_SETTINGS[0],
+            "<= 1x (not worse than whole waves)",
+        )
+        by_method = (block or {}).get("to_target", {}).get("train_t1", {}).get(axis, {})
+        mine, theirs = by_method.get(exact), by_method.get(wave)
+        if not mine or not theirs:
+            e["reason"] = f"needs cached runs of {exact} and {wave} on {HARD_SETTINGS[0]}"
+        else:
+            seeds = sorted(set(mine["seeds"]) & set(theirs["seeds"]))
+            pair = [
+                (mine["ratios"][mine["seeds"].index(s)], theirs["ratios"][theirs["seeds"].index(s)])
+                for s in seeds
+            ]
+            censored = [
+                mine["censored"][mine["seeds"].index(s)]
+                or theirs["censored"][theirs["seeds"].index(s)]
+                for s in seeds
+            ]
+            paired = ratio_stats([a / b for a, b in pair], censored)
+            e |= {
+                "method": exact,
+                "measured": {
+                    "ratio": paired["geomean"],
+                    "ci95": paired["ci95"],
+                    "text": paired["text"],
+                    "seeds": paired["n"],
+                    "vs_grpo4": {exact: mine["text"], wave: theirs["text"]},
+                },
+                "met": bool(paired["geomean"] is not None and paired["geomean"] <= 1.0),
+            }
+        out[f"exact/learning_mul_{axis}"] = e
     return out
 
 
@@ -1197,7 +1261,7 @@ def _plot(setting: str, block: dict[str, Any], png: Path) -> Path:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("toy task, reference GRPO trainer: mean over seeds, band = min..max", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    save_figure(fig, png, dpi=100)
     plt.close(fig)
     return png
 

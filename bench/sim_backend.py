@@ -38,7 +38,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ from sampler_service.backends.base import (
     SamplingParams,
     TensorSpec,
     TokenIds,
+    Wave,
 )
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset
@@ -113,10 +114,13 @@ class EngineSpec:
 
 @dataclass(eq=False)
 class _Request:
+    """One wave: its answers are reported as each finishes (`finished`)."""
+
     prompt_len: int
-    future: asyncio.Future[list[Completion]]
-    completions: list[Completion | None]
-    left: int
+    n: int
+    finished: asyncio.Queue[tuple[int, Completion]] = field(default_factory=asyncio.Queue)
+    #: Sequences not yet finished or cancelled, by index.
+    live: dict[int, _Seq] = field(default_factory=dict)
     prefilled: bool = False
 
 
@@ -128,6 +132,28 @@ class _Seq:
     finish_reason: str
     correct: bool
     start: float = 0.0  # the engine's step count when the sequence was scheduled
+    running: bool = False
+
+
+class _SimWave(Wave):
+    """A wave on the simulated engine: each answer as its sequence finishes; a cancelled
+    sequence frees its slot at once and comes back with the tokens it decoded."""
+
+    cancels_answers = True
+
+    def __init__(self, engine: SimBackend, request: _Request) -> None:
+        super().__init__(request.n)
+        self._engine, self._request = engine, request
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Completion]]:
+        for _ in range(self.n):
+            yield await self._request.finished.get()
+
+    async def cancel(self, indices: Collection[int]) -> None:
+        self._engine.cancel(self._request, indices)
+
+    def close(self) -> None:
+        self._engine.cancel(self._request, list(self._request.live))
 
 
 @dataclass
@@ -166,6 +192,8 @@ class SimBackend(Backend):
         self._payload = payload or _cheap_payload
         self._text = text or _reward_text
         self._queue: deque[_Seq] = deque()
+        #: Waves with sequences still to finish.
+        self._requests: set[_Request] = set()
         self._running: list[tuple[float, int, _Seq]] = []  # (finish step, tiebreak, seq)
         self._tiebreak = itertools.count()
         self._steps = 0.0  # decode steps done so far: a running seq's progress clock
@@ -214,6 +242,16 @@ class SimBackend(Backend):
         *,
         affinity_key: str | None = None,
     ) -> list[Completion]:
+        return await self.wave(prompt_token_ids, n, sampling).answers()
+
+    def wave(
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
+    ) -> Wave:
         if self._task is None:
             raise RuntimeError("sim engine not started")
         p = float(self.pass_rates[prompt_token_ids[0]])
@@ -224,22 +262,52 @@ class SimBackend(Backend):
         lengths = np.exp(self._rng.normal(math.log(median), spec.length_sigma, n))
         lengths = np.where(correct, lengths, lengths * spec.wrong_length_factor)
         lengths = np.maximum(1, np.round(lengths)).astype(np.int64)
-        future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
-        request = _Request(len(prompt_token_ids), future, [None] * n, n)
+        request = _Request(len(prompt_token_ids), n)
+        self._requests.add(request)
         for i in range(n):
             length = int(lengths[i])
             truncated = length > sampling.max_tokens
-            self._queue.append(
-                _Seq(
-                    request,
-                    i,
-                    min(length, sampling.max_tokens),
-                    "length" if truncated else "stop",
-                    bool(correct[i]),
-                )
+            seq = _Seq(
+                request,
+                i,
+                min(length, sampling.max_tokens),
+                "length" if truncated else "stop",
+                bool(correct[i]),
             )
+            request.live[i] = seq
+            self._queue.append(seq)
         self._arrival.set()
-        return await future
+        return _SimWave(self, request)
+
+    def cancel(self, request: _Request, indices: Collection[int]) -> None:
+        """Stop these sequences of a wave: a queued one never runs, a running one frees
+        its slot now; each reports the tokens it decoded (finish reason `abort`)."""
+        cancelled = [seq for i in indices if (seq := request.live.pop(i, None)) is not None]
+        if not cancelled:
+            return
+        gone = {id(seq) for seq in cancelled}
+        running = [entry for entry in self._running if id(entry[2]) not in gone]
+        if len(running) != len(self._running):
+            heapq.heapify(running)
+            self._running = running
+        for seq in cancelled:
+            decoded = 0
+            if seq.running:
+                decoded = min(seq.length, int(self._steps - seq.start))
+                self._ctx_base -= request.prompt_len - seq.start
+            self._report(seq, decoded, "abort")
+        if not request.live:
+            self._requests.discard(request)
+        self._arrival.set()  # a freed slot: the engine schedules again
+
+    async def abort_all(self) -> int:
+        """Stop every sequence (a weight update's `abort`): each comes back with the tokens
+        it decoded and finish reason `abort`, and the scheduler draws it again."""
+        aborted = 0
+        for request in list(self._requests):
+            aborted += len(request.live)
+            self.cancel(request, list(request.live))
+        return aborted
 
     # -- the engine -------------------------------------------------------------------
     def _schedule(self) -> None:
@@ -247,33 +315,37 @@ class SimBackend(Backend):
         spec = self.spec
         while self._queue and len(self._running) < spec.max_num_seqs:
             seq = self._queue.popleft()
-            if seq.request.future.done():  # cancelled caller
+            if seq.index not in seq.request.live:  # cancelled while queued
                 continue
             if not seq.request.prefilled:
                 seq.request.prefilled = True
                 stall = spec.prefill_per_token_s * seq.request.prompt_len
                 self._stall_s += stall
                 self.stats.prefill_s += stall
-            seq.start = self._steps
+            seq.start, seq.running = self._steps, True
             self._ctx_base += seq.request.prompt_len - seq.start
             heapq.heappush(self._running, (self._steps + seq.length, next(self._tiebreak), seq))
 
     def _finish(self, seq: _Seq) -> None:
         request = seq.request
+        del request.live[seq.index]
+        if not request.live:
+            self._requests.discard(request)
         self._ctx_base -= request.prompt_len - seq.start
-        token_ids, logprobs = self._payload(self._rng, seq.length)
-        request.completions[seq.index] = Completion(
+        self._report(seq, seq.length, seq.finish_reason)
+
+    def _report(self, seq: _Seq, length: int, finish_reason: str) -> None:
+        token_ids, logprobs = self._payload(self._rng, length)
+        completion = Completion(
             token_ids=token_ids,
             logprobs=logprobs,
-            text=self._text(self._rng, seq.length, seq.correct),
-            finish_reason=seq.finish_reason,  # type: ignore[arg-type]
+            text=self._text(self._rng, length, seq.correct),
+            finish_reason=finish_reason,  # type: ignore[arg-type]
             policy_version=self._version,
         )
         self.stats.sequences += 1
-        self.stats.tokens += seq.length
-        request.left -= 1
-        if request.left == 0 and not request.future.done():
-            request.future.set_result(request.completions)  # type: ignore[arg-type]
+        self.stats.tokens += length
+        seq.request.finished.put_nowait((seq.index, completion))
 
     def _mark(self, now: float) -> None:
         if self._record:

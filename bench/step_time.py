@@ -72,6 +72,7 @@ from bench.common import DAPO_REFILL, Method, est, flags, grpo, table, write_jso
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.finalize import VolatileSink
+from sampler_service.grouping import fresh_tokens
 from sampler_service.scheduler import Scheduler
 from trainer_client.contract.protocol import Group
 
@@ -89,7 +90,25 @@ CHECK_SE = 4.0
 
 
 def rows() -> list[Method]:
-    """The compared methods, as sampler configs without their pipeline knobs."""
+    """The compared methods, as sampler configs without their pipeline knobs: the rows as
+    they were first measured, each adaptive one (n_max >= 16) counted whole waves
+    (`stopping: wave`), and beside each such row its twin with exact stopping."""
+    measured = [Method(m.key, m.label, {**m.config, "stopping": "wave"}, m.extra) for m in _rows()]
+    twins = [
+        Method(f"{m.key}_exact", f"{m.label}, exact", {**m.config, "stopping": "exact"})
+        for m in measured
+        if _adaptive(m) and not m.extra
+    ]
+    return measured + twins
+
+
+def _adaptive(method: Method) -> bool:
+    """An adaptive-sampling row (not GRPO or DAPO), of n_max >= 16."""
+    return not method.key.startswith(("grpo", "dapo")) and method.config.get("n_max", 32) >= 16
+
+
+def _rows() -> list[Method]:
+    """The rows as they were first measured."""
     ada = {
         "n_max": 32,
         "wave_size": 8,
@@ -209,6 +228,12 @@ class Trainer(VolatileSink):
             "engine_s": self.engine.stats.decode_s + self.engine.stats.prefill_s,
             "skipped": sum(d.skipped for d in st.domains.values()),
             "admitted": sum(d.admitted for d in st.domains.values()),
+            # Prompts finalized (their group formed or dropped), and groups dropped.
+            "finalized": sum(st.stop_reasons.values()) + _early_drops(st.dropped),
+            "dropped": sum(st.dropped.values()),
+            "decoded": st.decoded,
+            "surplus": st.waste["surplus"],
+            "wasted": sum(st.waste.values()),
         }
 
     async def run(self) -> None:
@@ -233,6 +258,7 @@ class Trainer(VolatileSink):
                 self.version += 1
                 await self.engine.load_weights({}, self.version)
             self.held.popleft()
+            self.scheduler.tally.acked(len(frame), sum(map(fresh_tokens, frame)))
             self.scheduler.poke()
             self.records.append(
                 {
@@ -245,6 +271,13 @@ class Trainer(VolatileSink):
                     "lags": dict(lags),
                 }
             )
+
+
+def _early_drops(dropped: Counter[str]) -> int:
+    """Prompts dropped before their group was formed (they have no stop reason)."""
+    return sum(
+        dropped[r] for r in ("engine_error", "env_error", "verifier_error", "verifier_unavailable")
+    )
 
 
 def _informative(group: Group) -> bool:
@@ -302,17 +335,27 @@ def summarize(
     samples = sum(lags.values())
     # Generation time of a step with nothing overlapping: frame formed - previous ack.
     gen = [r["t_frame"] - prev["t"] for prev, r in zip(records[warmup:], measured, strict=False)]
+
+    def delta(key: str) -> float:
+        return float(end[key] - start[key])
+
+    decoded = max(delta("decoded"), 1.0)
     return {
         "steps": k,
         "step_s": (end["t"] - start["t"]) / k,
         "gen_s": float(np.mean(gen)),
         "samples_trained": samples / k,
-        "answers": (end["answers"] - start["answers"]) / k,
-        "informative_frac": informative / n_groups,
-        "answers_per_informative": (end["answers"] - start["answers"]) / max(informative, 1),
-        "engine_s_per_informative": (end["engine_s"] - start["engine_s"]) / max(informative, 1),
-        "skipped_per_step": (end["skipped"] - start["skipped"]) / k,
-        "admitted_per_step": (end["admitted"] - start["admitted"]) / k,
+        "answers": delta("answers") / k,
+        # Over every prompt finalized in the window, dropped ones included.
+        "informative_frac": informative / max(delta("finalized"), n_groups, 1),
+        "answers_per_informative": delta("answers") / max(informative, 1),
+        "engine_s_per_informative": delta("engine_s") / max(informative, 1),
+        "tokens_per_informative": delta("decoded") / max(informative, 1),
+        "surplus_share": delta("surplus") / decoded,
+        "wasted_share": delta("wasted") / decoded,
+        "dropped_per_step": delta("dropped") / k,
+        "skipped_per_step": delta("skipped") / k,
+        "admitted_per_step": delta("admitted") / k,
         "stale_share": sum(n for lag, n in lags.items() if lag >= 1) / max(samples, 1),
         "lags": {str(lag): n / max(samples, 1) for lag, n in sorted(lags.items())},
         "groups": groups,
@@ -479,7 +522,13 @@ def measure(
                     if r == 0.7 or "answers" not in res:
                         res.update({k: v for k, v in one.items() if k != "step_s"})
             res.pop("groups", None)
-            res.update(method=row.key, label=row.label, pipeline=pipeline, extra=row.extra)
+            res.update(
+                method=row.key,
+                label=row.label,
+                pipeline=pipeline,
+                extra=row.extra,
+                stopping=row.config.get("stopping", "exact"),
+            )
             table_rows.append(res)
             log(f"  {row.label} / {pipeline}: {time.monotonic() - started:.1f}s real")
             if bar is not None:
@@ -508,9 +557,13 @@ def steps_table(table_rows: list[dict[str, Any]]) -> str:
             ("ratio_1.4", "r 1.4"),
             ("informative_frac", "informative"),
             ("answers_per_informative", "answers / informative group"),
+            ("tokens_per_informative", "tokens / informative group"),
             ("engine_s_per_informative", "engine-s / informative group"),
+            ("samples_trained", "samples trained / step"),
+            ("surplus_share", "surplus share"),
             ("stale_share", "stale share"),
             ("skipped_per_step", "prompts skipped / step"),
+            ("dropped_per_step", "groups dropped / step"),
         ],
     )
 
@@ -534,6 +587,7 @@ def targets(table_rows: list[dict[str, Any]], competing: str = "listed") -> dict
         r
         for r in table_rows
         if r["pipeline"] == "on_policy"
+        and r["stopping"] == "wave"
         and not r["method"].startswith("grpo")
         and (competing == "all" or not r["extra"])
         and (competing != "adaptive" or not r["method"].startswith("dapo"))
@@ -564,6 +618,79 @@ def targets(table_rows: list[dict[str, Any]], competing: str = "listed") -> dict
     }
 
 
+#: Exact stopping's goals, as ratios to GRPO n=4 (on-policy, r 0.7, hard mix, lengths by
+#: difficulty), for the best exact row at >= 90% informative.
+EXACT_GOALS = {
+    "tokens_per_informative": ("decoded tokens per informative group vs GRPO n=4", 0.8),
+    "engine_s_per_informative": ("engine-seconds per informative group vs GRPO n=4", 1.1),
+    "step": ("on-policy step at r 0.7 vs GRPO n=4 sync", 1.5),
+}
+
+
+def _exact_ratios(table_rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One seed's figures for the exact targets: the best exact row (lowest on-policy step
+    ratio at r 0.7 among the exact twins with >= 90% informative groups), its ratios to
+    GRPO n=4, the same ratios of its wave-stopping twin, and both surplus shares."""
+    on = {r["method"]: r for r in table_rows if r["pipeline"] == "on_policy"}
+    twins = [
+        r
+        for k, r in on.items()
+        if k.endswith("_exact") and r["informative_frac"] >= MIN_INFORMATIVE
+    ]
+    if not twins:
+        return None
+    best = min(twins, key=lambda r: r["ratio_by_r"]["0.7"])
+    today, grpo4 = on[best["method"].removesuffix("_exact")], on["grpo4"]
+
+    def ratios(r: dict[str, Any]) -> dict[str, float]:
+        return {
+            "tokens_per_informative": r["tokens_per_informative"] / grpo4["tokens_per_informative"],
+            "engine_s_per_informative": r["engine_s_per_informative"]
+            / grpo4["engine_s_per_informative"],
+            "step": r["ratio_by_r"]["0.7"],
+            "surplus_share": r["surplus_share"],
+        }
+
+    return {"method": best["method"], "exact": ratios(best), "wave": ratios(today)}
+
+
+def exact_targets(per_seed: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """`exact/<name>` targets over the seeds' figures: the mean, with the spread."""
+    seeds = [f for f in per_seed if f is not None]
+    out: dict[str, Any] = {}
+    if not seeds:
+        return {f"exact/{k}": {"met": False, "reason": "no exact row reached 90% informative"}
+                for k in (*EXACT_GOALS, "surplus_share")}  # fmt: skip
+    methods = sorted({f["method"] for f in seeds})
+
+    def summary(kind: str, key: str) -> dict[str, Any]:
+        values = [f[kind][key] for f in seeds]
+        return {"mean": float(np.mean(values)), "min": min(values), "max": max(values)}
+
+    for key, (what, goal) in EXACT_GOALS.items():
+        exact, wave = summary("exact", key), summary("wave", key)
+        met = exact["mean"] <= goal
+        out[f"exact/{key}"] = {
+            "target": what,
+            "goal": f"<= {goal}x",
+            "method": methods,
+            "measured": {**exact, "seeds": len(seeds), "wave_stopping": wave},
+            "met": met,
+            "reason": f"{exact['mean']:.2f}x ({exact['min']:.2f}-{exact['max']:.2f} over "
+            f"{len(seeds)} seeds) against {wave['mean']:.2f}x with whole-wave stopping",
+        }
+    surplus, wave = summary("exact", "surplus_share"), summary("wave", "surplus_share")
+    out["exact/surplus_share"] = {
+        "target": "surplus tokens (above the index where the rule held) / decoded tokens",
+        "goal": "reported (speculative waves trade it against parallelism)",
+        "method": methods,
+        "measured": {**surplus, "seeds": len(seeds), "wave_stopping": wave},
+        "met": None,
+        "reason": "whole-wave stopping has no surplus: it trains on the whole wave",
+    }
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="B 256, 3 steps, r 0.7 off-policy")
@@ -574,6 +701,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--draws", type=int, default=5, help="prompt draws per self-check")
     p.add_argument("--check-batch", type=int, default=128, help="prompts per self-check draw")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="prompt draws of the difficulty table (the exact targets: their mean and spread)",
+    )
     p.add_argument("--no-flat", action="store_true", help="skip the difficulty-free table")
     args = p.parse_args(argv)
     args.batch = args.batch or (256 if args.quick else 512)
@@ -584,7 +717,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # One tick per self-check draw and per (row, pipeline) run, on stderr.
     bar = tqdm(
-        total=len(CHECKED) * args.draws + len(rows()) * len(PIPELINES) * (1 if args.no_flat else 2),
+        total=len(CHECKED) * args.draws
+        + len(rows()) * len(PIPELINES) * (args.seeds + (0 if args.no_flat else 1)),
         desc="step_time",
         unit="run",
         dynamic_ncols=True,
@@ -601,6 +735,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{c['measured']:.4f}, closed form {c['expected']:.4f}, z {c['z']:+.2f}"
         )
     tables = {"difficulty": measure(args, ENGINE, log, bar)}
+    per_seed = [_exact_ratios(tables["difficulty"])]
+    for extra_seed in range(1, args.seeds):
+        seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + extra_seed})
+        per_seed.append(_exact_ratios(measure(seeded, ENGINE, log, bar)))
     if not args.no_flat:
         tables["flat"] = measure(args, ENGINE_FLAT, log, bar)
     bar.close()
@@ -614,6 +752,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, tr in tables.items()
         for competing in COMPETING
     }
+    judged.update(exact_targets(per_seed))
     log(f"\ntargets: {judged}")
     out = {
         "settings": {
@@ -627,6 +766,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "draws",
                 "check_batch",
                 "seed",
+                "seeds",
                 "quick",
             ),
             "ratios": RATIOS,

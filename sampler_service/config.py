@@ -33,9 +33,10 @@ from pydantic.fields import FieldInfo
 
 from sampler_service.backends.http.discovery import ServiceName
 from sampler_service.verifiers.verdicts import pattern_error, template_error
-from strategies import admission, mixing, reweighting, selection, stopping
+from strategies import admission, mixing, reweighting, selection
+from strategies import stopping as stopping_rules
 from strategies.allocation import ALLOCATIONS, AllocationPolicy
-from strategies.estimator import Estimator, EstKnobs
+from strategies.estimator import MAX_ANSWERS, Estimator, EstKnobs
 from strategies.registry import Policy, PolicyError
 from trainer_client.contract.dtypes import ServingDType
 
@@ -366,16 +367,30 @@ class SamplerConfig(_Live):
         "(k_pos right), balanced (k_pos right and k_neg wrong), est (a per-prompt budget "
         "from a pass-rate estimate); never past n_max",
     )
-    k_pos: stopping.KPos = stopping.DEFAULTS.k_pos
-    k_neg: stopping.KNeg = stopping.DEFAULTS.k_neg
-    n_max: stopping.NMax = stopping.DEFAULTS.n_max
-    wave: stopping.Wave = Field(
-        stopping.DEFAULTS.wave,
+    k_pos: stopping_rules.KPos = stopping_rules.DEFAULTS.k_pos
+    k_neg: stopping_rules.KNeg = stopping_rules.DEFAULTS.k_neg
+    n_max: stopping_rules.NMax = stopping_rules.DEFAULTS.n_max
+    wave: stopping_rules.Wave = Field(
+        stopping_rules.DEFAULTS.wave,
         description="fixed: wave_size answers per wave; adaptive: sized from the expected "
         "answers still missing (a prompt seen before sizes its first wave from its pass rate)",
     )
-    wave_size: stopping.WaveSize = stopping.DEFAULTS.wave_size
-    group_size: stopping.GroupSize = stopping.DEFAULTS.group_size
+    wave_size: stopping_rules.WaveSize = stopping_rules.DEFAULTS.wave_size
+    group_size: stopping_rules.GroupSize = stopping_rules.DEFAULTS.group_size
+    stopping: Literal["exact", "wave"] = Field(
+        "exact",
+        description="exact: answers are counted in index order as they finish and the rule "
+        "is asked after each, so the group is answers 1..j for the first j where it holds "
+        "(as sequential sampling) and answers above j are cancelled; wave: the rule is asked "
+        "when a whole wave is back",
+    )
+    min_answers: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_ANSWERS,
+        description="exact stopping asks the rule from this many answers on (null: "
+        "group_size), so no group is smaller than what down-sampling keeps",
+    )
     positive_threshold: float = Field(
         0.5, ge=-1e9, le=1e9, description="an answer is right iff its reward > this"
     )
@@ -485,7 +500,7 @@ class SamplerConfig(_Live):
         "--judge-url NAME=URL",
     )
 
-    def build_rule(self, estimator: Any = None) -> stopping.StoppingRule:
+    def build_rule(self, estimator: Any = None) -> stopping_rules.StoppingRule:
         """The stopping rule this config describes (rounds mode always uses full waves)."""
         params: dict[str, Any] = dict(
             k_pos=self.k_pos,
@@ -498,7 +513,7 @@ class SamplerConfig(_Live):
         if self.rule == "est" or self.wave == "adaptive":
             # Adaptive waves size a seen prompt's first wave from its estimated pass rate.
             params["estimator"] = estimator
-        return stopping.build(self.rule, **params)
+        return stopping_rules.build(self.rule, **params)
 
     def build_estimator(self) -> Estimator:
         """The Est pass-rate estimator; it learns under every rule, only est spends budgets.
@@ -625,6 +640,12 @@ def check_consistency(cfg: SamplerConfig, domains: list[str], estimator: Any = N
         cfg.build_rule(estimator).validate()
     except PolicyError as exc:
         raise ConfigError(str(exc), exc.field) from exc
+    if cfg.min_answers is not None and cfg.min_answers > cfg.n_max:
+        raise ConfigError(
+            f"min_answers ({cfg.min_answers}) exceeds n_max ({cfg.n_max}): the rule would "
+            "never be asked",
+            "min_answers",
+        )
     if cfg.batch_groups > cfg.max_buffered_groups:
         # Admission stops at max_buffered_groups (unframed groups count), so a frame larger
         # than that would never complete: the sampler would hang silently.

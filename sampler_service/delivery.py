@@ -130,7 +130,7 @@ class Delivery:
         if members:
             for member in members:
                 self.dataset.serve_again(member.domain, member.prompt_id)
-            self.tally.dropped_groups("stale", len(members))
+            self.tally.dropped_groups("stale", len(members), sum(m.tokens for m in members))
             self.scheduler.poke()
             log.info(
                 "dropped %d READY groups (%d frames) more than %d versions behind v%d; "
@@ -282,8 +282,8 @@ class Delivery:
 
     async def ack(self, delivery_ids: list[str]) -> AckResponse:
         mistaken = self.outbox.group_ids_among(delivery_ids)
-        acked, unknown = await self.outbox.ack(delivery_ids)
-        self.tally.acked(acked)
+        acked, unknown, tokens = await self.outbox.ack(delivery_ids)
+        self.tally.acked(acked, tokens)
         self.scheduler.poke()
         hint = None
         if mistaken:

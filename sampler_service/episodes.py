@@ -4,8 +4,9 @@ A prompt whose row names an environment is answered by episodes instead of singl
 answers: per turn the engine generates (ending at the environment's stop strings or EOS),
 the environment steps on the text, and its observation is appended as tokens, until the
 environment says done, `max_turns` is reached or the token budget is spent. A wave of n
-is n episodes run concurrently; the stopping rule is asked when the wave is done, as for
-single answers, and counts episodes by their terminal reward.
+is n episodes run concurrently, each with its index, handed on as each finishes and
+cancelled by index as single answers are; the stopping rule counts episodes by their
+terminal reward.
 
 Token-in/token-out: the episode's prompt is rendered once (the row's, or, where the
 environment adds messages or tools to a chat row, the whole conversation with the tools'
@@ -24,20 +25,28 @@ again, and the scheduler drops the prompt as `env_error` after `max_env_errors`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
-from sampler_service.backends.base import Completion, FinishReason, SamplingParams, as_list
+from sampler_service.backends.base import (
+    Completion,
+    FinishReason,
+    SamplingParams,
+    Wave,
+    as_list,
+)
 from sampler_service.config import EpisodeKnobs
 from sampler_service.dataset import PromptRow
 from sampler_service.environments import load_environment_factory
 from sampler_service.environments.base import Environment, Reset, Step
 from sampler_service.environments.render import ObservationRenderer
+from sampler_service.tally import EpisodeCost
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +68,142 @@ class EnvironmentFailed(RuntimeError):
     """The environment raised or timed out: the episode is neither right nor wrong."""
 
 
-@dataclass
-class EpisodeWave:
-    """What a wave of episodes produced: the finished episodes, the environment
-    failures met on the way (each one an episode run again) and the seconds spent in
-    environment calls."""
+class EpisodesExhausted(RuntimeError):
+    """The prompt's environment failed as often as its error budget allows: the prompt
+    is dropped as `env_error`."""
 
-    completions: list[Completion] = field(default_factory=list)
-    env_errors: list[str] = field(default_factory=list)
-    env_seconds: float = 0.0
+
+@dataclass
+class Partial:
+    """An episode's tokens so far: what it had sampled when it was cancelled."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def aborted(self) -> Completion:
+        return Completion(self.ids, self.logprobs, "", "abort", loss_mask=self.mask)
+
+
+class EpisodeWave(Wave):
+    """n episodes of one prompt, issued now: each as it finishes, by index. An episode
+    whose environment fails is run again under the same index (a re-draw, counted) while
+    the error budget lasts; past it, reading the wave raises `EpisodesExhausted`. A
+    cancelled episode stops at its next await (its engine call is aborted) and comes
+    back with what it had sampled (finish reason `abort`)."""
+
+    cancels_answers = True
+
+    def __init__(
+        self,
+        runner: EpisodeRunner,
+        row: PromptRow,
+        factory: Callable[[], Environment],
+        n: int,
+        sampling: SamplingParams,
+        limits: EpisodeKnobs,
+        generate: GenerateTurn,
+        error_budget: int,
+    ) -> None:
+        super().__init__(n)
+        self._runner, self._row, self._factory = runner, row, factory
+        self._sampling, self._limits, self._generate = sampling, limits, generate
+        self._budget = error_budget
+        self._tasks: dict[int, asyncio.Task[Completion]] = {}
+        self._partials: dict[int, Partial] = {}
+        self._finished: asyncio.Queue[tuple[int, Completion] | BaseException] = asyncio.Queue()
+        self._attempts = 0
+        #: The finished episodes, in the order they finished.
+        self.completions: list[Completion] = []
+        #: Environment failures met (each one an episode run again while the budget lasts).
+        self.env_errors: list[str] = []
+        self.env_seconds = 0.0
+        for index in range(n):
+            self._start(index)
+
+    def _start(self, index: int) -> None:
+        partial = self._partials[index] = Partial()
+        episode = self._runner.episode(
+            self._row,
+            self._factory,
+            self._sampling,
+            self._limits,
+            self._generate,
+            self._attempts,  # each attempt draws its own seeds
+            self,
+            partial,
+        )
+        self._attempts += 1
+        task = self._tasks[index] = asyncio.create_task(episode)
+        task.add_done_callback(functools.partial(self._ended, index))
+
+    def _ended(self, index: int, task: asyncio.Task[Completion]) -> None:
+        if task.cancelled() or self._tasks.get(index) is not task:
+            return  # cancelled: `cancel` reports it
+        del self._tasks[index]
+        exc = task.exception()
+        if isinstance(exc, EnvironmentFailed):
+            self.env_errors.append(str(exc))
+            if len(self.env_errors) < self._budget:
+                self._start(index)
+            else:
+                self._finished.put_nowait(EpisodesExhausted(str(exc)))
+        elif exc is not None:
+            self._finished.put_nowait(exc)
+        else:
+            self.completions.append(task.result())
+            self._finished.put_nowait((index, task.result()))
+
+    @property
+    def reruns(self) -> int:
+        """Episodes run again after their environment failed."""
+        return min(len(self.env_errors), self._budget - 1)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Completion]]:
+        try:
+            for _ in range(self.n):
+                item = await self._finished.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            await self.cancel(list(self._tasks))
+
+    async def cancel(self, indices: Collection[int]) -> None:
+        cancelled = [(i, task) for i in indices if (task := self._tasks.pop(i, None))]
+        for _, task in cancelled:
+            task.cancel()
+        await asyncio.gather(*(task for _, task in cancelled), return_exceptions=True)
+        for index, _ in cancelled:
+            self._finished.put_nowait((index, self._partials[index].aborted()))
+
+    def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks.clear()
+
+    def cost(self) -> EpisodeCost:
+        """What the finished episodes spent beyond their answers."""
+        model = sum(
+            int(sum(e.loss_mask)) if e.loss_mask is not None else 0 for e in self.completions
+        )
+        total = sum(len(e.token_ids) for e in self.completions)
+        return EpisodeCost(
+            turns=tuple(e.num_turns for e in self.completions),
+            model_tokens=model,
+            observation_tokens=total - model,
+            env_errors=len(self.env_errors),
+            env_seconds=self.env_seconds,
+            last_env_error=self.env_errors[-1] if self.env_errors else None,
+        )
+
+    async def run(self) -> EpisodeWave:
+        """Read the whole wave: the episodes that finished before the error budget ran
+        out (`completions`), and the failures met (`env_errors`)."""
+        with contextlib.suppress(EpisodesExhausted):
+            async for _ in self:
+                pass
+        return self
 
 
 class EnvThread:
@@ -178,7 +314,7 @@ class EpisodeRunner:
                 strings.append(text)
         return tuple(strings), tuple(ids)
 
-    async def wave(
+    def wave(
         self,
         row: PromptRow,
         factory: Callable[[], Environment],
@@ -188,29 +324,10 @@ class EpisodeRunner:
         generate: GenerateTurn,
         error_budget: int,
     ) -> EpisodeWave:
-        """n finished episodes, re-running those whose environment failed while fewer
-        than `error_budget` failures were met. Engine errors propagate (the scheduler
-        retries the wave)."""
-        result = EpisodeWave()
-        started = 0
-        while len(result.completions) < n and len(result.env_errors) < error_budget:
-            want = n - len(result.completions)
-            outcomes = await asyncio.gather(
-                *(
-                    self.episode(row, factory, sampling, limits, generate, started + i, result)
-                    for i in range(want)
-                ),
-                return_exceptions=True,
-            )
-            started += want
-            for outcome in outcomes:
-                if isinstance(outcome, EnvironmentFailed):
-                    result.env_errors.append(str(outcome))
-                elif isinstance(outcome, BaseException):
-                    raise outcome
-                else:
-                    result.completions.append(outcome)
-        return result
+        """n episodes of one prompt, issued now (`EpisodeWave`); `error_budget` is how
+        many environment failures the prompt may still meet. Engine errors end the wave
+        (the scheduler draws what was left again)."""
+        return EpisodeWave(self, row, factory, n, sampling, limits, generate, error_budget)
 
     async def episode(
         self,
@@ -221,8 +338,10 @@ class EpisodeRunner:
         generate: GenerateTurn,
         index: int,
         totals: EpisodeWave,
+        partial: Partial,
     ) -> Completion:
-        """One episode, start to end; `EnvironmentFailed` if its environment failed."""
+        """One episode, start to end; `EnvironmentFailed` if its environment failed.
+        `partial` holds its tokens as they come."""
         thread = EnvThread(f"env-{row.id}-{index}")
         timeout = limits.env_timeout_s
         env: Environment | None = None
@@ -246,7 +365,9 @@ class EpisodeRunner:
             )
             if not isinstance(reset, Reset):
                 raise EnvironmentFailed(f"reset returned {type(reset).__name__}, not a Reset")
-            return await self._turns(row, live, reset, sampling, limits, generate, index, timed)
+            return await self._turns(
+                row, live, reset, sampling, limits, generate, index, timed, partial
+            )
         finally:
             if env is not None:
                 closing = env
@@ -266,11 +387,10 @@ class EpisodeRunner:
         generate: GenerateTurn,
         index: int,
         timed: Callable[[Callable[[], Awaitable[Any]], str], Awaitable[Any]],
+        partial: Partial,
     ) -> Completion:
         prompt, prompt_text = self.first_prompt(row, reset)
-        ids: list[int] = []
-        mask: list[int] = []
-        logprobs: list[float] = []
+        ids, mask, logprobs = partial.ids, partial.mask, partial.logprobs
         pieces: list[str] = []
         versions: list[int] = []
         budget = limits.max_total_tokens

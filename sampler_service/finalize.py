@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from sampler_service import grouping
+from sampler_service.grouping import fresh_tokens
 from sampler_service.live_config import LiveConfig
 from sampler_service.prompt_run import PromptRun
 from sampler_service.replay import Replayed, ReplayStore
@@ -95,6 +96,7 @@ class Finalizer:
         self.finalizing = 0
         #: Called after each batch: backpressure may have eased.
         self.on_stored: Callable[[], None] = lambda: None
+        self._queued_tokens = 0
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -119,7 +121,12 @@ class Finalizer:
     def put(self, run: PromptRun) -> None:
         """A prompt whose answers are all in: its group is built and stored soon."""
         self.finalizing += 1
+        self._queued_tokens += run.recorded_tokens
         self._queue.put_nowait(run)
+
+    def held_tokens(self) -> int:
+        """Decoded tokens of prompts waiting here and of groups waiting for their frame."""
+        return self._queued_tokens + sum(map(fresh_tokens, self.unframed))
 
     def restore_pending(self, groups: list[Group]) -> None:
         """Finished groups stored before a restart but not yet framed."""
@@ -131,6 +138,7 @@ class Finalizer:
             runs = [await self._queue.get()]
             while len(runs) < STORE_BATCH and not self._queue.empty():
                 runs.append(self._queue.get_nowait())
+            self._queued_tokens -= sum(run.recorded_tokens for run in runs)
             try:
                 await self.finalize(runs)
             except Exception as exc:  # a failed write must not stop the finalizer
@@ -184,9 +192,12 @@ class Finalizer:
         reward_mean = sum(v.reward for v in run.verdicts) / len(run.verdicts)
         self.live.mixer.observe(row.domain, reward_mean, result.mean_abs_advantage)
         group = result.group
+        counted = run.sampled_tokens()
         if group is None:
-            self.tally.dropped_groups(str(result.drop_reason))
+            self.tally.dropped_groups(str(result.drop_reason), 1, counted)
             return None
+        kept = fresh_tokens(group)
+        self.tally.grouped(kept, counted - kept)
         if replay is not None and any(s.replayed for s in group.samples):
             self.tally.replayed_answer()
         return group
@@ -241,8 +252,8 @@ class Finalizer:
                 policies.weightings,
                 batch_id=grouping.new_id(),
             )
-            for _, reason in frame.dropped:
-                self.tally.dropped_groups(reason)
+            for group, reason in frame.dropped:
+                self.tally.dropped_groups(reason, 1, fresh_tokens(group))
             for group in frame.kept:
                 self.tally.emitted(group.domain)
             frames.append(frame)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass, replace
 from typing import cast
 
 import numpy as np
 
-from sampler_service.backends.base import Completion, as_list
+from sampler_service.backends.base import Completion, TokenIds, as_list
 from sampler_service.config import Reweighting, SamplerConfig
 from sampler_service.dataset import PromptRow
 from sampler_service.replay import Replayed
@@ -105,6 +105,19 @@ def on_one_prompt(
         for c, p in zip(completions, prompts, strict=True)
     ]
     return prompts[0][:shared], None, answers
+
+
+def sampled_tokens(token_ids: Sized, loss_mask: TokenIds | None) -> int:
+    """Tokens the policy sampled in an answer: mask-1 tokens of an episode, else all."""
+    return len(token_ids) if loss_mask is None else int(np.sum(loss_mask))
+
+
+def fresh_tokens(group: Group) -> int:
+    """Sampled tokens of a group's own answers (a replayed one was counted when it was
+    sampled, for an earlier group): what training on it uses of what was decoded."""
+    return sum(
+        sampled_tokens(s.response_token_ids, s.loss_mask) for s in group.samples if not s.replayed
+    )
 
 
 def build_group(
@@ -191,6 +204,7 @@ def build_group(
             loss_mask=cast(list[int] | None, c.loss_mask),
             num_turns=c.num_turns,
             replayed=i >= n_gen,
+            index=i if i < n_gen else None,
         )
         for i, c, a in zip(indices, answers, adv, strict=True)
     ]
@@ -215,6 +229,7 @@ def build_group(
             reward_mean=advantage.mean(generated_rewards),
             reward_std=advantage.std(generated_rewards),
             n_env_errors=n_env_errors,
+            outcomes=generated_rewards.tolist(),
         ),
         samples=samples,
         batch_id="",

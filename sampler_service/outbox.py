@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sampler_service.grouping import FrameResult, new_id
+from sampler_service.grouping import FrameResult, fresh_tokens, new_id
 from sampler_service.store import AsyncStore, FrameRows, StoredFrame, StoredGroup
 from trainer_client.contract.protocol import Group
 from trainer_client.contract.wire import pack_group, unpack_group
@@ -209,8 +209,9 @@ class Outbox:
             self._notify()
         return sum(len(f.members) for f in frames)
 
-    async def ack(self, delivery_ids: list[str]) -> tuple[int, int]:
-        """Delete acked groups durably; unknown or already-acked ids are counted, not errors."""
+    async def ack(self, delivery_ids: list[str]) -> tuple[int, int, int]:
+        """Delete acked groups durably; unknown or already-acked ids are counted, not
+        errors. Returns (acked, unknown, the acked groups' fresh tokens)."""
         acked: dict[str, set[str]] = {}  # batch_id -> group ids
         for delivery_id in dict.fromkeys(delivery_ids):
             batch_id, group_id = self._by_delivery.get(delivery_id, ("", ""))
@@ -220,12 +221,13 @@ class Outbox:
         await self._store.call(
             self._store.sync.delete, [g for gids in acked.values() for g in gids]
         )
-        removed = 0  # counted after the await: a concurrent ack may have taken some
+        removed = tokens = 0  # counted after the await: a concurrent ack may have taken some
         for batch_id, gids in acked.items():
             frame = self._frames.get(batch_id)
             if frame is None:
                 continue
             before = len(frame.members)
+            tokens += sum(m.tokens for m in frame.members if m.group_id in gids)
             frame.members = [m for m in frame.members if m.group_id not in gids]
             gone = before - len(frame.members)
             removed += gone
@@ -237,7 +239,11 @@ class Outbox:
                     self._by_delivery.pop(delivery_id, None)
         if removed:
             self._notify()
-        return removed, len(delivery_ids) - removed
+        return removed, len(delivery_ids) - removed, tokens
+
+    def held_tokens(self) -> int:
+        """Fresh tokens of the groups in frames not yet acked (READY and LEASED)."""
+        return sum(m.tokens for frame in self._frames.values() for m in frame.members)
 
     def group_ids_among(self, ids: list[str]) -> int:
         """How many of `ids` are ids of delivered groups, not of their deliveries (an ack
@@ -328,7 +334,13 @@ class StoreSink:
 
 def _stored(seq: int, group: Group, payload: bytes) -> StoredGroup:
     return StoredGroup(
-        seq, group.group_id, payload, group.policy_version_min, group.prompt_id, group.domain
+        seq,
+        group.group_id,
+        payload,
+        group.policy_version_min,
+        group.prompt_id,
+        group.domain,
+        fresh_tokens(group),
     )
 
 

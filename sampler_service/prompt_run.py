@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from sampler_service.backends.base import Completion
 from sampler_service.dataset import PromptRow
+from sampler_service.grouping import sampled_tokens
 from sampler_service.live_config import PromptPlan
 from sampler_service.verifiers.base import Verdict
 from strategies.allocation import AllocationPolicy
@@ -16,16 +17,29 @@ from strategies.stopping import StopReason
 
 @dataclass
 class PromptRun:
+    """A prompt's answers are indexed in the order they were issued; they are counted in
+    that order, whatever order they finish in (`arrived`, then `count_arrived`). Under
+    exact stopping the rule is asked after each counted answer from `min_answers` on,
+    so the prompt stops at the first index where it holds, as under sequential sampling;
+    under wave stopping it is asked when a whole wave is counted."""
+
     row: PromptRow
     plan: PromptPlan
     #: The allocation policy at admission and the history it reads (the estimator).
     allocation: AllocationPolicy | None = None
     history: Estimator | None = None
+    #: The counted answers, in index order (1..j).
     completions: list[Completion] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
     outcomes: list[bool] = field(default_factory=list)  # positive or not, in order
     n_pos: int = 0
     n_neg: int = 0
+    #: Answers issued so far: the next one's index.
+    issued: int = 0
+    #: Verified answers above the counted ones, by index, waiting for those below.
+    waiting: dict[int, tuple[Completion, Verdict]] = field(default_factory=dict)
+    #: The rule held on the counted answers: the prompt takes no more.
+    stopped: bool = False
     done: bool = False
     #: Set when the allocation budget, not the rule or n_max, ended the prompt.
     cut: bool = False
@@ -33,14 +47,38 @@ class PromptRun:
     budget: int | None = None
     #: Environment failures met by this prompt's episodes (each one re-run).
     env_errors: int = 0
+    #: Sampled tokens of counted answers the tally has recorded as decoded (those of
+    #: finished waves).
+    recorded_tokens: int = 0
 
     @property
     def n_generated(self) -> int:
         return self.n_pos + self.n_neg
 
+    @property
+    def exact(self) -> bool:
+        return self.plan.cfg.stopping == "exact" and self.plan.cfg.mode == "continuous"
+
+    @property
+    def min_answers(self) -> int:
+        """Answers counted before exact stopping asks the rule (`min_answers`, else the
+        group size: no group is smaller than what down-sampling keeps)."""
+        cfg = self.plan.cfg
+        return min(cfg.min_answers or cfg.group_size, cfg.n_max)
+
+    def sampled_tokens(self) -> int:
+        """Sampled tokens of the counted answers."""
+        return sum(sampled_tokens(c.token_ids, c.loss_mask) for c in self.completions)
+
     def next_wave(self) -> int:
         """The rule's next wave, cut to what is left of the allocation budget."""
-        want = self.plan.rule.next_wave(self.n_pos, self.n_neg, prompt_id=self.row.id)
+        return self._budgeted(
+            self.plan.rule.next_wave(self.n_pos, self.n_neg, prompt_id=self.row.id)
+        )
+
+    def _budgeted(self, want: int) -> int:
+        """`want` cut to what is left of the allocation budget (asked anew: it reads the
+        outcomes so far)."""
         if want == 0 or self.allocation is None or self.history is None:
             return want
         self.budget = self.allocation.budget(
@@ -49,6 +87,50 @@ class PromptRun:
         room = max(self.budget - self.n_generated, 0)
         self.cut = room == 0
         return min(want, room)
+
+    def wave_size(self) -> int:
+        """Answers to issue next; 0 once the prompt is finished. Exact stopping asks the
+        rule only from `min_answers` on, so it issues at least up to there; the
+        allocation budget bounds every wave either way."""
+        if self.stopped:
+            return 0
+        want = self.plan.rule.next_wave(self.n_pos, self.n_neg, prompt_id=self.row.id)
+        if self.exact and self.n_generated < self.min_answers:
+            want = max(want, self.min_answers - self.n_generated)
+        return self._budgeted(want)
+
+    def _holds(self) -> bool:
+        """Exact stopping: the prompt stops at the answer just counted (the rule holds
+        from `min_answers` on, or n_max or the allocation budget is reached)."""
+        if self.n_generated >= self.min_answers:
+            return self.next_wave() == 0
+        return self._budgeted(1) == 0
+
+    def arrived(self, index: int, completion: Completion, verdict: Verdict) -> None:
+        """A verified answer, counted once every answer below it is."""
+        self.waiting[index] = (completion, verdict)
+
+    def count_arrived(self) -> bool:
+        """Count the waiting answers that continue the counted ones, in index order;
+        True once the prompt stops (exact: at the first index from `min_answers` on
+        where the rule holds; the answers above it are surplus)."""
+        threshold = self.plan.cfg.positive_threshold
+        while (answer := self.waiting.pop(self.n_generated, None)) is not None:
+            completion, verdict = answer
+            positive = verdict.reward > threshold
+            self.completions.append(completion)
+            self.verdicts.append(verdict)
+            self.outcomes.append(positive)
+            self.n_pos += positive
+            self.n_neg += not positive
+            if self.exact and self._holds():
+                self.stopped = True
+                return True
+        return False
+
+    def surplus(self) -> list[int]:
+        """Indices issued above the counted answers (once stopped: to cancel or discard)."""
+        return list(range(self.n_generated, self.issued))
 
     def stop_reason(self) -> StopReason:
         """`budget` when the allocation stopped it, else the rule's reason."""

@@ -19,63 +19,34 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, cast
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import numpy as np
 
 from sampler_service.admission import Admission
 from sampler_service.aio import wait_event
-from sampler_service.backends.base import Backend, Completion, GenerationAborted, SamplingParams
+from sampler_service.backends.base import Backend
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
-from sampler_service.episodes import EpisodeRunner, EpisodeWave
+from sampler_service.episodes import EpisodeRunner
 from sampler_service.finalize import Finalizer, GroupSink
 from sampler_service.live_config import LiveConfig
 from sampler_service.metrics import Metrics
 from sampler_service.prompt_run import PromptRun
 from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
 from sampler_service.replay import ReplayStore
-from sampler_service.tally import EpisodeCost, Tally, WaveOutcome
-from sampler_service.verifiers.base import Verdict
+from sampler_service.sampling import PromptDropped, PromptSampler, VerifyFn
+from sampler_service.tally import Tally
 from strategies import mixing
 from trainer_client.contract.protocol import Group
 
 log = logging.getLogger(__name__)
 
-#: Scores a wave's answers to one prompt together (one hand-off to a verifier pool per
-#: wave, not per answer): a verdict per answer, in order. A failed verification is a
-#: verdict of a kind other than `ok` (after whatever retries the function makes itself).
-VerifyFn = Callable[[PromptRow, Sequence[Completion]], Awaitable[list[Verdict]]]
-
-#: Attempts at a wave whose engine call fails before the prompt is given up.
-_ENGINE_RETRIES = 3
 #: Prompts admitted per pass of the admission loop before it yields to the event loop.
 _ADMIT_CHUNK = 64
 #: The state store's key of the scheduler's learned state (`Scheduler.state_dict`).
 STATE_KEY = "scheduler_state"
-
-
-def _unverified(completion: Completion) -> Verdict | None:
-    """The verdict of an answer no verifier scores (see `Scheduler._score`), else None."""
-    if completion.env_reward is not None:
-        return Verdict(completion.env_reward, None)
-    if completion.finish_reason in ("length", "turns"):
-        return Verdict(0.0, None)
-    return None
-
-
-def _episode_cost(wave: EpisodeWave) -> EpisodeCost:
-    model = sum(int(sum(e.loss_mask)) if e.loss_mask is not None else 0 for e in wave.completions)
-    total = sum(len(e.token_ids) for e in wave.completions)
-    return EpisodeCost(
-        turns=tuple(e.num_turns for e in wave.completions),
-        model_tokens=model,
-        observation_tokens=total - model,
-        env_errors=len(wave.env_errors),
-        env_seconds=wave.env_seconds,
-        last_env_error=wave.env_errors[-1] if wave.env_errors else None,
-    )
 
 
 class Scheduler:
@@ -100,7 +71,6 @@ class Scheduler:
         step (`consumer_step`) and the `tally` are shared with the service's other
         components; a benchmark gives a config and gets its own."""
         self.backend = backend
-        self.episodes = episodes
         self.dataset = dataset
         self._verify = verify
         self.metrics = metrics or Metrics()
@@ -125,8 +95,19 @@ class Scheduler:
             on_error=self._error,
         )
         self.finalizer.on_stored = self.poke
+        self.sampler = PromptSampler(
+            backend=backend,
+            verify=verify,
+            tally=self.tally,
+            generating=self._generating,
+            clock=clock,
+            engine_result=self._engine_result,
+            episodes=episodes,
+        )
         self._rng = np.random.default_rng(seed)
-        self._active: set[asyncio.Task[None]] = set()
+        #: Prompts being sampled, by their task; in rounds, the cohort of the round.
+        self._active: dict[asyncio.Task[None], PromptRun] = {}
+        self._cohort: list[PromptRun] = []
         self._gate = asyncio.Event()  # cleared while weights are being swapped
         self._gate.set()
         self._weights_lock = asyncio.Lock()
@@ -142,6 +123,12 @@ class Scheduler:
     def _error(self, message: str) -> None:
         self.last_error = message
 
+    def _engine_result(self, error: str | None) -> None:
+        """An engine call's outcome, for `engine_warning`: None for a success."""
+        if error is not None:
+            self.last_error = error
+        self.engine_errors.append(None if error is None else self.clock())
+
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> None:
         self._runner = asyncio.create_task(self._run(), name="scheduler")
@@ -149,6 +136,10 @@ class Scheduler:
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Stop generating; groups whose answers are all in are still stored (bounded wait)."""
+        # What the prompts still sampling had decoded is lost with them: a restart starts
+        # them again.
+        sampling = [*self._active.values(), *(run for run in self._cohort if not run.done)]
+        self.tally.lost(sum(run.recorded_tokens for run in sampling))
         tasks = [t for t in (self._runner, *self._active) if t is not None]
         for task in tasks:
             task.cancel()
@@ -159,6 +150,15 @@ class Scheduler:
     def poke(self) -> None:
         """Something that limits admission changed (ack, config, weights): re-check."""
         self._wakeup.set()
+
+    @property
+    def episodes(self) -> EpisodeRunner | None:
+        """The runner of the prompts whose rows name an environment."""
+        return self.sampler.episodes
+
+    @episodes.setter
+    def episodes(self, runner: EpisodeRunner | None) -> None:
+        self.sampler.episodes = runner
 
     @property
     def config(self) -> SamplerConfig:
@@ -186,6 +186,13 @@ class Scheduler:
     @property
     def paused(self) -> bool:
         return not self._gate.is_set()
+
+    def held_tokens(self) -> int:
+        """Decoded tokens this scheduler holds: in the counted answers of prompts still
+        sampling, of prompts waiting to be finalized, and of groups waiting for their
+        frame (the other side of `Tally.tokens_by_fate`'s pending, with the sink's)."""
+        runs = [*self._active.values(), *(run for run in self._cohort if not run.done)]
+        return sum(run.recorded_tokens for run in runs) + self.finalizer.held_tokens()
 
     def allocation_stats(self) -> dict[str, Any]:
         """The allocation policy in force, what it learned, and its prompts' counters."""
@@ -268,10 +275,10 @@ class Scheduler:
 
     def _spawn(self, run: PromptRun) -> None:
         task = asyncio.create_task(self._run_prompt(run), name=f"prompt-{run.row.id}")
-        self._active.add(task)
+        self._active[task] = run
 
         def finished(t: asyncio.Task[None]) -> None:
-            self._active.discard(t)
+            self._active.pop(t, None)
             if not t.cancelled() and t.exception() is not None:
                 self.last_error = f"prompt task failed: {t.exception()!r}"
                 log.error("prompt %s failed", run.row.id, exc_info=t.exception())
@@ -303,7 +310,7 @@ class Scheduler:
         while self.capacity() <= 0 or self._active:
             await self._sleep_until_poked(1.0)
         cfg = self.config
-        runs = []
+        runs = self._cohort = []
         for i in range(cfg.cohort_size):
             runs.append(self._admit())
             if i % _ADMIT_CHUNK == _ADMIT_CHUNK - 1:
@@ -326,11 +333,18 @@ class Scheduler:
 
     # -- one prompt -------------------------------------------------------------------
     async def _run_prompt(self, run: PromptRun) -> None:
-        while (n := run.next_wave()) > 0:
-            if failed := await self._wave(run, n):
-                self._drop(run, failed)
-                return
+        if failed := await self.sampler.sample(run):
+            self._drop(run, failed)
+            return
         self.finalizer.put(run)
+
+    async def _wave(self, run: PromptRun, n: int) -> str | None:
+        """One wave of a prompt in a round; why the prompt must be dropped, or None."""
+        try:
+            await self.sampler.wave(run, n)
+        except PromptDropped as exc:
+            return exc.reason
+        return None
 
     @contextlib.asynccontextmanager
     async def _generating(self) -> AsyncIterator[None]:
@@ -345,127 +359,9 @@ class Scheduler:
                 self._drained.set()
                 self.poke()
 
-    async def _wave(self, run: PromptRun, n: int) -> str | None:
-        """Generate and verify one wave; why the prompt must be dropped, or None.
-
-        "engine_error": the engine kept failing. "verifier_unavailable": the prompt's
-        verifier is refusing calls after too many time-outs. "verifier_error": a
-        verification still failed after its retries. A failed verification says nothing
-        about its answer: scoring it 0 would count a negative that never was, so no answer
-        of the wave counts and the prompt is dropped instead.
-        """
-        started = self.clock()
-        answers: tuple[list[Completion], EpisodeCost | None] | None = None
-        failures = 0
-        while answers is None:
-            try:
-                answers = await self._answers(run, n)
-            except GenerationAborted:
-                continue  # a weight update aborted it: re-issue once the gate reopens
-            except Exception as exc:  # noqa: BLE001 - any engine failure is retried, then reported
-                failures += 1
-                self.last_error = f"engine error: {exc!r}"
-                log.warning(
-                    "wave for prompt %s failed (%d/%d): %r",
-                    run.row.id,
-                    failures,
-                    _ENGINE_RETRIES,
-                    exc,
-                )
-                self.engine_errors.append(self.clock())
-                if failures >= _ENGINE_RETRIES:
-                    return "engine_error"
-                await asyncio.sleep(0.5 * 2**failures)
-        self.engine_errors.append(None)
-        completions, episodes = answers
-        failed: str | None = None
-        if run.env_errors >= run.plan.cfg.episode.max_env_errors:
-            failed = "env_error"
-        else:
-            verdicts = await self._score(run.row, completions)
-            if any(v.kind == "unavailable" for v in verdicts):
-                failed = "verifier_unavailable"
-            elif any(v.kind != "ok" for v in verdicts):
-                failed = "verifier_error"
-        if failed is not None:  # no answer counts; what episodes cost was still spent
-            self.tally.wave(WaveOutcome(run.row.domain, 0, 0, 0, None, episodes))
-            return failed
-        self.tally.wave(self._counted(run, completions, verdicts, started, episodes))
-        return None
-
-    def _counted(
-        self,
-        run: PromptRun,
-        completions: list[Completion],
-        verdicts: list[Verdict],
-        started: float,
-        episodes: EpisodeCost | None,
-    ) -> WaveOutcome:
-        """Add a verified wave to its prompt; the wave's outcome, for the tally."""
-        threshold = run.plan.cfg.positive_threshold
-        n_pos = tokens = 0
-        for completion, verdict in zip(completions, verdicts, strict=True):
-            positive = verdict.reward > threshold
-            run.outcomes.append(positive)
-            n_pos += positive
-            tokens += len(completion.token_ids)
-        run.completions.extend(completions)
-        run.verdicts.extend(verdicts)
-        run.n_pos += n_pos
-        run.n_neg += len(verdicts) - n_pos
-        return WaveOutcome(
-            run.row.domain, len(verdicts), n_pos, tokens, self.clock() - started, episodes
-        )
-
-    async def _answers(self, run: PromptRun, n: int) -> tuple[list[Completion], EpisodeCost | None]:
-        """One wave's answers: n single answers in one engine call, or n episodes (with
-        what they cost)."""
-        row = run.row
-        factory = self.episodes.factory_for(row) if self.episodes is not None else None
-        if factory is None:
-            async with self._generating():
-                answers = await self.backend.generate(
-                    row.token_ids, n, run.plan.sampling, affinity_key=row.id
-                )
-            return answers, None
-        assert self.episodes is not None
-        knobs = run.plan.cfg.episode
-
-        async def turn(ids: list[int], sampling: SamplingParams) -> Completion:
-            while True:  # a weight update's abort re-issues the turn, not the episode
-                try:
-                    async with self._generating():
-                        [answer] = await self.backend.generate(
-                            ids, 1, sampling, affinity_key=row.id
-                        )
-                    return answer
-                except GenerationAborted:
-                    continue
-
-        wave = await self.episodes.wave(
-            row, factory, n, run.plan.sampling, knobs, turn, knobs.max_env_errors - run.env_errors
-        )
-        run.env_errors += len(wave.env_errors)
-        if wave.env_errors:
-            log.warning("environment of prompt %s: %s", row.id, wave.env_errors[-1])
-        return wave.completions, _episode_cost(wave)
-
-    async def _score(self, row: PromptRow, completions: list[Completion]) -> list[Verdict]:
-        """A verdict per answer: those a verifier must score in one call. A truncated
-        answer scores 0 without being verified: its final answer is missing. So does an
-        episode that ran out of turns; one whose environment gave a terminal reward
-        scores that."""
-        verdicts = [_unverified(c) for c in completions]
-        todo = [i for i, verdict in enumerate(verdicts) if verdict is None]
-        if todo:
-            verified = await self._verify(row, [completions[i] for i in todo])
-            for i, verdict in zip(todo, verified, strict=True):
-                verdicts[i] = verdict
-        return cast(list[Verdict], verdicts)
-
     def _drop(self, run: PromptRun, reason: str) -> None:
         run.done = True
-        self.tally.dropped_groups(reason)
+        self.tally.dropped_groups(reason, 1, run.sampled_tokens())
 
     # -- weight updates ---------------------------------------------------------------
     @contextlib.asynccontextmanager

@@ -30,7 +30,8 @@ from sampler_service.live_config import LiveConfig
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Outbox, StoreSink, described
 from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
-from sampler_service.scheduler import STATE_KEY, Scheduler, VerifyFn
+from sampler_service.sampling import VerifyFn
+from sampler_service.scheduler import STATE_KEY, Scheduler
 from sampler_service.startup import Prepared, check_verifiers, prepare
 from sampler_service.state_dir import StateDir
 from sampler_service.stats import Stats

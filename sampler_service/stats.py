@@ -114,6 +114,8 @@ class Stats:
                 "filtered_overlong": self.filtered_overlong,
             },
             **scheduler.tally.to_dict(scheduler.replay.stats()),
+            # What the pending tokens should be, counted where they are held.
+            "held_tokens": scheduler.held_tokens() + self.outbox.held_tokens(),
             "rates": self._rates(),
             "staleness": self._staleness(),
             "allocation": scheduler.allocation_stats(),

@@ -89,6 +89,9 @@ class StoredGroup:
     policy_version_min: int = 0
     prompt_id: str = ""
     domain: str = ""
+    #: Sampled tokens of its fresh answers (replayed ones were counted when sampled):
+    #: what acking it trains on, or what dropping it wastes.
+    tokens: int = 0
 
 
 @dataclass(frozen=True)

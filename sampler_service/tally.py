@@ -54,6 +54,13 @@ VERIFIER_ERROR_KINDS = ("timeout", "error", "crash", "unavailable")
 #: Why a judge's request left answers without a verdict: no reply in time, the server
 #: unreachable or the connection lost, an error status, a reply with no verdict in it.
 JUDGE_FAILURES = ("timeout", "transport", "status", "unreadable")
+#: Why decoded tokens were never trained on. surplus: above the index at which the
+#: prompt's rule first held (cancelled in the engine, or discarded once finished);
+#: aborted: cut by a weight update or a drain time-out (the answer is drawn again);
+#: stale: in groups dropped as too far behind the weights; prompt_dropped: in prompts
+#: or groups dropped for an engine, environment or verifier failure, a selection policy
+#: or too few samples; crash: lost to a restart.
+WASTE_CAUSES = ("surplus", "aborted", "stale", "prompt_dropped", "crash")
 #: Last delivered groups whose lag /v1/stats `staleness` summarizes.
 STALENESS_WINDOW = 100
 #: Prompts' pass rates and domain shares are over this many recent prompts.
@@ -93,6 +100,17 @@ class WaveOutcome:
     #: prompt was dropped, its answers not counted).
     seconds: float | None
     episodes: EpisodeCost | None = None
+    #: Answers above the index at which the rule first held, and their sampled tokens
+    #: (those cancelled as far as they had decoded).
+    surplus_answers: int = 0
+    surplus_tokens: int = 0
+    #: Sampled tokens of answers a weight update or a drain time-out cut short.
+    aborted_tokens: int = 0
+    #: Sampled tokens of answers not counted because the prompt was dropped.
+    dropped_tokens: int = 0
+    #: Answers drawn again for an index, by cause (aborted, engine_error, env_error, ...):
+    #: a re-draw that favours short answers breaks the exactness of the group.
+    redrawn: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +316,15 @@ class Tally:
         #: are its own: `judges`).
         self.verifier_retries = 0
         self.judges = {name: JudgeTally() for name in judges}
+        #: Sampled tokens by where they went: every one the engines returned is decoded,
+        #: and becomes trained (acked), downsampled (not kept by down-sampling), waste (by
+        #: cause) or is still pending (in a prompt or group not yet acked).
+        self.decoded = 0
+        self.trained = 0
+        self.downsampled = 0
+        self.waste: Counter[str] = Counter()
+        self.surplus_answers = 0
+        self.redrawn: Counter[str] = Counter()
 
     # -- records ------------------------------------------------------------------------
     def admitted(self, domain: str) -> None:
@@ -319,6 +346,17 @@ class Tally:
             self.wave_seconds.add(outcome.seconds)
         if outcome.episodes is not None:
             self.episodes.add(outcome.episodes)
+        self.decoded += (
+            outcome.tokens
+            + outcome.surplus_tokens
+            + outcome.aborted_tokens
+            + outcome.dropped_tokens
+        )
+        self.waste["surplus"] += outcome.surplus_tokens
+        self.waste["aborted"] += outcome.aborted_tokens
+        self.waste["prompt_dropped"] += outcome.dropped_tokens
+        self.surplus_answers += outcome.surplus_answers
+        self.redrawn.update(dict(outcome.redrawn))
 
     def prompt_finished(self, outcome: PromptOutcome) -> None:
         rate = outcome.positives / outcome.answers
@@ -337,9 +375,16 @@ class Tally:
         self.domains[domain].emitted += 1
         self.recent_emitted.append(domain)
 
-    def dropped_groups(self, reason: str, groups: int = 1) -> None:
-        """Groups not delivered, by reason (at finalizing, framing, or once stored)."""
+    def grouped(self, kept_tokens: int, downsampled_tokens: int) -> None:
+        """A group built from a prompt's counted answers: what down-sampling left out."""
+        self.downsampled += downsampled_tokens
+
+    def dropped_groups(self, reason: str, groups: int = 1, tokens: int = 0) -> None:
+        """Groups not delivered, by reason (at finalizing, framing, or once stored), with
+        the sampled tokens they held: stale ones are `stale` waste, the rest
+        `prompt_dropped`."""
         self.dropped[reason] += groups
+        self.waste["stale" if reason == "stale" else "prompt_dropped"] += tokens
 
     def replayed_answer(self) -> None:
         self.replayed += 1
@@ -350,8 +395,14 @@ class Tally:
             self.lags[lag] += 1
             self.recent_lags.append(lag)
 
-    def acked(self, groups: int) -> None:
+    def lost(self, tokens: int) -> None:
+        """Decoded tokens of prompts a stop abandons: a restart samples them again."""
+        self.waste["crash"] += tokens
+
+    def acked(self, groups: int, tokens: int) -> None:
+        """Groups a trainer acked, with their fresh tokens: those are what it trained on."""
         self.groups_acked += groups
+        self.trained += tokens
 
     def verified(self, kind: str, seconds: float) -> None:
         """A verdict: its kind (`ok` or a failure) and the time the verifier took."""
@@ -384,6 +435,22 @@ class Tally:
             "dropped_stale": self.dropped.get("stale", 0),
         }
 
+    def tokens_by_fate(self) -> dict[str, Any]:
+        """Where the decoded tokens went: decoded = trained + downsampled + waste + pending,
+        pending being what prompts still sampling and groups not yet acked hold."""
+        waste = {cause: self.waste[cause] for cause in WASTE_CAUSES}
+        wasted = sum(waste.values())
+        return {
+            "decoded": self.decoded,
+            "trained": self.trained,
+            "downsampled": self.downsampled,
+            "waste": waste,
+            "pending": self.decoded - self.trained - self.downsampled - wasted,
+            "wasted_share": wasted / self.decoded if self.decoded else None,
+            "surplus_answers": self.surplus_answers,
+            "redrawn": dict(self.redrawn),
+        }
+
     def to_dict(self, replay: dict[str, Any]) -> dict[str, Any]:
         """The sampling figures of /v1/stats (`replay`: the replay store's own)."""
         elapsed = max(self._clock() - self.started, 1e-9)
@@ -404,6 +471,7 @@ class Tally:
             "verifier_errors": {kind: self.verifier_errors[kind] for kind in VERIFIER_ERROR_KINDS},
             "verifier_retries": self.verifier_retries,
             "judges": {name: judge.to_dict() for name, judge in self.judges.items()},
+            "waste": self.tokens_by_fate(),
         }
 
 
@@ -490,6 +558,29 @@ class TallyCollector(Collector):
         yield retries
         yield from self._judges()
         yield from self._episodes()
+        yield from self._tokens()
+
+    def _tokens(self) -> Iterator[Metric]:
+        t = self.tally
+        decoded = self._counter("decoded_tokens", "Sampled tokens the engines returned")
+        decoded.add_metric([], t.decoded)
+        fates = self._counter(
+            "token_fates",
+            "Decoded tokens by what became of them: trained, downsampled, or a waste cause",
+            ("fate",),
+        )
+        fates.add_metric(["trained"], t.trained)
+        fates.add_metric(["downsampled"], t.downsampled)
+        for cause in WASTE_CAUSES:
+            fates.add_metric([cause], t.waste[cause])
+        surplus = self._counter(
+            "surplus_answers", "Answers above the index at which their prompt's rule first held"
+        )
+        surplus.add_metric([], t.surplus_answers)
+        redrawn = self._counter("redrawn_answers", "Answers drawn again for an index", ("cause",))
+        for cause, count in sorted(t.redrawn.items()):
+            redrawn.add_metric([cause], count)
+        yield from (decoded, fates, surplus, redrawn)
 
     def _judges(self) -> Iterator[Metric]:
         judges, p = self.tally.judges, self.prefix

@@ -6,6 +6,7 @@ before/after greedy accuracies, and the sampler's `GET /v1/stats`.
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
 from collections.abc import Sequence
@@ -241,7 +242,24 @@ def plot_report(
     ax.set(title="mixing shares (sampler, recent window)", ylim=(0, 1))
 
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
+    save_figure(fig, path, dpi=80)
     plt.close(fig)
+    return path
+
+
+def save_figure(fig: Any, path: Path, dpi: int) -> Path:
+    """A matplotlib figure as a PNG of at most 256 colours: a line or bar chart loses
+    nothing visible and takes a third of the bytes (the repository carries its plots, and
+    a GPU check carries the repository)."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    buffer.seek(0)
+    with Image.open(buffer) as image:
+        paletted = image.convert("RGB").quantize(
+            256, Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE
+        )
+        paletted.save(path, format="PNG", optimize=True)
     return path

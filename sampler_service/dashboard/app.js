@@ -166,7 +166,25 @@ function renderStats(stats) {
   const servers = (stats.engine || {}).servers;
   renderReplicas(stats.replicas || servers, stats.replicas ? "Replicas" : "Engine servers");
   renderEpisodes(stats.episodes);
+  renderTokens(stats.waste);
   updateCharts(stats);
+}
+
+// decoded = trained + downsampled + waste + pending, as /v1/stats `waste` counts them.
+function renderTokens(w) {
+  if (!w) return;
+  const share = (v) => pct(w.decoded ? v / w.decoded : null);
+  const causes = Object.entries(w.waste || {}).map(([cause, v]) => [`waste: ${cause}`, `${fmt(v)} (${share(v)})`]);
+  const redrawn = Object.entries(w.redrawn || {}).map(([cause, v]) => `${cause} ${fmt(v)}`).join(", ");
+  fillRows($("#tokens tbody"), [
+    ["decoded", fmt(w.decoded)],
+    ["trained", `${fmt(w.trained)} (${share(w.trained)})`],
+    ["downsampled", `${fmt(w.downsampled)} (${share(w.downsampled)})`],
+    ...causes,
+    ["pending (not yet acked)", `${fmt(w.pending)} (${share(w.pending)})`],
+    ["surplus answers", fmt(w.surplus_answers)],
+    ["answers drawn again", redrawn || "none"],
+  ]);
 }
 
 // Multi-turn episodes: shown once the sampler has run any.

@@ -95,19 +95,33 @@ def test_pipelines_bound_the_policy_lag() -> None:
 
 
 def test_targets_take_the_fastest_step_and_the_cheapest_informative_group() -> None:
-    def row(method: str, informative: float, ratio: float, engine_s: float) -> dict[str, Any]:
-        return {"method": method, "pipeline": "on_policy", "extra": False,
+    def row(
+        method: str, informative: float, ratio: float, engine_s: float, stopping: str = "wave"
+    ) -> dict[str, Any]:
+        return {"method": method, "pipeline": "on_policy", "extra": False, "stopping": stopping,
                 "informative_frac": informative, "ratio_by_r": {"0.7": ratio},
-                "answers_per_informative": 10.0, "engine_s_per_informative": engine_s}  # fmt: skip
+                "answers_per_informative": 10.0, "engine_s_per_informative": engine_s,
+                "tokens_per_informative": 100 * engine_s, "surplus_share": 0.0}  # fmt: skip
 
     rows = [
         row("grpo4", 0.5, 1.0, 2.0),
         row("fast", 0.92, 1.4, 1.6),
         row("cheap", 0.95, 1.9, 1.1),
         row("cheaper_but_uninformative", 0.6, 1.0, 0.5),
+        # Exact stopping's twins are judged by the exact targets alone.
+        row("fast_exact", 0.93, 1.2, 1.4, "exact"),
+        row("cheap_exact", 0.96, 1.1, 0.8, "exact"),
     ]
     t = step_time.targets(rows, "adaptive")
     assert t["best"] == "fast" and t["step_target_met"] is True
     assert t["engine_best"] == "cheap" and t["engine_ratio"] == pytest.approx(0.55)
     assert t["engine_target_met"] is True
     assert t["grpo4"]["engine_s_per_informative"] == 2.0
+    seed = step_time._exact_ratios(rows)
+    assert seed is not None and seed["method"] == "cheap_exact"  # the faster step
+    assert seed["exact"]["engine_s_per_informative"] == pytest.approx(0.4)
+    assert seed["wave"]["engine_s_per_informative"] == pytest.approx(0.55)
+    judged = step_time.exact_targets([seed, seed])
+    assert judged["exact/engine_s_per_informative"]["met"] is True
+    assert judged["exact/step"]["measured"]["mean"] == pytest.approx(1.1)
+    assert judged["exact/tokens_per_informative"]["measured"]["wave_stopping"]["mean"] == 0.55

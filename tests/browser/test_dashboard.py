@@ -138,6 +138,10 @@ def test_dashboard(sampler: SamplerProcess, browser: Any, toy: Any) -> None:
     assert page.inner_text("#health") == "ok"
     assert page.is_hidden("#replicas-panel")  # one engine in the sampler's process
     assert page.is_hidden("#episodes-panel")  # single answers: no episodes
+    # Where the decoded tokens went, as /v1/stats counts them.
+    wait_for("the token figures", lambda: "decoded" in page.inner_text("#tokens"))
+    tokens = page.inner_text("#tokens")
+    assert all(part in tokens for part in ("trained", "waste: surplus", "waste: stale", "pending"))
     # The time charts run from the page's first sample, a minute at least: not over years
     # (uPlot's own range for a lone point).
     for chart in ("rates", "queue"):

@@ -24,6 +24,7 @@ from sampler_service.backends.base import Completion, SamplingParams
 from sampler_service.backends.hf import HFBackend
 from sampler_service.config import EpisodeKnobs
 from sampler_service.dataset import PromptRow
+from sampler_service.environments.base import Reset, Step
 from sampler_service.environments.tools import tool_schema
 from sampler_service.episodes import EpisodeRenderer, EpisodeRunner, load_factories
 from sampler_service.finalize import MemorySink
@@ -187,6 +188,82 @@ async def test_groups_obey_the_rule_counted_in_episodes(toy, engine, tmp_path) -
     assert scheduler.tally.episodes.episodes >= sum(len(g.samples) for g in groups)
 
 
+async def test_exact_stopping_counts_episodes_in_index_order_and_cancels_the_surplus(
+    toy, engine, tmp_path
+) -> None:
+    """Balanced 1/1 in waves of 4: a group is episodes 1..j for the first j holding a right
+    and a wrong one, whatever order they finished in; the wave's episodes above j are
+    cancelled (or discarded if done) and counted as surplus, never as answers."""
+    data = episode_data(toy, tmp_path, "python:episode_envs:retell")
+    cfg = {**BALANCED_WHOLE_GROUPS, "wave_size": 4, "stopping": "exact"}
+    scheduler, sink = with_episodes(toy, engine, data, **cfg)
+    groups = await run_until(scheduler, sink, 8, reasons=frozenset({"rule"}))
+    for group in groups:
+        assert [s.index for s in group.samples] == list(range(group.stats.n_generated))
+        right = [s.reward > 0.5 for s in group.samples]
+        assert group.stats.outcomes == [s.reward for s in group.samples]
+        if group.stop_reason == "rule":
+            assert len(set(right)) == 2 and len(set(right[:-1])) == 1  # first j where it holds
+    tally = scheduler.tally
+    assert tally.surplus_answers > 0 and tally.waste["surplus"] > 0
+    assert not tally.redrawn and tally.episodes.episodes >= sum(len(g.samples) for g in groups)
+
+
+class OneTurn:
+    """An episode of one model turn."""
+
+    async def reset(self, row: Any, *, seed: int | None) -> Reset:
+        return Reset()
+
+    async def step(self, action: str) -> Step:
+        return Step(observation=None, done=True)
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_cancelled_episode_stops_and_comes_back_with_what_it_sampled(
+    tmp_path: Path,
+) -> None:
+    """The first two turns answer at once; the other two episodes are still in their
+    turn when the reader cancels them: their engine calls are cancelled, and they come
+    back as aborted with the tokens they had (none: their one turn never returned), by
+    their own index (which episodes reach the engine first is the threads' race)."""
+    tokenizer = char_tokenizer(CHATML)
+    text = "What is 2+3?"
+    row = PromptRow(id="text", prompt=text, answer="5", domain="add")
+    row.text, row.token_ids = text, encode(tokenizer, text)
+    started: list[int] = []
+    cancelled: list[int] = []
+
+    async def turn(ids: list[int], sampling: SamplingParams) -> Completion:
+        started.append(len(started))
+        if len(started) > 2:
+            try:
+                await asyncio.Event().wait()  # a turn that would never end
+            except asyncio.CancelledError:
+                cancelled.append(len(started))
+                raise
+        tokens = encode(tokenizer, "5")
+        return Completion(tokens, [-1.0] * len(tokens), "5", "stop")
+
+    runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
+    wave = runner.wave(row, OneTurn, 4, SamplingParams(), EpisodeKnobs(), turn, 1)
+    got: dict[int, Completion] = {}
+    running: list[int] = []
+    async for index, completion in wave:
+        got[index] = completion
+        if len(got) == 2:
+            running = [i for i in range(4) if i not in got]
+            await wave.cancel(running)
+    assert sorted(got) == [0, 1, 2, 3] and len(cancelled) == 2 and len(running) == 2
+    finished = [i for i in range(4) if i not in running]
+    assert [got[i].finish_reason for i in finished] == ["stop", "stop"]
+    assert [got[i].finish_reason for i in running] == ["abort", "abort"]
+    assert all(not got[i].token_ids for i in running)
+    assert all(len(got[i].token_ids) > 0 for i in finished)
+
+
 async def test_the_environments_terminal_reward_is_what_the_rule_counts(
     toy, engine, tmp_path
 ) -> None:
@@ -310,7 +387,7 @@ async def test_a_tool_episode_on_a_chat_row_starts_from_the_whole_conversation(
     row = chat_row(tmp_path, tokenizer)
     model = ScriptedChat(tokenizer)
     runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
-    wave = await runner.wave(row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 1)
+    wave = await runner.wave(row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 1).run()
 
     tools = [tool_schema(episode_envs.add)]
     opening = [*row.prompt, *messages]
@@ -440,6 +517,8 @@ async def test_a_reset_the_episode_cannot_start_from_fails_the_environment(
     row.text, row.token_ids = text, encode(tokenizer, text)
     model = ScriptedChat(tokenizer)
     runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
-    wave = await runner.wave(row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 1)
+    # An error budget of 3: each failure re-runs its episode until the third ends the wave
+    # (the other episode may fail at the same time: it is counted too).
+    wave = await runner.wave(row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 3).run()
     assert not wave.completions and not model.sent
-    assert len(wave.env_errors) == 2 and all(why in error for error in wave.env_errors)
+    assert 3 <= len(wave.env_errors) <= 4 and all(why in error for error in wave.env_errors)

@@ -86,6 +86,7 @@ def test_cli_against_live_sampler(make_server: Any, toy: Any, tmp_path: Path) ->
     for domain in ("add1", "add2", "mul"):
         assert domain in once.stdout
     assert "turns per episode" not in once.stdout  # single answers: no episodes table
+    assert "decoded tokens" in once.stdout and "waste: surplus" in once.stdout
     watched = cli(url, "stats", "--watch", "--count", "3", "--interval", "0.2")
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.count("stats at") == 3  # no TTY: one frame per refresh

@@ -298,3 +298,38 @@ def test_a_large_lease_widens_the_step_only_while_its_consumer_is_seen(make_serv
             lambda: c.get("/v1/stats").json()["staleness"]["step_groups"] == 1,
             timeout_s=30,
         )
+
+
+def test_every_decoded_token_has_one_fate_live(make_server: Any, toy: Any) -> None:
+    """decoded = trained + downsampled + waste + pending, where pending is what the
+    sampler still holds (prompts sampling, groups not acked): checked once admission has
+    settled (the buffer full), and again after a trainer acked some and a lowered
+    staleness bound dropped others."""
+    config = {**QUICK, "rule": "balanced", "k_pos": 1, "k_neg": 1, "n_max": 8, "wave_size": 4,
+              "group_size": 2, "max_buffered_groups": 24}  # fmt: skip
+    server = make_server(config)
+    with server.client() as c:
+
+        def settled() -> dict[str, Any] | None:
+            stats = c.get("/v1/stats").json()
+            queue = stats["queue"]
+            quiet = not queue["active_prompts"] and not queue["finalizing"]
+            return stats if quiet and stats["admission"]["blocked_by"] else None
+
+        def check(stats: dict[str, Any]) -> dict[str, Any]:
+            w = stats["waste"]
+            assert w["decoded"] > 0 and w["pending"] == stats["held_tokens"], (w, stats)
+            fates = w["trained"] + w["downsampled"] + sum(w["waste"].values()) + w["pending"]
+            assert fates == w["decoded"]
+            return w
+
+        first = check(_wait_for("a full buffer", settled))
+        assert first["waste"]["surplus"] > 0 and first["downsampled"] > 0
+        got = _lease(c, 6, "trainer")
+        _ack(c, got)
+        weights = perturbed_file(toy.model_dir, 0.0)
+        _push(c, weights, 1)
+        _push(c, weights, 2)
+        assert c.patch("/v1/config", json={"max_staleness": 0}).status_code == 200
+        later = check(_wait_for("admission to settle again", settled))
+        assert later["trained"] > 0 and later["waste"]["stale"] > 0

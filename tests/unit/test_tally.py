@@ -38,7 +38,7 @@ def test_stats_and_metrics_read_the_same_counts() -> None:
     tally.emitted("add")
     tally.dropped_groups("stale", 3)
     tally.delivered([0, 2])
-    tally.acked(1)
+    tally.acked(1, 40)
     tally.verified("ok", 0.01)
     tally.verified("timeout", 10.0)
     tally.verifier_retried(1)

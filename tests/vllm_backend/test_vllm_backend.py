@@ -477,7 +477,7 @@ def test_episodes_and_stop_strings_match_hf(engines: Engines) -> None:
             row.token_ids = ids
             wave: EpisodeWave = await runner.wave(
                 row, _AskAgain, 1, SamplingParams(temperature=0.0), knobs, turn, 1
-            )
+            ).run()
             out.extend(wave.completions)
         return out
 

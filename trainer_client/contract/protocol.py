@@ -78,6 +78,11 @@ class Sample(_Wire):
         "Sent only to a consumer that declared the loss_mask feature",
     )
     num_turns: int = Field(1, description="model turns of the episode (1: a single answer)")
+    index: int | None = Field(
+        None,
+        description="the answer's index in its prompt's sequence, fixed when its wave was "
+        "issued (0-based); null for a replayed answer, which an earlier group drew",
+    )
     replayed: bool = Field(
         False,
         description="an earlier right answer of the prompt put in place of one of an "
@@ -97,6 +102,11 @@ class GroupStats(_Wire):
     reward_std: float
     n_env_errors: int = Field(
         0, description="episodes whose environment failed (run again, not counted above)"
+    )
+    outcomes: list[float] = Field(
+        default_factory=list,
+        description="the rewards of the prompt's answers 1..j in the order they were issued, "
+        "j being where its stopping rule first held (the group's samples are some of them)",
     )
 
 

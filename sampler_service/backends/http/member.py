@@ -2,14 +2,11 @@
 for `--backend http` (what every server shares, and the fleet around them:
 `transport.py`).
 
-- Waves are token-in/token-out requests (`POST /v1/completions` for vLLM), one request
-  per answer under an id of ours: the prompt as token ids, the sampler's sampling
-  parameters spelled out (so a server's generation_config defaults change nothing), the
-  answer's seed (the wave's plus its index, `base.answer_seed`), the sampled token's
-  logprob and the answer's token ids, so answers are never re-tokenized; the text is
-  decoded here with the sampler's tokenizer. Each answer comes back as its request
-  returns. One request of n would not do: the servers abort the n answers of one
-  request together.
+- Waves are token-in/token-out requests (`POST /v1/completions` for vLLM), one per
+  answer (servers abort the n answers of one request together) under an id of ours:
+  the prompt as token ids, every sampling parameter spelled out (a server's
+  generation_config changes nothing), the answer's seed (`base.answer_seed`), and the
+  answer's token ids and logprobs back, never re-tokenized (the text is decoded here).
 - A cancel aborts the answers' requests through the dialect's abort endpoint (vLLM's
   `/abort_requests`, under the ids the server runs them as), and each comes back as its
   request returns: aborted, with the tokens and logprobs it had decoded. If that call

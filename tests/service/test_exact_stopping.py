@@ -1,0 +1,257 @@
+"""Exact stopping: the groups the sampler forms are distributed as under sequential
+sampling, however long each answer takes.
+
+The real scheduler drives the simulated engine in simulated time, with right answers much
+shorter than wrong ones, so they finish first: a rule that counted answers in the order
+they finish would see the positives early and stop on them. Over thousands of prompts of
+one pass rate, the groups' mean n_pos, n_neg and answers must match the closed form of
+sequential sampling (each answer drawn after the last, the rule asked from `min_answers`
+on) within 4 standard errors; the same check fails for a finishing-order rule, which an
+engine that numbers answers as they finish reproduces. Weight pushes in `wait` mode keep
+the groups exact; `abort` mode re-draws the long answers it cuts, and the bias it causes
+is measured and printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import tempfile
+from collections import Counter
+from collections.abc import AsyncIterator, Collection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bench import adaptive_sim, virtual_clock
+from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
+from sampler_service.backends.base import Completion, SamplingParams, Wave
+from sampler_service.config import SamplerConfig, check_consistency
+from sampler_service.finalize import MemorySink
+
+pytestmark = pytest.mark.timeout(900)
+
+PASS_RATE = 0.3
+PROMPTS = 3000
+#: Balanced 2/2 in waves of 8, as Reinforce-Ada: answers past the rule are common.
+CONFIG = {
+    "rule": "balanced",
+    "k_pos": 2,
+    "k_neg": 2,
+    "n_max": 16,
+    "wave_size": 8,
+    "group_size": 4,
+    "downsample": "balanced",
+    "advantage": "grpo",
+    "max_tokens": 4096,
+    "max_active_prompts": 64,
+    "max_buffered_groups": 100_000,
+    "max_staleness": None,
+}
+#: Right answers ~100 tokens, wrong ones ~4x longer: they finish in a very different order.
+SPEC = EngineSpec(
+    max_num_seqs=256,
+    step_base_s=0.01,
+    step_per_seq_s=0.0,
+    prefill_per_token_s=0.0,
+    length_median=100.0,
+    length_sigma=0.3,
+    wrong_length_factor=4.0,
+)
+SE = 4.0
+
+
+def sequential(p: float, cfg: SamplerConfig) -> dict[str, tuple[float, float]]:
+    """(mean, variance) of a group's n_pos, n_neg and answers under sequential sampling:
+    answers drawn one at a time, the rule asked after each from `min_answers` on."""
+    rule = cfg.build_rule(None)
+    min_answers = min(cfg.min_answers or cfg.group_size, cfg.n_max)
+    alive = {(0, 0): 1.0}
+    ended: Counter[tuple[int, int]] = Counter()
+    while alive:
+        nxt: Counter[tuple[int, int]] = Counter()
+        for (pos, neg), prob in alive.items():
+            n = pos + neg
+            if n >= cfg.n_max or (n >= min_answers and rule.next_wave(pos, neg) == 0):
+                ended[pos, neg] += prob
+                continue
+            nxt[pos + 1, neg] += prob * p
+            nxt[pos, neg + 1] += prob * (1 - p)
+        alive = dict(nxt)
+    out = {}
+    for name, value in (
+        ("n_pos", lambda a, b: a),
+        ("n_neg", lambda a, b: b),
+        ("answers", lambda a, b: a + b),
+    ):
+        mean = sum(pr * value(a, b) for (a, b), pr in ended.items())
+        var = sum(pr * (value(a, b) - mean) ** 2 for (a, b), pr in ended.items())
+        out[name] = (mean, var)
+    return out
+
+
+class _Renumbered(Wave):
+    """A wave whose answers are numbered in the order they finish."""
+
+    cancels_answers = True
+
+    def __init__(self, inner: Wave) -> None:
+        super().__init__(inner.n)
+        self._inner = inner
+        self._yielded: set[int] = set()
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Completion]]:
+        async for index, completion in self._inner:
+            self._yielded.add(index)
+            yield len(self._yielded) - 1, completion
+
+    async def cancel(self, indices: Collection[int]) -> None:
+        # The answers not yet finished, whatever their original numbers.
+        left = [i for i in range(self.n) if i not in self._yielded]
+        await self._inner.cancel(left[: len(indices)])
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class FinishingOrder(SimBackend):
+    """The simulated engine, its answers numbered as they finish: a rule reading them in
+    index order then reads them in finishing order."""
+
+    def wave(
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
+    ) -> Wave:
+        return _Renumbered(super().wave(prompt_token_ids, n, sampling))
+
+
+async def _groups(
+    engine_cls: type[SimBackend], cfg: SamplerConfig, pushes: str | None, seed: int
+) -> dict[str, Any]:
+    """Run until PROMPTS groups are formed; weight pushes every 2 simulated seconds in
+    `pushes` mode (`wait` or `abort`), if given."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = adaptive_sim.write_dataset(Path(tmp), PROMPTS)
+        dataset = adaptive_sim.simulated_dataset(data, PROMPTS, seed)
+    rates = np.full(PROMPTS, PASS_RATE)
+    engine = engine_cls(rates, SPEC, seed=seed)
+    await engine.start()
+    sink = MemorySink()
+    if pushes is not None:
+        cfg = cfg.model_copy(update={"weight_update_mode": pushes})
+    check_consistency(cfg, dataset.domains)
+    scheduler = sim_scheduler(engine, dataset, sink, cfg, seed)
+    scheduler.start()
+
+    async def push() -> None:
+        version = 0
+        while True:
+            await asyncio.sleep(2.0)
+            async with scheduler.paused_for_weights():
+                version += 1
+                await engine.load_weights({}, version)
+
+    pusher = asyncio.create_task(push()) if pushes is not None else None
+    try:
+        while len(sink.groups()) < PROMPTS:
+            await asyncio.sleep(1.0)
+    finally:
+        if pusher is not None:
+            pusher.cancel()
+        await scheduler.stop()
+        await engine.close()
+    groups = sink.groups()[:PROMPTS]
+    stats = scheduler.tally.tokens_by_fate()
+    return {
+        "n_pos": [g.stats.n_pos for g in groups],
+        "n_neg": [g.stats.n_neg for g in groups],
+        "answers": [g.stats.n_generated for g in groups],
+        "ordered": all(
+            [s.index for s in g.samples] == sorted(s.index for s in g.samples) for g in groups
+        ),
+        "indices": [sorted(s.index for s in g.samples) for g in groups],
+        "waste": stats,
+        "dropped": dict(scheduler.tally.dropped),
+    }
+
+
+def _z(measured: list[int], mean: float, var: float) -> float:
+    return (float(np.mean(measured)) - mean) / math.sqrt(var / len(measured))
+
+
+def _zs(result: dict[str, Any], cfg: SamplerConfig) -> dict[str, float]:
+    closed = sequential(PASS_RATE, cfg)
+    return {name: _z(result[name], *closed[name]) for name in ("n_pos", "n_neg", "answers")}
+
+
+CFG = SamplerConfig(**CONFIG)
+
+
+def test_the_closed_form_is_sequential_sampling() -> None:
+    # Balanced 2/2 from 4 answers on: P(stop at 4) = C(4,2) p^2 q^2.
+    closed = sequential(0.5, CFG)
+    assert closed["answers"][0] == pytest.approx(
+        sum(
+            j * prob
+            for j, prob in _stop_distribution(0.5).items()  # brute force over every sequence
+        )
+    )
+
+
+def _stop_distribution(p: float) -> dict[int, float]:
+    """Where balanced 2/2 (from 4 on, n_max 16) stops, by enumerating answer sequences."""
+    out: Counter[int] = Counter()
+
+    def walk(pos: int, neg: int, prob: float) -> None:
+        n = pos + neg
+        if n >= 16 or (n >= 4 and pos >= 2 and neg >= 2):
+            out[n] += prob
+            return
+        walk(pos + 1, neg, prob * p)
+        walk(pos, neg + 1, prob * (1 - p))
+
+    walk(0, 0, 1.0)
+    return dict(out)
+
+
+def test_groups_match_sequential_sampling_and_a_finishing_order_rule_does_not() -> None:
+    exact = virtual_clock.run(_groups(SimBackend, CFG, None, seed=1))
+    z = _zs(exact, CFG)
+    print(f"exact stopping, {PROMPTS} prompts at p={PASS_RATE}: z {z}; waste {exact['waste']}")
+    assert all(abs(v) <= SE for v in z.values()), z
+    # Each group is answers 1..j of its prompt (down-sampled), every index below j drawn once.
+    assert exact["ordered"] and all(ix[-1] < 16 for ix in exact["indices"])
+    assert exact["waste"]["surplus_answers"] > 0  # waves of 8 overshoot the rule
+    assert not exact["waste"]["redrawn"] and not exact["dropped"]
+
+    wave = virtual_clock.run(
+        _groups(SimBackend, CFG.model_copy(update={"stopping": "wave"}), None, seed=1)
+    )
+    print(
+        f"wave stopping: mean answers {np.mean(wave['answers']):.2f} against exact {np.mean(exact['answers']):.2f}"
+    )
+    assert np.mean(wave["answers"]) > np.mean(exact["answers"])  # whole waves are counted
+
+    by_finish = virtual_clock.run(_groups(FinishingOrder, CFG, None, seed=1))
+    z_finish = _zs(by_finish, CFG)
+    print(f"finishing-order rule: z {z_finish}")
+    assert max(abs(v) for v in z_finish.values()) > SE, z_finish
+
+
+def test_weight_pushes_in_wait_mode_stay_exact_and_abort_mode_redraws() -> None:
+    waited = virtual_clock.run(_groups(SimBackend, CFG, "wait", seed=2))
+    z = _zs(waited, CFG)
+    print(f"pushes every 2 s, wait: z {z}")
+    assert all(abs(v) <= SE for v in z.values()), z
+    assert not waited["waste"]["redrawn"] and waited["waste"]["waste"]["aborted"] == 0
+    aborted = virtual_clock.run(_groups(SimBackend, CFG, "abort", seed=2))
+    z_abort = _zs(aborted, CFG)
+    print(f"pushes every 2 s, abort: z {z_abort}; redrawn {aborted['waste']['redrawn']}")
+    assert aborted["waste"]["redrawn"].get("aborted", 0) > 0
+    assert aborted["waste"]["waste"]["aborted"] > 0
