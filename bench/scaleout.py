@@ -62,7 +62,7 @@ import numpy as np
 from bench import virtual_clock
 from bench.common import ROOT, environment, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler, verify_reward_text
-from sampler_service.backends.base import Backend, Completion, SamplingParams
+from sampler_service.backends.base import Backend, Completion, SamplingParams, Wave
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.finalize import VolatileSink
@@ -435,12 +435,18 @@ async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> list[dict[st
     return out
 
 
+async def _streamed(wave: Wave) -> list[tuple[int, Completion]]:
+    """A wave read answer by answer, as a reader that may stop early reads it."""
+    return [pair async for pair in wave]
+
+
 async def call_costs(bursts: int, waves: int) -> dict[str, Any]:
     """What a wave costs in Ray calls, one hf replica of the toy model (no batch wait):
 
     - a burst of 16 concurrent waves (8 answers of 8 tokens each), sent as one Ray call
-      per wave (the replica's direct `generate`) or through the pool's channel: wall time
-      and this process's (the driver's) CPU per burst;
+      per wave (the replica's direct `generate`) or through the pool's channel, read
+      whole (`generate`) or answer by answer (`wave`): wall time and this process's (the
+      driver's) CPU per burst;
     - one wave at a time (1-token answers): median latency through the pool, through the
       engine process, and of an empty `collect_waves` call (a Ray round trip alone).
     """
@@ -482,6 +488,9 @@ async def call_costs(bursts: int, waves: int) -> dict[str, Any]:
                 lambda i: actor.handle.generate.remote([1, 2, i % 8], 8, burst)
             ),
             "burst_channel": await per_burst(lambda i: pool.generate([1, 2, i % 8], 8, burst)),
+            "burst_channel_streamed": await per_burst(
+                lambda i: _streamed(pool.wave([1, 2, i % 8], 8, burst))
+            ),
             "wave_pool_ms": await latency_ms(lambda: pool.generate([1, 2, 3], 1, single)),
             "empty_call_ms": await latency_ms(
                 lambda: actor.handle.collect_waves.remote(actor.channel.session, 0.0)

@@ -152,6 +152,9 @@ class _SimWave(Wave):
     async def cancel(self, indices: Collection[int]) -> None:
         self._engine.cancel(self._request, indices)
 
+    def close(self) -> None:
+        self._engine.cancel(self._request, list(self._request.live))
+
 
 @dataclass
 class EngineStats:

@@ -177,6 +177,11 @@ class EpisodeWave(Wave):
         for index, _ in cancelled:
             self._finished.put_nowait((index, self._partials[index].aborted()))
 
+    def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks.clear()
+
     def cost(self) -> EpisodeCost:
         """What the finished episodes spent beyond their answers."""
         model = sum(

@@ -7,7 +7,9 @@ fixtures in `tests/conftest.py`.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -261,6 +263,17 @@ def perturbed_state(
         n: (state[n] + scale * torch.randn(state[n].shape, generator=gen)).contiguous()
         for n in (names or list(state))
     }
+
+
+def endless(model_dir: Path, out: Path) -> Path:
+    """A copy of a model whose EOS id is outside the vocabulary: every hf answer runs to
+    max_tokens (a greedy one the same each time), so one stopped early shows."""
+    shutil.copytree(model_dir, out)
+    for name in ("config.json", "generation_config.json"):
+        path = out / name
+        if path.exists():
+            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": 1_000_000}))
+    return out
 
 
 def perturbed_file(model_dir: Path, scale: float, seed: int = 0) -> bytes:

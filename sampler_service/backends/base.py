@@ -5,9 +5,10 @@ transformers backend on a laptop, vLLM on a GPU node, a fleet of Ray replicas or
 servers, or the simulated engine of the benchmarks.
 
 A wave's answers come as a `Wave`: each answer with its index as it finishes, and a
-cancel by index. An engine that answers whole waves hands them all at once
-(`WholeWave`) and declares that it cannot cancel one answer alone, so a reader that
-stops early works with every engine.
+cancel by index. An engine that streams hands each answer over as it finishes
+(`StreamedWave`; one request per answer: `RequestWave`); one that answers whole waves
+hands them all at once (`WholeWave`) and declares that it cannot cancel one answer
+alone (`cancels_answers`), so a reader that stops early works with every engine.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ from __future__ import annotations
 import abc
 import asyncio
 import math
-from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
+from collections import deque
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -56,6 +66,13 @@ class SamplingParams:
     #: answer's tokens, which are never re-encoded.
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+
+
+def answer_seed(seed: int | None, index: int) -> int | None:
+    """The seed of answer `index` of a seeded wave sent as one request per answer: the
+    wave's seed plus the index, as vLLM seeds the `n` children of one request, so the
+    answers stay distinct and a seeded wave draws what one request of n drew."""
+    return None if seed is None else seed + index
 
 
 def check_request(
@@ -154,19 +171,33 @@ def as_list(values: TokenIds | Floats) -> list[Any]:
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
+def aborted(version: int = 0) -> Completion:
+    """An answer stopped with nothing decoded that anyone can count: it never reached an
+    engine, or its tokens were lost with the engine that held them."""
+    return Completion([], [], "", "abort", version)
+
+
 class Wave(abc.ABC):
     """One wave of `n` answers to one prompt, issued: each answer's index is fixed now.
 
-    Iterating yields `(index, answer)` as each answer finishes. `cancel(indices)` stops
-    answers not yet finished; an engine that can stop only the whole wave says so
-    (`cancels_answers` False) and raises NotSupported for anything less than every
-    answer left. A wave is read once.
+    Iterating yields `(index, answer)` as each answer finishes, every index once.
+    `cancel(indices)` stops answers not yet finished: each still comes back, with
+    `finish_reason` "abort" and the tokens it had decoded (none where the engine cannot
+    say), or as it finished if it finished before the cancel reached it. An engine's own
+    abort (a weight update in `abort` mode) ends answers the same way, with "abort", or
+    ends the rest of the wave with GenerationAborted where the engine hands back nothing.
+    An engine that can stop only the whole wave says so (`cancels_answers` False) and
+    raises NotSupported for anything less than every answer left. A wave is read once;
+    a reader that leaves before the end (`close`, or its task cancelled) drops what
+    still runs.
     """
 
     #: Whether `cancel` stops single answers, or only the whole wave.
     cancels_answers: bool = False
 
     def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
         self.n = n
 
     @abc.abstractmethod
@@ -175,8 +206,15 @@ class Wave(abc.ABC):
     @abc.abstractmethod
     async def cancel(self, indices: Collection[int]) -> None: ...
 
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop reading: whatever of the wave still runs is dropped at once, without
+        waiting for the engine (an engine that is down would never answer)."""
+
     def answers(self) -> Awaitable[list[Completion]]:
-        """Every answer, in index order: the wave read to its end."""
+        """Every answer, in index order: the wave read to its end. A reader of whole
+        waves cancels nothing, so an aborted answer is the engine's own abort and the
+        wave is issued again: GenerationAborted."""
         return self._read_all()
 
     async def _read_all(self) -> list[Completion]:
@@ -186,6 +224,9 @@ class Wave(abc.ABC):
         missing = [i for i, answer in enumerate(out) if answer is None]
         if missing:
             raise GenerationAborted(f"the wave ended without answers {missing}")
+        cut = [i for i, answer in enumerate(out) if answer and answer.finish_reason == "abort"]
+        if cut:
+            raise GenerationAborted(f"the engine aborted answers {cut}")
         return [answer for answer in out if answer is not None]
 
 
@@ -212,6 +253,131 @@ class WholeWave(Wave):
         if not done:
             self._call.cancel()
             await asyncio.gather(self._call, return_exceptions=True)
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
+class StreamedWave(Wave):
+    """A wave whose engine hands over each answer as it finishes.
+
+    The engine's side calls `put(index, answer)` once per index (a later answer for the
+    same index is one the engine was told to drop, and is ignored) and `fail(error)` when
+    the rest of the wave will not come. `stop(indices)`, awaited by `cancel`, asks the
+    engine to end those answers early; it still puts each of them. `drop()` ends locally
+    whatever still runs when the reader leaves before the end.
+    """
+
+    cancels_answers = True
+
+    def __init__(
+        self,
+        n: int,
+        stop: Callable[[list[int]], Awaitable[None]],
+        drop: Callable[[], None],
+        *,
+        cancels_answers: bool = True,
+    ) -> None:
+        super().__init__(n)
+        self.cancels_answers = cancels_answers
+        self._stop = stop
+        self._drop = drop
+        self._ready: deque[tuple[int, Completion]] = deque()
+        self._missing = set(range(n))
+        self._cancelled: set[int] = set()
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False
+
+    @property
+    def missing(self) -> frozenset[int]:
+        """The indices not answered yet."""
+        return frozenset(self._missing)
+
+    @property
+    def cancelled(self) -> frozenset[int]:
+        """The indices `cancel` was asked to stop."""
+        return frozenset(self._cancelled)
+
+    def put(self, index: int, answer: Completion) -> None:
+        if index not in self._missing:
+            return
+        self._missing.discard(index)
+        self._ready.append((index, answer))
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None and self._missing:
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Completion]]:
+        try:
+            while True:
+                while self._ready:
+                    yield self._ready.popleft()
+                if not self._missing:
+                    return
+                if self._error is not None:
+                    raise self._error
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+        finally:
+            self.close()
+
+    async def cancel(self, indices: Collection[int]) -> None:
+        wanted = sorted((self._missing - self._cancelled).intersection(indices))
+        if not wanted:
+            return
+        if not self.cancels_answers and len(wanted) < len(self._missing - self._cancelled):
+            raise NotSupported("this engine answers whole waves: it cancels all of one or none")
+        self._cancelled.update(wanted)
+        await self._stop(wanted)
+
+    def close(self) -> None:
+        if self._missing and not self._closed:
+            self._closed = True
+            self._drop()
+
+
+class RequestWave(StreamedWave):
+    """A wave sent as one engine request per answer (vLLM, HTTP servers), each a task:
+    `request(i)` runs answer i's request to its answer, `stop(indices)` aborts requests
+    in the engine (they still answer, aborted), and a dropped wave cancels its tasks."""
+
+    def __init__(
+        self,
+        n: int,
+        request: Callable[[int], Coroutine[Any, Any, Completion]],
+        stop: Callable[[list[int]], Awaitable[None]],
+    ) -> None:
+        super().__init__(n, stop, self._cancel_requests)
+        loop = asyncio.get_running_loop()
+        self._requests = [loop.create_task(self._answer(i, request(i))) for i in range(n)]
+
+    async def _answer(self, index: int, request: Coroutine[Any, Any, Completion]) -> None:
+        try:
+            answer = await request
+        except Exception as exc:  # noqa: BLE001 - the wave's reader gets it
+            self.fail(exc)
+        else:
+            self.put(index, answer)
+
+    def _cancel_requests(self) -> None:
+        for task in self._requests:
+            task.cancel()
+
+    def close_requests(self, indices: Collection[int], version: int) -> None:
+        """End these answers here, without the engine's word (an abort call that failed):
+        their requests are cancelled, which closes their connections, and each comes back
+        aborted with nothing counted."""
+        for index in indices:
+            self._requests[index].cancel()
+            self.put(index, aborted(version))
 
 
 HealthState = Literal["ok", "degraded", "failed"]
@@ -243,6 +409,12 @@ class Backend(abc.ABC):
     name: str = "base"
     #: `load_weight_files` is offered: the engines read weight files from paths themselves.
     reads_weight_files: bool = False
+
+    @property
+    def cancels_answers(self) -> bool:
+        """Whether this engine's waves cancel single answers (`Wave.cancels_answers`);
+        where not, a reader that stops early uses whole waves and cancels all of one."""
+        return False
 
     @property
     @abc.abstractmethod
@@ -346,6 +518,35 @@ class Backend(abc.ABC):
 
     def health(self) -> BackendHealth:
         return BackendHealth(ok=True)
+
+
+class StreamingBackend(Backend):
+    """An engine whose waves stream (`wave` is its own, each answer as it finishes, a
+    cancel by index): `generate` reads one whole."""
+
+    @property
+    def cancels_answers(self) -> bool:
+        return True
+
+    @abc.abstractmethod
+    def wave(
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
+    ) -> Wave: ...
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
+    ) -> list[Completion]:
+        return await self.wave(prompt_token_ids, n, sampling, affinity_key=affinity_key).answers()
 
 
 class CheckpointBackend(Backend):

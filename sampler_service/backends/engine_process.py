@@ -9,8 +9,14 @@ pipe. Messages are small (token ids in, completions out); weight loads send the 
 Protocol: the parent sends `(call_id, method, args)`; the child answers
 `(call_id, ok, value_or_exception)`. The child starts by answering call 0 with what the
 parent must know without asking (weight specs, model name, version). Calls run as tasks
-on the child's event loop, so concurrent `generate` calls still batch there. If the child
-dies, every waiting call fails with an error that says so and gives its exit code.
+on the child's event loop, so concurrent waves still batch there. If the child dies,
+every waiting call and wave fails with an error that says so and gives its exit code.
+
+Waves stream: a `wave` call is answered by `(None, "answers", [(call_id, index, answer),
+...])` messages (an index of None: the error that ends the rest of the wave), one per turn of the child's event loop for every
+answer that came back in it (an hf batch's rows come back together: one message), and
+no reply of its own. `cancel_answers` reaches the child's wave, so a cancelled row stops
+decoding there; `drop_wave` (the parent's reader left) stops what still runs of it.
 """
 
 from __future__ import annotations
@@ -22,16 +28,19 @@ import multiprocessing
 import pickle
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
+from sampler_service.aio import TurnBatch
 from sampler_service.backends.base import (
     Backend,
     BackendHealth,
-    Completion,
     PauseMode,
     SamplingParams,
+    StreamedWave,
+    StreamingBackend,
+    Wave,
     packed,
 )
 from sampler_service.weights.types import TensorSpec
@@ -39,6 +48,11 @@ from sampler_service.weights.types import TensorSpec
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 600.0
+#: The status of a child's message that carries wave answers (see the module docstring).
+_ANSWERS = "answers"
+#: One wave event: (wave's call id, answer index, the answer, or None and the error that
+#: ends the rest of the wave).
+WaveEvent = tuple[int, int | None, Any]
 
 
 class EngineProcessDied(RuntimeError):
@@ -66,15 +80,42 @@ def _child_main(conn: Connection, factory: Callable[[], Backend], torch_threads:
 async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
     loop = asyncio.get_running_loop()
     closed = asyncio.Event()
+    waves: dict[int, Wave] = {}
+    readers: dict[int, asyncio.Task[Any]] = {}
+    events: TurnBatch[WaveEvent] = TurnBatch(lambda items: conn.send((None, _ANSWERS, items)))
 
     def reply(call_id: int, ok: bool, value: Any) -> None:
         conn.send((call_id, ok, value if ok else picklable(value)))
 
+    async def stream(call_id: int, prompt: list[int], n: int, sampling: SamplingParams) -> None:
+        """Each answer of the wave as it comes back, packed; an error ends the rest."""
+        try:
+            wave = waves[call_id] = backend.wave(prompt, n, sampling)
+            async for index, answer in wave:
+                events.add((call_id, index, packed(answer)))
+        except Exception as exc:  # noqa: BLE001 - the wave's reader gets it
+            events.add((call_id, None, picklable(exc)))
+        finally:
+            waves.pop(call_id, None)
+            readers.pop(call_id, None)
+
+    async def cancel_answers(call_id: int, indices: list[int]) -> None:
+        if (wave := waves.get(call_id)) is not None:
+            await wave.cancel(indices)
+
+    async def drop_wave(call_id: int) -> None:
+        if (reader := readers.get(call_id)) is not None:
+            reader.cancel()
+
+    own: dict[str, Callable[..., Awaitable[Any]]] = {
+        "cancel_answers": cancel_answers,
+        "drop_wave": drop_wave,
+    }
+
     async def run(call_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:
-            result = await getattr(backend, method)(*args)
-            if method == "generate":  # answers cross the pipe packed
-                result = [packed(c) for c in result]
+            call: Callable[..., Awaitable[Any]] = own.get(method) or getattr(backend, method)
+            result = await call(*args)
         except BaseException as exc:  # every failure goes back to the caller  # noqa: BLE001
             reply(call_id, False, exc)
         else:
@@ -83,7 +124,10 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
             closed.set()
 
     def start(call_id: int, method: str, args: tuple[Any, ...]) -> None:
-        loop.create_task(run(call_id, method, args))
+        if method == "wave":
+            readers[call_id] = loop.create_task(stream(call_id, *args))
+        else:
+            loop.create_task(run(call_id, method, args))
 
     def receive() -> None:  # a thread: recv() blocks
         while True:
@@ -110,6 +154,7 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
             "model_name": backend.model_name,
             "policy_version": backend.policy_version,
             "name": backend.name,
+            "cancels_answers": backend.cancels_answers,
             # the dtype weights are served in (a trainer casts its upload to it)
             "dtype": backend.health().detail.get("dtype"),
         },
@@ -118,7 +163,7 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
     await closed.wait()
 
 
-class EngineProcess(Backend):
+class EngineProcess(StreamingBackend):
     """Runs `factory()`'s backend in a spawned child process; see the module docstring.
 
     `factory` must be picklable (a class, or a functools.partial of one).
@@ -129,6 +174,7 @@ class EngineProcess(Backend):
         self._torch_threads = torch_threads
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._waves: dict[int, StreamedWave] = {}
         self._outbox: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
@@ -138,6 +184,7 @@ class EngineProcess(Backend):
             "model_name": "",
             "policy_version": 0,
             "specs": {},
+            "cancels_answers": False,
         }
         self._process: multiprocessing.process.BaseProcess | None = None
 
@@ -152,6 +199,10 @@ class EngineProcess(Backend):
     @property
     def policy_version(self) -> int:
         return int(self._info["policy_version"])
+
+    @property
+    def cancels_answers(self) -> bool:
+        return bool(self._info["cancels_answers"])
 
     @property
     def pid(self) -> int | None:
@@ -201,7 +252,10 @@ class EngineProcess(Backend):
             except (EOFError, OSError):
                 loop.call_soon_threadsafe(self._child_gone)
                 return
-            loop.call_soon_threadsafe(self._resolve, call_id, ok, value)
+            if call_id is None:
+                loop.call_soon_threadsafe(self._answered, value)
+            else:
+                loop.call_soon_threadsafe(self._resolve, call_id, ok, value)
 
     def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
         future = self._calls.pop(call_id, None)
@@ -211,6 +265,17 @@ class EngineProcess(Backend):
             future.set_result(value)
         else:
             future.set_exception(value)
+
+    def _answered(self, events: list[WaveEvent]) -> None:
+        for call_id, index, value in events:
+            if (wave := self._waves.get(call_id)) is None:
+                continue  # dropped by its reader
+            if index is None:
+                wave.fail(value)
+            else:
+                wave.put(index, value)
+            if index is None or not wave.missing:
+                del self._waves[call_id]
 
     def _child_gone(self) -> None:
         code = self._process.exitcode if self._process else None
@@ -224,6 +289,9 @@ class EngineProcess(Backend):
             if not future.done():
                 future.set_exception(self._failed())
         self._calls.clear()
+        for wave in self._waves.values():
+            wave.fail(self._failed())
+        self._waves.clear()
 
     def _failed(self) -> EngineProcessDied:
         """A fresh exception per failed call: re-raising one instance would grow its
@@ -239,15 +307,32 @@ class EngineProcess(Backend):
         self._outbox.put((call_id, method, args))
         return await future
 
-    async def generate(
+    def wave(
         self,
         prompt_token_ids: list[int],
         n: int,
         sampling: SamplingParams,
         *,
         affinity_key: str | None = None,
-    ) -> list[Completion]:
-        return await self._call("generate", list(prompt_token_ids), n, sampling)
+    ) -> StreamedWave:
+        """The child's wave, answer by answer; a cancel goes to the child, and so does a
+        reader that leaves (the child's rows stop)."""
+        call_id = next(self._ids)
+
+        async def cancel(indices: list[int]) -> None:
+            await self._call("cancel_answers", call_id, indices)
+
+        def drop() -> None:
+            self._waves.pop(call_id, None)
+            self._outbox.put((next(self._ids), "drop_wave", (call_id,)))
+
+        wave = StreamedWave(n, cancel, drop, cancels_answers=self.cancels_answers)
+        if self._failure is not None:
+            wave.fail(self._failed())
+            return wave
+        self._waves[call_id] = wave
+        self._outbox.put((call_id, "wave", (list(prompt_token_ids), n, sampling)))
+        return wave
 
     async def abort_all(self) -> int:
         return await self._call("abort_all")

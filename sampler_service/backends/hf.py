@@ -1,10 +1,17 @@
 """Transformers backend: the embedded default engine and the test backend.
 
-Concurrent `generate` calls are queued, and one batcher coroutine turns every queued
-request with equal sampling parameters into a single left-padded `model.generate` call,
-so the prompts of a wave share one forward pass per token instead of one each. All model
+Concurrent waves are queued, and one batcher coroutine turns every queued wave with
+equal sampling parameters into a single left-padded `model.generate` call, so the
+prompts of a wave share one forward pass per token instead of one each. All model
 access (load, generate, weight copies, scoring) runs on one dedicated thread: the event
 loop never waits on torch, and a weight load can only run between two batches.
+
+A wave's answers come back when the batch that ran them returns (a wave larger than a
+batch comes back batch by batch). A cancelled answer still queued is answered at once,
+aborted with nothing decoded; one in the running batch stops at its next token (a
+stopping criterion marks its row finished, and the row's tokens up to there are its
+answer, aborted): `generate` cannot free a row's slot while it runs, so the batch goes
+on for the other rows. `abort_all` (a weight update) ends every answer the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +45,10 @@ from sampler_service.backends.base import (
     CheckpointBackend,
     Completion,
     FinishReason,
-    GenerationAborted,
     SamplingParams,
+    StreamedWave,
+    StreamingBackend,
+    aborted,
     check_request,
 )
 from sampler_service.weights.types import TensorSpec
@@ -63,20 +72,27 @@ class Decoder(Protocol):
 
 @dataclass(eq=False)
 class _Request:
+    """One wave: its answers' indices not yet handed to a batch, and its handle."""
+
     prompt: list[int]
-    n: int
     sampling: SamplingParams
-    future: asyncio.Future[list[Completion]]
-    scheduled: int = 0  # rows handed to batches so far (a large n may span batches)
-    completions: list[Completion] = field(default_factory=list)
+    queued: deque[int]
+    wave: StreamedWave = field(init=False)
+    #: Some of its rows went to a batch (a seeded wave seeds the RNG at its first one).
+    started: bool = False
 
 
 @dataclass(eq=False)
 class _Batch:
-    parts: list[tuple[_Request, int]]  # (request, rows of it in this batch)
+    rows: list[tuple[_Request, int]]  # (wave, index of the answer) of each row
     sampling: SamplingParams
-    reseed: bool  # first chunk of a seeded request: seed the RNG before sampling
+    reseed: bool  # first rows of a seeded wave: seed the RNG before sampling
     abort: threading.Event = field(default_factory=threading.Event)
+    #: Rows cancelled while the batch runs (added on the event loop, read by the model
+    #: thread: a set's add and membership test are atomic under the GIL).
+    stopped: set[int] = field(default_factory=set)
+    #: Row -> the tokens it had when it was stopped (written by the model thread).
+    cut: dict[int, int] = field(default_factory=dict)
 
 
 class _LogprobRecorder(LogitsProcessor):
@@ -132,22 +148,32 @@ class _StopStrings(StoppingCriteria):
         return cast(torch.BoolTensor, stop)
 
 
-class _AbortCriteria(StoppingCriteria):
-    """Stops every row of a running batch once `abort_all` sets the batch's event."""
+class _StoppedRows(StoppingCriteria):
+    """Stops the rows of a running batch that were cancelled, and every row once
+    `abort_all` sets the batch's event, noting how many tokens each had then: a stopped
+    row is padded from there on while the others decode."""
 
-    def __init__(self, event: threading.Event) -> None:
-        self._event = event
+    def __init__(self, batch: _Batch, width: int) -> None:
+        self._batch, self._width = batch, width
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
     ) -> torch.BoolTensor:
-        stop = torch.full(
-            (input_ids.shape[0],), self._event.is_set(), dtype=torch.bool, device=input_ids.device
-        )
-        return cast(torch.BoolTensor, stop)  # transformers' hint; torch types it a Tensor
+        batch, rows = self._batch, input_ids.shape[0]
+        if batch.abort.is_set():
+            stop = [True] * rows
+        elif batch.stopped:
+            stop = [row in batch.stopped for row in range(rows)]
+        else:
+            stop = [False] * rows
+        decoded = input_ids.shape[1] - self._width
+        for row in (row for row, stopped in enumerate(stop) if stopped):
+            batch.cut.setdefault(row, decoded)
+        # transformers' hint; torch types it a Tensor
+        return cast(torch.BoolTensor, torch.tensor(stop, device=input_ids.device))
 
 
-class HFBackend(CheckpointBackend):
+class HFBackend(CheckpointBackend, StreamingBackend):
     """A transformers causal LM served on token ids, batching concurrent requests.
 
     `tokenizer` only turns responses into `Completion.text`; when omitted it is loaded from
@@ -298,37 +324,58 @@ class HFBackend(CheckpointBackend):
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(
+    def wave(
         self,
         prompt_token_ids: list[int],
         n: int,
         sampling: SamplingParams,
         *,
         affinity_key: str | None = None,
-    ) -> list[Completion]:
+    ) -> StreamedWave:
         self._require_running()
         check_request(prompt_token_ids, n, sampling, vocab_size=self._vocab_size)
         if (hook := os.environ.get(FAULT_ENGINE_ERRORS_ENV)) and Path(hook).exists():
             raise RuntimeError(f"fault hook: {FAULT_ENGINE_ERRORS_ENV} file {hook} exists")
-        future: asyncio.Future[list[Completion]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Request(list(prompt_token_ids), n, sampling, future))
+        request = _Request(list(prompt_token_ids), sampling, deque(range(n)))
+        request.wave = StreamedWave(
+            n,
+            lambda indices: self._cancel(request, indices),
+            lambda: self._stop(request, request.wave.missing),
+        )
+        self._queue.append(request)
         self._wakeup.set()
-        return await future
+        return request.wave
+
+    async def _cancel(self, request: _Request, indices: list[int]) -> None:
+        self._stop(request, indices)
+
+    def _stop(self, request: _Request, indices: Collection[int]) -> None:
+        """Queued answers are answered at once, aborted with nothing decoded; running
+        ones stop at their batch's next token (the batch answers them)."""
+        wanted = set(indices)
+        unsent = [i for i in request.queued if i in wanted]
+        request.queued = deque(i for i in request.queued if i not in wanted)
+        for index in unsent:
+            request.wave.put(index, aborted(self._version))
+        batch = self._inflight
+        if batch is not None:
+            batch.stopped.update(
+                row for row, (req, i) in enumerate(batch.rows) if req is request and i in wanted
+            )
 
     async def abort_all(self) -> int:
-        """Fail every queued and running request with GenerationAborted, for re-issue.
-
-        The running batch also stops within one decode step, so a weight update in
-        `abort` mode waits for at most one token instead of a whole batch.
-        """
-        aborted = {req for req in self._queue if not req.future.done()}
+        """End every queued and running answer, for re-issue: queued ones at once with
+        nothing decoded, running ones at their batch's next token with what they had (so
+        a weight update in `abort` mode waits for at most one token instead of a whole
+        batch). Returns how many waves it cut."""
+        cut = {req for req in self._queue if req.queued}
+        for req in cut:
+            self._stop(req, list(req.queued))
         self._queue.clear()
         if self._inflight is not None:
             self._inflight.abort.set()
-            aborted.update(req for req, _ in self._inflight.parts if not req.future.done())
-        for req in aborted:
-            req.future.set_exception(GenerationAborted("aborted for a weight update"))
-        return len(aborted)
+            cut.update(req for req, _ in self._inflight.rows)
+        return len(cut)
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -339,25 +386,23 @@ class HFBackend(CheckpointBackend):
                 await self._let_batch_fill()
                 if (batch := self._next_batch()) is None:
                     break
-                self._recent_rows.append(sum(rows for _, rows in batch.parts))
+                self._recent_rows.append(len(batch.rows))
                 # Stays set until the batch is delivered, so close() or a crash of this
                 # task can still fail the batch's callers instead of leaving them waiting.
                 self._inflight = batch
                 try:
-                    rows = await loop.run_in_executor(self._executor, self._run_batch, batch)
-                except Exception as exc:  # a failed batch fails its requests, not the service
-                    log.exception("hf generate failed for %d rows", sum(k for _, k in batch.parts))
-                    for req, _ in batch.parts:
-                        if not req.future.done():
-                            req.future.set_exception(exc)
+                    answers = await loop.run_in_executor(self._executor, self._run_batch, batch)
+                except Exception as exc:  # a failed batch fails its waves, not the service
+                    log.exception("hf generate failed for %d rows", len(batch.rows))
+                    for req, _ in batch.rows:
+                        req.wave.fail(exc)
                 else:
-                    for req, count in batch.parts:
-                        self._add_completions(req, rows[:count])
-                        rows = rows[count:]
+                    for (req, index), answer in zip(batch.rows, answers, strict=True):
+                        req.wave.put(index, answer)
                 self._inflight = None
 
     def _queued_rows(self) -> int:
-        return sum(req.n - req.scheduled for req in self._queue if not req.future.done())
+        return sum(len(req.queued) for req in self._queue)
 
     async def _let_batch_fill(self) -> None:
         """See the class docstring: wait (bounded) for the rows recent batches had."""
@@ -365,32 +410,30 @@ class HFBackend(CheckpointBackend):
         target = min(self._max_batch_rows, max(self._recent_rows, default=0))
         deadline = loop.time() + self._max_batch_wait_s
         while 0 < self._queued_rows() < target and (remaining := deadline - loop.time()) > 0:
-            self._wakeup.clear()  # generate() sets it for each new request
+            self._wakeup.clear()  # wave() sets it for each new wave
             await wait_event(self._wakeup, remaining)
 
     def _next_batch(self) -> _Batch | None:
-        """Take up to max_batch_rows rows from the oldest request and those sharing its params.
+        """Take up to max_batch_rows rows from the oldest wave and those sharing its params.
 
-        A request with a seed runs alone, so its samples depend only on its own seed.
+        A wave with a seed runs alone, so its samples depend only on its own seed.
         """
-        while self._queue and self._queue[0].future.done():
+        while self._queue and not self._queue[0].queued:
             self._queue.popleft()
         if not self._queue:
             return None
         head = self._queue[0]
         sampling, seeded = head.sampling, head.sampling.seed is not None
-        batch = _Batch([], sampling, reseed=seeded and head.scheduled == 0)
+        batch = _Batch([], sampling, reseed=seeded and not head.started)
         budget = self._max_batch_rows
         kept: deque[_Request] = deque()
         for req in self._queue:
-            if req.future.done():
-                continue
-            if budget and req.sampling == sampling and (not seeded or req is head):
-                rows = min(req.n - req.scheduled, budget)
-                batch.parts.append((req, rows))
-                req.scheduled += rows
-                budget -= rows
-            if req.scheduled < req.n:
+            if budget and req.queued and req.sampling == sampling and (not seeded or req is head):
+                take = min(len(req.queued), budget)
+                batch.rows += [(req, req.queued.popleft()) for _ in range(take)]
+                req.started = True
+                budget -= take
+            if req.queued:
                 kept.append(req)
         self._queue = kept
         return batch
@@ -400,7 +443,7 @@ class HFBackend(CheckpointBackend):
         model = self._model
         assert model is not None
         sampling = batch.sampling
-        prompts = [req.prompt for req, rows in batch.parts for _ in range(rows)]
+        prompts = [req.prompt for req, _ in batch.rows]
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
@@ -411,7 +454,7 @@ class HFBackend(CheckpointBackend):
         if batch.reseed:
             torch.manual_seed(sampling.seed)
         version = self._version
-        criteria: list[StoppingCriteria] = [_AbortCriteria(batch.abort)]
+        criteria: list[StoppingCriteria] = [_StoppedRows(batch, width)]
         if sampling.stop and self._tokenizer is not None:
             criteria.append(_StopStrings(self._tokenizer, sampling.stop, width))
         with torch.inference_mode():
@@ -425,7 +468,10 @@ class HFBackend(CheckpointBackend):
         self.model_calls += 1
         logprobs = recorder.finish(out.sequences)
         completions = []
-        for tokens, lps in zip(out.sequences[:, width:].tolist(), logprobs, strict=True):
+        rows = out.sequences[:, width:].tolist()
+        for row, (tokens, lps) in enumerate(zip(rows, logprobs, strict=True)):
+            cut = batch.cut.get(row)
+            tokens = tokens if cut is None else tokens[:cut]
             completions.append(self._completion(tokens, lps, sampling, version))
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
         return completions
@@ -459,7 +505,7 @@ class HFBackend(CheckpointBackend):
         reason: FinishReason
         if stop is not None:
             tokens, reason = tokens[: stop + 1], "stop"
-        else:  # without a stop a row is only short of max_tokens when abort_all cut it
+        else:  # without a stop a row is only short of max_tokens when it was stopped
             reason = "length" if len(tokens) >= sampling.max_tokens else "abort"
         text = self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
         return Completion(tokens, logprobs[: len(tokens)], text, reason, version)
@@ -476,13 +522,6 @@ class HFBackend(CheckpointBackend):
             if any(s in text for s in sampling.stop):
                 return i
         return at_id
-
-    def _add_completions(self, req: _Request, completions: list[Completion]) -> None:
-        if req.future.done():  # cancelled by its caller or aborted: drop its rows
-            return
-        req.completions.extend(completions)
-        if len(req.completions) == req.n:
-            req.future.set_result(req.completions)
 
     # ------------------------------------------------------------------ weights
 
@@ -565,8 +604,7 @@ class HFBackend(CheckpointBackend):
         pending = list(self._queue)
         if self._inflight is not None:
             self._inflight.abort.set()
-            pending += [req for req, _ in self._inflight.parts]
+            pending += [req for req, _ in self._inflight.rows]
         self._queue.clear()
         for req in pending:
-            if not req.future.done():
-                req.future.set_exception(error)
+            req.wave.fail(error)

@@ -1,8 +1,14 @@
 """vLLM backend: the production engine (`--backend vllm`).
 
-Runs vLLM's `AsyncLLM` (V1 engine) in the sampler process. Every `generate` call is one
-engine request with `SamplingParams(n=..., logprobs=0)`, so the engine's continuous
-batching sees every wave of every prompt at once. Per-token logprobs are vLLM's
+Runs vLLM's `AsyncLLM` (V1 engine) in the sampler process. A wave of n answers is n
+engine requests of `SamplingParams(n=1, logprobs=0)`, with distinct request ids (and,
+when the wave has a seed, distinct seeds from it: `base.answer_seed`, as vLLM seeds the
+children of one request of n), so the engine's continuous batching sees every answer of
+every prompt at once, each answer streams back as its request finishes, and one answer
+can be cancelled alone: `AsyncLLM.abort` of its request id, after which vLLM hands back
+the request's final output with finish reason "abort" and the tokens (and logprobs) it
+had decoded. One request of n would not do: aborting it, or its id through
+`/abort_requests`, aborts all n children together. Per-token logprobs are vLLM's
 `processed_logprobs`, i.e. log_softmax(logits / T) of the sampled token after the
 request's own top-k/top-p (as the hf backend does); the model's generation_config.json
 sampling defaults are ignored (`generation_config="vllm"`) and its end-of-sequence ids
@@ -41,6 +47,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +57,10 @@ from sampler_service.backends.base import (
     Completion,
     GenerationAborted,
     PauseMode,
+    RequestWave,
     SamplingParams,
+    StreamingBackend,
+    answer_seed,
     check_request,
 )
 from sampler_service.backends.checkpoint import (
@@ -98,7 +108,7 @@ def engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
 
 
-class VLLMBackend(CheckpointBackend):
+class VLLMBackend(CheckpointBackend, StreamingBackend):
     """`AsyncLLM` behind the sampler's backend interface.
 
     `engine_args` go to vLLM's `AsyncEngineArgs` unchanged (tensor_parallel_size,
@@ -136,7 +146,8 @@ class VLLMBackend(CheckpointBackend):
         self._eos: list[int] = []
         self._vocab_size = 0
         self._max_model_len = 0
-        self._inflight: set[str] = set()
+        #: Request id -> the id of its wave (abort_all counts waves).
+        self._inflight: dict[str, str] = {}
         self._load_lock = asyncio.Lock()
         self._failure: str | None = None
         self._nccl_ready = False
@@ -259,13 +270,14 @@ class VLLMBackend(CheckpointBackend):
 
     # ------------------------------------------------------------------ generation
 
-    def sampling_params(self, n: int, sampling: SamplingParams) -> Any:
-        """The vLLM `SamplingParams` of one request (every distribution knob explicit)."""
+    def sampling_params(self, sampling: SamplingParams) -> Any:
+        """The vLLM `SamplingParams` of one answer's request (every distribution knob
+        explicit)."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return VLLMSamplingParams(
-            n=n,
+            n=1,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k and sampling.top_k > 0 else 0,
@@ -281,49 +293,55 @@ class VLLMBackend(CheckpointBackend):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def generate(
+    def wave(
         self,
         prompt_token_ids: list[int],
         n: int,
         sampling: SamplingParams,
         *,
         affinity_key: str | None = None,
-    ) -> list[Completion]:
+    ) -> RequestWave:
         engine = self._require_running()
         self._check(prompt_token_ids, n, sampling)
         from vllm.inputs.engine import tokens_input
 
-        params = self.sampling_params(n, sampling)
-        request_id = uuid.uuid4().hex
+        prompt = tokens_input(list(prompt_token_ids))
+        wave_id = uuid.uuid4().hex
+        ids = [f"{wave_id}-{i}" for i in range(n)]
         version = self._version
+
+        def request(index: int) -> Any:
+            params = self.sampling_params(replace(sampling, seed=answer_seed(sampling.seed, index)))
+            return self._answer(engine, prompt, params, ids[index], wave_id, version)
+
+        async def cancel(indices: list[int]) -> None:
+            await engine.abort([ids[i] for i in indices])
+
+        return RequestWave(n, request, cancel)
+
+    async def _answer(
+        self, engine: Any, prompt: Any, params: Any, request_id: str, wave_id: str, version: int
+    ) -> Completion:
+        """One answer's request, to its final output: finished, or aborted with what it
+        had decoded."""
         final = None
-        self._inflight.add(request_id)
+        self._inflight[request_id] = wave_id
         self.requests += 1
         try:
-            async for output in engine.generate(
-                tokens_input(list(prompt_token_ids)), params, request_id
-            ):
+            async for output in engine.generate(prompt, params, request_id):
                 final = output
         finally:
-            self._inflight.discard(request_id)
-        if final is None or not final.finished or len(final.outputs) != n:
-            raise GenerationAborted(f"request {request_id} ended without {n} finished samples")
-        completions = []
-        for out in final.outputs:
-            if out.finish_reason == "abort":
-                raise GenerationAborted(f"request {request_id} was aborted")
-            if out.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM request {request_id} finished with {out.finish_reason!r}")
-            tokens = list(out.token_ids)
-            logprobs = _sampled_logprobs(tokens, out.logprobs)
-            text = (
-                self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
-            )
-            completions.append(
-                Completion(tokens, logprobs, text, out.finish_reason, _version_of(out, version))
-            )
-            self.generated_tokens += len(tokens)
-        return completions
+            self._inflight.pop(request_id, None)
+        if final is None or not final.finished or len(final.outputs) != 1:
+            raise GenerationAborted(f"request {request_id} ended without a finished answer")
+        out = final.outputs[0]
+        if out.finish_reason not in ("stop", "length", "abort"):
+            raise RuntimeError(f"vLLM request {request_id} finished with {out.finish_reason!r}")
+        tokens = list(out.token_ids)
+        logprobs = _sampled_logprobs(tokens, out.logprobs if tokens else [])
+        text = self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
+        self.generated_tokens += len(tokens)
+        return Completion(tokens, logprobs, text, out.finish_reason, _version_of(out, version))
 
     async def score(
         self, prompt_token_ids: list[int], response_token_ids: list[int], temperature: float = 1.0
@@ -357,12 +375,12 @@ class VLLMBackend(CheckpointBackend):
         )
         request_id = uuid.uuid4().hex
         final = None
-        self._inflight.add(request_id)
+        self._inflight[request_id] = request_id
         try:
             async for output in engine.generate(tokens_input(tokens), params, request_id):
                 final = output
         finally:
-            self._inflight.discard(request_id)
+            self._inflight.pop(request_id, None)
         if final is None or final.prompt_logprobs is None:
             raise GenerationAborted(f"scoring request {request_id} returned no prompt logprobs")
         start = len(prompt_token_ids)
@@ -372,17 +390,20 @@ class VLLMBackend(CheckpointBackend):
         ]
 
     async def abort_all(self) -> int:
-        """Abort every in-flight request; their `generate` calls raise GenerationAborted."""
+        """Abort every in-flight request: each answer comes back aborted with what it had
+        decoded (so a whole read of its wave raises GenerationAborted). Returns how many
+        waves it cut."""
         engine = self._engine
         if engine is None:
             return 0
-        return await self.abort_all_ids(list(self._inflight), engine)
+        waves = set(self._inflight.values())
+        await self.abort_all_ids(list(self._inflight), engine)
+        return len(waves)
 
     @staticmethod
-    async def abort_all_ids(request_ids: list[str], engine: Any) -> int:
+    async def abort_all_ids(request_ids: list[str], engine: Any) -> None:
         if request_ids:
             await engine.abort(request_ids)
-        return len(request_ids)
 
     async def pause(self, mode: PauseMode = "wait") -> None:
         """vLLM's own pause: new requests queue in the engine until `resume`.

@@ -38,6 +38,10 @@ class LocalMember:
         self.engine = engine
         self.name = f"the {engine.name} engine"
 
+    @property
+    def cancels_answers(self) -> bool:
+        return self.engine.cancels_answers
+
     def describe(self) -> dict[str, Any]:
         return {}
 

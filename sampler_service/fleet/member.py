@@ -9,7 +9,7 @@ needs to know a transport's own exceptions.
 
 `generate` hands a wave handle from the start (`Wave`): answers by index as they finish
 and a cancel by index, so a reader that stops early needs no new call; a member that
-answers whole waves wraps them (`WholeWave`). `pause` takes a mode, so the weight
+answers whole waves wraps them (`WholeWave`) and says so (`cancels_answers`). `pause` takes a mode, so the weight
 barrier's other modes need no new call either; a mode a member lacks raises
 NotSupported.
 """
@@ -105,6 +105,11 @@ class Member(Protocol):
     @property
     def address(self) -> str | None:
         """Where it answers, where it has an address of its own (a server's URL)."""
+        ...
+
+    @property
+    def cancels_answers(self) -> bool:
+        """Its waves cancel single answers (known once it is attached)."""
         ...
 
     @property

@@ -7,11 +7,16 @@ scheduler is here, written once:
 - Routing is sticky least-outstanding with an in-flight cap per member, and re-issued
   waves go first (`routing.py`). Only a member that is up, serves the committed version,
   is trusted and passed its last probe is routed to, and none while weights load.
+- Waves stream (`wave`): each answer is passed on by its index as the member hands it
+  over, and a cancel by index goes to the member's wave (the member's in-flight count
+  drops by the cancelled answers at once). `generate` reads a member's wave whole.
 - A member fault never reaches the scheduler. A member that does not answer a wave is
-  taken out and the wave is re-issued whole on another member (its partial answers
-  never reach the scheduler, so nothing is counted twice); so are the waves of a member
-  a probe finds failed. Probes, restarts, resyncs and the roster of members that come
-  and go: `upkeep.py`.
+  taken out and what it did not answer is re-issued on another member: the whole wave
+  for `generate` (its partial answers never reach the scheduler, so nothing is counted
+  twice), the indices not yet passed on for a streamed wave (the answers passed on
+  stay; the re-issued ones are new draws); so are the waves of a member a probe finds
+  failed. Probes, restarts, resyncs and the roster of members that come and go:
+  `upkeep.py`.
 - Weights, versions and the NCCL group: `weights.py` and `nccl.py`.
 
 Health: `ok` while a member is routable; `degraded` while none is but one may come back
@@ -23,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from sampler_service.aio import TaskSet
 from sampler_service.backends.base import (
@@ -34,7 +40,9 @@ from sampler_service.backends.base import (
     GenerationAborted,
     HealthState,
     SamplingParams,
+    StreamedWave,
     Wave,
+    aborted,
 )
 from sampler_service.config import ReplicaSettings
 from sampler_service.fleet.member import (
@@ -51,6 +59,8 @@ from sampler_service.metrics import Metrics
 from sampler_service.weights.types import NCCLDescription, TensorSpec
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class Fleet(Backend):
@@ -152,6 +162,12 @@ class Fleet(Backend):
             and fresh
         )
 
+    @property
+    def cancels_answers(self) -> bool:
+        """Every member's waves cancel single answers (a wave may land on any of them)."""
+        seats = self.table.seats
+        return bool(seats) and all(s.member.cancels_answers for s in seats)
+
     async def generate(
         self,
         prompt_token_ids: list[int],
@@ -167,19 +183,13 @@ class Fleet(Backend):
         while True:
             seat = await self._router.acquire(key, n, reissue)
             epoch, started = seat.epoch, time.monotonic()
-            wave = seat.member.generate(prompt, n, sampling, self.weights.committed)
+            # A weight update's abort raises GenerationAborted out of here: the scheduler
+            # re-issues the wave after the update.
             try:
-                out = await self._answers(seat, wave)
-            except GenerationAborted:
-                raise  # a weight update's abort: the scheduler re-issues it after the update
-            except ForeignWeights as exc:
-                self.table.distrust(seat, str(exc))
-                self.table.reissued(seat, n, "foreign_weights")
-                reissue = True
-                continue
-            except MemberDown as exc:
-                self.table.fail(seat, epoch, exc.reason, repr(exc))
-                self.table.reissued(seat, n, seat.reason or exc.reason)
+                wave = seat.member.generate(prompt, n, sampling, self.weights.committed)
+                out = await self._read(seat, wave, wave.answers())
+            except (ForeignWeights, MemberDown) as exc:
+                self._lost(seat, epoch, exc, n)
                 reissue = True
                 continue
             finally:
@@ -187,29 +197,142 @@ class Fleet(Backend):
             self.table.finished(seat, started, sum(len(c.token_ids) for c in out))
             return out
 
-    async def _answers(self, seat: Seat, wave: Wave) -> list[Completion]:
-        """The wave's answers, unless its member is found failed first: the wave is then
-        cancelled (its request ends on the member) and MemberDown raised. A whole wave
-        is read as its engine call, with no task or wait of its own: a toy wave lasts
+    def wave(
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
+    ) -> Wave:
+        self.upkeep.serving = True
+        prompt = list(prompt_token_ids)
+        run = _Run(prompt, sampling, affinity(prompt, affinity_key))
+        run.wave = StreamedWave(
+            n,
+            lambda indices: self._cancel(run, indices),
+            run.drop,
+            cancels_answers=self.cancels_answers,
+        )
+        run.driver = self._tasks.spawn(self._drive(run), "fleet-wave")
+        return run.wave
+
+    async def _drive(self, run: _Run) -> None:
+        """A streamed wave from issue to its last answer: routed to a member, its answers
+        passed on as they finish, what a failed member did not answer issued again."""
+        wave, reissue = run.wave, False
+        try:
+            while todo := self._unissued(run):
+                seat = await self._router.acquire(run.key, len(todo), reissue)
+                epoch, started = seat.epoch, time.monotonic()
+                issue = _Issue(seat, todo, charged=set(todo))
+                try:
+                    # Answers cancelled while it waited are answered already: not issued.
+                    self._uncharge(issue, set(todo) - wave.missing)
+                    issue.indices = sorted(issue.charged)
+                    if not issue.indices:
+                        continue
+                    issue.wave = seat.member.generate(
+                        run.prompt, len(issue.indices), run.sampling, self.weights.committed
+                    )
+                    run.issue = issue
+                    try:
+                        await self._read(seat, issue.wave, self._pass_on(run, issue))
+                    except (ForeignWeights, MemberDown) as exc:
+                        self._lost(seat, epoch, exc, len(wave.missing.intersection(issue.indices)))
+                        reissue = True
+                    else:
+                        self.table.finished(seat, started, issue.tokens)
+                finally:
+                    run.issue = None
+                    self._uncharge(issue, issue.charged)
+        except asyncio.CancelledError:
+            wave.fail(
+                GenerationAborted("the wave was dropped: its reader left, or the fleet closed")
+            )
+            raise
+        except Exception as exc:  # noqa: BLE001 - the wave's reader gets it
+            wave.fail(exc)
+
+    def _unissued(self, run: _Run) -> list[int]:
+        """The indices to issue: those not answered, less the cancelled ones, which are
+        answered as aborted with nothing decoded (their member was lost with them)."""
+        wave = run.wave
+        for index in sorted(wave.missing & wave.cancelled):
+            wave.put(index, aborted(self.weights.committed))
+        return sorted(wave.missing)
+
+    async def _pass_on(self, run: _Run, issue: _Issue) -> None:
+        try:
+            assert issue.wave is not None
+            async for j, answer in issue.wave:
+                index = issue.indices[j]
+                self._uncharge(issue, {index})
+                issue.tokens += len(answer.token_ids)
+                run.wave.put(index, answer)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            # a member's whole wave, cancelled whole: its answers are the aborted ones
+
+    async def _cancel(self, run: _Run, indices: list[int]) -> None:
+        """Forward a cancel to the member's wave, and free the member's charge for those
+        answers at once; answers no member runs now are answered as aborted here."""
+        issue = run.issue
+        held = issue.positions(indices) if issue is not None and issue.wave is not None else {}
+        for index in indices:
+            if index not in held:
+                run.wave.put(index, aborted(self.weights.committed))
+        if issue is None or issue.wave is None or not held:
+            return
+        self._uncharge(issue, set(held))
+        await issue.wave.cancel(list(held.values()))
+        if not issue.wave.cancels_answers:  # cancelled whole: it answers nothing
+            for index in held:
+                run.wave.put(index, aborted(self.weights.committed))
+
+    def _uncharge(self, issue: _Issue, indices: set[int]) -> None:
+        """The member no longer runs these answers: the router may route more to it."""
+        freed = issue.charged & indices
+        if freed:
+            issue.charged -= freed
+            self._router.release(issue.seat, len(freed))
+
+    async def _read(self, seat: Seat, wave: Wave, reading: Awaitable[_T]) -> _T:
+        """What `reading` (of the member's `wave`) returns, unless the member is found
+        failed first: the wave is then dropped and MemberDown raised. A whole wave is
+        read as its engine call, with no task or wait of its own: a toy wave lasts
         milliseconds, and the front's CPU per wave is what bounds it."""
         down = seat.down
         assert down is not None
-        reading = asyncio.ensure_future(wave.answers())
+        task = asyncio.ensure_future(reading)
 
         def lost(_: asyncio.Future[None]) -> None:
-            reading.cancel()
+            task.cancel()
 
         down.add_done_callback(lost)
         try:
-            return await reading
+            return await task
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not down.done() or (task is not None and task.cancelling()):
+            current = asyncio.current_task()
+            if not down.done() or (current is not None and current.cancelling()):
                 raise  # the caller gave up (the engine call went with it)
         finally:
             down.remove_done_callback(lost)
-        await wave.cancel(range(wave.n))
+        wave.close()
         raise MemberDown(f"{seat.member.name} failed during the wave", seat.reason)
+
+    def _lost(self, seat: Seat, epoch: int, error: ForeignWeights | MemberDown, n: int) -> None:
+        """A member lost a wave: distrusted (foreign weights) or failed, and its `n`
+        answers not back counted as re-issued."""
+        if isinstance(error, ForeignWeights):
+            self.table.distrust(seat, str(error))
+            reason = "foreign_weights"
+        else:
+            self.table.fail(seat, epoch, error.reason, repr(error))
+            reason = seat.reason or error.reason
+        self.table.reissued(seat, n, reason)
 
     async def abort_all(self) -> int:
         up = [s for s in self.table.seats if s.up]
@@ -272,3 +395,39 @@ class Fleet(Backend):
 
     async def nccl_shutdown(self) -> None:
         await self.nccl.leave()
+
+
+@dataclass(eq=False)
+class _Issue:
+    """The part of a streamed wave one member runs: its wave, and where answers go."""
+
+    seat: Seat
+    #: The fleet wave's index of each answer of the member's wave.
+    indices: list[int]
+    #: The indices the member is still charged with in the router.
+    charged: set[int]
+    wave: Wave | None = None
+    tokens: int = 0
+
+    def positions(self, indices: list[int]) -> dict[int, int]:
+        """Of `indices`, those the member runs, each with its index in the member's wave."""
+        where = {index: j for j, index in enumerate(self.indices)}
+        return {i: where[i] for i in indices if i in where}
+
+
+@dataclass(eq=False)
+class _Run:
+    """A streamed wave of the fleet: what it asks, its handle, its driver task and the
+    part of it a member runs now."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    key: int
+    wave: StreamedWave = field(init=False)
+    driver: asyncio.Task[None] | None = None
+    issue: _Issue | None = None
+
+    def drop(self) -> None:
+        """Its reader left: the driver stops, and the member's wave with it."""
+        if self.driver is not None:
+            self.driver.cancel()

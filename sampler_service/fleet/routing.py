@@ -146,6 +146,8 @@ class WaveRouter(Generic[T]):
         waves that want that engine, not those bound elsewhere; a wave that fits nowhere
         holds back everything after it.
         """
+        if not self.queue:  # most calls: an answer came back and nothing waits
+            return
         targets = self._targets()
         routable = [t for t in targets if self._routable(t)]
         if not routable:

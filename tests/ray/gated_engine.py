@@ -3,7 +3,8 @@
 The pool's channel sends several waves in one Ray call and must still answer each as
 soon as it finishes; a wave that cannot finish until the test says so shows that
 without timing. The gate is a file (the engine runs in a Ray actor, another process);
-`abort_all` aborts the held waves as it aborts the engine's own.
+`abort_all` aborts the held waves (GenerationAborted: a held wave has decoded nothing)
+as it aborts the engine's own. A held wave is answered whole.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from sampler_service.backends.base import Completion, GenerationAborted, SamplingParams
+from sampler_service.backends.base import (
+    Completion,
+    GenerationAborted,
+    SamplingParams,
+    Wave,
+    WholeWave,
+)
 from sampler_service.backends.hf import HFBackend
 
 #: Waves whose prompt starts with this token id wait for the gate.
@@ -25,21 +32,27 @@ class GatedEngine(HFBackend):
         self._gate = Path(gate)
         self._aborts = 0
 
-    async def generate(
+    def wave(
         self,
         prompt_token_ids: list[int],
         n: int,
         sampling: SamplingParams,
         *,
         affinity_key: str | None = None,
+    ) -> Wave:
+        if prompt_token_ids[0] != GATED_TOKEN:
+            return super().wave(prompt_token_ids, n, sampling)
+        return WholeWave(self._held(prompt_token_ids, n, sampling), n)
+
+    async def _held(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Completion]:
-        if prompt_token_ids[0] == GATED_TOKEN:
-            aborts = self._aborts
-            while not self._gate.exists():
-                if self._aborts != aborts:
-                    raise GenerationAborted("aborted while held at the gate")
-                await asyncio.sleep(0.05)
-        return await super().generate(prompt_token_ids, n, sampling)
+        aborts = self._aborts
+        while not self._gate.exists():
+            if self._aborts != aborts:
+                raise GenerationAborted("aborted while held at the gate")
+            await asyncio.sleep(0.05)
+        return await super().wave(prompt_token_ids, n, sampling).answers()
 
     async def abort_all(self) -> int:
         self._aborts += 1

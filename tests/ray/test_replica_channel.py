@@ -1,9 +1,10 @@
-"""The fleet's waves to a replica: batched Ray calls, each wave still answered on its own.
+"""The fleet's waves to a replica: batched Ray calls, each wave still answered on its own,
+each answer passed on by index as it finishes, and cancels that reach the replica's rows.
 
 The fleet runs in this process against a real Ray head; the replica is a real actor whose
 engine is `gated_engine.GatedEngine` (the toy hf model, holding back waves for one prompt
 until the test opens a file gate), so which wave is done when is decided by the test,
-not by timing.
+not by timing; or the hf engine on a copy of the toy that never ends an answer.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import pytest
 import ray
 from gated_engine import GATED_TOKEN, GatedEngine
 from ray_helpers import ROOT
+from support import endless
 
-from sampler_service.backends.base import GenerationAborted, SamplingParams
+from sampler_service.backends.base import GenerationAborted, SamplingParams, as_list
+from sampler_service.backends.hf import HFBackend
 from sampler_service.backends.ray.member import RayMember
 from sampler_service.backends.ray.replica import NotStarted, Replica
 from sampler_service.backends.ray.transport import build_ray_fleet
@@ -90,6 +93,39 @@ def test_waves_of_one_loop_turn_share_a_call_and_each_returns_when_done(
     asyncio.run(run())
 
 
+def test_a_cancel_reaches_the_replicas_rows_and_answers_come_back_by_index(
+    ray_cluster, toy, tmp_path: Path
+) -> None:
+    """Greedy twins on a replica that runs two rows at a time: the third answer, cancelled
+    while queued, comes back first with nothing decoded; the second, cancelled while it
+    runs, comes back with what it decoded, a prefix of the first's."""
+    factory = functools.partial(HFBackend, endless(toy.model_dir, tmp_path / "m"), max_batch_rows=2)
+    settings = ReplicaSettings(count=1, probe_s=60.0)
+
+    async def run() -> None:
+        pool = build_ray_fleet(factory, settings, instance_id=uuid.uuid4().hex[:8])
+        await pool.start()
+        try:
+            assert pool.cancels_answers
+            wave = pool.wave([3, 4, 5], 3, SamplingParams(temperature=0, max_tokens=4000))
+            assert wave.cancels_answers
+            reading = aiter(wave)
+            await asyncio.sleep(3.0)  # rows 0 and 1 run on the replica, row 2 waits
+            await wave.cancel([1, 2])
+            assert pool.members()[0]["inflight_samples"] == 1  # freed at the cancel
+            index, queued = await asyncio.wait_for(anext(reading), 300)
+            assert (index, queued.finish_reason, len(queued.token_ids)) == (2, "abort", 0)
+            rest = {i: answer async for i, answer in reading}
+            cut, twin = as_list(rest[1].token_ids), as_list(rest[0].token_ids)
+            assert rest[1].finish_reason == "abort" and rest[0].finish_reason == "length"
+            assert 0 < len(cut) < len(twin) == 4000 and cut == twin[: len(cut)]
+            assert pool.members()[0]["inflight_samples"] == 0
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
+
+
 def test_finished_waves_are_kept_for_the_session_that_started_the_replica(
     ray_cluster, toy, tmp_path: Path
 ) -> None:
@@ -101,17 +137,17 @@ def test_finished_waves_are_kept_for_the_session_that_started_the_replica(
     )
     try:
         with pytest.raises(NotStarted, match="no engine loaded"):
-            ray.get(actor.submit_waves.remote("first", [(0, [1, 2], 1, SAMPLING)]), timeout=60)
+            ray.get(actor.submit_waves.remote("first", [(0, [1, 2], 1, SAMPLING)], []), timeout=60)
         ray.get(actor.start.remote(None, "first"), timeout=300)
-        ray.get(actor.submit_waves.remote("first", [(0, [1, 2], 1, SAMPLING)]), timeout=60)
+        ray.get(actor.submit_waves.remote("first", [(0, [1, 2], 1, SAMPLING)], []), timeout=60)
         finished = ray.get(actor.collect_waves.remote("first", 60.0), timeout=120)
-        assert [(call_id, ok) for call_id, ok, _ in finished] == [(0, True)]
+        assert [(call_id, index) for call_id, index, _ in finished] == [(0, 0)]  # its answer
 
         ray.get(actor.start.remote(None, "second"), timeout=60)  # another sampler attaches
         with pytest.raises(NotStarted, match="another sampler session"):
             ray.get(actor.collect_waves.remote("first", 0.1), timeout=60)
-        ray.get(actor.submit_waves.remote("second", [(5, [1, 2], 1, SAMPLING)]), timeout=60)
+        ray.get(actor.submit_waves.remote("second", [(5, [1, 2], 1, SAMPLING)], []), timeout=60)
         finished = ray.get(actor.collect_waves.remote("second", 60.0), timeout=120)
-        assert [(call_id, ok) for call_id, ok, _ in finished] == [(5, True)]
+        assert [(call_id, index) for call_id, index, _ in finished] == [(5, 0)]
     finally:
         ray.kill(actor)

@@ -1,12 +1,11 @@
 """The hf backend in its own process: the same answers as in-process, errors that cross
-the boundary as themselves, and a dead engine that fails calls instead of hanging them."""
+the boundary as themselves, a cancel that reaches the child's rows, and a dead engine
+that fails calls instead of hanging them."""
 
 from __future__ import annotations
 
 import functools
-import json
 import os
-import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from support import endless
 from transformers import AutoTokenizer
 
 from sampler_service.backends.base import SamplingParams, as_list
@@ -26,16 +26,6 @@ from sampler_service.weights.vetting import vet_weight_file
 pytestmark = pytest.mark.timeout(180)
 
 SEEDED = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
-
-
-def _endless(model_dir: Path, out: Path) -> Path:
-    """A copy whose EOS id is outside the vocabulary: every answer runs to max_tokens."""
-    shutil.copytree(model_dir, out)
-    for name in ("config.json", "generation_config.json"):
-        path = out / name
-        if path.exists():
-            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": 1_000_000}))
-    return out
 
 
 async def test_same_answers_scores_and_weight_loads_as_in_process(toy: Any) -> None:
@@ -90,7 +80,7 @@ async def test_a_killed_engine_fails_waiting_and_later_calls(toy: Any, tmp_path:
     import asyncio
 
     remote = EngineProcess(
-        functools.partial(HFBackend, _endless(toy.model_dir, tmp_path / "endless"))
+        functools.partial(HFBackend, endless(toy.model_dir, tmp_path / "endless"))
     )
     await remote.start()
     try:
@@ -106,6 +96,34 @@ async def test_a_killed_engine_fails_waiting_and_later_calls(toy: Any, tmp_path:
             await remote.generate([3, 4, 5], 1, SEEDED)
         health = remote.health()
         assert not health.ok and "exit code -9" in health.detail["error"]
+    finally:
+        await remote.close()
+
+
+async def test_a_cancel_reaches_the_rows_in_the_child(toy: Any, tmp_path: Path) -> None:
+    """Greedy twins of one wave in the child: the cancelled one stops decoding there, and
+    comes back with the tokens it had, a prefix of its twin's."""
+    import asyncio
+
+    remote = EngineProcess(
+        functools.partial(HFBackend, endless(toy.model_dir, tmp_path / "endless")),
+        torch_threads=1,
+    )
+    await remote.start()
+    try:
+        assert remote.cancels_answers
+        wave = remote.wave([3, 4, 5], 2, SamplingParams(temperature=0, max_tokens=2000))
+        await asyncio.sleep(1.0)  # the child's batch runs
+        await wave.cancel([1])
+        answers = dict([pair async for pair in wave])
+        cut, twin = as_list(answers[1].token_ids), as_list(answers[0].token_ids)
+        assert answers[1].finish_reason == "abort" and answers[0].finish_reason == "length"
+        assert 0 < len(cut) < len(twin) == 2000 and cut == twin[: len(cut)]
+        # A reader that leaves stops its rows too: a million tokens would take hours.
+        left = asyncio.create_task(remote.generate([3, 4], 2, SamplingParams(max_tokens=10**6)))
+        await asyncio.sleep(1.0)
+        left.cancel()
+        assert len(await asyncio.wait_for(remote.generate([3], 1, SEEDED), 60)) == 1
     finally:
         await remote.close()
 

@@ -112,6 +112,9 @@ class _Renumbered(Wave):
         left = [i for i in range(self.n) if i not in self._yielded]
         await self._inner.cancel(left[: len(indices)])
 
+    def close(self) -> None:
+        self._inner.close()
+
 
 class FinishingOrder(SimBackend):
     """The simulated engine, its answers numbered as they finish: a rule reading them in

@@ -303,6 +303,63 @@ async def test_abort_all_and_a_responsive_event_loop(endless_dir: Path) -> None:
         assert backend.model_calls == 2
 
 
+async def _running(backend: HFBackend) -> None:
+    """Until a batch runs, and a little longer: its rows have decoded tokens."""
+    while backend._inflight is None:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.1)
+
+
+async def test_a_cancelled_row_stops_decoding_and_keeps_what_it_decoded(
+    endless_dir: Path,
+) -> None:
+    """Greedy twins of one wave: the cancelled one stops early, its tokens a prefix of its
+    uncancelled twin's, and counted."""
+    async with started(endless_dir) as backend:
+        greedy = SamplingParams(temperature=0, max_tokens=1000)
+        wave = backend.wave([5, 6], 3, greedy)
+        assert wave.cancels_answers
+        await _running(backend)
+        await wave.cancel([1])
+        answers = dict([pair async for pair in wave])
+        cut, twin = answers[1], answers[0]
+        assert cut.finish_reason == "abort" and twin.finish_reason == "length"
+        assert 0 < len(cut.token_ids) < len(twin.token_ids) == 1000
+        assert cut.token_ids == twin.token_ids[: len(cut.token_ids)]
+        assert len(cut.logprobs) == len(cut.token_ids)
+        assert answers[2].token_ids == twin.token_ids
+        assert backend.generated_tokens == 2000 + len(cut.token_ids)
+        assert backend.model_calls == 1
+
+
+async def test_a_queued_answer_cancelled_is_answered_at_once_and_never_runs(
+    endless_dir: Path,
+) -> None:
+    async with started(endless_dir, max_batch_rows=2) as backend:
+        wave = backend.wave([5], 3, SamplingParams(max_tokens=200))
+        await _running(backend)  # rows 0 and 1 run; row 2 waits for the next batch
+        await wave.cancel([2])
+        reading = aiter(wave)
+        index, first = await anext(reading)
+        assert (index, first.finish_reason, first.token_ids) == (2, "abort", [])
+        rest = {index: answer.finish_reason async for index, answer in reading}
+        assert rest == {0: "length", 1: "length"}
+        assert backend.model_calls == 1
+
+
+async def test_a_reader_that_leaves_stops_its_rows(endless_dir: Path) -> None:
+    async with started(endless_dir) as backend:
+        reading = asyncio.create_task(
+            backend.generate([5], 2, SamplingParams(max_tokens=1_000_000))
+        )
+        await _running(backend)
+        reading.cancel()  # a million tokens would take hours: only a stop ends the batch
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        assert await backend.generate([5], 1, SamplingParams(max_tokens=3))  # still serving
+        assert backend.model_calls == 2
+
+
 async def test_vet_weight_file(backend: HFBackend, reference: Any, model_dir: Path) -> None:
     specs = backend.weight_specs()
     state = reference.state_dict()

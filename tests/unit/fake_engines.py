@@ -118,7 +118,9 @@ class FakeSGLang:
         n = params.get("n", 1)
         answers = []
         for i in range(n):
-            ids = [5 + i, 6, 7][: params["max_new_tokens"]]
+            # what a sample draws moves with its seed, as a real server's draws do
+            shift = i + params.get("sampling_seed", 0)
+            ids = [5 + shift, 6, 7][: params["max_new_tokens"]]
             answers.append(
                 {
                     "text": "x",
@@ -130,7 +132,7 @@ class FakeSGLang:
                         "completion_tokens": len(ids),
                         "cached_tokens": 0,
                         "weight_version": self.version,
-                        "output_token_logprobs": [[-0.5 - i, t, None] for t in ids],
+                        "output_token_logprobs": [[-0.5 - shift, t, None] for t in ids],
                     },
                 }
             )

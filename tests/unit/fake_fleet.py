@@ -1,7 +1,8 @@
 """A fleet's members without engines: `FakeMember` answers the member protocol from a few
-fields the test sets (down, hung, refusing a load, holding its waves), records every call
-but probes, and keeps the weights it holds as a version number; `FakeTransport` stages
-updates as the versions they are. The fleet driving them is the real one."""
+fields the test sets (down, hung, refusing a load, holding its waves, streaming them),
+records every call but probes, and keeps the weights it holds as a version number;
+`FakeTransport` stages updates as the versions they are. The fleet driving them is the
+real one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sampler_service.backends.base import Completion, PauseMode, SamplingParams, Wave, WholeWave
+from sampler_service.backends.base import (
+    Completion,
+    PauseMode,
+    SamplingParams,
+    StreamedWave,
+    Wave,
+    WholeWave,
+)
 from sampler_service.errors import NotSupported
 from sampler_service.fleet.member import (
     Attached,
@@ -67,6 +75,14 @@ class FakeMember:
         #: A recovery waits for it (set: it is back at once).
         self.back = asyncio.Event()
         self.back.set()
+        #: Its waves stream and cancel single answers; held ones (`open` cleared) are
+        #: answered one by one by the test (`answer`).
+        self.streams = False
+        self.waves: list[StreamedWave] = []
+
+    @property
+    def cancels_answers(self) -> bool:
+        return self.streams
 
     def describe(self) -> dict[str, Any]:
         return {"pid": self.pid}
@@ -107,17 +123,41 @@ class FakeMember:
     def generate(
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, version: int
     ) -> Wave:
-        return WholeWave(self._wave(n, version), n)
+        if not self.streams:
+            return WholeWave(self._wave(n, version), n)
+        self._call("generate", n, version)
+        wave = StreamedWave(
+            n, lambda indices: self._stop(wave, indices), lambda: self.calls.append(("drop",))
+        )
+        self.waves.append(wave)
+        if self.open.is_set():
+            for index in range(n):
+                wave.put(index, _answer(version))
+        return wave
+
+    def answer(self, index: int, version: int = 0) -> None:
+        """Its latest wave's answer `index` finishes."""
+        self.waves[-1].put(index, _answer(version))
+
+    async def _stop(self, wave: StreamedWave, indices: list[int]) -> None:
+        """A cancelled answer comes back aborted with the one token it had decoded."""
+        self._call("cancel", indices)
+        for index in indices:
+            wave.put(index, Completion([1], [-0.5], "a", "abort"))
 
     async def _wave(self, n: int, version: int) -> list[Completion]:
         self._call("generate", n, version)
         await self.open.wait()
         if self.down:
             raise MemberDown(f"{self.name} lost the wave", "died")
-        return [Completion([1, 2], [-0.5, -0.5], "ab", "stop", version) for _ in range(n)]
+        return [_answer(version) for _ in range(n)]
 
     async def abort(self) -> int:
+        """Streamed waves end their answers aborted, with the token each had decoded."""
         self._call("abort")
+        for wave in self.waves:
+            for index in sorted(wave.missing):
+                wave.put(index, Completion([1], [-0.5], "a", "abort"))
         return 0
 
     async def pause(self, mode: PauseMode) -> None:
@@ -166,6 +206,10 @@ class FakeMember:
 
     async def close(self) -> None:
         self.calls.append(("close",))
+
+
+def _answer(version: int) -> Completion:
+    return Completion([1, 2], [-0.5, -0.5], "ab", "stop", version)
 
 
 class FakeTransport:

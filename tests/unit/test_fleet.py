@@ -1,6 +1,8 @@
 """The fleet written once, against fake members (fake_fleet.py): the weight barrier, the
 rollback of a refused update, recovery and re-issue, the NCCL group and its staleness,
-routing, and the fleet of one; the wave handle every member's `generate` returns.
+routing, and the fleet of one; the wave handle every member's `generate` returns, and
+the fleet's own streamed waves (answers passed on by index, cancels forwarded, only
+what a failed member did not answer issued again).
 
 The wire of each transport is tested live elsewhere: the HTTP servers against fake
 servers (test_http_*.py) and real `vllm serve` (tests/vllm_backend), the Ray replicas on
@@ -21,6 +23,7 @@ from sampler_service.backends.base import (
     Completion,
     GenerationAborted,
     SamplingParams,
+    StreamedWave,
     WholeWave,
 )
 from sampler_service.config import ReplicaSettings
@@ -515,6 +518,118 @@ async def test_a_whole_wave_yields_its_answers_in_order_and_cancels_only_whole()
     await held.cancel(range(2))
     with pytest.raises(asyncio.CancelledError):
         await held.answers()
+
+
+async def _next(reading: AsyncIterator[tuple[int, Completion]]) -> tuple[int, str]:
+    index, answer = await asyncio.wait_for(anext(reading), 20)
+    return index, answer.finish_reason
+
+
+async def test_a_fleet_wave_passes_answers_on_as_they_finish_and_forwards_cancels(
+    fleet: Any,
+) -> None:
+    members = [FakeMember(0)]
+    members[0].streams = True
+    pool = await fleet(members)
+    assert pool.cancels_answers
+    members[0].open.clear()  # the test finishes each answer
+    wave = pool.wave([1, 2], 4, SAMPLING, affinity_key="p")
+    assert wave.cancels_answers
+    await _until("the wave to reach the member", lambda: bool(members[0].waves))
+    assert pool.members()[0]["inflight_samples"] == 4
+    reading = aiter(wave)
+    members[0].answer(2)
+    assert await _next(reading) == (2, "stop")
+    assert pool.members()[0]["inflight_samples"] == 3
+    await wave.cancel([1, 2])  # 2 is back already: only 1 is cancelled on the member
+    assert members[0].named("cancel") == [("cancel", [1])]
+    assert pool.members()[0]["inflight_samples"] == 2  # freed at the cancel
+    assert await _next(reading) == (1, "abort")  # with the token it had decoded
+    members[0].answer(3)
+    members[0].answer(0)
+    assert [await _next(reading) for _ in range(2)] == [(3, "stop"), (0, "stop")]
+    with pytest.raises(StopAsyncIteration):
+        await anext(reading)
+    assert pool.members()[0]["inflight_samples"] == 0
+    assert pool.members()[0]["waves"] == 1
+
+
+async def test_a_member_that_fails_mid_wave_has_only_what_it_did_not_answer_reissued(
+    fleet: Any,
+) -> None:
+    members = [FakeMember(0), FakeMember(1)]
+    for m in members:
+        m.streams = True
+    pool = await fleet(members)
+    members[0].open.clear()
+    members[0].back.clear()  # its restart waits for the test
+    wave = pool.wave([1, 2], 4, SAMPLING, affinity_key="p")
+    await _until("the wave to reach member 0", lambda: bool(members[0].waves))
+    reading = aiter(wave)
+    members[0].answer(0)
+    members[0].answer(2)
+    assert {await _next(reading) for _ in range(2)} == {(0, "stop"), (2, "stop")}
+    members[0].down = True  # its process dies: the probe finds out
+    rest = {await _next(reading) for _ in range(2)}
+    assert rest == {(1, "stop"), (3, "stop")}
+    assert members[1].named("generate") == [("generate", 2, 0)]  # indices 1 and 3 alone
+    assert ("drop",) in members[0].calls  # its wave was dropped, not cancelled over the wire
+    row = pool.members()[0]
+    assert row["reissued_waves"] == 1 and row["inflight_samples"] == 0
+    assert pool.metrics.replica_wasted_samples.labels("0")._value.get() == 2
+    members[0].back.set()
+
+
+async def test_a_weight_updates_abort_passes_aborted_answers_on_and_fails_a_whole_read(
+    fleet: Any,
+) -> None:
+    members = [FakeMember(0)]
+    members[0].streams = True
+    pool = await fleet(members)
+    members[0].open.clear()
+    wave = pool.wave([1, 2], 2, SAMPLING, affinity_key="p")
+    whole = asyncio.ensure_future(pool.generate([1, 3], 2, SAMPLING, affinity_key="q"))
+    await _until("both waves to reach the member", lambda: len(members[0].waves) == 2)
+    members[0].answer(0)  # the whole read's second answer is aborted below
+    await pool.abort_all()
+    assert sorted([(i, a.finish_reason) async for i, a in wave]) == [(0, "abort"), (1, "abort")]
+    with pytest.raises(GenerationAborted, match=r"aborted answers \[1\]"):
+        await asyncio.wait_for(whole, 20)
+
+
+async def test_a_fleet_of_whole_wave_members_cancels_only_whole_waves(fleet: Any) -> None:
+    members = [FakeMember(0)]
+    pool = await fleet(members)
+    assert not pool.cancels_answers
+    members[0].open.clear()
+    wave = pool.wave([1, 2], 3, SAMPLING, affinity_key="p")
+    await _until("the wave to reach the member", lambda: bool(members[0].named("generate")))
+    with pytest.raises(NotSupported, match="whole waves"):
+        await wave.cancel([0])
+    await wave.cancel(range(3))
+    answers = sorted([(i, a.finish_reason, len(a.token_ids)) async for i, a in wave])
+    assert answers == [(0, "abort", 0), (1, "abort", 0), (2, "abort", 0)]
+    assert pool.members()[0]["inflight_samples"] == 0
+
+
+async def test_a_streamed_wave_yields_each_index_once_and_drops_what_runs_when_left() -> None:
+    stopped: list[list[int]] = []
+    dropped: list[bool] = []
+
+    async def stop(indices: list[int]) -> None:
+        stopped.append(indices)
+
+    wave = StreamedWave(3, stop, lambda: dropped.append(True))
+    wave.put(1, Completion([5], [-1.0], "5", "stop"))
+    wave.put(1, Completion([6], [-1.0], "6", "stop"))  # a late second answer is ignored
+    reading = aiter(wave)
+    assert await anext(reading) == (1, Completion([5], [-1.0], "5", "stop"))
+    await wave.cancel([0, 1])
+    assert stopped == [[0]] and wave.cancelled == {0}
+    await wave.cancel([0])  # asked once
+    assert stopped == [[0]]
+    await reading.aclose()  # the reader leaves with answers 0 and 2 still out
+    assert dropped == [True]
 
 
 # -- a fleet of one -------------------------------------------------------------------------

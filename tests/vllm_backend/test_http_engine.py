@@ -237,6 +237,48 @@ def test_seeded_answers_match_the_in_process_backend(
         assert _weight_label(fleet.servers[0]) == fleet.label(0)
 
 
+@pytest.mark.parametrize("name", ["vllm", "vllm-generate"])
+def test_a_cancelled_answer_decodes_fewer_tokens_than_its_twin_over_http(
+    fleet: Fleet, toy, local, loop_thread, tmp_path: Path, name: str
+) -> None:
+    """One request per answer under the server's own ids: greedy twins of one wave, the
+    cancelled one aborted through the dialect's abort call comes back with the tokens it
+    had decoded, a prefix of its twin's; a seeded wave's answers each have their own
+    seed, so they differ, and are the in-process engine's answers index by index."""
+    from transformers import AutoTokenizer
+
+    from sampler_service.backends.base import Completion, SamplingParams
+    from sampler_service.backends.http.dialects import DIALECTS
+
+    tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
+    prompt = tokenizer("1234567890")["input_ids"]  # no `=` to answer: the toy never ends
+    longest = 64 - len(prompt)
+    with _http_backend(fleet, toy, loop_thread, tmp_path, dialect=DIALECTS[name]) as http:  # type: ignore[index]
+
+        async def cancel_one() -> dict[int, Completion]:
+            wave = http.wave(prompt, 2, SamplingParams(temperature=0.0, max_tokens=longest))
+            assert wave.cancels_answers
+            # A 4-token answer sent after them: once it is back, they have decoded tokens.
+            await http.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=4))
+            await wave.cancel([1])
+            return dict([pair async for pair in wave])
+
+        answers = loop_thread.run(cancel_one())
+        cut, twin = answers[1], answers[0]
+        assert cut.finish_reason == "abort" and twin.finish_reason == "length"
+        assert 0 < len(cut.token_ids) < len(twin.token_ids) == longest
+        assert cut.token_ids == twin.token_ids[: len(cut.token_ids)]
+        assert len(cut.logprobs) == len(cut.token_ids)
+        REPORT[f"cancelled twin over HTTP ({name}): tokens of its twin's"] = (
+            f"{len(cut.token_ids)}/{longest}"
+        )
+        seeded = SamplingParams(temperature=1.0, max_tokens=longest, seed=9)
+        there = loop_thread.run(http.generate(prompt, 4, seeded))
+        here = loop_thread.run(local.generate(prompt, 4, seeded))
+        assert len({tuple(c.token_ids) for c in there}) == 4
+        assert [c.token_ids for c in there] == [c.token_ids for c in here]
+
+
 def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(
     fleet: Fleet, toy, local, loop_thread, tmp_path: Path
 ) -> None:

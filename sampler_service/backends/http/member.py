@@ -2,11 +2,16 @@
 for `--backend http` (what every server shares, and the fleet around them:
 `transport.py`).
 
-- Waves are token-in/token-out requests (`POST /v1/completions` for vLLM): the prompt as
-  token ids, `n` answers per request, the sampler's sampling parameters spelled out (so
-  a server's generation_config defaults change nothing), the wave's seed, the sampled
-  token's logprob and the answer's token ids, so answers are never re-tokenized; the
-  text is decoded here with the sampler's tokenizer.
+- Waves are token-in/token-out requests (`POST /v1/completions` for vLLM), one per
+  answer (servers abort the n answers of one request together) under an id of ours:
+  the prompt as token ids, every sampling parameter spelled out (a server's
+  generation_config changes nothing), the answer's seed (`base.answer_seed`), and the
+  answer's token ids and logprobs back, never re-tokenized (the text is decoded here).
+- A cancel aborts the answers' requests through the dialect's abort endpoint (vLLM's
+  `/abort_requests`, under the ids the server runs them as), and each comes back as its
+  request returns: aborted, with the tokens and logprobs it had decoded. If that call
+  fails, the requests' connections are closed (which aborts a non-streamed request in
+  vLLM's server) and the answers come back aborted with nothing counted.
 - Versions are labels. A server's `/weight_info` is a free label (`"default"` on a fresh
   server): the sampler writes its own, `adaptive-rollout/<instance>/v<version>`, after
   every load, and reads it back; a label of another instance is no version of ours.
@@ -27,6 +32,7 @@ Paths and field names are the server's dialect (`dialects.py`: vLLM's or SGLang'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,11 +46,14 @@ import orjson
 
 from sampler_service.backends.base import (
     Completion,
+    FinishReason,
     GenerationAborted,
     PauseMode,
+    RequestWave,
     SamplingParams,
     Wave,
-    WholeWave,
+    aborted,
+    answer_seed,
     check_request,
 )
 from sampler_service.backends.checkpoint import Checkpoint
@@ -65,6 +74,8 @@ from sampler_service.weights.types import NCCLDescription, NCCLUnavailable
 log = logging.getLogger(__name__)
 
 LOGPROBS_MODE = "processed_logprobs"
+#: The finish reasons of an answer the sampler keeps (a request it aborted included).
+_FINISHED: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def weight_label(instance_id: str, version: int) -> str:
@@ -117,6 +128,7 @@ class HTTPMember:
     """One server: see the module docstring."""
 
     restartable = False
+    cancels_answers = True
 
     def __init__(self, url: str, servers: Servers) -> None:
         self.name = self.address = url.rstrip("/")
@@ -131,8 +143,9 @@ class HTTPMember:
         self.checksum_digest: str | None = None  # of its /weight_checker checksums
         self._paused = False  # by our own calls: a server without a pause query
         self.requests: set[str] = set()
-        #: Requests of ours asked to abort (a weight update's `abort`): whatever they
-        #: answer, the wave is re-issued after the update, never failed.
+        #: Requests of ours asked to abort (a cancel, or a weight update's `abort`): an
+        #: error they answer with is an answer aborted with nothing counted, never a
+        #: failed member.
         self.aborted: set[str] = set()
 
     def describe(self) -> dict[str, Any]:
@@ -235,7 +248,8 @@ class HTTPMember:
     def request_body(
         self, prompt: list[int], n: int, sampling: SamplingParams, request_id: str
     ) -> dict[str, Any]:
-        """One wave as the dialect's generate request, stopping at the model's EOS too."""
+        """A request of `n` answers in the dialect's words, stopping at the model's EOS
+        too (a wave sends one per answer)."""
         stops = (*self._servers.eos, *sampling.stop_token_ids)
         return self._dialect.request(
             self.model, prompt, n, replace(sampling, stop_token_ids=stops), request_id
@@ -244,32 +258,52 @@ class HTTPMember:
     def generate(
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, version: int
     ) -> Wave:
-        return WholeWave(self._wave(prompt_token_ids, n, sampling, version), n)
-
-    async def _wave(
-        self, prompt: list[int], n: int, sampling: SamplingParams, version: int
-    ) -> list[Completion]:
         check_request(
-            prompt,
+            prompt_token_ids,
             n,
             sampling,
             vocab_size=self._servers.vocab_size,
             max_model_len=self.max_model_len or None,
         )
-        request_id = f"ar-{uuid.uuid4().hex}"
-        body = self.request_body(prompt, n, sampling, request_id)
+        base = f"ar-{uuid.uuid4().hex}"
+        ids = [f"{base}-{i}" for i in range(n)]
+
+        def request(index: int) -> Any:
+            own = replace(sampling, seed=answer_seed(sampling.seed, index))
+            return self._request(prompt_token_ids, own, ids[index], version)
+
+        async def cancel(indices: list[int]) -> None:
+            asked = [ids[i] for i in indices]
+            try:
+                await self._abort(asked, self._servers.replica.probe_timeout_s)
+            except (MemberDown, ServerError) as exc:
+                log.warning("%s: closing requests the abort did not reach: %r", self.address, exc)
+                wave.close_requests(indices, version)
+
+        wave = RequestWave(n, request, cancel)
+        return wave
+
+    async def _request(
+        self, prompt: list[int], sampling: SamplingParams, request_id: str, version: int
+    ) -> Completion:
+        """One answer's request, to its answer (aborted, with what it had decoded, where
+        it was asked to abort)."""
+        body = self.request_body(prompt, 1, sampling, request_id)
         self.requests.add(request_id)
         try:
             response = await self._servers.wave_client().post(
                 self.address + self._dialect.generate, json=body
             )
         except httpx.TransportError as exc:
+            if request_id in self.aborted:
+                return aborted(version)
             raise MemberDown(f"{self.address} lost the wave: {exc!r}") from exc
         finally:
             self.requests.discard(request_id)
-        if request_id in self.aborted:
+            stopped = request_id in self.aborted
             self.aborted.discard(request_id)
-            raise GenerationAborted(f"request {request_id} was aborted for a weight update")
+        if response.status_code != 200 and stopped:
+            return aborted(version)
         if response.status_code >= 500:
             raise MemberDown(f"{self.address}: {response.status_code} {response.text[:300]}")
         if response.status_code != 200:
@@ -277,37 +311,42 @@ class HTTPMember:
                 f"{self.address} refused the wave: {response.status_code} {response.text[:300]}"
             )
         answers = self._dialect.answers(orjson.loads(response.content))
-        if len(answers) != n:
-            raise GenerationAborted(f"{self.address} returned {len(answers)} of {n} answers")
+        if len(answers) != 1:
+            raise GenerationAborted(f"{self.address} returned {len(answers)} answers, not 1")
         expected = self._servers.label(version)
-        if foreign := {x for a in answers for x in a[3] or () if x != expected}:
+        if foreign := {x for x in answers[0][3] or () if x != expected}:
             raise ForeignWeights(
                 f"{self.address} sampled tokens under {sorted(foreign)}, not {expected!r}"
             )
-        return [self._completion(a, version) for a in answers]
+        return self._completion(answers[0], version)
 
     def _completion(self, answer: Answer, version: int) -> Completion:
         ids, values, reason, _ = answer
-        if reason == "abort":
-            raise GenerationAborted("the server aborted the request")
-        if reason != "stop" and reason != "length":
+        finish = _FINISHED.get(reason or "")
+        if finish is None:
             raise RuntimeError(f"the server finished an answer with {reason!r}")
         if len(values) != len(ids):
             raise RuntimeError("the server's token ids and logprobs do not line up")
         tokenizer = self._servers.tokenizer
         text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else ""
-        return Completion(ids, values, text, "stop" if reason == "stop" else "length", version)
+        return Completion(ids, values, text, finish, version)
 
-    async def abort(self) -> int:
-        """Abort this sampler's requests on the server, under the ids it gave them."""
-        ids = sorted(self.requests)
-        if not ids:
-            return 0
+    async def _abort(self, ids: list[str], timeout: float) -> None:
+        """Ask the server to abort these requests of ours, under the ids it runs them as."""
         self.aborted.update(ids)
         bodies = self._dialect.abort_bodies(ids)
-        await asyncio.gather(
-            *(self._post(self._dialect.abort, b) for b in bodies), return_exceptions=True
-        )
+        calls = (self._post(self._dialect.abort, body, timeout) for body in bodies)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        if failed := [r for r in results if isinstance(r, BaseException)]:
+            raise failed[0]
+
+    async def abort(self) -> int:
+        """Abort this sampler's requests on the server: each answer comes back aborted,
+        with what it had decoded. Returns how many requests it asked to abort."""
+        ids = sorted(self.requests)
+        if ids:
+            with contextlib.suppress(MemberDown, ServerError):
+                await self._abort(ids, self._servers.replica.probe_timeout_s)
         return len(ids)
 
     # -- the weight barrier -----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Waves to one replica actor in batched Ray calls, each wave still answered on its own.
+"""Waves to one replica actor in batched Ray calls, each answer still passed on as it
+finishes.
 
 A Ray actor call costs the driver (the sampler's front) about 1 ms of CPU, and that CPU
 is what also verifies answers and schedules waves. On 2 cores, a burst of 16 concurrent
@@ -7,75 +8,89 @@ through this channel (`python -m bench.scaleout --quick --only calls`). A toy mo
 wave lasts a few milliseconds, so one call per wave cost the front about a sixth of its
 throughput.
 
-So the channel sends every wave asked for in one event-loop turn as one `submit_waves`
-call, and keeps one long-poll `collect_waves` call open that returns every wave finished
-since the previous one, as `(call_id, ok, completions or error)`. No wave waits for
-another: a wave's result comes back with the first collect after it finished.
+So the channel sends every wave asked for and every cancel made in one event-loop turn
+as one `submit_waves` call, and keeps one long-poll `collect_waves` call open that
+returns every answer finished since the previous one, as `(call_id, index, answer)` (an
+index of None: the error that ends the rest of that wave). No wave waits for another: an
+answer comes back with the first collect after it finished. A cancelled answer comes
+back the same way, aborted, with what the replica's engine had decoded of it.
 
 Failure: a submit call that fails (the actor is dead, or restarted and not started yet)
 fails the waves it carried; a collect call that fails fails every wave still waiting (its
 actor died, none of them will finish); the fleet's member calls `fail_all` when the
-fleet found a failure by other means (a hung probe, a restarted process). Every failure starts a new
-generation: the collect loop of an earlier one can still deliver results, but its error
-never fails the waves sent since.
+fleet found a failure by other means (a hung probe, a restarted process). Every failure
+starts a new generation: the collect loop of an earlier one can still deliver answers,
+but its error never fails the waves sent since. Errors reach a wave as `translate` makes
+them (the member's own failure types).
 
-Sessions: the replica keeps finished waves for the session `start` gave it (one per
+Sessions: the replica keeps finished answers for the session `start` gave it (one per
 channel, so per sampler): a collect call still open from a sampler that died cannot take
-the results of the sampler that took its replicas over.
+the answers of the sampler that took its replicas over.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-from sampler_service.aio import TaskSet
-from sampler_service.backends.base import Completion, SamplingParams
+from sampler_service.aio import TaskSet, TurnBatch
+from sampler_service.backends.base import SamplingParams, StreamedWave
 
-#: Seconds a collect call waits on the replica for a finished wave before it returns
+#: Seconds a collect call waits on the replica for a finished answer before it returns
 #: empty and is sent again (a hung replica is the health probe's to find).
 COLLECT_POLL_S = 5.0
 
 #: One wave as sent: (call id, prompt token ids, n, sampling).
 SentWave = tuple[int, list[int], int, SamplingParams]
-#: One finished wave as returned: (call id, ok, completions if ok else the error).
-Finished = tuple[int, bool, Any]
+#: One cancel as sent: (call id, the answers to stop, or None: its reader left, stop all).
+SentCancel = tuple[int, list[int] | None]
+#: One answer as returned: (call id, index, the answer; or None and the wave's error).
+Finished = tuple[int, int | None, Any]
 
 
 class ReplicaChannel:
-    """See the module docstring. `handle` is the replica's Ray actor handle."""
+    """See the module docstring. `handle` is the replica's Ray actor handle; `translate`
+    turns an error of the wire or the replica into the one its waves raise."""
 
-    def __init__(self, handle: Any, poll_s: float = COLLECT_POLL_S) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        translate: Callable[[BaseException], BaseException],
+        poll_s: float = COLLECT_POLL_S,
+    ) -> None:
         self.session = uuid.uuid4().hex
         self._handle = handle
+        self._translate = translate
         self._poll_s = poll_s
         self._ids = itertools.count()
         self._generation = 0
         self._collecting = False
-        self._outbox: list[SentWave] = []
-        # call id -> (generation it was sent in, the caller's future)
-        self._waiting: dict[int, tuple[int, asyncio.Future[list[Completion]]]] = {}
+        self._outbox: TurnBatch[SentWave | SentCancel] = TurnBatch(self._flush)
+        # call id -> (generation it was sent in, its wave)
+        self._waiting: dict[int, tuple[int, StreamedWave]] = {}
         self._tasks = TaskSet()
 
-    async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
-    ) -> list[Completion]:
-        loop = asyncio.get_running_loop()
+    def wave(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, cancels_answers: bool
+    ) -> StreamedWave:
         call_id = next(self._ids)
-        future: asyncio.Future[list[Completion]] = loop.create_future()
-        self._waiting[call_id] = (self._generation, future)
-        if not self._outbox:
-            loop.call_soon(self._flush)
-        self._outbox.append((call_id, prompt_token_ids, n, sampling))
+
+        async def cancel(indices: list[int]) -> None:
+            self._outbox.add((call_id, indices))
+
+        def drop() -> None:
+            if self._waiting.pop(call_id, None) is not None:
+                self._outbox.add((call_id, None))
+
+        wave = StreamedWave(n, cancel, drop, cancels_answers=cancels_answers)
+        self._waiting[call_id] = (self._generation, wave)
+        self._outbox.add((call_id, prompt_token_ids, n, sampling))
         if not self._collecting:
             self._collecting = True
             self._tasks.spawn(self._collect(self._generation), "replica-channel")
-        try:
-            return await future
-        finally:
-            self._waiting.pop(call_id, None)
+        return wave
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every wave waiting (the fleet found the replica failed); a new generation."""
@@ -84,22 +99,18 @@ class ReplicaChannel:
     async def close(self) -> None:
         await self._tasks.cancel()
 
-    def _flush(self) -> None:
-        waves, self._outbox = self._outbox, []
-        if waves:
-            ref = self._handle.submit_waves.remote(self.session, waves)
-            self._tasks.spawn(
-                self._check_submit(ref, [wave[0] for wave in waves]), "replica-channel"
-            )
+    def _flush(self, sent: list[SentWave | SentCancel]) -> None:
+        waves = [s for s in sent if len(s) == 4]  # the rest are cancels, (call id, indices)
+        cancels = [s for s in sent if len(s) == 2]
+        ref = self._handle.submit_waves.remote(self.session, waves, cancels)
+        self._tasks.spawn(self._check_submit(ref, [wave[0] for wave in waves]), "replica-channel")
 
     async def _check_submit(self, ref: Any, call_ids: list[int]) -> None:
         try:
             await ref
-        except Exception as exc:  # noqa: BLE001 - the waves' callers get it
+        except Exception as exc:  # noqa: BLE001 - the waves' readers get it
             for call_id in call_ids:
-                entry = self._waiting.get(call_id)
-                if entry is not None and not entry[1].done():
-                    entry[1].set_exception(exc)
+                self._end(call_id, exc)
 
     async def _collect(self, generation: int) -> None:
         try:
@@ -108,25 +119,33 @@ class ReplicaChannel:
                     finished: list[Finished] = await self._handle.collect_waves.remote(
                         self.session, self._poll_s
                     )
-                except Exception as exc:  # noqa: BLE001 - the waves' callers get it
+                except Exception as exc:  # noqa: BLE001 - the waves' readers get it
                     self._fail_generation(generation, exc)
                     return
-                for call_id, ok, value in finished:
+                for call_id, index, value in finished:
                     entry = self._waiting.get(call_id)
-                    if entry is None or entry[1].done():
-                        continue  # its caller gave up
-                    if ok:
-                        entry[1].set_result(value)
-                    else:
-                        entry[1].set_exception(value)
+                    if entry is None:
+                        continue  # its reader left
+                    if index is None:
+                        self._end(call_id, value)
+                        continue
+                    entry[1].put(index, value)
+                    if not entry[1].missing:
+                        del self._waiting[call_id]
         finally:
             if generation == self._generation:
                 self._collecting = False
 
+    def _end(self, call_id: int, error: BaseException) -> None:
+        """The rest of a wave will not come."""
+        entry = self._waiting.pop(call_id, None)
+        if entry is not None:
+            entry[1].fail(self._translate(error))
+
     def _fail_generation(self, generation: int, error: BaseException) -> None:
-        for g, future in list(self._waiting.values()):
-            if g == generation and not future.done():
-                future.set_exception(error)
+        for call_id, (g, _) in list(self._waiting.items()):
+            if g == generation:
+                self._end(call_id, error)
         if generation == self._generation:
             self._generation += 1
             self._collecting = False

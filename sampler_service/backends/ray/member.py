@@ -1,9 +1,10 @@
 """One engine replica, a detached named Ray actor (`replica.py`), as the fleet's member
 for `--replicas N` (the replicas together, and the fleet around them: `transport.py`).
 
-- Waves go through the replica's channel (`channel.py`): those asked for in one
-  event-loop turn share one Ray call, and finished ones come back together, each with
-  its own result, as soon as it is done.
+- Waves go through the replica's channel (`channel.py`): those asked for, and the
+  cancels made, in one event-loop turn share one Ray call, and answers come back one by
+  one as each finishes (those finished together in one call). A cancel reaches the
+  replica's wave: what its engine decoded of a cancelled answer comes back, aborted.
 - A dead process makes its calls raise (`MemberDown`, reason `died`); a fresh
   incarnation that was not started yet answers `NotStarted` (`restarted`). The fleet
   restarts a failed replica (`recover`): the old process is killed if it may still run,
@@ -23,7 +24,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from sampler_service.backends.base import Completion, PauseMode, SamplingParams, Wave, WholeWave
+from sampler_service.backends.base import PauseMode, SamplingParams, Wave
 from sampler_service.backends.ray.channel import ReplicaChannel
 from sampler_service.backends.ray.replica import NotStarted
 from sampler_service.errors import NotSupported
@@ -40,6 +41,16 @@ class _KillPending(RuntimeError):
     """The process asked to die still answers: `ray.kill` has not landed yet."""
 
 
+def _down(error: BaseException) -> BaseException:
+    """A wave's error as the fleet reads it: a dead process, or a fresh incarnation not
+    started yet, is the member down; anything else is the engine's own."""
+    if isinstance(error, NotStarted):
+        return MemberDown(repr(error), "restarted")
+    if isinstance(error, RayActorError):
+        return MemberDown(repr(error), "died")
+    return error
+
+
 class RayMember:
     """One replica actor: see the module docstring."""
 
@@ -52,8 +63,10 @@ class RayMember:
         self.name = f"replica {index}"
         self.actor_name = actor_name
         self.handle = handle
-        self.channel = ReplicaChannel(handle)
+        self.channel = ReplicaChannel(handle, _down)
         self.pid: int | None = None
+        #: Its engine's waves cancel single answers (as it said when it was attached).
+        self.cancels_answers = False
         #: The process this member asked Ray to kill: until Ray's kill lands, calls may
         #: still reach it, and it is not a new incarnation.
         self._killed_pid: int | None = None
@@ -67,10 +80,8 @@ class RayMember:
         """An actor call, its process's death or a fresh incarnation as MemberDown."""
         try:
             return await getattr(self.handle, method).remote(*args)
-        except NotStarted as exc:
-            raise MemberDown(repr(exc), "restarted") from exc
-        except RayActorError as exc:
-            raise MemberDown(repr(exc), "died") from exc
+        except (NotStarted, RayActorError) as exc:
+            raise _down(exc) from exc
 
     async def attach(self) -> Attached:
         """Start the replica's engine once; a replica already running (a new sampler
@@ -83,6 +94,7 @@ class RayMember:
         if self._killed_pid is not None and info["pid"] == self._killed_pid:
             raise _KillPending(f"{self.name}: pid {self._killed_pid} is not dead yet")
         self._killed_pid, self.pid = None, info["pid"]
+        self.cancels_answers = bool(info["cancels_answers"])
         return Attached(
             version=int(info["policy_version"]),
             identity=self.pid,
@@ -126,15 +138,7 @@ class RayMember:
     def generate(
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, version: int
     ) -> Wave:
-        return WholeWave(self._wave(prompt_token_ids, n, sampling), n)
-
-    async def _wave(self, prompt: list[int], n: int, sampling: SamplingParams) -> list[Completion]:
-        try:
-            return await self.channel.generate(prompt, n, sampling)
-        except NotStarted as exc:
-            raise MemberDown(repr(exc), "restarted") from exc
-        except RayActorError as exc:
-            raise MemberDown(repr(exc), "died") from exc
+        return self.channel.wave(prompt_token_ids, n, sampling, self.cancels_answers)
 
     async def abort(self) -> int:
         return int(await self._call("abort_all"))

@@ -4,8 +4,8 @@ The Ray transport (`transport.py`) creates this class as a detached, named Ray a
 a sampler that restarts finds its replicas still warm. The actor holds no scheduling
 logic: it builds its backend from a picklable factory, runs waves concurrently on its
 event loop (so the backend batches them as it does in-process; its fleet member sends
-and collects them in batched calls, `channel.py`), loads weights, and answers health
-probes. It imports nothing of Ray itself, so the same class runs in a test without a
+them, and cancels, and collects their answers one by one as each finishes, in batched
+calls, `channel.py`), loads weights, and answers health probes. It imports nothing of Ray itself, so the same class runs in a test without a
 cluster.
 
 A Ray restart runs `__init__` again on a fresh process: the new incarnation reports
@@ -32,9 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from sampler_service.aio import TaskSet
-from sampler_service.backends.base import Backend, Completion, PauseMode, SamplingParams, packed
+from sampler_service.backends.base import (
+    Backend,
+    Completion,
+    PauseMode,
+    SamplingParams,
+    Wave,
+    packed,
+)
 from sampler_service.backends.engine_process import picklable
-from sampler_service.backends.ray.channel import Finished, SentWave
+from sampler_service.backends.ray.channel import Finished, SentCancel, SentWave
 from sampler_service.weights.types import NCCLDescription, NCCLUnavailable, WeightsRejected
 
 log = logging.getLogger(__name__)
@@ -83,8 +90,10 @@ class Replica:
         self._starting: asyncio.Lock | None = None
         self._inflight = 0
         self._generated_tokens = 0
-        # The member's batched calls: its session, and waves finished but not collected.
+        # The member's batched calls: its session, the waves running (each with the task
+        # reading it), and answers finished but not collected.
         self._session = ""
+        self._waves: dict[int, tuple[Wave, asyncio.Task[None]]] = {}
         self._finished: list[Finished] = []
         self._has_finished = asyncio.Event()
         self._wave_tasks = TaskSet()
@@ -180,6 +189,7 @@ class Replica:
             "model_name": self._backend.model_name,
             "policy_version": self._backend.policy_version,
             "specs": self._backend.weight_specs(),
+            "cancels_answers": self._backend.cancels_answers,
             "attached": attached,
         }
 
@@ -255,18 +265,35 @@ class Replica:
                 else f"replica {self._index} (pid {os.getpid()}) has no engine loaded"
             )
 
-    async def submit_waves(self, session: str, waves: list[SentWave]) -> None:
-        """Start each wave; its result goes to the session's next `collect_waves`."""
+    async def submit_waves(
+        self, session: str, waves: list[SentWave], cancels: list[SentCancel]
+    ) -> None:
+        """Start each wave, then pass each cancel on to its wave; every answer goes to the
+        session's next `collect_waves` as it finishes."""
         engine = self._engine()
         self._check_session(session)
         self._submit_calls += 1
         self._submitted_waves += len(waves)
         for call_id, prompt_token_ids, n, sampling in waves:
             self._wave_tasks.spawn(
-                self._run_wave(engine, session, call_id, prompt_token_ids, n, sampling)
+                self._stream(engine, session, call_id, prompt_token_ids, n, sampling)
             )
+        for call_id, indices in cancels:
+            if (running := self._waves.get(call_id)) is None:
+                continue  # finished before the cancel came
+            wave, reader = running
+            if indices is None:  # its reader left: stop what still runs
+                reader.cancel()
+            else:
+                self._wave_tasks.spawn(self._cancel(wave, indices))
 
-    async def _run_wave(
+    async def _cancel(self, wave: Wave, indices: list[int]) -> None:
+        try:
+            await wave.cancel(indices)
+        except Exception as exc:  # noqa: BLE001 - the answers still come back, finished
+            log.warning("replica %d: a cancel of answers %s failed: %r", self._index, indices, exc)
+
+    async def _stream(
         self,
         engine: Backend,
         session: str,
@@ -275,11 +302,27 @@ class Replica:
         n: int,
         sampling: SamplingParams,
     ) -> None:
-        finished: Finished
+        """Each answer of one wave to the session's collect, packed, as it finishes."""
+        left = n
+        self._inflight += n
         try:
-            finished = (call_id, True, await self._run(engine, prompt_token_ids, n, sampling))
-        except Exception as exc:  # noqa: BLE001 - the wave's caller gets it
-            finished = (call_id, False, picklable(exc))
+            wave = engine.wave(prompt_token_ids, n, sampling)
+            reader = asyncio.current_task()
+            assert reader is not None
+            self._waves[call_id] = (wave, reader)
+            async for index, answer in wave:
+                left -= 1
+                self._inflight -= 1
+                self._generated_tokens += len(answer.token_ids)
+                self._answered(session, (call_id, index, packed(answer)))
+        except Exception as exc:  # noqa: BLE001 - the wave's reader gets it
+            self._answered(session, (call_id, None, picklable(exc)))
+        finally:
+            self._inflight -= left
+            self._waves.pop(call_id, None)
+            self._heard()
+
+    def _answered(self, session: str, finished: Finished) -> None:
         if session == self._session:
             self._finished.append(finished)
             self._has_finished.set()
