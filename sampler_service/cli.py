@@ -33,17 +33,20 @@ def _load_config_file(path: Path) -> dict[str, Any]:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """`serve`'s flags: one per ServeSettings field, plus the initial sampler config."""
+    """`serve`'s flags: one per ServeSettings field, in its help section, plus the
+    initial sampler config."""
     from sampler_service.config import ServeSettings
-    from trainer_client.contract.flags import add_model_arguments
+    from trainer_client.contract.flags import add_model_arguments, add_sections
 
-    add_model_arguments(p, ServeSettings)
-    p.add_argument(
+    sections = add_sections(p, ServeSettings.CLI_SECTIONS)
+    add_model_arguments(p, ServeSettings, sections=sections)
+    core = sections[""]
+    core.add_argument(
         "--config",
         type=Path,
         help="initial sampler config (.json or .toml, the keys of GET /v1/config)",
     )
-    p.add_argument(
+    core.add_argument(
         "--set",
         dest="config_set",
         action="append",
@@ -53,7 +56,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "dotted keys nest, e.g. est.n_min=4); repeatable. A config saved in --state-dir by an "
         "earlier run wins over both, with a warning naming each key it overrides",
     )
-    p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    core.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     p.set_defaults(func=serve, parser=p)
 
 

@@ -21,7 +21,7 @@ def starting_health(settings: ServeSettings, started_at: float) -> Health:
     return Health(
         status="starting",
         replicas=None,
-        backend="ray" if settings.uses_ray else settings.backend,
+        backend="ray" if settings.transport.kind == "ray" else settings.backend,
         model=str(settings.model),
         policy_version=0,
         uptime_s=time.time() - started_at,

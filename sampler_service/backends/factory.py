@@ -13,6 +13,7 @@ from typing import Any
 
 from sampler_service.backends.base import Backend
 from sampler_service.config import ServeSettings
+from sampler_service.config.settings import HttpServers, InProcess, RayReplicas
 from sampler_service.metrics import Metrics
 
 
@@ -24,9 +25,9 @@ def _instance_id(state_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def _engine_factory(settings: ServeSettings) -> Any:
+def _engine_factory(settings: ServeSettings, engine: str) -> Any:
     """A picklable recipe for one engine, built where it runs (a Ray actor)."""
-    if settings.backend == "vllm":
+    if engine == "vllm":
         from sampler_service.backends.vllm import VLLMBackend
 
         return functools.partial(VLLMBackend, settings.model, seed=settings.seed, **settings.vllm)
@@ -39,6 +40,7 @@ def _engine_factory(settings: ServeSettings) -> Any:
 
 def _replica_fleet(
     settings: ServeSettings,
+    transport: RayReplicas,
     metrics: Metrics,
     on_state_change: Callable[[dict[str, Any]], None] | None = None,
 ) -> Backend:
@@ -52,13 +54,13 @@ def _replica_fleet(
         from sampler_service.backends.ray.transport import build_ray_fleet
     except ImportError as exc:
         raise RuntimeError(
-            f"--replicas {settings.replica.count} / --ray-address need Ray: "
+            f"--replicas {transport.replica.count} / --ray-address need Ray: "
             "pip install 'adaptive-rollout[ray]'"
         ) from exc
 
     return build_ray_fleet(
-        _engine_factory(settings),
-        settings.replica,
+        _engine_factory(settings, transport.engine),
+        transport.replica,
         instance_id=_instance_id(settings.state_dir),
         torch_threads=settings.torch_threads,
         metrics=metrics,
@@ -68,6 +70,7 @@ def _replica_fleet(
 
 def _http_fleet(
     settings: ServeSettings,
+    transport: HttpServers,
     tokenizer: Any,
     metrics: Metrics,
     on_state_change: Callable[[dict[str, Any]], None] | None = None,
@@ -77,24 +80,23 @@ def _http_fleet(
     from sampler_service.backends.http.discovery import ServiceName
     from sampler_service.backends.http.transport import HTTPPoolSettings, build_http_fleet
 
-    assert settings.weights_dir is not None  # required by ServeSettings
     pool = HTTPPoolSettings(
-        urls=tuple(settings.engine_url),
+        urls=transport.urls,
         instance_id=_instance_id(settings.state_dir),
-        weights_dir=settings.weights_dir,
-        replica=settings.replica,
-        dialect=DIALECTS[settings.engine_dialect],
-        services=tuple(ServiceName.parse(name) for name in settings.engine_service),
-        resolve_s=settings.engine_resolve_s,
+        weights_dir=transport.weights_dir,
+        replica=transport.replica,
+        dialect=DIALECTS[transport.dialect],
+        services=tuple(ServiceName.parse(name) for name in transport.services),
+        resolve_s=transport.resolve_s,
     )
     return build_http_fleet(
         settings.model, pool, tokenizer=tokenizer, metrics=metrics, on_state_change=on_state_change
     )
 
 
-def _engine(settings: ServeSettings, tokenizer: Any) -> Backend:
+def _engine(settings: ServeSettings, engine: str, tokenizer: Any) -> Backend:
     """The one engine of a fleet of one."""
-    if settings.backend == "vllm":
+    if engine == "vllm":
         from sampler_service.backends.vllm import VLLMBackend
 
         return VLLMBackend(settings.model, tokenizer=tokenizer, seed=settings.seed, **settings.vllm)
@@ -104,7 +106,9 @@ def _engine(settings: ServeSettings, tokenizer: Any) -> Backend:
         from sampler_service.backends.engine_process import EngineProcess
 
         # The child loads the tokenizer itself (from the model directory) for response texts.
-        return EngineProcess(_engine_factory(settings), torch_threads=settings.torch_threads)
+        return EngineProcess(
+            _engine_factory(settings, engine), torch_threads=settings.torch_threads
+        )
     return HFBackend(
         settings.model, device=settings.device, dtype=settings.dtype, tokenizer=tokenizer
     )
@@ -119,10 +123,12 @@ def build_backend(
     """The engine `settings` name; `on_member_change` hears a replica's or a server's
     state changes. One engine in the sampler's process keeps its metrics and events to
     itself: absent replica series mean one engine."""
-    if settings.uses_ray:
-        return _replica_fleet(settings, metrics, on_member_change)
-    if settings.backend == "http":
-        return _http_fleet(settings, tokenizer, metrics, on_member_change)
+    transport = settings.transport
+    if isinstance(transport, RayReplicas):
+        return _replica_fleet(settings, transport, metrics, on_member_change)
+    if isinstance(transport, HttpServers):
+        return _http_fleet(settings, transport, tokenizer, metrics, on_member_change)
+    assert isinstance(transport, InProcess)
     from sampler_service.fleet.local import LocalFleet
 
-    return LocalFleet(_engine(settings, tokenizer))
+    return LocalFleet(_engine(settings, transport.engine, tokenizer))

@@ -8,8 +8,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from sampler_service.cli import add_serve_arguments, initial_config, main
 from sampler_service.config import (
@@ -18,6 +20,7 @@ from sampler_service.config import (
     ServeSettings,
     overridden_by_saved,
 )
+from sampler_service.config.settings import HttpServers, InProcess, RayReplicas
 from trainer_client.contract.flags import command_line, model_from_args, parse_key_values
 from trainer_client.train_config import TrainConfig
 
@@ -87,7 +90,7 @@ def test_replica_flags_nest_with_their_prefix_and_name_their_flag_in_errors(caps
     flags = ["--replicas", "3", "--replica-probe-s", "2", "--route", "least-loaded"]
     settings = model_from_args(parser, ServeSettings, parser.parse_args([*base, *flags]))
     assert settings.replica == ReplicaSettings(count=3, probe_s=2.0, route="least-loaded")
-    assert settings.uses_ray
+    assert settings.transport.kind == "ray"
     # The inverse gives the same flags back, under the same names.
     assert command_line(settings.replica, prefix="replica-") == [
         "--replicas",
@@ -229,3 +232,52 @@ def test_a_reader_that_goes_away_ends_the_command_without_a_traceback(tmp_path: 
     err = proc.stderr.read().decode()
     proc.stderr.close()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "Broken" not in err, err
+
+
+def test_serve_help_groups_its_flags_by_section_and_every_section_names_real_fields() -> None:
+    paths = {
+        f"replica.{sub}" if name == "replica" else name
+        for name in ServeSettings.model_fields
+        for sub in (ReplicaSettings.model_fields if name == "replica" else [""])
+    }
+    named = [p for fields in ServeSettings.CLI_SECTIONS.values() for p in fields]
+    assert set(named) <= paths and len(named) == len(set(named)), set(named) - paths
+    sections = {
+        group.title: {a.option_strings[0] for a in group._group_actions}
+        for group in _serve_parser()._action_groups
+    }
+    assert {"--model", "--port", "--config", "--set"} <= sections["core"]
+    assert {"--backend", "--vllm-arg", "--weights-dir"} <= sections["engine"]
+    assert sections["episodes"] == {"--env"}
+    assert {"--replicas", "--ray-address"} <= sections["Ray replicas"]
+    assert {"--engine-url", "--engine-compare-checksums"} <= sections["HTTP fleet (--backend http)"]
+
+
+def test_the_transport_is_one_choice_the_flags_name_and_a_flag_of_another_is_refused(
+    tmp_path: Path,
+) -> None:
+    base: dict[str, Any] = {"model": tmp_path, "data": [tmp_path / "d.jsonl"]}
+    assert ServeSettings(**base).transport == InProcess(engine="hf")
+    ray = ServeSettings(**base, backend="vllm", replica={"count": 2}, weights_dir=tmp_path)
+    assert ray.transport == RayReplicas(
+        engine="vllm", replica=ReplicaSettings(count=2), weights_dir=tmp_path
+    )
+    http = ServeSettings(
+        **base, backend="http", engine_url=["http://10.0.0.1:8000"], weights_dir=tmp_path
+    )
+    assert isinstance(http.transport, HttpServers)
+    assert http.transport.urls == ("http://10.0.0.1:8000",) and http.transport.kind == "http"
+    refused = {
+        "engine_url: for --backend http only": {"engine_url": ["http://10.0.0.1:8000"]},
+        "weights_dir is for engine replicas": {"weights_dir": tmp_path},
+        "no --replicas or --ray-address": {
+            "backend": "http",
+            "engine_url": ["http://10.0.0.1:8000"],
+            "weights_dir": tmp_path,
+            "replica": {"ray_address": "auto"},
+        },
+        "needs --weights-dir": {"backend": "http", "engine_url": ["http://10.0.0.1:8000"]},
+    }
+    for message, flags in refused.items():
+        with pytest.raises(ValidationError, match=message):
+            ServeSettings(**base, **flags)

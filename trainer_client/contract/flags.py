@@ -21,7 +21,7 @@ import argparse
 import json
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -96,6 +96,21 @@ def _shown_default(info: FieldInfo) -> str:
     return f"default: {info.default}"
 
 
+def add_sections(
+    parser: argparse.ArgumentParser, sections: Mapping[str, Iterable[str]]
+) -> dict[str, argparse._ArgumentGroup]:
+    """Help sections for a model's flags: `sections` maps a title to the field paths it
+    holds (dotted for a nested model's fields); the result maps each path to its section,
+    and "" to the first (the fields no section names)."""
+    out: dict[str, argparse._ArgumentGroup] = {}
+    for i, (title, paths) in enumerate(sections.items()):
+        group = parser.add_argument_group(title)
+        if i == 0:
+            out[""] = group
+        out.update(dict.fromkeys(paths, group))
+    return out
+
+
 def add_model_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     model: type[BaseModel],
@@ -103,14 +118,18 @@ def add_model_arguments(
     skip: Iterable[str] = (),
     prefix: str = "",
     dest: str = "",
+    sections: Mapping[str, argparse._ArgumentGroup] | None = None,
 ) -> None:
-    """One flag per field of `model` (fields in `skip` are left to the caller)."""
+    """One flag per field of `model` (fields in `skip` are left to the caller), each in
+    its help section where `sections` (from `add_sections`) is given."""
     skipped = set(skip)
     for name, info in model.model_fields.items():
         if name in skipped:
             continue
         if (nested := _nested(info)) is not None:
-            add_model_arguments(parser, nested[0], prefix=nested[1], dest=f"{dest}{name}.")
+            add_model_arguments(
+                parser, nested[0], prefix=nested[1], dest=f"{dest}{name}.", sections=sections
+            )
             continue
         flag = flag_name(name, info, prefix)
         # A description that says what its unset default means shows that, not "none".
@@ -142,7 +161,8 @@ def add_model_arguments(
             kw.update(type=annotation, metavar=metavar)
         else:
             kw.update(type=parse_value, metavar=metavar)
-        parser.add_argument(flag, **kw)
+        section = parser if sections is None else sections.get(dest + name, sections[""])
+        section.add_argument(flag, **kw)
 
 
 def model_from_args(
