@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import string
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -14,7 +16,6 @@ from pydantic import (
 )
 
 from sampler_service.config.base import LiveModel
-from sampler_service.verifiers.verdicts import pattern_error, template_error
 from strategies import reweighting
 
 
@@ -106,6 +107,43 @@ class ReplayKnobs(LiveModel):
 
 
 Reweighting = reweighting.SampleReweighting | reweighting.TokenReweighting
+
+#: What a judge template may name.
+FIELDS = ("prompt", "response", "answer")
+
+
+def template_error(template: str) -> str | None:
+    """Why `template` is not a judge template, or None."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        return f"not a format string ({exc}); write {{{{ and }}}} for literal braces"
+    named = set()
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if name not in FIELDS or spec or conversion:
+            return (
+                f"{{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
+                f" is not a field: use {', '.join('{' + f + '}' for f in FIELDS)}, and "
+                "{{ and }} for literal braces"
+            )
+        named.add(name)
+    if "response" not in named:
+        return "the template never shows the judge the response: add {response}"
+    return None
+
+
+def pattern_error(pattern: str) -> str | None:
+    """Why `pattern` is not a regular expression a verdict can use, or None."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        return f"not a regular expression: {exc}"
+    if compiled.groups > 1:
+        return f"has {compiled.groups} groups; use at most one (the verdict)"
+    return None
+
 
 #: A judge's name, as rows and --verifier name it (`judge:NAME`) and --judge-url gives it.
 JudgeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import math
 import re
-import string
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sampler_service.config import LabelVerdict, ScoreVerdict, YesProbVerdict
 
-#: What a judge template may name.
-FIELDS = ("prompt", "response", "answer")
 #: A decimal number as a judge writes one ("7", "0.85", "-1", "1e-3", ".5").
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 #: How much of an unreadable reply an error message quotes.
@@ -34,42 +31,9 @@ class Unreadable(ValueError):
     """The judge answered, but its answer holds no verdict."""
 
 
-def template_error(template: str) -> str | None:
-    """Why `template` is not a judge template, or None."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        return f"not a format string ({exc}); write {{{{ and }}}} for literal braces"
-    named = set()
-    for _, name, spec, conversion in parsed:
-        if name is None:
-            continue
-        if name not in FIELDS or spec or conversion:
-            return (
-                f"{{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
-                f" is not a field: use {', '.join('{' + f + '}' for f in FIELDS)}, and "
-                "{{ and }} for literal braces"
-            )
-        named.add(name)
-    if "response" not in named:
-        return "the template never shows the judge the response: add {response}"
-    return None
-
-
 def render(template: str, *, prompt: str, response: str, answer: str) -> str:
-    """The judge's prompt (the template was checked by `template_error`)."""
+    """The judge's prompt (the template was checked by `config.knobs.template_error`)."""
     return template.format(prompt=prompt, response=response, answer=answer)
-
-
-def pattern_error(pattern: str) -> str | None:
-    """Why `pattern` is not a regular expression a verdict can use, or None."""
-    try:
-        compiled = re.compile(pattern)
-    except re.error as exc:
-        return f"not a regular expression: {exc}"
-    if compiled.groups > 1:
-        return f"has {compiled.groups} groups; use at most one (the verdict)"
-    return None
 
 
 def _quoted(text: str) -> str:

@@ -20,13 +20,13 @@ from sampler_service.config import (
     parse_patch,
     validate_config,
 )
+from sampler_service.config.knobs import template_error
 from sampler_service.verifiers.verdicts import (
     Unreadable,
     as_pairs,
     read_label,
     read_score,
     render,
-    template_error,
     yes_probability,
 )
 
