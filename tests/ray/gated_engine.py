@@ -33,15 +33,10 @@ class GatedEngine(HFBackend):
         self._aborts = 0
 
     def wave(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, **kwargs: Any
     ) -> Wave:
         if prompt_token_ids[0] != GATED_TOKEN:
-            return super().wave(prompt_token_ids, n, sampling)
+            return super().wave(prompt_token_ids, n, sampling, **kwargs)
         return WholeWave(self._held(prompt_token_ids, n, sampling), n)
 
     async def _held(

@@ -27,7 +27,7 @@ import pytest
 
 from bench import adaptive_sim, virtual_clock
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
-from sampler_service.backends.base import Completion, SamplingParams, Wave
+from sampler_service.backends.base import Completion, Wave
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.finalize import MemorySink
 
@@ -120,15 +120,8 @@ class FinishingOrder(SimBackend):
     """The simulated engine, its answers numbered as they finish: a rule reading them in
     index order then reads them in finishing order."""
 
-    def wave(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> Wave:
-        return _Renumbered(super().wave(prompt_token_ids, n, sampling))
+    def wave(self, *args: Any, **kwargs: Any) -> Wave:
+        return _Renumbered(super().wave(*args, **kwargs))
 
 
 async def _groups(
