@@ -67,6 +67,8 @@ def _step_targets() -> str:
     lines = []
     for key, t in data["targets"].items():
         which, _, competing = key.partition("/")
+        if which == "exact":  # their own table: `_step_exact`
+            continue
         labels = {r["method"]: r["label"] for r in data["tables"][which]}
         lines.append(
             {
@@ -337,6 +339,39 @@ def _front(render: Callable[[dict[str, Any]], str]) -> Callable[[], str]:
     return lambda: render(_load("front"))
 
 
+def _step_exact() -> str:
+    """The exact-stopping targets: each figure's mean and spread over the seeds, with the
+    same row under whole-wave stopping beside it."""
+    data = _load("step_time")
+    rows = []
+    for key, t in data["targets"].items():
+        if not key.startswith("exact/"):
+            continue
+        m, wave = t["measured"], t["measured"]["wave_stopping"]
+        rows.append(
+            {
+                "target": f"`{key}`",
+                "what": t["target"],
+                "exact": f"{m['mean']:.3g} ({m['min']:.3g}-{m['max']:.3g})",
+                "wave": f"{wave['mean']:.3g} ({wave['min']:.3g}-{wave['max']:.3g})",
+                "goal": t["goal"],
+                "met": {True: "met", False: "**missed**", None: "-"}[t["met"]],
+            }
+        )
+    seeds = next(iter(rows), None) and data["targets"]["exact/step"]["measured"]["seeds"]
+    return table(
+        rows,
+        [
+            ("target", "target"),
+            ("what", "figure"),
+            ("exact", f"exact stopping, mean (min-max, {seeds} seeds)"),
+            ("wave", "whole-wave stopping"),
+            ("goal", "goal"),
+            ("met", "met"),
+        ],
+    )
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "front.run": _front(front.run_line),
     "front.targets": _front(front.targets_table),
@@ -371,6 +406,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "step_time.settings": _step_settings,
     "step_time.checks": _step_checks,
     "step_time.targets": _step_targets,
+    "step_time.exact": _step_exact,
     "step_time.difficulty": lambda: _step_table("difficulty"),
     "step_time.flat": lambda: _step_table("flat"),
 }
