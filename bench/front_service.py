@@ -189,12 +189,7 @@ class EngineThread(Backend):
         self._thread.join(timeout=5)
 
     async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, **_: Any
     ) -> list[Completion]:
         assert self.engine is not None
         # Every prompt has the same pass rate: the engine's prompt index is 0.

@@ -68,15 +68,10 @@ class Stopped(Timed):
         self.stop_token_ids = stop_token_ids
 
     async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, **kw: Any
     ) -> list[Completion]:
         sampling = dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids)
-        return await super().generate(prompt_token_ids, n, sampling, affinity_key=affinity_key)
+        return await super().generate(prompt_token_ids, n, sampling, **kw)
 
 
 class TokenSink(VolatileSink):

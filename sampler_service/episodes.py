@@ -314,21 +314,6 @@ class EpisodeRunner:
                 strings.append(text)
         return tuple(strings), tuple(ids)
 
-    def wave(
-        self,
-        row: PromptRow,
-        factory: Callable[[], Environment],
-        n: int,
-        sampling: SamplingParams,
-        limits: EpisodeKnobs,
-        generate: GenerateTurn,
-        error_budget: int,
-    ) -> EpisodeWave:
-        """n episodes of one prompt, issued now (`EpisodeWave`); `error_budget` is how
-        many environment failures the prompt may still meet. Engine errors end the wave
-        (the scheduler draws what was left again)."""
-        return EpisodeWave(self, row, factory, n, sampling, limits, generate, error_budget)
-
     async def episode(
         self,
         row: PromptRow,

@@ -35,7 +35,7 @@ from sampler_service.backends.base import (
     Wave,
 )
 from sampler_service.dataset import PromptRow
-from sampler_service.episodes import EpisodeRunner, EpisodesExhausted
+from sampler_service.episodes import EpisodeRunner, EpisodesExhausted, EpisodeWave
 from sampler_service.grouping import sampled_tokens
 from sampler_service.prompt_run import PromptRun
 from sampler_service.tally import EpisodeCost, Tally, WaveOutcome
@@ -255,7 +255,8 @@ class PromptSampler:
             else:
                 assert self.episodes is not None
                 knobs = run.plan.cfg.episode
-                episode_wave = self.episodes.wave(
+                episode_wave = EpisodeWave(
+                    self.episodes,
                     run.row,
                     factory,
                     n,

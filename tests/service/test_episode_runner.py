@@ -26,7 +26,7 @@ from sampler_service.config import EpisodeKnobs
 from sampler_service.dataset import PromptRow
 from sampler_service.environments.base import Reset, Step
 from sampler_service.environments.tools import tool_schema
-from sampler_service.episodes import EpisodeRenderer, EpisodeRunner, load_factories
+from sampler_service.episodes import EpisodeRenderer, EpisodeRunner, EpisodeWave, load_factories
 from sampler_service.finalize import MemorySink
 from sampler_service.grouping import on_one_prompt
 from sampler_service.scheduler import Scheduler
@@ -44,15 +44,10 @@ class RecordingHF(HFBackend):
         self.requests: list[tuple[list[int], SamplingParams, str | None]] = []
 
     async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, **kw: Any
     ) -> list[Completion]:
-        self.requests.append((list(prompt_token_ids), sampling, affinity_key))
-        return await super().generate(prompt_token_ids, n, sampling, affinity_key=affinity_key)
+        self.requests.append((list(prompt_token_ids), sampling, kw.get("affinity_key")))
+        return await super().generate(prompt_token_ids, n, sampling, **kw)
 
 
 @pytest_asyncio.fixture
@@ -248,7 +243,7 @@ async def test_a_cancelled_episode_stops_and_comes_back_with_what_it_sampled(
         return Completion(tokens, [-1.0] * len(tokens), "5", "stop")
 
     runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
-    wave = runner.wave(row, OneTurn, 4, SamplingParams(), EpisodeKnobs(), turn, 1)
+    wave = EpisodeWave(runner, row, OneTurn, 4, SamplingParams(), EpisodeKnobs(), turn, 1)
     got: dict[int, Completion] = {}
     running: list[int] = []
     async for index, completion in wave:
@@ -387,7 +382,9 @@ async def test_a_tool_episode_on_a_chat_row_starts_from_the_whole_conversation(
     row = chat_row(tmp_path, tokenizer)
     model = ScriptedChat(tokenizer)
     runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
-    wave = await runner.wave(row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 1).run()
+    wave = await EpisodeWave(
+        runner, row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 1
+    ).run()
 
     tools = [tool_schema(episode_envs.add)]
     opening = [*row.prompt, *messages]
@@ -519,6 +516,8 @@ async def test_a_reset_the_episode_cannot_start_from_fails_the_environment(
     runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
     # An error budget of 3: each failure re-runs its episode until the third ends the wave
     # (the other episode may fail at the same time: it is counted too).
-    wave = await runner.wave(row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 3).run()
+    wave = await EpisodeWave(
+        runner, row, factory, 2, SamplingParams(), EpisodeKnobs(), model.turn, 3
+    ).run()
     assert not wave.completions and not model.sent
     assert 3 <= len(wave.env_errors) <= 4 and all(why in error for error in wave.env_errors)
