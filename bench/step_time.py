@@ -527,7 +527,7 @@ def measure(
                 label=row.label,
                 pipeline=pipeline,
                 extra=row.extra,
-                stopping=row.config.get("stopping", "exact"),
+                stopping=row.config.get("stopping", "wave"),
             )
             table_rows.append(res)
             log(f"  {row.label} / {pipeline}: {time.monotonic() - started:.1f}s real")

@@ -76,11 +76,11 @@ class SamplerConfig(LiveModel):
     wave_size: stopping_rules.WaveSize = stopping_rules.DEFAULTS.wave_size
     group_size: stopping_rules.GroupSize = stopping_rules.DEFAULTS.group_size
     stopping: Literal["exact", "wave"] = Field(
-        "exact",
-        description="exact: answers are counted in index order as they finish and the rule "
-        "is asked after each, so the group is answers 1..j for the first j where it holds "
-        "(as sequential sampling) and answers above j are cancelled; wave: the rule is asked "
-        "when a whole wave is back",
+        "wave",
+        description="wave: the rule is asked when a whole wave is back, and the group trains "
+        "on every answer generated; exact: answers are counted in index order as they finish "
+        "and the rule is asked after each, so the group is answers 1..j for the first j where "
+        "it holds (as sequential sampling) and answers above j are cancelled",
     )
     min_answers: int | None = Field(
         None,

@@ -183,7 +183,7 @@ def _zs(result: dict[str, Any], cfg: SamplerConfig) -> dict[str, float]:
     return {name: _z(result[name], *closed[name]) for name in ("n_pos", "n_neg", "answers")}
 
 
-CFG = SamplerConfig(**CONFIG)
+CFG = SamplerConfig(**CONFIG, stopping="exact")
 
 
 def test_the_closed_form_is_sequential_sampling() -> None:

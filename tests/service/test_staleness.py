@@ -306,7 +306,7 @@ def test_every_decoded_token_has_one_fate_live(make_server: Any, toy: Any) -> No
     settled (the buffer full), and again after a trainer acked some and a lowered
     staleness bound dropped others."""
     config = {**QUICK, "rule": "balanced", "k_pos": 1, "k_neg": 1, "n_max": 8, "wave_size": 4,
-              "group_size": 2, "max_buffered_groups": 24}  # fmt: skip
+              "group_size": 2, "max_buffered_groups": 24, "stopping": "exact"}  # fmt: skip
     server = make_server(config)
     with server.client() as c:
 
