@@ -33,6 +33,7 @@ from sampler_service.backends.base import (
     GenerationAborted,
     SamplingParams,
     Wave,
+    WholeWave,
 )
 from sampler_service.dataset import PromptRow
 from sampler_service.episodes import EpisodeRunner, EpisodesExhausted, EpisodeWave
@@ -247,10 +248,14 @@ class PromptSampler:
             factory = self.episodes.factory_for(run.row) if self.episodes is not None else None
             if factory is None:
                 async with self._generating():
-                    row = run.row
-                    wave = self.backend.wave(
-                        row.token_ids, n, run.plan.sampling, affinity_key=row.id
-                    )
+                    row, sampling = run.row, run.plan.sampling
+                    if run.exact or not self.backend.whole_waves_cheaper:
+                        wave = self.backend.wave(row.token_ids, n, sampling, affinity_key=row.id)
+                    else:  # read whole, nothing cancelled alone: one request of n
+                        answers = self.backend.generate(
+                            row.token_ids, n, sampling, affinity_key=row.id
+                        )
+                        wave = WholeWave(answers, n)
                     await _relay(wave, issued, results)
             else:
                 assert self.episodes is not None

@@ -417,6 +417,13 @@ class Backend(abc.ABC):
         return False
 
     @property
+    def whole_waves_cheaper(self) -> bool:
+        """Whether `generate` (a wave read whole) costs less than a streamed `wave`: an
+        HTTP server parses one request of n instead of n of one. A reader that takes
+        every answer and cancels none then calls `generate`."""
+        return False
+
+    @property
     @abc.abstractmethod
     def model_name(self) -> str: ...
 

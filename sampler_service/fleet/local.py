@@ -61,7 +61,13 @@ class LocalMember:
         return Probe(health.ok, self.engine.policy_version, os.getpid(), detail=health.detail)
 
     def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, version: int
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        version: int,
+        *,
+        whole: bool = False,
     ) -> Wave:
         return self.engine.wave(prompt_token_ids, n, sampling)
 

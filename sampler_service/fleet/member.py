@@ -134,9 +134,17 @@ class Member(Protocol):
     async def probe(self) -> Probe: ...
 
     def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, version: int
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        version: int,
+        *,
+        whole: bool = False,
     ) -> Wave:
-        """Issue one wave; its answers carry `version`, the weights it is routed under."""
+        """Issue one wave; its answers carry `version`, the weights it is routed under.
+        `whole`: its reader takes every answer and cancels none, so the member may send it
+        as one request of n where that is cheaper (an HTTP server parses one request)."""
         ...
 
     async def abort(self) -> int:
@@ -189,6 +197,10 @@ class Transport(Protocol):
 
     @property
     def reads_weight_files(self) -> bool: ...
+
+    #: A wave read whole costs less as one request of n than as n streamed ones (an
+    #: HTTP server parses, and answers, one request): `Backend.whole_waves_cheaper`.
+    whole_waves_cheaper: bool = False
 
     @property
     def noun(self) -> str:

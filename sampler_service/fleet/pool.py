@@ -163,6 +163,10 @@ class Fleet(Backend):
         )
 
     @property
+    def whole_waves_cheaper(self) -> bool:
+        return self.transport.whole_waves_cheaper
+
+    @property
     def cancels_answers(self) -> bool:
         """Every member's waves cancel single answers (a wave may land on any of them)."""
         seats = self.table.seats
@@ -186,7 +190,8 @@ class Fleet(Backend):
             # A weight update's abort raises GenerationAborted out of here: the scheduler
             # re-issues the wave after the update.
             try:
-                wave = seat.member.generate(prompt, n, sampling, self.weights.committed)
+                committed = self.weights.committed
+                wave = seat.member.generate(prompt, n, sampling, committed, whole=True)
                 out = await self._read(seat, wave, wave.answers())
             except (ForeignWeights, MemberDown) as exc:
                 self._lost(seat, epoch, exc, n)

@@ -20,7 +20,7 @@ import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -248,3 +248,38 @@ def test_weight_pushes_in_wait_mode_stay_exact_and_abort_mode_redraws() -> None:
     print(f"pushes every 2 s, abort: z {z_abort}; redrawn {aborted['waste']['redrawn']}")
     assert aborted["waste"]["redrawn"].get("aborted", 0) > 0
     assert aborted["waste"]["waste"]["aborted"] > 0
+
+
+class WholeWavesCheaper(SimBackend):
+    """The simulated engine as an HTTP server looks: a wave read whole is cheaper as one
+    request (`generate`) than streamed; it counts which way each wave came."""
+
+    calls: ClassVar[Counter[str]] = Counter()
+
+    @property
+    def whole_waves_cheaper(self) -> bool:
+        return True
+
+    async def generate(self, *args: Any, **kwargs: Any) -> list[Completion]:
+        self.calls["generate"] += 1
+        return await super().wave(*args, **kwargs).answers()
+
+    def wave(self, *args: Any, **kwargs: Any) -> Wave:
+        self.calls["wave"] += 1
+        return super().wave(*args, **kwargs)
+
+
+def test_an_engine_that_answers_whole_waves_cheaper_gets_them_unless_the_rule_is_exact() -> None:
+    """Whole-wave stopping reads every answer and cancels none, so an engine that says
+    whole waves cost it less (one HTTP request of n, not n) is sent `generate`; exact
+    stopping streams, to cancel the surplus."""
+    WholeWavesCheaper.calls.clear()
+    whole = virtual_clock.run(
+        _groups(WholeWavesCheaper, CFG.model_copy(update={"stopping": "wave"}), None, seed=3)
+    )
+    assert WholeWavesCheaper.calls["generate"] >= PROMPTS and not WholeWavesCheaper.calls["wave"]
+    assert whole["waste"]["waste"]["surplus"] == 0
+    WholeWavesCheaper.calls.clear()
+    exact = virtual_clock.run(_groups(WholeWavesCheaper, CFG, None, seed=3))
+    assert WholeWavesCheaper.calls["wave"] >= PROMPTS and not WholeWavesCheaper.calls["generate"]
+    assert exact["waste"]["waste"]["surplus"] > 0

@@ -121,7 +121,13 @@ class FakeMember:
         return Probe(self.healthy, self.labelled, self.pid, self.paused, "unhealthy")
 
     def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, version: int
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        version: int,
+        *,
+        whole: bool = False,
     ) -> Wave:
         if not self.streams:
             return WholeWave(self._wave(n, version), n)
@@ -217,6 +223,7 @@ class FakeTransport:
 
     name = "fake"
     reads_weight_files = True
+    whole_waves_cheaper = False
     noun = "fake engine"
     row_key = "member"
     rows_key = "members"

@@ -53,24 +53,28 @@ async def test_sglang_waves_come_back_as_token_ids_and_logprobs(
         sampling = SamplingParams(
             max_tokens=3, temperature=0.7, top_p=0.9, seed=11, stop=("</a>",), stop_token_ids=(9,)
         )
+        # A streamed wave is one request per answer, each with its own seed (the wave's
+        # plus its index); a wave read whole (`generate`) is one request of n, which
+        # draws the same answers.
+        streamed = await backend.wave([1, 2, 3], 2, sampling).answers()
         out = await backend.generate([1, 2, 3], 2, sampling)
-        # one request per answer, each with its own seed (the wave's plus its index)
-        assert [c.token_ids for c in out] == [[16, 6, 7], [17, 6, 7]]
-        assert [c.logprobs for c in out] == [[-11.5] * 3, [-12.5] * 3]
-        assert {c.finish_reason for c in out} == {"length"} and {c.policy_version for c in out} == {
-            0
-        }
+        for answers in (streamed, out):
+            assert [c.token_ids for c in answers] == [[16, 6, 7], [17, 6, 7]]
+            assert [c.logprobs for c in answers] == [[-11.5] * 3, [-12.5] * 3]
+            assert {c.finish_reason for c in answers} == {"length"}
+            assert {c.policy_version for c in answers} == {0}
         (one,) = await backend.generate(
             [1, 2], 1, sampling, affinity_key="p1"
         )  # one answer: an object
         assert one.token_ids == [16, 6, 7]
-        bodies = [b for p, b in fake.calls if p == "/generate"][:2]
-        assert {b["sampling_params"]["sampling_seed"] for b in bodies} == {11, 12}
-        assert len({b["rid"] for b in bodies}) == 2
+        bodies = [b for p, b in fake.calls if p == "/generate"]
+        assert [b["sampling_params"]["n"] for b in bodies] == [1, 1, 2, 1]
+        assert {b["sampling_params"]["sampling_seed"] for b in bodies[:2]} == {11, 12}
+        assert bodies[2]["sampling_params"]["sampling_seed"] == 11
+        assert len({b["rid"] for b in bodies}) == 4
         body = bodies[0]
         assert body["input_ids"] == [1, 2, 3] and body["return_logprob"] is True
         params = body["sampling_params"]
-        assert params["n"] == 1
         assert params["max_new_tokens"] == 3 and params["top_k"] == -1
         assert params["stop"] == ["</a>"] and params["no_stop_trim"] is True
         assert params["stop_token_ids"][-1] == 9 and len(params["stop_token_ids"]) > 1  # EOS too

@@ -1,30 +1,26 @@
 """One inference server the user runs, driven over its own HTTP API: the fleet's member
-for `--backend http` (what every server shares, and the fleet around them:
-`transport.py`).
+for `--backend http` (what every server shares, and the fleet around them: `transport.py`).
 
-- Waves are token-in/token-out requests (`POST /v1/completions` for vLLM), one per
-  answer (servers abort the n answers of one request together) under an id of ours:
-  the prompt as token ids, every sampling parameter spelled out (a server's
-  generation_config changes nothing), the answer's seed (`base.answer_seed`), and the
-  answer's token ids and logprobs back, never re-tokenized (the text is decoded here).
-- A cancel aborts the answers' requests through the dialect's abort endpoint (vLLM's
-  `/abort_requests`, under the ids the server runs them as), and each comes back as its
-  request returns: aborted, with the tokens and logprobs it had decoded. If that call
-  fails, the requests' connections are closed (which aborts a non-streamed request in
-  vLLM's server) and the answers come back aborted with nothing counted.
+- Waves are token-in/token-out requests (`POST /v1/completions` for vLLM) under ids of
+  ours: the prompt as token ids, every sampling parameter spelled out (a server's
+  generation_config changes nothing), token ids and logprobs back, never re-tokenized.
+  A streamed wave is one request per answer, each with its seed (`base.answer_seed`), as
+  servers abort the n answers of one request together; a wave read whole is one request.
+- A cancel aborts requests through the dialect's abort endpoint (vLLM's `/abort_requests`,
+  under the ids the server runs them as); each answer comes back as its request returns,
+  aborted, with what it had decoded. If that call fails, the requests' connections are
+  closed (aborting them in vLLM's server) and they come back aborted with nothing counted.
 - Versions are labels. A server's `/weight_info` is a free label (`"default"` on a fresh
   server): the sampler writes its own, `adaptive-rollout/<instance>/v<version>`, after
   every load, and reads it back; a label of another instance is no version of ours.
 - Weights reload from a directory every server can read (`reload_weights` with
   `weights_path`, or the base model's own directory), then the prefix cache is dropped.
 - NCCL (vLLM servers started with `--weight-transfer-config '{"backend":"nccl"}'`): the
-  server's ranks (`/get_world_size`), its join, and one round (start, receive, finish
-  under the new label). A receive that fails leaves the server with part of the round:
-  it says so (`PartialWeights`), and the fleet reloads it before routing to it.
-- A server that refuses connections or times out is down (`MemberDown`); one that
-  answers a wave with 5xx too. A server that answers with `weight_versions` spans
-  (`vllm-generate`) other than the wave's label had its weights changed by someone else
-  (`ForeignWeights`).
+  server's ranks, its join, and one round (start, receive, finish under the new label).
+  A failed receive leaves part of the round (`PartialWeights`): reloaded before routing.
+- A server that refuses connections, times out or answers a wave with 5xx is down
+  (`MemberDown`); one whose `weight_versions` spans (`vllm-generate`) differ from the
+  wave's label had its weights changed by someone else (`ForeignWeights`).
 
 Paths and field names are the server's dialect (`dialects.py`: vLLM's or SGLang's).
 """
@@ -52,6 +48,7 @@ from sampler_service.backends.base import (
     RequestWave,
     SamplingParams,
     Wave,
+    WholeWave,
     aborted,
     answer_seed,
     check_request,
@@ -233,8 +230,7 @@ class HTTPMember:
         return self.label_text, self._paused
 
     async def recover(self, kill: bool) -> Attached:
-        """The sampler never restarts a server: its owner did, and it answers again."""
-        return await self.attach()
+        return await self.attach()  # the sampler never restarts a server: its owner does
 
     async def probe(self) -> Probe:
         try:
@@ -248,15 +244,20 @@ class HTTPMember:
     def request_body(
         self, prompt: list[int], n: int, sampling: SamplingParams, request_id: str
     ) -> dict[str, Any]:
-        """A request of `n` answers in the dialect's words, stopping at the model's EOS
-        too (a wave sends one per answer)."""
+        """A request of `n` answers in the dialect's words, stopping at the model's EOS too."""
         stops = (*self._servers.eos, *sampling.stop_token_ids)
         return self._dialect.request(
             self.model, prompt, n, replace(sampling, stop_token_ids=stops), request_id
         )
 
     def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, version: int
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        version: int,
+        *,
+        whole: bool = False,
     ) -> Wave:
         check_request(
             prompt_token_ids,
@@ -266,11 +267,14 @@ class HTTPMember:
             max_model_len=self.max_model_len or None,
         )
         base = f"ar-{uuid.uuid4().hex}"
+        if whole:  # nothing to cancel alone: one request, parsed once by the server
+            return WholeWave(self._request(prompt_token_ids, sampling, base, version, n), n)
         ids = [f"{base}-{i}" for i in range(n)]
 
-        def request(index: int) -> Any:
+        async def request(index: int) -> Completion:
             own = replace(sampling, seed=answer_seed(sampling.seed, index))
-            return self._request(prompt_token_ids, own, ids[index], version)
+            [answer] = await self._request(prompt_token_ids, own, ids[index], version, 1)
+            return answer
 
         async def cancel(indices: list[int]) -> None:
             asked = [ids[i] for i in indices]
@@ -284,11 +288,11 @@ class HTTPMember:
         return wave
 
     async def _request(
-        self, prompt: list[int], sampling: SamplingParams, request_id: str, version: int
-    ) -> Completion:
-        """One answer's request, to its answer (aborted, with what it had decoded, where
-        it was asked to abort)."""
-        body = self.request_body(prompt, 1, sampling, request_id)
+        self, prompt: list[int], sampling: SamplingParams, request_id: str, version: int, n: int
+    ) -> list[Completion]:
+        """One request of n answers, to its answers (aborted, with what they had decoded,
+        where it was asked to abort)."""
+        body = self.request_body(prompt, n, sampling, request_id)
         self.requests.add(request_id)
         try:
             response = await self._servers.wave_client().post(
@@ -296,14 +300,14 @@ class HTTPMember:
             )
         except httpx.TransportError as exc:
             if request_id in self.aborted:
-                return aborted(version)
+                return [aborted(version)] * n
             raise MemberDown(f"{self.address} lost the wave: {exc!r}") from exc
         finally:
             self.requests.discard(request_id)
             stopped = request_id in self.aborted
             self.aborted.discard(request_id)
         if response.status_code != 200 and stopped:
-            return aborted(version)
+            return [aborted(version)] * n
         if response.status_code >= 500:
             raise MemberDown(f"{self.address}: {response.status_code} {response.text[:300]}")
         if response.status_code != 200:
@@ -311,14 +315,14 @@ class HTTPMember:
                 f"{self.address} refused the wave: {response.status_code} {response.text[:300]}"
             )
         answers = self._dialect.answers(orjson.loads(response.content))
-        if len(answers) != 1:
-            raise GenerationAborted(f"{self.address} returned {len(answers)} answers, not 1")
+        if len(answers) != n:
+            raise GenerationAborted(f"{self.address} returned {len(answers)} of {n} answers")
         expected = self._servers.label(version)
-        if foreign := {x for x in answers[0][3] or () if x != expected}:
+        if foreign := {x for a in answers for x in a[3] or () if x != expected}:
             raise ForeignWeights(
                 f"{self.address} sampled tokens under {sorted(foreign)}, not {expected!r}"
             )
-        return self._completion(answers[0], version)
+        return [self._completion(answer, version) for answer in answers]
 
     def _completion(self, answer: Answer, version: int) -> Completion:
         ids, values, reason, _ = answer
@@ -383,11 +387,8 @@ class HTTPMember:
         vLLM's fused run-time names and its parallel ranks)."""
         if self._dialect.weight_checker is None:
             raise NotSupported(f"{self._dialect.name} servers compute no weight checksums")
-        body = await self._post(
-            self._dialect.weight_checker,
-            {"action": "checksum"},
-            timeout=self._servers.request_timeout_s,
-        )
+        timeout = self._servers.request_timeout_s
+        body = await self._post(self._dialect.weight_checker, {"action": "checksum"}, timeout)
         canonical = json.dumps(body["checksums"], sort_keys=True).encode()
         self.checksum_digest = hashlib.sha256(canonical).hexdigest()
         return self.checksum_digest
@@ -396,11 +397,9 @@ class HTTPMember:
     def _nccl_paths(self) -> NCCLPaths:
         if self._dialect.nccl is None:
             raise NCCLUnavailable(
-                f"--backend http moves weights over NCCL only into vLLM servers (dialect vllm "
-                f"or vllm-generate), not {self._dialect.name}: SGLang's distributed update "
-                "(/init_weights_update_group, /update_weights_from_distributed) is not "
-                "supported by this backend; push weights as files (PUT /v1/weights or "
-                "POST /v1/weights/load)"
+                f"--backend http moves weights over NCCL only into vLLM servers, not "
+                f"{self._dialect.name}: SGLang's distributed update is not supported by this "
+                "backend; push weights as files (PUT /v1/weights or POST /v1/weights/load)"
             )
         return self._dialect.nccl
 

@@ -87,6 +87,7 @@ class HTTPTransport(Transport):
 
     name = "http"
     reads_weight_files = True
+    whole_waves_cheaper = True
     noun = "engine server"
     row_key = "server"
     rows_key = "servers"

@@ -136,7 +136,13 @@ class RayMember:
         )
 
     def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, version: int
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        version: int,
+        *,
+        whole: bool = False,
     ) -> Wave:
         return self.channel.wave(prompt_token_ids, n, sampling, self.cancels_answers)
 
