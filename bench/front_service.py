@@ -58,6 +58,9 @@ from sampler_service.backends.base import (
     Completion,
     SamplingParams,
     TensorSpec,
+    Wave,
+    WaveRequest,
+    WholeWave,
 )
 
 #: Two token ids in [0, STAMP_BASE) hold the microseconds since the run's epoch.
@@ -188,9 +191,10 @@ class EngineThread(Backend):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
-    async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, **_: Any
-    ) -> list[Completion]:
+    def issue(self, request: WaveRequest) -> Wave:
+        return WholeWave(self._answers(request.n, request.sampling), request.n)
+
+    async def _answers(self, n: int, sampling: SamplingParams) -> list[Completion]:
         assert self.engine is not None
         # Every prompt has the same pass rate: the engine's prompt index is 0.
         result: list[Completion] = await self._on_engine_loop(

@@ -51,7 +51,7 @@ from bench import common
 from bench.common import ROOT, child_env, fmt, grpo, table, tree_cpu_s, write_json
 from bench.overhead import VLLM_PYTHON
 from bench.scaleout import Timed
-from sampler_service.backends.base import Backend, Completion, SamplingParams
+from sampler_service.backends.base import Backend, Completion, Wave, WaveRequest
 from sampler_service.finalize import VolatileSink
 
 ARMS = ("in-process", "http")
@@ -67,11 +67,9 @@ class Stopped(Timed):
         super().__init__(inner)
         self.stop_token_ids = stop_token_ids
 
-    async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, **kw: Any
-    ) -> list[Completion]:
-        sampling = dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids)
-        return await super().generate(prompt_token_ids, n, sampling, **kw)
+    def issue(self, request: WaveRequest) -> Wave:
+        sampling = dataclasses.replace(request.sampling, stop_token_ids=self.stop_token_ids)
+        return super().issue(dataclasses.replace(request, sampling=sampling))
 
 
 class TokenSink(VolatileSink):

@@ -62,7 +62,14 @@ import numpy as np
 from bench import virtual_clock
 from bench.common import ROOT, environment, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler, verify_reward_text
-from sampler_service.backends.base import Backend, Completion, SamplingParams, Wave
+from sampler_service.backends.base import (
+    Backend,
+    Completion,
+    SamplingParams,
+    Wave,
+    WaveRequest,
+    WholeWave,
+)
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.finalize import VolatileSink
@@ -99,7 +106,7 @@ class RateSink(VolatileSink):
 
 class Timed(Backend):
     """Records when each wave was issued and when it came back, around another backend
-    (whatever `generate` takes is passed through)."""
+    (read whole: its answers come back together)."""
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
@@ -120,9 +127,12 @@ class Timed(Backend):
     async def close(self) -> None:
         await self.inner.close()
 
-    async def generate(self, *args: Any, **kwargs: Any) -> list[Completion]:
+    def issue(self, request: WaveRequest) -> Wave:
+        return WholeWave(self._timed(request), request.n)
+
+    async def _timed(self, request: WaveRequest) -> list[Completion]:
         started = time.monotonic()
-        out = await self.inner.generate(*args, **kwargs)
+        out = await self.inner.issue(request).answers()
         self.calls.append((started, time.monotonic()))
         return out
 

@@ -50,10 +50,10 @@ from sampler_service.backends.base import (
     BackendHealth,
     Completion,
     Floats,
-    SamplingParams,
     TensorSpec,
     TokenIds,
     Wave,
+    WaveRequest,
 )
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset
@@ -234,24 +234,8 @@ class SimBackend(Backend):
     def health(self) -> BackendHealth:
         return BackendHealth(ok=self._task is not None, detail={"queued": len(self._queue)})
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> list[Completion]:
-        return await self.wave(prompt_token_ids, n, sampling).answers()
-
-    def wave(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> Wave:
+    def issue(self, request: WaveRequest) -> Wave:
+        prompt_token_ids, n, sampling = request.prompt_token_ids, request.n, request.sampling
         if self._task is None:
             raise RuntimeError("sim engine not started")
         p = float(self.pass_rates[prompt_token_ids[0]])
@@ -262,22 +246,22 @@ class SimBackend(Backend):
         lengths = np.exp(self._rng.normal(math.log(median), spec.length_sigma, n))
         lengths = np.where(correct, lengths, lengths * spec.wrong_length_factor)
         lengths = np.maximum(1, np.round(lengths)).astype(np.int64)
-        request = _Request(len(prompt_token_ids), n)
-        self._requests.add(request)
+        queued = _Request(len(prompt_token_ids), n)
+        self._requests.add(queued)
         for i in range(n):
             length = int(lengths[i])
             truncated = length > sampling.max_tokens
             seq = _Seq(
-                request,
+                queued,
                 i,
                 min(length, sampling.max_tokens),
                 "length" if truncated else "stop",
                 bool(correct[i]),
             )
-            request.live[i] = seq
+            queued.live[i] = seq
             self._queue.append(seq)
         self._arrival.set()
-        return _SimWave(self, request)
+        return _SimWave(self, queued)
 
     def cancel(self, request: _Request, indices: Collection[int]) -> None:
         """Stop these sequences of a wave: a queued one never runs, a running one frees

@@ -110,7 +110,7 @@ def _synthetic_group(
 def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -> None:
     """Run the service with an idle engine plus the bench routes; prints where it listens."""
     from sampler_service.app import create_app
-    from sampler_service.backends.base import Backend, Completion
+    from sampler_service.backends.base import Backend, Completion, Wave, WaveRequest, WholeWave
     from sampler_service.config import SamplerConfig, ServeSettings
     from sampler_service.grouping import FrameResult
     from sampler_service.service import SamplerService
@@ -126,7 +126,10 @@ def serve(model: Path, data: list[Path], state_dir: Path, checkpoint_s: float) -
 
         async def close(self) -> None: ...
 
-        async def generate(self, *args: Any, **kwargs: Any) -> list[Completion]:
+        def issue(self, request: WaveRequest) -> Wave:
+            return WholeWave(self._never(), request.n)
+
+        async def _never(self) -> list[Completion]:
             await asyncio.Event().wait()
             raise AssertionError
 

@@ -68,6 +68,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class WaveRequest:
+    """One wave as an engine takes it: n answers to a prompt. `whole`: its reader takes
+    every answer and cancels none (`Backend.generate`), so an engine may answer it as
+    one request of n."""
+
+    prompt_token_ids: list[int]
+    n: int
+    sampling: SamplingParams
+    affinity_key: str | None = None
+    whole: bool = False
+
+
 def answer_seed(seed: int | None, index: int) -> int | None:
     """The seed of answer `index` of a seeded wave sent as one request per answer: the
     wave's seed plus the index, as vLLM seeds the `n` children of one request, so the
@@ -438,22 +451,6 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
-    @abc.abstractmethod
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> list[Completion]:
-        """Return n independent samples for one prompt; never blocks the event loop.
-
-        `affinity_key` (the prompt's id) keeps the calls of one prompt on one replica,
-        so the turns of an episode find their prefix in its cache; without it a
-        multi-replica backend keys on the prompt's tokens.
-        """
-
     def wave(
         self,
         prompt_token_ids: list[int],
@@ -462,10 +459,31 @@ class Backend(abc.ABC):
         *,
         affinity_key: str | None = None,
     ) -> Wave:
-        """`generate`'s n answers as a wave handle, issued now: each answer as it
-        finishes, and cancelled by index where the engine can (whole waves here)."""
-        call = self.generate(prompt_token_ids, n, sampling, affinity_key=affinity_key)
-        return WholeWave(call, n)
+        """n independent answers to one prompt as a wave handle, issued now: each answer
+        as it finishes, cancelled by index where the engine can; never blocks the event
+        loop. `affinity_key` (the prompt's id) keeps the calls of one prompt on one
+        replica, so the turns of an episode find their prefix in its cache; without it
+        a multi-replica backend keys on the prompt's tokens."""
+        return self.issue(WaveRequest(list(prompt_token_ids), n, sampling, affinity_key))
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        affinity_key: str | None = None,
+    ) -> list[Completion]:
+        """`wave`'s n answers read whole: nothing is cancelled alone, so an engine may
+        answer them as one request (`WaveRequest.whole`)."""
+        request = WaveRequest(list(prompt_token_ids), n, sampling, affinity_key, whole=True)
+        return await self.issue(request).answers()
+
+    @abc.abstractmethod
+    def issue(self, request: WaveRequest) -> Wave:
+        """Issue one wave: the one generation call an engine implements (`wave` and
+        `generate` build its request). An engine that answers whole waves returns a
+        `WholeWave`."""
 
     async def pause(self, mode: PauseMode = "wait") -> None:
         """Hold new requests in the engine until `resume`; `mode` says what happens to
@@ -528,32 +546,11 @@ class Backend(abc.ABC):
 
 
 class StreamingBackend(Backend):
-    """An engine whose waves stream (`wave` is its own, each answer as it finishes, a
-    cancel by index): `generate` reads one whole."""
+    """An engine whose waves stream: each answer as it finishes, a cancel by index."""
 
     @property
     def cancels_answers(self) -> bool:
         return True
-
-    @abc.abstractmethod
-    def wave(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> Wave: ...
-
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> list[Completion]:
-        return await self.wave(prompt_token_ids, n, sampling, affinity_key=affinity_key).answers()
 
 
 class CheckpointBackend(Backend):

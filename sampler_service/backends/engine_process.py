@@ -41,6 +41,7 @@ from sampler_service.backends.base import (
     StreamedWave,
     StreamingBackend,
     Wave,
+    WaveRequest,
     packed,
 )
 from sampler_service.weights.types import TensorSpec
@@ -307,16 +308,10 @@ class EngineProcess(StreamingBackend):
         self._outbox.put((call_id, method, args))
         return await future
 
-    def wave(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> StreamedWave:
+    def issue(self, request: WaveRequest) -> StreamedWave:
         """The child's wave, answer by answer; a cancel goes to the child, and so does a
         reader that leaves (the child's rows stop)."""
+        prompt_token_ids, n, sampling = request.prompt_token_ids, request.n, request.sampling
         call_id = next(self._ids)
 
         async def cancel(indices: list[int]) -> None:

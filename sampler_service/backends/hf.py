@@ -48,6 +48,7 @@ from sampler_service.backends.base import (
     SamplingParams,
     StreamedWave,
     StreamingBackend,
+    WaveRequest,
     aborted,
     check_request,
 )
@@ -324,27 +325,21 @@ class HFBackend(CheckpointBackend, StreamingBackend):
 
     # ------------------------------------------------------------------ generation
 
-    def wave(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> StreamedWave:
+    def issue(self, request: WaveRequest) -> StreamedWave:
+        prompt_token_ids, n, sampling = request.prompt_token_ids, request.n, request.sampling
         self._require_running()
         check_request(prompt_token_ids, n, sampling, vocab_size=self._vocab_size)
         if (hook := os.environ.get(FAULT_ENGINE_ERRORS_ENV)) and Path(hook).exists():
             raise RuntimeError(f"fault hook: {FAULT_ENGINE_ERRORS_ENV} file {hook} exists")
-        request = _Request(list(prompt_token_ids), sampling, deque(range(n)))
-        request.wave = StreamedWave(
+        queued = _Request(list(prompt_token_ids), sampling, deque(range(n)))
+        queued.wave = StreamedWave(
             n,
-            lambda indices: self._cancel(request, indices),
-            lambda: self._stop(request, request.wave.missing),
+            lambda indices: self._cancel(queued, indices),
+            lambda: self._stop(queued, queued.wave.missing),
         )
-        self._queue.append(request)
+        self._queue.append(queued)
         self._wakeup.set()
-        return request.wave
+        return queued.wave
 
     async def _cancel(self, request: _Request, indices: list[int]) -> None:
         self._stop(request, indices)

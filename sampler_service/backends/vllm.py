@@ -60,6 +60,7 @@ from sampler_service.backends.base import (
     RequestWave,
     SamplingParams,
     StreamingBackend,
+    WaveRequest,
     answer_seed,
     check_request,
 )
@@ -293,14 +294,8 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def wave(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> RequestWave:
+    def issue(self, request: WaveRequest) -> RequestWave:
+        prompt_token_ids, n, sampling = request.prompt_token_ids, request.n, request.sampling
         engine = self._require_running()
         self._check(prompt_token_ids, n, sampling)
         from vllm.inputs.engine import tokens_input
@@ -310,14 +305,14 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
         ids = [f"{wave_id}-{i}" for i in range(n)]
         version = self._version
 
-        def request(index: int) -> Any:
+        def one(index: int) -> Any:
             params = self.sampling_params(replace(sampling, seed=answer_seed(sampling.seed, index)))
             return self._answer(engine, prompt, params, ids[index], wave_id, version)
 
         async def cancel(indices: list[int]) -> None:
             await engine.abort([ids[i] for i in indices])
 
-        return RequestWave(n, request, cancel)
+        return RequestWave(n, one, cancel)
 
     async def _answer(
         self, engine: Any, prompt: Any, params: Any, request_id: str, wave_id: str, version: int

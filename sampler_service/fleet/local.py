@@ -19,7 +19,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from sampler_service.backends.base import Backend, BackendHealth, PauseMode, SamplingParams, Wave
+from sampler_service.backends.base import (
+    Backend,
+    BackendHealth,
+    PauseMode,
+    Wave,
+    WaveRequest,
+)
 from sampler_service.config import ReplicaSettings
 from sampler_service.errors import NotSupported
 from sampler_service.fleet.member import Attached, Member, Probe, Source, Transport
@@ -60,16 +66,8 @@ class LocalMember:
         health = self.engine.health()
         return Probe(health.ok, self.engine.policy_version, os.getpid(), detail=health.detail)
 
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        version: int,
-        *,
-        whole: bool = False,
-    ) -> Wave:
-        return self.engine.wave(prompt_token_ids, n, sampling)
+    def generate(self, request: WaveRequest, version: int) -> Wave:
+        return self.engine.issue(request)
 
     async def abort(self) -> int:
         return await self.engine.abort_all()

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sampler_service.backends.base import PauseMode, SamplingParams, Wave
+from sampler_service.backends.base import PauseMode, Wave, WaveRequest
 from sampler_service.errors import NotSupported
 from sampler_service.weights.types import NCCLDescription, TensorSpec
 
@@ -133,18 +133,10 @@ class Member(Protocol):
 
     async def probe(self) -> Probe: ...
 
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        version: int,
-        *,
-        whole: bool = False,
-    ) -> Wave:
-        """Issue one wave; its answers carry `version`, the weights it is routed under.
-        `whole`: its reader takes every answer and cancels none, so the member may send it
-        as one request of n where that is cheaper (an HTTP server parses one request)."""
+    def generate(self, request: WaveRequest, version: int) -> Wave:
+        """Issue one wave; its answers carry `version`, the weights it is routed under. A
+        request read whole (`request.whole`) may go as one request of n where that is
+        cheaper (an HTTP server parses one request)."""
         ...
 
     async def abort(self) -> int:

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from sampler_service.aio import TaskSet
@@ -39,9 +39,10 @@ from sampler_service.backends.base import (
     Completion,
     GenerationAborted,
     HealthState,
-    SamplingParams,
     StreamedWave,
     Wave,
+    WaveRequest,
+    WholeWave,
     aborted,
 )
 from sampler_service.config import ReplicaSettings
@@ -172,26 +173,32 @@ class Fleet(Backend):
         seats = self.table.seats
         return bool(seats) and all(s.member.cancels_answers for s in seats)
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> list[Completion]:
+    def issue(self, request: WaveRequest) -> Wave:
+        """A wave read whole goes to one member as it is (a member may answer it as one
+        request); a streamed one is driven answer by answer, what a lost member did not
+        answer issued again elsewhere."""
         self.upkeep.serving = True
-        prompt = list(prompt_token_ids)
-        key = affinity(prompt, affinity_key)
-        reissue = False
+        if request.whole:
+            return WholeWave(self._whole(request), request.n)
+        run = _Run(request, affinity(request.prompt_token_ids, request.affinity_key))
+        run.wave = StreamedWave(
+            request.n,
+            lambda indices: self._cancel(run, indices),
+            run.drop,
+            cancels_answers=self.cancels_answers,
+        )
+        run.driver = self._tasks.spawn(self._drive(run), "fleet-wave")
+        return run.wave
+
+    async def _whole(self, request: WaveRequest) -> list[Completion]:
+        n, key, reissue = request.n, affinity(request.prompt_token_ids, request.affinity_key), False
         while True:
             seat = await self._router.acquire(key, n, reissue)
             epoch, started = seat.epoch, time.monotonic()
             # A weight update's abort raises GenerationAborted out of here: the scheduler
             # re-issues the wave after the update.
             try:
-                committed = self.weights.committed
-                wave = seat.member.generate(prompt, n, sampling, committed, whole=True)
+                wave = seat.member.generate(request, self.weights.committed)
                 out = await self._read(seat, wave, wave.answers())
             except (ForeignWeights, MemberDown) as exc:
                 self._lost(seat, epoch, exc, n)
@@ -201,26 +208,6 @@ class Fleet(Backend):
                 self._router.release(seat, n)
             self.table.finished(seat, started, sum(len(c.token_ids) for c in out))
             return out
-
-    def wave(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> Wave:
-        self.upkeep.serving = True
-        prompt = list(prompt_token_ids)
-        run = _Run(prompt, sampling, affinity(prompt, affinity_key))
-        run.wave = StreamedWave(
-            n,
-            lambda indices: self._cancel(run, indices),
-            run.drop,
-            cancels_answers=self.cancels_answers,
-        )
-        run.driver = self._tasks.spawn(self._drive(run), "fleet-wave")
-        return run.wave
 
     async def _drive(self, run: _Run) -> None:
         """A streamed wave from issue to its last answer: routed to a member, its answers
@@ -237,9 +224,8 @@ class Fleet(Backend):
                     issue.indices = sorted(issue.charged)
                     if not issue.indices:
                         continue
-                    issue.wave = seat.member.generate(
-                        run.prompt, len(issue.indices), run.sampling, self.weights.committed
-                    )
+                    part = replace(run.request, n=len(issue.indices))
+                    issue.wave = seat.member.generate(part, self.weights.committed)
                     run.issue = issue
                     try:
                         await self._read(seat, issue.wave, self._pass_on(run, issue))
@@ -425,8 +411,7 @@ class _Run:
     """A streamed wave of the fleet: what it asks, its handle, its driver task and the
     part of it a member runs now."""
 
-    prompt: list[int]
-    sampling: SamplingParams
+    request: WaveRequest
     key: int
     wave: StreamedWave = field(init=False)
     driver: asyncio.Task[None] | None = None

@@ -155,20 +155,31 @@ def test_a_rerun_after_kill_9_resumes_and_says_which_versions_it_rolls_back(
     # new version with one loud line naming what it rolls back, and log each step once.
     sampler = make_server(CONFIG)
     out = tmp_path / "run"
-    cmd = train_command(sampler.url, toy.model_dir, out, 12, "--no-progress", "--save-every", "3")
+    steps = 40
+    cmd = train_command(
+        sampler.url, toy.model_dir, out, steps, "--no-progress", "--save-every", "3"
+    )
     proc, _ = _start(cmd, tmp_path)
     _wait_steps(proc, out, 7)
-    # Killed between two checkpoints (right after one, nothing would be rolled back).
-    logged = _steps_logged(out)
-    _wait_steps(proc, out, logged + (logged % 3 == 0))
+    # Frozen (SIGSTOP) where the sampler serves weights newer than the newest checkpoint
+    # (right after a checkpoint there is nothing to roll back), and killed there.
+    deadline = time.monotonic() + 120
+    while True:
+        proc.send_signal(signal.SIGSTOP)
+        with httpx.Client(base_url=sampler.url) as c:
+            served = c.get("/health").json()["policy_version"]
+        newest = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+        if served > newest:
+            break
+        assert time.monotonic() < deadline, "no moment with weights newer than a checkpoint"
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.05)
     proc.kill()
     proc.wait(timeout=60)
     killed_at = _steps_logged(out)
-    with httpx.Client(base_url=sampler.url) as c:
-        served = c.get("/health").json()["policy_version"]
+    assert killed_at < steps, "the run ended before it was killed"
     # One push per step, made before the step is logged.
     assert served in (killed_at, killed_at + 1)
-    newest = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     assert newest == killed_at // 3 * 3 and len(list(out.glob("checkpoint-*"))) <= 2
 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -180,7 +191,7 @@ def test_a_rerun_after_kill_9_resumes_and_says_which_versions_it_rolls_back(
     assert f"v{served}, newer than this trainer's v{newest}" in rolled_back[0]
     assert f"as v{served + 1} rolls back what v{newest + 1}..v{served}" in rolled_back[0]
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == list(range(1, 13)), "a step logged twice or missing"
+    assert [r["step"] for r in log] == list(range(1, steps + 1)), "a step logged twice or missing"
     # The steps after the checkpoint were trained on the checkpoint's weights, served anew.
     assert log[newest]["policy_version"] == served + 2
 

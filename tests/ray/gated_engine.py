@@ -16,8 +16,8 @@ from typing import Any
 from sampler_service.backends.base import (
     Completion,
     GenerationAborted,
-    SamplingParams,
     Wave,
+    WaveRequest,
     WholeWave,
 )
 from sampler_service.backends.hf import HFBackend
@@ -32,22 +32,18 @@ class GatedEngine(HFBackend):
         self._gate = Path(gate)
         self._aborts = 0
 
-    def wave(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, **kwargs: Any
-    ) -> Wave:
-        if prompt_token_ids[0] != GATED_TOKEN:
-            return super().wave(prompt_token_ids, n, sampling, **kwargs)
-        return WholeWave(self._held(prompt_token_ids, n, sampling), n)
+    def issue(self, request: WaveRequest) -> Wave:
+        if request.prompt_token_ids[0] != GATED_TOKEN:
+            return super().issue(request)
+        return WholeWave(self._held(request), request.n)
 
-    async def _held(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
-    ) -> list[Completion]:
+    async def _held(self, request: WaveRequest) -> list[Completion]:
         aborts = self._aborts
         while not self._gate.exists():
             if self._aborts != aborts:
                 raise GenerationAborted("aborted while held at the gate")
             await asyncio.sleep(0.05)
-        return await super().wave(prompt_token_ids, n, sampling).answers()
+        return await super().issue(request).answers()
 
     async def abort_all(self) -> int:
         self._aborts += 1

@@ -20,7 +20,7 @@ from support import rows_with, write_jsonl
 from test_scheduler import make_scheduler, run_until
 from transformers import AutoTokenizer
 
-from sampler_service.backends.base import Completion, SamplingParams
+from sampler_service.backends.base import Completion, SamplingParams, StreamedWave, WaveRequest
 from sampler_service.backends.hf import HFBackend
 from sampler_service.config import EpisodeKnobs
 from sampler_service.dataset import PromptRow
@@ -43,11 +43,9 @@ class RecordingHF(HFBackend):
         super().__init__(*args, **kw)
         self.requests: list[tuple[list[int], SamplingParams, str | None]] = []
 
-    async def generate(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, **kw: Any
-    ) -> list[Completion]:
-        self.requests.append((list(prompt_token_ids), sampling, kw.get("affinity_key")))
-        return await super().generate(prompt_token_ids, n, sampling, **kw)
+    def issue(self, request: WaveRequest) -> StreamedWave:
+        self.requests.append((request.prompt_token_ids, request.sampling, request.affinity_key))
+        return super().issue(request)
 
 
 @pytest_asyncio.fixture

@@ -27,7 +27,7 @@ import pytest
 
 from bench import adaptive_sim, virtual_clock
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
-from sampler_service.backends.base import Completion, Wave
+from sampler_service.backends.base import Completion, Wave, WaveRequest
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.finalize import MemorySink
 
@@ -120,8 +120,8 @@ class FinishingOrder(SimBackend):
     """The simulated engine, its answers numbered as they finish: a rule reading them in
     index order then reads them in finishing order."""
 
-    def wave(self, *args: Any, **kwargs: Any) -> Wave:
-        return _Renumbered(super().wave(*args, **kwargs))
+    def issue(self, request: WaveRequest) -> Wave:
+        return _Renumbered(super().issue(request))
 
 
 async def _groups(
@@ -260,13 +260,9 @@ class WholeWavesCheaper(SimBackend):
     def whole_waves_cheaper(self) -> bool:
         return True
 
-    async def generate(self, *args: Any, **kwargs: Any) -> list[Completion]:
-        self.calls["generate"] += 1
-        return await super().wave(*args, **kwargs).answers()
-
-    def wave(self, *args: Any, **kwargs: Any) -> Wave:
-        self.calls["wave"] += 1
-        return super().wave(*args, **kwargs)
+    def issue(self, request: WaveRequest) -> Wave:
+        self.calls["generate" if request.whole else "wave"] += 1
+        return super().issue(request)
 
 
 def test_an_engine_that_answers_whole_waves_cheaper_gets_them_unless_the_rule_is_exact() -> None:

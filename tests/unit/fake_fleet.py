@@ -13,9 +13,9 @@ from typing import Any
 from sampler_service.backends.base import (
     Completion,
     PauseMode,
-    SamplingParams,
     StreamedWave,
     Wave,
+    WaveRequest,
     WholeWave,
 )
 from sampler_service.errors import NotSupported
@@ -120,15 +120,8 @@ class FakeMember:
             raise MemberDown(f"{self.name} does not answer", "died")
         return Probe(self.healthy, self.labelled, self.pid, self.paused, "unhealthy")
 
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        version: int,
-        *,
-        whole: bool = False,
-    ) -> Wave:
+    def generate(self, request: WaveRequest, version: int) -> Wave:
+        n = request.n
         if not self.streams:
             return WholeWave(self._wave(n, version), n)
         self._call("generate", n, version)

@@ -24,6 +24,8 @@ from sampler_service.backends.base import (
     GenerationAborted,
     SamplingParams,
     StreamedWave,
+    Wave,
+    WaveRequest,
     WholeWave,
 )
 from sampler_service.config import ReplicaSettings
@@ -671,14 +673,10 @@ class _Engine(CheckpointBackend):
             raise RuntimeError(f"NCCL weight update to version {version} failed")
         self._version = version
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> list[Completion]:
+    def issue(self, request: WaveRequest) -> Wave:
+        return WholeWave(self._answers(request.n), request.n)
+
+    async def _answers(self, n: int) -> list[Completion]:
         if self.broken:
             raise GenerationAborted("the engine dropped it")
         return [Completion([1], [-1.0], "a", "stop", self._version) for _ in range(n)]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sampler_service.backends.base import Backend, Completion, SamplingParams
+from sampler_service.backends.base import Backend, Completion, Wave, WaveRequest, WholeWave
 from sampler_service.backends.ray.replica import Replica
 from sampler_service.weights.types import TensorSpec
 
@@ -69,14 +69,10 @@ class Stub(Backend):
     async def close(self) -> None:
         pass
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
-    ) -> list[Completion]:
+    def issue(self, request: WaveRequest) -> Wave:
+        return WholeWave(self._answers(request.n), request.n)
+
+    async def _answers(self, n: int) -> list[Completion]:
         return [Completion([1], [0.0], "", "length") for _ in range(n)]
 
     def weight_specs(self) -> Mapping[str, TensorSpec]:

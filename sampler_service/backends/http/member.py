@@ -48,6 +48,7 @@ from sampler_service.backends.base import (
     RequestWave,
     SamplingParams,
     Wave,
+    WaveRequest,
     WholeWave,
     aborted,
     answer_seed,
@@ -250,15 +251,8 @@ class HTTPMember:
             self.model, prompt, n, replace(sampling, stop_token_ids=stops), request_id
         )
 
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        version: int,
-        *,
-        whole: bool = False,
-    ) -> Wave:
+    def generate(self, request: WaveRequest, version: int) -> Wave:
+        prompt_token_ids, n, sampling = request.prompt_token_ids, request.n, request.sampling
         check_request(
             prompt_token_ids,
             n,
@@ -267,11 +261,11 @@ class HTTPMember:
             max_model_len=self.max_model_len or None,
         )
         base = f"ar-{uuid.uuid4().hex}"
-        if whole:  # nothing to cancel alone: one request, parsed once by the server
+        if request.whole:  # nothing to cancel alone: one request, parsed once by the server
             return WholeWave(self._request(prompt_token_ids, sampling, base, version, n), n)
         ids = [f"{base}-{i}" for i in range(n)]
 
-        async def request(index: int) -> Completion:
+        async def one(index: int) -> Completion:
             own = replace(sampling, seed=answer_seed(sampling.seed, index))
             [answer] = await self._request(prompt_token_ids, own, ids[index], version, 1)
             return answer
@@ -284,7 +278,7 @@ class HTTPMember:
                 log.warning("%s: closing requests the abort did not reach: %r", self.address, exc)
                 wave.close_requests(indices, version)
 
-        wave = RequestWave(n, request, cancel)
+        wave = RequestWave(n, one, cancel)
         return wave
 
     async def _request(

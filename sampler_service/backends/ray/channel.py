@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sampler_service.aio import TaskSet, TurnBatch
-from sampler_service.backends.base import SamplingParams, StreamedWave
+from sampler_service.backends.base import SamplingParams, StreamedWave, WaveRequest
 
 #: Seconds a collect call waits on the replica for a finished answer before it returns
 #: empty and is sent again (a hung replica is the health probe's to find).
@@ -72,9 +72,7 @@ class ReplicaChannel:
         self._waiting: dict[int, tuple[int, StreamedWave]] = {}
         self._tasks = TaskSet()
 
-    def wave(
-        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams, cancels_answers: bool
-    ) -> StreamedWave:
+    def wave(self, request: WaveRequest, cancels_answers: bool) -> StreamedWave:
         call_id = next(self._ids)
 
         async def cancel(indices: list[int]) -> None:
@@ -84,9 +82,9 @@ class ReplicaChannel:
             if self._waiting.pop(call_id, None) is not None:
                 self._outbox.add((call_id, None))
 
-        wave = StreamedWave(n, cancel, drop, cancels_answers=cancels_answers)
+        wave = StreamedWave(request.n, cancel, drop, cancels_answers=cancels_answers)
         self._waiting[call_id] = (self._generation, wave)
-        self._outbox.add((call_id, prompt_token_ids, n, sampling))
+        self._outbox.add((call_id, request.prompt_token_ids, request.n, request.sampling))
         if not self._collecting:
             self._collecting = True
             self._tasks.spawn(self._collect(self._generation), "replica-channel")

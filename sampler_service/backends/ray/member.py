@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from sampler_service.backends.base import PauseMode, SamplingParams, Wave
+from sampler_service.backends.base import PauseMode, Wave, WaveRequest
 from sampler_service.backends.ray.channel import ReplicaChannel
 from sampler_service.backends.ray.replica import NotStarted
 from sampler_service.errors import NotSupported
@@ -135,16 +135,8 @@ class RayMember:
             detail=result.get("detail"),
         )
 
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        version: int,
-        *,
-        whole: bool = False,
-    ) -> Wave:
-        return self.channel.wave(prompt_token_ids, n, sampling, self.cancels_answers)
+    def generate(self, request: WaveRequest, version: int) -> Wave:
+        return self.channel.wave(request, self.cancels_answers)
 
     async def abort(self) -> int:
         return int(await self._call("abort_all"))
