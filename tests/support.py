@@ -276,6 +276,25 @@ def endless(model_dir: Path, out: Path) -> Path:
     return out
 
 
+async def cancelled_twin(backend: Any, prompt: list[int], longest: int) -> tuple[Any, Any]:
+    """Greedy twins of one wave of `backend` on a prompt whose answers run to `longest`
+    tokens: the second is cancelled once a 4-token answer sent after them is back (so
+    both have decoded tokens by then). The cut one must come back aborted with a prefix
+    of its uncancelled twin's tokens; returns (cut, twin)."""
+    from sampler_service.backends.base import SamplingParams
+
+    wave = backend.wave(prompt, 2, SamplingParams(temperature=0.0, max_tokens=longest))
+    assert wave.cancels_answers
+    await backend.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=4))
+    await wave.cancel([1])
+    answers = dict([pair async for pair in wave])
+    cut, twin = answers[1], answers[0]
+    assert cut.finish_reason == "abort" and twin.finish_reason == "length"
+    assert 0 < len(cut.token_ids) < len(twin.token_ids) == longest
+    assert cut.token_ids == twin.token_ids[: len(cut.token_ids)]
+    return cut, twin
+
+
 def perturbed_file(model_dir: Path, scale: float, seed: int = 0) -> bytes:
     """`perturbed_state` as safetensors bytes, the body of PUT /v1/weights."""
     from safetensors.torch import save

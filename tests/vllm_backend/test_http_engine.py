@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import collect, perturbed_file
+from support import cancelled_twin, collect, perturbed_file
 from vllm_suite import CONFIG, REPORT
 
 from trainer_client.launch import EngineServer, SamplerProcess
@@ -247,27 +247,14 @@ def test_a_cancelled_answer_decodes_fewer_tokens_than_its_twin_over_http(
     seed, so they differ, and are the in-process engine's answers index by index."""
     from transformers import AutoTokenizer
 
-    from sampler_service.backends.base import Completion, SamplingParams
+    from sampler_service.backends.base import SamplingParams
     from sampler_service.backends.http.dialects import DIALECTS
 
     tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
     prompt = tokenizer("1234567890")["input_ids"]  # no `=` to answer: the toy never ends
     longest = 64 - len(prompt)
     with _http_backend(fleet, toy, loop_thread, tmp_path, dialect=DIALECTS[name]) as http:  # type: ignore[index]
-
-        async def cancel_one() -> dict[int, Completion]:
-            wave = http.wave(prompt, 2, SamplingParams(temperature=0.0, max_tokens=longest))
-            assert wave.cancels_answers
-            # A 4-token answer sent after them: once it is back, they have decoded tokens.
-            await http.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=4))
-            await wave.cancel([1])
-            return dict([pair async for pair in wave])
-
-        answers = loop_thread.run(cancel_one())
-        cut, twin = answers[1], answers[0]
-        assert cut.finish_reason == "abort" and twin.finish_reason == "length"
-        assert 0 < len(cut.token_ids) < len(twin.token_ids) == longest
-        assert cut.token_ids == twin.token_ids[: len(cut.token_ids)]
+        cut, _ = loop_thread.run(cancelled_twin(http, prompt, longest))
         assert len(cut.logprobs) == len(cut.token_ids)
         REPORT[f"cancelled twin over HTTP ({name}): tokens of its twin's"] = (
             f"{len(cut.token_ids)}/{longest}"

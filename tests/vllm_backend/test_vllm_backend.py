@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save
+from support import cancelled_twin
 from vllm_suite import REPORT, LoopThread
 
 from sampler_service.backends.base import Completion, GenerationAborted, SamplingParams, answer_seed
@@ -223,20 +224,7 @@ def test_a_cancelled_answer_decodes_fewer_tokens_than_its_twin(engines: Engines)
     """Greedy twins in one wave: the cancelled one comes back aborted with the tokens it
     had decoded, a prefix of its uncancelled twin's, with the same logprobs."""
     prompt, longest = _endless(engines)
-
-    async def cancel_one() -> dict[int, Completion]:
-        wave = engines.vllm.wave(prompt, 2, SamplingParams(temperature=0.0, max_tokens=longest))
-        assert wave.cancels_answers
-        # A 4-token answer started with them: once it is back, they have decoded as many.
-        await engines.vllm.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=4))
-        await wave.cancel([1])
-        return dict([pair async for pair in wave])
-
-    answers = engines.run(cancel_one())
-    cut, twin = answers[1], answers[0]
-    assert cut.finish_reason == "abort" and twin.finish_reason == "length"
-    assert 0 < len(cut.token_ids) < len(twin.token_ids) == longest
-    assert cut.token_ids == twin.token_ids[: len(cut.token_ids)]
+    cut, twin = engines.run(cancelled_twin(engines.vllm, prompt, longest))
     assert _max_diff(cut.logprobs, twin.logprobs[: len(cut.logprobs)]) <= LOGPROB_TOL
     REPORT["cancelled twin: tokens decoded of its twin's"] = f"{len(cut.token_ids)}/{longest}"
 

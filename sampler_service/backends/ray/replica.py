@@ -232,12 +232,7 @@ class Replica:
         return self._backend
 
     async def generate(
-        self,
-        prompt_token_ids: list[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        affinity_key: str | None = None,
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Completion]:
         """One wave in one call: for a second driver asking a replica directly (the fleet
         sends its waves through `submit_waves` and `collect_waves`)."""
