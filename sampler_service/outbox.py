@@ -3,7 +3,10 @@
 READY -> LEASED(consumer, delivery_id, deadline) -> deleted on ack. Frames move as a
 unit: a consumer leases a whole frame, and whatever it has not acked when it
 disconnects (or its lease expires) goes back to READY together and is offered again
-before anything newer. The bytes of a group never change after framing, so a
+before anything newer. READY frames go out oldest policy version first (the frame's
+oldest sample), redeliveries first within a version, then in the order they were
+framed: the frames nearest to the staleness bound leave before it drops them, and
+those are the slow, hard prompts'. The bytes of a group never change after framing, so a
 redelivered frame is byte-for-byte what was sent before (apart from the delivery id).
 
 Consumers are named by the caller, in two namespaces (`stream_consumer`, `lease_consumer`):
@@ -69,7 +72,8 @@ class Outbox:
         self._store = store
         self._clock = clock
         self._frames: dict[str, _Frame] = {}
-        self._ready: list[tuple[int, int, str]] = []  # (0 redelivery | 1 fresh, seq, batch_id)
+        # (oldest policy version, 0 redelivery | 1 fresh, seq, batch_id)
+        self._ready: list[tuple[int, int, int, str]] = []
         self._by_delivery: dict[str, tuple[str, str]] = {}  # delivery_id -> (batch_id, group_id)
         self._delivery_ids: dict[str, list[str]] = {}  # group_id -> every delivery id it had
         self._streams: dict[str, object] = {}  # consumer -> token of its live stream
@@ -95,9 +99,9 @@ class Outbox:
     def offer(self, frame: StoredFrame, redelivery: bool = False) -> None:
         """Make a stored frame READY (called once its rows are committed)."""
         seq = min(m.seq for m in frame.members)
-        self._frames[frame.batch_id] = _Frame(frame.batch_id, list(frame.members), seq)
+        ready = self._frames[frame.batch_id] = _Frame(frame.batch_id, list(frame.members), seq)
         self._ready_count += len(frame.members)
-        heapq.heappush(self._ready, (0 if redelivery else 1, seq, frame.batch_id))
+        self._push(ready, redelivery)
         self._notify()
 
     async def restore(self, describe: Callable[[StoredGroup], StoredGroup]) -> int:
@@ -125,7 +129,7 @@ class Outbox:
     def next_frame_size(self) -> int | None:
         """Size of the frame the next take() would hand out, or None if nothing is READY."""
         while self._ready:
-            _, _, batch_id = self._ready[0]
+            batch_id = self._ready[0][-1]
             frame = self._frames.get(batch_id)
             if frame is not None and frame.consumer is None and frame.members:
                 return len(frame.members)
@@ -134,7 +138,8 @@ class Outbox:
 
     # -- leasing --------------------------------------------------------------------
     def take(self, consumer: str, ttl_s: float, max_groups: int | None = None) -> list[Delivered]:
-        """Lease whole READY frames, oldest (redeliveries first) until max_groups is met.
+        """Lease whole READY frames, oldest first (see the module docstring) until
+        max_groups is met.
 
         At least one frame is handed out when any is READY, even if it is larger than
         max_groups, so a frame bigger than a consumer's credit still flows.
@@ -143,7 +148,7 @@ class Outbox:
         while (size := self.next_frame_size()) is not None:
             if out and max_groups is not None and len(out) + size > max_groups:
                 break
-            _, _, batch_id = heapq.heappop(self._ready)
+            batch_id = heapq.heappop(self._ready)[-1]
             frame = self._frames[batch_id]
             frame.consumer = consumer
             frame.deadline = self._clock() + ttl_s
@@ -188,7 +193,11 @@ class Outbox:
             del self._leased[frame.consumer]
         self._ready_count += len(frame.members)
         frame.consumer = None
-        heapq.heappush(self._ready, (0, frame.seq, frame.batch_id))
+        self._push(frame, redelivery=True)
+
+    def _push(self, frame: _Frame, redelivery: bool) -> None:
+        key = (frame.policy_version_min, 0 if redelivery else 1, frame.seq, frame.batch_id)
+        heapq.heappush(self._ready, key)
 
     def release_consumer(self, consumer: str) -> int:
         """Put every frame leased by `consumer` back to READY at once."""

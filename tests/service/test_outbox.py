@@ -60,3 +60,28 @@ async def test_running_counts_match_a_recount_through_every_move(tmp_path: Path)
     await outbox.ack([d.delivery_id for d in again])
     _check(outbox)
     await sync.close()
+
+
+async def test_ready_frames_go_out_oldest_version_first_then_redeliveries_then_in_order(
+    tmp_path: Path,
+) -> None:
+    """A hard prompt's frame is framed late but holds old samples: it leaves before the
+    fresher frames framed ahead of it, so the staleness bound does not drop it first. A
+    frame given back goes out before fresh frames of its version."""
+    store = Store(tmp_path / "s.sqlite", checkpoint_every_s=None)
+    sync = AsyncStore(store)
+    outbox = Outbox(sync)
+    # framed in this order, their oldest samples of these versions
+    for seq, (batch, version) in enumerate([("b0", 2), ("b1", 3), ("b2", 0), ("b3", 2)]):
+        store.add_pending(batch, b"x")
+        member = StoredGroup(seq, batch, b"x", policy_version_min=version)
+        store.frame([FrameRows(batch, [(batch, b"x")])])
+        outbox.offer(StoredFrame(batch, [member]))
+    first = outbox.take("a", ttl_s=10)
+    assert [d.group.group_id for d in first] == ["b2"]
+    second = outbox.take("a", ttl_s=10)
+    assert [d.group.group_id for d in second] == ["b0"]
+    outbox.release_consumer("a")  # b2 and b0 come back: redeliveries
+    order = [d.group.group_id for d in outbox.take("b", ttl_s=10, max_groups=100)]
+    assert order == ["b2", "b0", "b3", "b1"]
+    await sync.close()
