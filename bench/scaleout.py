@@ -121,6 +121,10 @@ class Timed(Backend):
     def policy_version(self) -> int:
         return self.inner.policy_version
 
+    @property
+    def whole_waves_cheaper(self) -> bool:
+        return self.inner.whole_waves_cheaper
+
     async def start(self) -> None:
         await self.inner.start()
 
