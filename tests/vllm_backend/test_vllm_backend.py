@@ -463,8 +463,8 @@ def test_episodes_and_stop_strings_match_hf(engines: Engines) -> None:
         for i, ids in enumerate(prompts):
             row = PromptRow(id=f"p{i}", prompt=tok.decode(ids), answer="", domain="d")
             row.token_ids = ids
-            wave: EpisodeWave = await runner.wave(
-                row, _AskAgain, 1, SamplingParams(temperature=0.0), knobs, turn, 1
+            wave = await EpisodeWave(
+                runner, row, _AskAgain, 1, SamplingParams(temperature=0.0), knobs, turn, 1
             ).run()
             out.extend(wave.completions)
         return out
