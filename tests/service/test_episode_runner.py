@@ -247,6 +247,9 @@ async def test_a_cancelled_episode_stops_and_comes_back_with_what_it_sampled(
     async for index, completion in wave:
         got[index] = completion
         if len(got) == 2:
+            async with asyncio.timeout(30):  # the other two are in their turn
+                while len(started) < 4:
+                    await asyncio.sleep(0.01)
             running = [i for i in range(4) if i not in got]
             await wave.cancel(running)
     assert sorted(got) == [0, 1, 2, 3] and len(cancelled) == 2 and len(running) == 2
