@@ -60,7 +60,9 @@ from sampler_service.backends.base import (
     RequestWave,
     SamplingParams,
     StreamingBackend,
+    Wave,
     WaveRequest,
+    WholeWave,
     answer_seed,
     check_request,
 )
@@ -271,14 +273,20 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
 
     # ------------------------------------------------------------------ generation
 
-    def sampling_params(self, sampling: SamplingParams) -> Any:
-        """The vLLM `SamplingParams` of one answer's request (every distribution knob
+    @property
+    def whole_waves_cheaper(self) -> bool:
+        """A wave read whole is one request of n: vLLM's front end handles one request
+        instead of n (its children draw what n requests with seeds seed + i draw)."""
+        return True
+
+    def sampling_params(self, sampling: SamplingParams, n: int = 1) -> Any:
+        """The vLLM `SamplingParams` of a request of `n` answers (every distribution knob
         explicit)."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return VLLMSamplingParams(
-            n=1,
+            n=n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k and sampling.top_k > 0 else 0,
@@ -294,7 +302,7 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def issue(self, request: WaveRequest) -> RequestWave:
+    def issue(self, request: WaveRequest) -> Wave:
         prompt_token_ids, n, sampling = request.prompt_token_ids, request.n, request.sampling
         engine = self._require_running()
         self._check(prompt_token_ids, n, sampling)
@@ -302,23 +310,27 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
 
         prompt = tokens_input(list(prompt_token_ids))
         wave_id = uuid.uuid4().hex
-        ids = [f"{wave_id}-{i}" for i in range(n)]
         version = self._version
+        if request.whole:  # nothing cancelled alone: one request, the engine's n children
+            params = self.sampling_params(sampling, n)
+            return WholeWave(self._answers(engine, prompt, params, wave_id, wave_id, version), n)
+        ids = [f"{wave_id}-{i}" for i in range(n)]
 
-        def one(index: int) -> Any:
+        async def one(index: int) -> Completion:
             params = self.sampling_params(replace(sampling, seed=answer_seed(sampling.seed, index)))
-            return self._answer(engine, prompt, params, ids[index], wave_id, version)
+            [answer] = await self._answers(engine, prompt, params, ids[index], wave_id, version)
+            return answer
 
         async def cancel(indices: list[int]) -> None:
             await engine.abort([ids[i] for i in indices])
 
         return RequestWave(n, one, cancel)
 
-    async def _answer(
+    async def _answers(
         self, engine: Any, prompt: Any, params: Any, request_id: str, wave_id: str, version: int
-    ) -> Completion:
-        """One answer's request, to its final output: finished, or aborted with what it
-        had decoded."""
+    ) -> list[Completion]:
+        """One request's `params.n` answers, to its final output: finished, or aborted
+        with what they had decoded."""
         final = None
         self._inflight[request_id] = wave_id
         self.requests += 1
@@ -327,9 +339,12 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
                 final = output
         finally:
             self._inflight.pop(request_id, None)
-        if final is None or not final.finished or len(final.outputs) != 1:
-            raise GenerationAborted(f"request {request_id} ended without a finished answer")
-        out = final.outputs[0]
+        if final is None or not final.finished or len(final.outputs) != params.n:
+            raise GenerationAborted(f"request {request_id} ended without its finished answers")
+        outputs = sorted(final.outputs, key=lambda out: out.index)
+        return [self._completion(out, request_id, version) for out in outputs]
+
+    def _completion(self, out: Any, request_id: str, version: int) -> Completion:
         if out.finish_reason not in ("stop", "length", "abort"):
             raise RuntimeError(f"vLLM request {request_id} finished with {out.finish_reason!r}")
         tokens = list(out.token_ids)
