@@ -60,9 +60,7 @@ from sampler_service.backends.base import (
     RequestWave,
     SamplingParams,
     StreamingBackend,
-    Wave,
     WaveRequest,
-    WholeWave,
     answer_seed,
     check_request,
 )
@@ -273,20 +271,14 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
 
     # ------------------------------------------------------------------ generation
 
-    @property
-    def whole_waves_cheaper(self) -> bool:
-        """A wave read whole is one request of n: vLLM's front end handles one request
-        instead of n (its children draw what n requests with seeds seed + i draw)."""
-        return True
-
-    def sampling_params(self, sampling: SamplingParams, n: int = 1) -> Any:
-        """The vLLM `SamplingParams` of a request of `n` answers (every distribution knob
+    def sampling_params(self, sampling: SamplingParams) -> Any:
+        """The vLLM `SamplingParams` of one answer's request (every distribution knob
         explicit)."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return VLLMSamplingParams(
-            n=n,
+            n=1,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k and sampling.top_k > 0 else 0,
@@ -302,7 +294,7 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def issue(self, request: WaveRequest) -> Wave:
+    def issue(self, request: WaveRequest) -> RequestWave:
         prompt_token_ids, n, sampling = request.prompt_token_ids, request.n, request.sampling
         engine = self._require_running()
         self._check(prompt_token_ids, n, sampling)
@@ -310,27 +302,23 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
 
         prompt = tokens_input(list(prompt_token_ids))
         wave_id = uuid.uuid4().hex
-        version = self._version
-        if request.whole:  # nothing cancelled alone: one request, the engine's n children
-            params = self.sampling_params(sampling, n)
-            return WholeWave(self._answers(engine, prompt, params, wave_id, wave_id, version), n)
         ids = [f"{wave_id}-{i}" for i in range(n)]
+        version = self._version
 
-        async def one(index: int) -> Completion:
+        def one(index: int) -> Any:
             params = self.sampling_params(replace(sampling, seed=answer_seed(sampling.seed, index)))
-            [answer] = await self._answers(engine, prompt, params, ids[index], wave_id, version)
-            return answer
+            return self._answer(engine, prompt, params, ids[index], wave_id, version)
 
         async def cancel(indices: list[int]) -> None:
             await engine.abort([ids[i] for i in indices])
 
         return RequestWave(n, one, cancel)
 
-    async def _answers(
+    async def _answer(
         self, engine: Any, prompt: Any, params: Any, request_id: str, wave_id: str, version: int
-    ) -> list[Completion]:
-        """One request's `params.n` answers, to its final output: finished, or aborted
-        with what they had decoded."""
+    ) -> Completion:
+        """One answer's request, to its final output: finished, or aborted with what it
+        had decoded."""
         final = None
         self._inflight[request_id] = wave_id
         self.requests += 1
@@ -339,12 +327,9 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
                 final = output
         finally:
             self._inflight.pop(request_id, None)
-        if final is None or not final.finished or len(final.outputs) != params.n:
-            raise GenerationAborted(f"request {request_id} ended without its finished answers")
-        outputs = sorted(final.outputs, key=lambda out: out.index)
-        return [self._completion(out, request_id, version) for out in outputs]
-
-    def _completion(self, out: Any, request_id: str, version: int) -> Completion:
+        if final is None or not final.finished or len(final.outputs) != 1:
+            raise GenerationAborted(f"request {request_id} ended without a finished answer")
+        out = final.outputs[0]
         if out.finish_reason not in ("stop", "length", "abort"):
             raise RuntimeError(f"vLLM request {request_id} finished with {out.finish_reason!r}")
         tokens = list(out.token_ids)

@@ -124,7 +124,6 @@ class LocalTransport(Transport):
 
     def __init__(self, engine: Backend) -> None:
         self.engine = engine
-        self.whole_waves_cheaper = engine.whole_waves_cheaper
 
     @property
     def name(self) -> str:
