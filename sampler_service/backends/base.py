@@ -9,6 +9,11 @@ cancel by index. An engine that streams hands each answer over as it finishes
 (`StreamedWave`; one request per answer: `RequestWave`); one that answers whole waves
 hands them all at once (`WholeWave`) and declares that it cannot cancel one answer
 alone (`cancels_answers`), so a reader that stops early works with every engine.
+
+An engine implements one generation call, `issue(WaveRequest)`: `wave` and `generate`
+build the request once, here, `generate`'s marked as read whole, so an engine that
+answers whole waves more cheaply (`whole_waves_cheaper`: an HTTP server, one request
+of n) may.
 """
 
 from __future__ import annotations
