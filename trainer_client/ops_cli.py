@@ -27,6 +27,7 @@ from typing import Any
 
 from trainer_client.contract.flags import parse_key_values
 from trainer_client.contract.protocol import DEFAULT_URL, URL_ENV
+from trainer_client.report import token_rows
 
 
 # -- arguments ---------------------------------------------------------------------------
@@ -96,25 +97,6 @@ def _episode_rows(episodes: dict[str, Any]) -> list[tuple[str, Any]]:
     ]
 
 
-def _token_rows(waste: dict[str, Any]) -> list[tuple[str, Any]]:
-    """Where the decoded tokens went (`/v1/stats` `waste`), as the dashboard shows it."""
-    decoded = waste.get("decoded") or 0
-
-    def share(value: int) -> str:
-        return f"{value} ({value / decoded:.1%})" if decoded else str(value)
-
-    rows: list[tuple[str, Any]] = [
-        ("decoded", decoded),
-        ("trained", share(waste.get("trained", 0))),
-        ("downsampled", share(waste.get("downsampled", 0))),
-    ]
-    rows += [(f"waste: {cause}", share(v)) for cause, v in waste.get("waste", {}).items()]
-    rows.append(("pending (not yet acked)", share(waste.get("pending", 0))))
-    redrawn = ", ".join(f"{cause} {n}" for cause, n in waste.get("redrawn", {}).items())
-    rows.append(("answers drawn again", redrawn or "none"))
-    return rows
-
-
 def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
     """One screen of `stats`: a rich renderable built from /health and /v1/stats."""
     from rich.console import Group
@@ -171,7 +153,7 @@ def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
     parts.append(counts)
 
     if waste := stats.get("waste"):
-        parts.append(_labelled("decoded tokens", _token_rows(waste)))
+        parts.append(_labelled("decoded tokens", token_rows(waste)))
 
     # Multi-turn episodes: shown once the sampler has run any.
     episodes = stats.get("episodes") or {}

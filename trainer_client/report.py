@@ -50,6 +50,25 @@ def accuracy_table(before: dict[str, float], after: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def token_rows(waste: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Where the decoded tokens went (`/v1/stats` `waste`), as the dashboard shows it."""
+    decoded = waste.get("decoded") or 0
+
+    def share(value: int) -> str:
+        return f"{value} ({value / decoded:.1%})" if decoded else str(value)
+
+    rows: list[tuple[str, Any]] = [
+        ("decoded", decoded),
+        ("trained", share(waste.get("trained", 0))),
+        ("downsampled", share(waste.get("downsampled", 0))),
+    ]
+    rows += [(f"waste: {cause}", share(v)) for cause, v in waste.get("waste", {}).items()]
+    rows.append(("pending (not yet acked)", share(waste.get("pending", 0))))
+    redrawn = ", ".join(f"{cause} {n}" for cause, n in waste.get("redrawn", {}).items())
+    rows.append(("answers drawn again", redrawn or "none"))
+    return rows
+
+
 def sampling_tables(history: Sequence[dict[str, Any]], stats: dict[str, Any]) -> str:
     """Answers per emitted group by domain, stop reasons and mixing shares, as text."""
     out = []
@@ -91,6 +110,9 @@ def sampling_tables(history: Sequence[dict[str, Any]], stats: dict[str, Any]) ->
                 for k, v in dropped.items()
             )
         )
+    if waste := stats.get("waste"):
+        # Every decoded token's fate, so what the run threw away is read in tokens too.
+        out.append("decoded tokens: " + "; ".join(f"{k} {v}" for k, v in token_rows(waste)))
     domains = stats.get("domains", {})
     if domains:
         out.append("mixing shares (sampler, recent window):")

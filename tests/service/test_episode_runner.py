@@ -197,8 +197,11 @@ async def test_exact_stopping_counts_episodes_in_index_order_and_cancels_the_sur
         assert group.stats.outcomes == [s.reward for s in group.samples]
         if group.stop_reason == "rule":
             assert len(set(right)) == 2 and len(set(right[:-1])) == 1  # first j where it holds
+    # Each rule-stopped group left the rest of its last wave of 4 as surplus (which
+    # groups have any is the toy's draw); other prompts may have added more.
+    surplus = sum(-g.stats.n_generated % 4 for g in groups if g.stop_reason == "rule")
     tally = scheduler.tally
-    assert tally.surplus_answers > 0 and tally.waste["surplus"] > 0
+    assert tally.surplus_answers >= surplus
     assert not tally.redrawn and tally.episodes.episodes >= sum(len(g.samples) for g in groups)
 
 

@@ -294,14 +294,14 @@ class HTTPMember:
             )
         except httpx.TransportError as exc:
             if request_id in self.aborted:
-                return [aborted(version)] * n
+                return [aborted(version) for _ in range(n)]
             raise MemberDown(f"{self.address} lost the wave: {exc!r}") from exc
         finally:
             self.requests.discard(request_id)
             stopped = request_id in self.aborted
             self.aborted.discard(request_id)
         if response.status_code != 200 and stopped:
-            return [aborted(version)] * n
+            return [aborted(version) for _ in range(n)]
         if response.status_code >= 500:
             raise MemberDown(f"{self.address}: {response.status_code} {response.text[:300]}")
         if response.status_code != 200:
