@@ -67,7 +67,7 @@ def _step_targets() -> str:
     lines = []
     for key, t in data["targets"].items():
         which, _, competing = key.partition("/")
-        if which == "exact":  # their own table: `_step_exact`
+        if which in ("exact", "staleness"):  # their own tables
             continue
         labels = {r["method"]: r["label"] for r in data["tables"][which]}
         lines.append(
@@ -100,6 +100,43 @@ def _step_targets() -> str:
             ("engine", "cheapest engine-s / informative group vs GRPO n=4"),
             ("engine_met", "<= 0.6x"),
         ],
+    )
+
+
+def _step_staleness() -> str:
+    data = _load("step_time")["staleness"]
+    runs, figures = data["runs"], data["figures"]
+    lines = []
+    for key, t in data["targets"].items():
+        name = key.partition("/")[2]
+        lines.append(
+            {
+                "target": name,
+                "measured": t["measured"],
+                "unbounded": figures["unbounded"][name],
+                "goal": t["goal"],
+                "met": "met" if t["met"] else "**missed**",
+            }
+        )
+    q = runs["bounded"]["quartiles"]
+    counts = ", ".join(
+        f"q{int(k) + 1} {v['stale_groups']}/{v['stale_groups'] + v['trained_groups']}"
+        for k, v in q.items()
+    )
+    return (
+        table(
+            lines,
+            [
+                ("target", "target"),
+                ("measured", "max_staleness 1"),
+                ("unbounded", "no bound"),
+                ("goal", "goal"),
+                ("met", "met"),
+            ],
+        )
+        + f"\nStale-dropped groups / groups seen by pass-rate quartile (q1 hardest): {counts}; "
+        f"step {runs['bounded']['step_s']:.0f} s vs {runs['unbounded']['step_s']:.0f} s "
+        "without a bound.\n"
     )
 
 
@@ -406,6 +443,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "step_time.settings": _step_settings,
     "step_time.checks": _step_checks,
     "step_time.targets": _step_targets,
+    "step_time.staleness": _step_staleness,
     "step_time.exact": _step_exact,
     "step_time.difficulty": lambda: _step_table("difficulty"),
     "step_time.flat": lambda: _step_table("flat"),

@@ -20,7 +20,10 @@ Pipelines:
 - on-policy continuous: `mode: continuous`, `max_staleness` 0: prompts advance on their
   own, but nothing is admitted for step k+1 before step k's weights are pushed;
 - one-step-off-policy: `max_staleness` 1: generation of step k+1 overlaps training of
-  step k; answers may come from weights one step old (stale share reported).
+  step k; answers may come from weights one step old (stale share reported). The
+  trainer applies the service's drop rule before each frame it takes (groups past the
+  bound dropped, their prompts served again), so what the bound costs is counted, by
+  pass-rate quartile (`staleness/*` targets, `--staleness-only` to run just those).
 
 Figures per row: step time relative to GRPO n=4 synchronous (same r), the informative
 fraction of the trained groups (kept rewards not all equal), answers generated per
@@ -50,12 +53,14 @@ The engine model (`ENGINE`; fixed before any target was measured):
 
     python -m bench.step_time --quick   # B = 256, 3 measured steps, r 0.7 off-policy
     python -m bench.step_time           # B = 512, 6 measured steps, every r off-policy
+    python -m bench.step_time --quick --staleness-only   # the staleness runs alone
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import tempfile
 import time
@@ -68,11 +73,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from bench import adaptive_sim, virtual_clock
-from bench.common import DAPO_REFILL, Method, est, flags, grpo, table, write_json
+from bench.common import DAPO_REFILL, RESULTS, Method, est, flags, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.finalize import VolatileSink
 from sampler_service.grouping import fresh_tokens
+from sampler_service.outbox import too_stale
 from sampler_service.scheduler import Scheduler
 from trainer_client.contract.protocol import Group
 
@@ -201,6 +207,9 @@ class Trainer(VolatileSink):
         self.steps_wanted = steps
         self.rates = pass_rates
         self.held: deque[list[Group]] = deque()
+        self.training: list[Group] = []
+        #: Groups dropped as stale since the last step was recorded.
+        self.stale: list[Group] = []
         self.frames = asyncio.Event()
         self.version = 0
         self.records: list[dict[str, Any]] = []
@@ -216,7 +225,8 @@ class Trainer(VolatileSink):
             self.frames.set()
 
     def buffered(self) -> int:
-        return sum(len(f) for f in self.held)
+        """Groups not yet acked: waiting (READY) or being trained on (LEASED)."""
+        return sum(len(f) for f in self.held) + len(self.training)
 
     def _snapshot(self) -> dict[str, Any]:
         assert self.scheduler is not None and self.engine is not None
@@ -234,6 +244,7 @@ class Trainer(VolatileSink):
             "decoded": st.decoded,
             "surplus": st.waste["surplus"],
             "wasted": sum(st.waste.values()),
+            "stale_tokens": st.waste["stale"],
         }
 
     async def run(self) -> None:
@@ -244,7 +255,10 @@ class Trainer(VolatileSink):
             while not self.held:
                 self.frames.clear()
                 await self.frames.wait()
-            frame = self.held[0]
+            self.stale += await self._drop_stale()
+            if not self.held:
+                continue
+            frame = self.training = self._take_oldest()
             at_frame = self._snapshot()
             lags = Counter(self.version - s.policy_version for g in frame for s in g.samples)
             samples = sum(len(g.samples) for g in frame)
@@ -257,7 +271,7 @@ class Trainer(VolatileSink):
             async with self.scheduler.paused_for_weights():
                 self.version += 1
                 await self.engine.load_weights({}, self.version)
-            self.held.popleft()
+            self.training = []
             self.scheduler.tally.acked(len(frame), sum(map(fresh_tokens, frame)))
             self.scheduler.poke()
             self.records.append(
@@ -269,8 +283,59 @@ class Trainer(VolatileSink):
                     "informative": sum(informative),
                     "samples": samples,
                     "lags": dict(lags),
+                    "trained_by_quartile": dict(
+                        Counter(self._quartile(g) for g in frame for _ in g.samples)
+                    ),
+                    "groups_by_quartile": dict(Counter(map(self._quartile, frame))),
+                    "stale_by_quartile": dict(Counter(map(self._quartile, self.stale))),
                 }
             )
+            self.stale = []
+
+    def _quartile(self, group: Group) -> int:
+        """The pass-rate quartile of the group's prompt (0: below 0.25, the hardest)."""
+        return min(int(float(self.rates[int(group.prompt_id[1:])]) * 4), 3)
+
+    async def _drop_stale(self) -> list[Group]:
+        """The service's drop rule (`sampler_service.outbox.Outbox.drop_stale`) over the
+        frames waiting, checked where the service checks it (after a push, before a
+        hand-out): a frame whose oldest sample is past the bound loses its members past
+        it, whose prompts are served again, and the rest are framed again (no frame here
+        was handed out before; with batch selections the frame is dropped whole)."""
+        assert self.scheduler is not None
+        scheduler = self.scheduler
+        bound = scheduler.config.max_staleness
+        split = not scheduler.live.policies.selections
+        kept: deque[list[Group]] = deque()
+        dropped: list[Group] = []
+        again: list[Group] = []
+        for frame in self.held:
+            if not too_stale(self.version, min(g.policy_version_min for g in frame), bound):
+                kept.append(frame)
+                continue
+            for group in frame:
+                past = too_stale(self.version, group.policy_version_min, bound)
+                (dropped if past or not split else again).append(group)
+        if dropped or again:
+            self.held = kept
+            for group in dropped:
+                quartile = scheduler.live.quartile(group.prompt_id)
+                scheduler.tally.dropped_group("stale", fresh_tokens(group), group.domain, quartile)
+                scheduler.dataset.serve_again(group.domain, group.prompt_id)
+            await scheduler.finalizer.take_back(again)
+            scheduler.poke()
+        return dropped
+
+    def _take_oldest(self) -> list[Group]:
+        """The frame the service hands out next: oldest policy version first, then the
+        first framed."""
+        oldest = min(
+            range(len(self.held)),
+            key=lambda i: (min(g.policy_version_min for g in self.held[i]), i),
+        )
+        frame = self.held[oldest]
+        del self.held[oldest]
+        return frame
 
 
 def _early_drops(dropped: Counter[str]) -> int:
@@ -339,6 +404,14 @@ def summarize(
     def delta(key: str) -> float:
         return float(end[key] - start[key])
 
+    quartiles: dict[str, Counter[int]] = {
+        kind: Counter()
+        for kind in ("trained_by_quartile", "groups_by_quartile", "stale_by_quartile")
+    }
+    for r in measured:
+        for kind, counts in quartiles.items():
+            counts.update(r[kind])
+
     decoded = max(delta("decoded"), 1.0)
     return {
         "steps": k,
@@ -358,6 +431,15 @@ def summarize(
         "admitted_per_step": delta("admitted") / k,
         "stale_share": sum(n for lag, n in lags.items() if lag >= 1) / max(samples, 1),
         "lags": {str(lag): n / max(samples, 1) for lag, n in sorted(lags.items())},
+        "stale_dropped_share": delta("stale_tokens") / decoded,
+        "quartiles": {
+            str(q): {
+                "trained_samples": quartiles["trained_by_quartile"][q],
+                "trained_groups": quartiles["groups_by_quartile"][q],
+                "stale_groups": quartiles["stale_by_quartile"][q],
+            }
+            for q in range(4)
+        },
         "groups": groups,
     }
 
@@ -371,12 +453,14 @@ def run_one(
     *,
     train_s_per_sample: float = 0.0,
     seed: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One row on one pipeline; `overrides` replace knobs of the pipeline's config."""
     with tempfile.TemporaryDirectory() as tmp:
         data = adaptive_sim.write_dataset(Path(tmp), len(rates))
         return virtual_clock.run(
             simulate(
-                pipeline_config(row, pipeline, args.batch),
+                {**pipeline_config(row, pipeline, args.batch), **(overrides or {})},
                 rates,
                 data,
                 spec=spec,
@@ -691,6 +775,87 @@ def exact_targets(per_seed: list[dict[str, Any] | None]) -> dict[str, Any]:
     return out
 
 
+#: Staleness is judged on the best adaptive row (`targets`' pick at >= 90% informative) on
+#: the one-step-off-policy pipeline at r 0.7, against the same run without a bound.
+STALENESS_ROW = "seqpos1_posterior_skip"
+STALENESS_RUNS: dict[str, dict[str, Any]] = {
+    "bounded": {},
+    "unbounded": {"max_staleness": None},
+}
+STALENESS_STEPS = 10
+STALENESS_GOALS = {
+    "stale_share": ("stale-dropped tokens / decoded tokens", 0.02, "<="),
+    "quartile_ratio": ("drop rate, hardest pass-rate quartile / easiest", 1.2, "<="),
+    "hard_share": ("hardest quartile's share of trained samples vs without a bound", 0.9, ">="),
+}
+
+
+def _drop_rate(quartile: dict[str, int]) -> float:
+    """Stale-dropped groups of a quartile over its groups trained or dropped."""
+    seen = quartile["stale_groups"] + quartile["trained_groups"]
+    return quartile["stale_groups"] / seen if seen else 0.0
+
+
+def _hard_share(run: dict[str, Any]) -> float:
+    """The hardest quartile's share of the trained samples."""
+    q = run["quartiles"]
+    return q["0"]["trained_samples"] / max(sum(v["trained_samples"] for v in q.values()), 1)
+
+
+def staleness_figures(run: dict[str, Any], unbounded: dict[str, Any]) -> dict[str, float]:
+    hard, easy = _drop_rate(run["quartiles"]["0"]), _drop_rate(run["quartiles"]["3"])
+    return {
+        "stale_share": run["stale_dropped_share"],
+        "quartile_ratio": 1.0 if hard == easy else (hard / easy if easy else math.inf),
+        "hard_share": _hard_share(run) / max(_hard_share(unbounded), 1e-12),
+    }
+
+
+def measure_staleness(
+    args: argparse.Namespace, spec: EngineSpec, t4: float, log: Any
+) -> dict[str, Any]:
+    """`STALENESS_ROW` off-policy at r 0.7 in each of `STALENESS_RUNS`, side by side, and
+    the `staleness/<name>` targets of the bounded run."""
+    row = next(r for r in rows() if r.key == STALENESS_ROW)
+    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+    # More measured steps than the tables: drops are rare events, counted per quartile.
+    args = argparse.Namespace(**{**vars(args), "steps": max(args.steps, STALENESS_STEPS)})
+    runs = {}
+    for name, overrides in STALENESS_RUNS.items():
+        started = time.monotonic()
+        res = run_one(
+            row,
+            "off_policy",
+            rates,
+            args,
+            spec,
+            train_s_per_sample=0.7 * t4 / (4 * args.batch),
+            overrides=overrides,
+        )
+        res.pop("groups", None)
+        runs[name] = res
+        log(f"  staleness {name}: {time.monotonic() - started:.1f}s real")
+    figures = {name: staleness_figures(res, runs["unbounded"]) for name, res in runs.items()}
+    judged = {}
+    for key, (what, goal, sense) in STALENESS_GOALS.items():
+        measured = figures["bounded"][key]
+        met = measured <= goal if sense == "<=" else measured >= goal
+        quartiles = runs["bounded"]["quartiles"]
+        counts = ", ".join(
+            f"q{int(k) + 1} {v['stale_groups']} of {v['stale_groups'] + v['trained_groups']}"
+            for k, v in quartiles.items()
+        )
+        judged[f"staleness/{key}"] = {
+            "measured": measured,
+            "goal": f"{sense} {goal}",
+            "met": met,
+            "reason": f"{what} of {STALENESS_ROW} off-policy (max_staleness 1, r 0.7), "
+            f"{args.steps} measured steps; without a bound {figures['unbounded'][key]:.3f}; "
+            f"stale-dropped groups by pass-rate quartile (q1 hardest): {counts}",
+        }
+    return {"row": STALENESS_ROW, "runs": runs, "figures": figures, "targets": judged}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="B 256, 3 steps, r 0.7 off-policy")
@@ -708,12 +873,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="prompt draws of the difficulty table (the exact targets: their mean and spread)",
     )
     p.add_argument("--no-flat", action="store_true", help="skip the difficulty-free table")
+    p.add_argument(
+        "--staleness-only",
+        action="store_true",
+        help="measure only the staleness runs and update their targets in the results",
+    )
     args = p.parse_args(argv)
     args.batch = args.batch or (256 if args.quick else 512)
     args.steps = args.steps or (3 if args.quick else 6)
     args.prompts = 4 * args.batch
     args.off_policy_r = (0.7,) if args.quick else RATIOS
     started = time.monotonic()
+    if args.staleness_only:
+        return _staleness_only(args, started)
 
     # One tick per self-check draw and per (row, pipeline) run, on stderr.
     bar = tqdm(
@@ -753,6 +925,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for competing in COMPETING
     }
     judged.update(exact_targets(per_seed))
+    staleness = measure_staleness(args, ENGINE, _t4(tables["difficulty"]), log)
+    judged.update(staleness["targets"])
     log(f"\ntargets: {judged}")
     out = {
         "settings": {
@@ -779,7 +953,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "checks": checks,
         "tables": tables,
         "targets": judged,
+        "staleness": staleness,
     }
+    write_json("step_time", out, started=started)
+    return out
+
+
+def _t4(table_rows: list[dict[str, Any]]) -> float:
+    """GRPO n=4's synchronous generation time per batch (what r scales)."""
+    return float(
+        next(r for r in table_rows if r["method"] == "grpo4" and r["pipeline"] == "sync")["gen_s"]
+    )
+
+
+def _staleness_only(args: argparse.Namespace, started: float) -> dict[str, Any]:
+    """`--staleness-only`: GRPO n=4 sync (for T4), then the staleness runs; their targets
+    and section replace those in `bench/results/step_time.json`, the rest is kept."""
+    grpo4 = next(r for r in rows() if r.key == "grpo4")
+    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+    t4 = run_one(grpo4, "sync", rates, args, ENGINE)["gen_s"]
+    staleness = measure_staleness(args, ENGINE, t4, print)
+    for name, target in staleness["targets"].items():
+        print(f"{name}: {target}")
+    path = RESULTS / "step_time.json"
+    out = json.loads(path.read_text()) if path.exists() else {"targets": {}}
+    out["targets"].update(staleness["targets"])
+    out["staleness"] = {**staleness, "settings": flags(args, "batch", "steps", "warmup", "seed")}
     write_json("step_time", out, started=started)
     return out
 

@@ -29,6 +29,7 @@ from sampler_service.store import AsyncStore, StoredGroup
 from sampler_service.tally import Tally
 from trainer_client.contract import features as wire_features
 from trainer_client.contract.protocol import AckResponse, Heartbeat
+from trainer_client.contract.wire import unpack_group
 
 log = logging.getLogger(__name__)
 
@@ -112,40 +113,45 @@ class Delivery:
         return delivered
 
     async def drop_stale_frames(self) -> None:
-        """Drop READY frames more than max_staleness versions behind the served weights;
+        """Drop READY groups more than max_staleness versions behind the served weights;
         their prompts are served again. Checked at every weight commit and config change,
         and before every hand-out (a group finished after the check, or one given back by
         a consumer, is checked then)."""
-        while stale := self._take_out_stale():
-            await self._discard_stale(stale)
+        while (stale := self._take_out_stale()) != ([], []):
+            await self._discard_stale(*stale)
 
-    def _take_out_stale(self) -> list[StoredGroup]:
+    def _take_out_stale(self) -> tuple[list[StoredGroup], list[StoredGroup]]:
         """Take stale frames out of the outbox now, with no await between this and a
-        hand-out; returns their groups for `_discard_stale`."""
+        hand-out; returns the groups to drop and those to frame again
+        (`Outbox.drop_stale`), for `_discard_stale`."""
         bound = self.live.config.max_staleness
         if bound is None:
-            return []
-        frames = self.outbox.drop_stale(self.backend.policy_version, bound)
-        members = [m for f in frames for m in f.members]
-        if members:
-            for member in members:
+            return [], []
+        served = self.backend.policy_version
+        dropped, again = self.outbox.drop_stale(
+            served, bound, split=not self.live.policies.selections
+        )
+        if dropped or again:
+            for member in dropped:
                 self.dataset.serve_again(member.domain, member.prompt_id)
-            self.tally.dropped_groups("stale", len(members), sum(m.tokens for m in members))
+                quartile = self.live.quartile(member.prompt_id)
+                self.tally.dropped_group("stale", member.tokens, member.domain, quartile)
             self.scheduler.poke()
             log.info(
-                "dropped %d READY groups (%d frames) more than %d versions behind v%d; "
-                "their prompts are served again",
-                len(members),
-                len(frames),
+                "dropped %d READY groups more than %d versions behind v%d (their prompts "
+                "are served again); %d fresh groups of their frames are framed again",
+                len(dropped),
                 bound,
-                self.backend.policy_version,
+                served,
+                len(again),
             )
-        return members
+        return dropped, again
 
-    async def _discard_stale(self, members: list[StoredGroup]) -> None:
-        """Delete dropped groups from the store (a crash before this only means they are
-        restored READY and dropped again)."""
-        await self.store.call(self.store.sync.discard, [m.group_id for m in members])
+    async def _discard_stale(self, dropped: list[StoredGroup], again: list[StoredGroup]) -> None:
+        """Delete dropped groups from the store and frame the others again (a crash
+        between the two only means their frame is restored READY and split again)."""
+        await self.store.call(self.store.sync.discard, [m.group_id for m in dropped])
+        await self.scheduler.finalizer.take_back([unpack_group(m.payload) for m in again])
 
     def required_features(self) -> dict[str, str]:
         """Wire features a consumer must declare, each with what it must do about them:
@@ -234,8 +240,8 @@ class Delivery:
             next_beat = time.monotonic() + heartbeat_s
             while outbox.is_current(consumer, token) and not self._closing.is_set():
                 self._streams[token] = (consumer, heartbeat_s, math.inf)
-                if stale := self._take_out_stale():
-                    await self._discard_stale(stale)
+                if (stale := self._take_out_stale()) != ([], []):
+                    await self._discard_stale(*stale)
                     continue
                 changed = outbox.changed()
                 size = outbox.next_frame_size()

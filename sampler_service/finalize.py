@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from sampler_service import grouping
 from sampler_service.grouping import fresh_tokens
 from sampler_service.live_config import LiveConfig
+from sampler_service.outbox import too_stale
 from sampler_service.prompt_run import PromptRun
 from sampler_service.replay import Replayed, ReplayStore
 from sampler_service.tally import PromptOutcome, Tally
@@ -65,6 +66,10 @@ class GroupSink(Protocol):
         """Framed groups not yet acked (READY + LEASED)."""
         ...
 
+    async def unframe(self, group_ids: list[str]) -> None:
+        """Stored framed groups are pending again (`Finalizer.take_back`)."""
+        ...
+
 
 class Finalizer:
     """Finished prompts' groups, built and stored (see the module docstring)."""
@@ -80,8 +85,12 @@ class Finalizer:
         saved_state: Callable[[], dict[str, Any]],
         clock: Callable[[], float],
         on_error: Callable[[str], None],
+        serve_again: Callable[[str, str], None] = lambda domain, prompt_id: None,
     ) -> None:
+        """`serve_again(domain, prompt_id)` puts the prompt of a group dropped as stale
+        back in line."""
         self.live, self.sink, self.tally, self.replay = live, sink, tally, replay
+        self._serve_again = serve_again
         self._served_version = served_version
         self._saved_state = saved_state
         self._clock = clock
@@ -89,6 +98,8 @@ class Finalizer:
         self._state_saved_at = clock()
         #: Groups stored but not yet in a frame (a frame is `batch_groups` groups).
         self.unframed: list[Group] = []
+        #: Unframed groups already counted as emitted (taken back from a split frame).
+        self._counted: set[str] = set()
         self._frame_lock = asyncio.Lock()
         self._queue: asyncio.Queue[PromptRun] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -194,10 +205,16 @@ class Finalizer:
         group = result.group
         counted = run.sampled_tokens()
         if group is None:
-            self.tally.dropped_groups(str(result.drop_reason), 1, counted)
+            self.tally.dropped_group(str(result.drop_reason), counted, row.domain, run.quartile())
             return None
         kept = fresh_tokens(group)
         self.tally.grouped(kept, counted - kept)
+        if too_stale(self._served_version(), group.policy_version_min, run.plan.cfg.max_staleness):
+            # Past the bound already: it could never be handed out, and framed it would
+            # take a whole frame of fresh groups down with it.
+            self.tally.dropped_group("stale", kept, row.domain, run.quartile())
+            self._serve_again(row.domain, row.id)
+            return None
         if replay is not None and any(s.replayed for s in group.samples):
             self.tally.replayed_answer()
         return group
@@ -232,6 +249,17 @@ class Finalizer:
             self.unframed.extend(groups)
             await self._form_frames(state)
 
+    async def take_back(self, groups: list[Group]) -> None:
+        """Frame again the fresh members of a frame split by the staleness bound: they
+        go first in line (they are older than what waits), already counted as emitted."""
+        if not groups:
+            return
+        async with self._frame_lock:
+            await self.sink.unframe([g.group_id for g in groups])
+            self._counted.update(g.group_id for g in groups)
+            self.unframed[:0] = groups
+            await self._form_frames()
+
     async def form_frames(self) -> None:
         """Re-check framing (e.g. after batch_groups was lowered by a PATCH)."""
         async with self._frame_lock:
@@ -253,9 +281,14 @@ class Finalizer:
                 batch_id=grouping.new_id(),
             )
             for group, reason in frame.dropped:
-                self.tally.dropped_groups(reason, 1, fresh_tokens(group))
+                self.tally.dropped_group(
+                    reason, fresh_tokens(group), group.domain, self.live.quartile(group.prompt_id)
+                )
             for group in frame.kept:
-                self.tally.emitted(group.domain)
+                if group.group_id in self._counted:
+                    self._counted.discard(group.group_id)
+                else:
+                    self.tally.emitted(group.domain)
             frames.append(frame)
         # The members stay in `unframed` until the sink has offered them: while their
         # frames are written they must still count as buffered, or admission
@@ -272,6 +305,9 @@ class VolatileSink:
     subclass takes them one at a time (`add_frame`)."""
 
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        return None
+
+    async def unframe(self, group_ids: list[str]) -> None:
         return None
 
     async def add_frames(

@@ -74,6 +74,10 @@ class LiveConfig:
             estimator = await self._rebuilt_estimator(cfg)
         self._install(cfg, version, estimator, old)
 
+    def quartile(self, prompt_id: str) -> str:
+        """The prompt's pass-rate bin in the live estimator (`Estimator.quartile`)."""
+        return self.estimator.quartile(prompt_id)
+
     def learned(self, prompt_id: str, answers: int, positives: int) -> None:
         """A prompt's answers, for the estimator (the one being built too, if any)."""
         if self._estimator_updates is None:

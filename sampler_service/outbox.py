@@ -46,6 +46,12 @@ def lease_consumer(name: str) -> str:
     return f"lease/{name}"
 
 
+def too_stale(served_version: int, policy_version_min: int, max_staleness: int | None) -> bool:
+    """The staleness bound: a group (or frame) whose oldest sample is more than
+    `max_staleness` versions behind the served weights is never handed out."""
+    return max_staleness is not None and served_version - policy_version_min > max_staleness
+
+
 @dataclass
 class _Frame:
     batch_id: str
@@ -53,6 +59,8 @@ class _Frame:
     seq: int
     consumer: str | None = None  # None while READY
     deadline: float = 0.0
+    #: Whether it was ever handed out: a consumer may have seen part of it.
+    handed_out: bool = False
 
     @property
     def policy_version_min(self) -> int:
@@ -152,6 +160,7 @@ class Outbox:
             frame = self._frames[batch_id]
             frame.consumer = consumer
             frame.deadline = self._clock() + ttl_s
+            frame.handed_out = True
             self._ready_count -= len(frame.members)
             self._leased[consumer] += len(frame.members)
             for member in frame.members:
@@ -163,28 +172,38 @@ class Outbox:
                 break
         return out
 
-    def drop_stale(self, served_version: int, max_staleness: int) -> list[StoredFrame]:
+    def drop_stale(
+        self, served_version: int, max_staleness: int, split: bool
+    ) -> tuple[list[StoredGroup], list[StoredGroup]]:
         """Take out every READY frame whose oldest sample is more than `max_staleness`
-        versions behind `served_version`; the caller deletes them from the store.
+        versions behind `served_version`: returns the groups to drop and the groups to
+        frame again, for the caller to delete and to hand back to framing.
 
-        Whole frames only: a trainer's batch assembler waits for every member of a frame,
+        A frame never handed out is split when `split` (no batch selection ran on it, so
+        framing it again is framing it once): only its members past the bound are dropped,
+        and the rest go back to be framed with the next groups. A frame handed out before
+        is dropped whole: a trainer's batch assembler waits for every member of a frame,
         and a redelivered frame must stay the frame it was. Leased frames stay with their
         consumer (it may be training on them); they are checked again if they come back.
         """
         stale = [
             f
             for f in self._frames.values()
-            if f.consumer is None and served_version - f.policy_version_min > max_staleness
+            if f.consumer is None and too_stale(served_version, f.policy_version_min, max_staleness)
         ]
+        dropped: list[StoredGroup] = []
+        again: list[StoredGroup] = []
         for frame in stale:
             del self._frames[frame.batch_id]
             self._ready_count -= len(frame.members)
             for member in frame.members:
                 for delivery_id in self._delivery_ids.pop(member.group_id, []):
                     self._by_delivery.pop(delivery_id, None)
+                past = too_stale(served_version, member.policy_version_min, max_staleness)
+                (dropped if past or frame.handed_out or not split else again).append(member)
         if stale:
             self._notify()
-        return [StoredFrame(f.batch_id, f.members) for f in stale]
+        return dropped, again
 
     def _release(self, frame: _Frame) -> None:
         assert frame.consumer is not None
@@ -316,6 +335,10 @@ class StoreSink:
             self._store.sync.add_pending, group.group_id, pack_group(group), state
         )
         self.remember(group.group_id)
+
+    async def unframe(self, group_ids: list[str]) -> None:
+        await self._store.call(self._store.sync.unframe, group_ids)
+        self._pending.update(group_ids)
 
     async def add_frames(
         self, frames: Sequence[FrameResult], state: dict[str, Any] | None = None

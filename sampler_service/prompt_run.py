@@ -11,7 +11,7 @@ from sampler_service.grouping import sampled_tokens
 from sampler_service.live_config import PromptPlan
 from sampler_service.verifiers.base import Verdict
 from strategies.allocation import AllocationPolicy
-from strategies.estimator import Estimator
+from strategies.estimator import UNSEEN, Estimator
 from strategies.stopping import StopReason
 
 
@@ -65,6 +65,10 @@ class PromptRun:
         group size: no group is smaller than what down-sampling keeps)."""
         cfg = self.plan.cfg
         return min(cfg.min_answers or cfg.group_size, cfg.n_max)
+
+    def quartile(self) -> str:
+        """Its pass-rate bin in the history it was admitted with (`Estimator.quartile`)."""
+        return self.history.quartile(self.row.id) if self.history is not None else UNSEEN
 
     def sampled_tokens(self) -> int:
         """Sampled tokens of the counted answers."""

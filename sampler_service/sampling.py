@@ -173,6 +173,7 @@ class PromptSampler:
         run.recorded_tokens += tokens
         return WaveOutcome(
             run.row.domain,
+            quartile=run.quartile(),
             answers=len(counted),
             positives=run.n_pos - account.positives_before,
             tokens=tokens,

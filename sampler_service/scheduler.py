@@ -138,8 +138,8 @@ class Scheduler:
         """Stop generating; groups whose answers are all in are still stored (bounded wait)."""
         # What the prompts still sampling had decoded is lost with them: a restart starts
         # them again.
-        sampling = [*self._active.values(), *(run for run in self._cohort if not run.done)]
-        self.tally.lost(sum(run.recorded_tokens for run in sampling))
+        for run in [*self._active.values(), *(run for run in self._cohort if not run.done)]:
+            self.tally.lost(run.recorded_tokens, run.row.domain, run.quartile())
         tasks = [t for t in (self._runner, *self._active) if t is not None]
         for task in tasks:
             task.cancel()
@@ -361,7 +361,7 @@ class Scheduler:
 
     def _drop(self, run: PromptRun, reason: str) -> None:
         run.done = True
-        self.tally.dropped_groups(reason, 1, run.sampled_tokens())
+        self.tally.dropped_group(reason, run.sampled_tokens(), run.row.domain, run.quartile())
 
     # -- weight updates ---------------------------------------------------------------
     @contextlib.asynccontextmanager

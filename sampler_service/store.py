@@ -311,6 +311,21 @@ class Store:
         ids = list(group_ids)
         self._tx(lambda db: _delete(db, ids))
 
+    def unframe(self, group_ids: Iterable[str]) -> None:
+        """Make framed groups pending again (their frame was split before it was ever
+        handed out); they are framed anew."""
+        ids = list(group_ids)
+
+        def run(db: sqlite3.Connection) -> None:
+            for chunk in _chunks(ids):
+                db.execute(
+                    "UPDATE groups SET batch_id = NULL, batch_index = NULL "
+                    f"WHERE group_id IN ({_marks(len(chunk))})",
+                    chunk,
+                )
+
+        self._tx(run)
+
     def pending(self) -> list[StoredGroup]:
         rows = self._db.execute(
             "SELECT seq, group_id, payload FROM groups WHERE batch_id IS NULL ORDER BY seq"

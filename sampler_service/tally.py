@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from strategies.estimator import QUARTILES, UNSEEN
 from strategies.selection import SELECTIONS
 from strategies.stopping import StopReason
 
@@ -92,6 +93,8 @@ class WaveOutcome:
     """One wave's answers as they were counted."""
 
     domain: str
+    #: The prompt's pass-rate bin (`Estimator.quartile`).
+    quartile: str
     answers: int
     positives: int
     #: Sampled tokens of the answers (an episode's model tokens).
@@ -323,6 +326,8 @@ class Tally:
         self.trained = 0
         self.downsampled = 0
         self.waste: Counter[str] = Counter()
+        #: The same by (domain, pass-rate bin, cause).
+        self.waste_by: Counter[tuple[str, str, str]] = Counter()
         self.surplus_answers = 0
         self.redrawn: Counter[str] = Counter()
 
@@ -352,9 +357,10 @@ class Tally:
             + outcome.aborted_tokens
             + outcome.dropped_tokens
         )
-        self.waste["surplus"] += outcome.surplus_tokens
-        self.waste["aborted"] += outcome.aborted_tokens
-        self.waste["prompt_dropped"] += outcome.dropped_tokens
+        where = outcome.domain, outcome.quartile
+        self._wasted("surplus", outcome.surplus_tokens, *where)
+        self._wasted("aborted", outcome.aborted_tokens, *where)
+        self._wasted("prompt_dropped", outcome.dropped_tokens, *where)
         self.surplus_answers += outcome.surplus_answers
         self.redrawn.update(dict(outcome.redrawn))
 
@@ -379,12 +385,18 @@ class Tally:
         """A group built from a prompt's counted answers: what down-sampling left out."""
         self.downsampled += downsampled_tokens
 
-    def dropped_groups(self, reason: str, groups: int = 1, tokens: int = 0) -> None:
-        """Groups not delivered, by reason (at finalizing, framing, or once stored), with
-        the sampled tokens they held: stale ones are `stale` waste, the rest
+    def dropped_group(self, reason: str, tokens: int, domain: str, quartile: str) -> None:
+        """A group not delivered, by reason (at finalizing, framing, or once stored), with
+        the sampled tokens it held: a stale one is `stale` waste, the rest
         `prompt_dropped`."""
-        self.dropped[reason] += groups
-        self.waste["stale" if reason == "stale" else "prompt_dropped"] += tokens
+        self.dropped[reason] += 1
+        self._wasted("stale" if reason == "stale" else "prompt_dropped", tokens, domain, quartile)
+
+    def _wasted(self, cause: str, tokens: int, domain: str, quartile: str) -> None:
+        """Every waste is written here: in all, by domain and by pass-rate bin."""
+        if tokens:
+            self.waste[cause] += tokens
+            self.waste_by[domain, quartile, cause] += tokens
 
     def replayed_answer(self) -> None:
         self.replayed += 1
@@ -395,9 +407,9 @@ class Tally:
             self.lags[lag] += 1
             self.recent_lags.append(lag)
 
-    def lost(self, tokens: int) -> None:
-        """Decoded tokens of prompts a stop abandons: a restart samples them again."""
-        self.waste["crash"] += tokens
+    def lost(self, tokens: int, domain: str, quartile: str) -> None:
+        """Decoded tokens of a prompt a stop abandons: a restart samples it again."""
+        self._wasted("crash", tokens, domain, quartile)
 
     def acked(self, groups: int, tokens: int) -> None:
         """Groups a trainer acked, with their fresh tokens: those are what it trained on."""
@@ -451,6 +463,13 @@ class Tally:
             "redrawn": dict(self.redrawn),
         }
 
+    def waste_by_key(self, index: int, keys: Iterable[str]) -> dict[str, dict[str, int]]:
+        """Waste tokens by cause for each domain (`index` 0) or pass-rate bin (1)."""
+        out = {key: dict.fromkeys(WASTE_CAUSES, 0) for key in keys}
+        for where, tokens in self.waste_by.items():
+            out.setdefault(where[index], dict.fromkeys(WASTE_CAUSES, 0))[where[2]] += tokens
+        return out
+
     def to_dict(self, replay: dict[str, Any]) -> dict[str, Any]:
         """The sampling figures of /v1/stats (`replay`: the replay store's own)."""
         elapsed = max(self._clock() - self.started, 1e-9)
@@ -472,6 +491,8 @@ class Tally:
             "verifier_retries": self.verifier_retries,
             "judges": {name: judge.to_dict() for name, judge in self.judges.items()},
             "waste": self.tokens_by_fate(),
+            "waste_by_domain": self.waste_by_key(0, self.domains),
+            "waste_by_quartile": self.waste_by_key(1, (*QUARTILES, UNSEEN)),
         }
 
 
@@ -580,7 +601,15 @@ class TallyCollector(Collector):
         redrawn = self._counter("redrawn_answers", "Answers drawn again for an index", ("cause",))
         for cause, count in sorted(t.redrawn.items()):
             redrawn.add_metric([cause], count)
-        yield from (decoded, fates, surplus, redrawn)
+        wasted = self._counter(
+            "waste_tokens",
+            "Wasted decoded tokens by cause, domain and pass-rate bin of the prompt's estimate "
+            "(q1 below 0.25 ... q4 from 0.75; unseen: no estimate yet)",
+            ("cause", "domain", "quartile"),
+        )
+        for (domain, quartile, cause), tokens in sorted(t.waste_by.items()):
+            wasted.add_metric([cause, domain, quartile], tokens)
+        yield from (decoded, fates, surplus, redrawn, wasted)
 
     def _judges(self) -> Iterator[Metric]:
         judges, p = self.tally.judges, self.prefix

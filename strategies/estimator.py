@@ -41,6 +41,12 @@ NMin = Annotated[int, Field(ge=1, le=MAX_ANSWERS)]
 MeanBudget = Annotated[float, Field(gt=0.0, le=MAX_ANSWERS)]
 
 
+#: Labels of a prompt's pass-rate bin (`Estimator.quartile`), hardest first, and of a
+#: prompt the estimator has not seen.
+QUARTILES = ("q1", "q2", "q3", "q4")
+UNSEEN = "unseen"
+
+
 def check_mean_budget(kind: str, n_min: int, mean_budget: float, n_max: int) -> None:
     """A mean budget is only reachable between the floor and the cap."""
     if not n_min <= mean_budget <= n_max:
@@ -115,6 +121,14 @@ class Estimator:
         decayed counts; the prior for a prompt never seen."""
         n_tot, n_pos = self.counts(prompt_id)
         return self.params.alpha + n_pos, self.params.beta + (n_tot - n_pos)
+
+    def quartile(self, prompt_id: str) -> str:
+        """The prompt's pass-rate bin by its posterior mean: q1 below 0.25 (the hardest)
+        to q4 from 0.75 up; fixed bins, so a prompt's bin moves only with its own
+        estimate. `UNSEEN` before its first finalized group."""
+        if not self.seen(prompt_id):
+            return UNSEEN
+        return QUARTILES[min(int(self.p(prompt_id) * 4), 3)]
 
     @property
     def finalized(self) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 from trainer_client.contract.flags import parse_key_values
 from trainer_client.contract.protocol import DEFAULT_URL, URL_ENV
-from trainer_client.report import token_rows
+from trainer_client.report import stale_by_bin, token_rows
 
 
 # -- arguments ---------------------------------------------------------------------------
@@ -153,7 +153,10 @@ def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
     parts.append(counts)
 
     if waste := stats.get("waste"):
-        parts.append(_labelled("decoded tokens", token_rows(waste)))
+        rows = token_rows(waste)
+        if stale := stale_by_bin(stats):
+            rows.append(("stale by pass-rate bin (q1 hardest)", stale))
+        parts.append(_labelled("decoded tokens", rows))
 
     # Multi-turn episodes: shown once the sampler has run any.
     episodes = stats.get("episodes") or {}

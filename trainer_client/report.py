@@ -69,6 +69,15 @@ def token_rows(waste: dict[str, Any]) -> list[tuple[str, Any]]:
     return rows
 
 
+def stale_by_bin(stats: dict[str, Any]) -> str | None:
+    """Stale-dropped tokens by the prompts' pass-rate bin (`/v1/stats`
+    `waste_by_quartile`): whether the staleness bound falls on the hard prompts."""
+    by_bin = stats.get("waste_by_quartile")
+    if not by_bin:
+        return None
+    return ", ".join(f"{name} {causes.get('stale', 0)}" for name, causes in by_bin.items())
+
+
 def sampling_tables(history: Sequence[dict[str, Any]], stats: dict[str, Any]) -> str:
     """Answers per emitted group by domain, stop reasons and mixing shares, as text."""
     out = []
@@ -113,6 +122,8 @@ def sampling_tables(history: Sequence[dict[str, Any]], stats: dict[str, Any]) ->
     if waste := stats.get("waste"):
         # Every decoded token's fate, so what the run threw away is read in tokens too.
         out.append("decoded tokens: " + "; ".join(f"{k} {v}" for k, v in token_rows(waste)))
+    if stale := stale_by_bin(stats):
+        out.append(f"stale tokens by pass-rate bin (q1 hardest): {stale}")
     domains = stats.get("domains", {})
     if domains:
         out.append("mixing shares (sampler, recent window):")

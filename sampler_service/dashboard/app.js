@@ -167,6 +167,7 @@ function renderStats(stats) {
   renderReplicas(stats.replicas || servers, stats.replicas ? "Replicas" : "Engine servers");
   renderEpisodes(stats.episodes);
   renderTokens(stats.waste);
+  renderWasteBy(stats.waste_by_quartile, stats.waste_by_domain);
   updateCharts(stats);
 }
 
@@ -185,6 +186,18 @@ function renderTokens(w) {
     ["surplus answers", fmt(w.surplus_answers)],
     ["answers drawn again", redrawn || "none"],
   ]);
+}
+
+// Stale drops and every other waste cause by the prompt's pass-rate bin and by domain:
+// a bound that starves hard prompts shows as stale waste piling up in q1.
+function renderWasteBy(byBin, byDomain) {
+  if (!byBin || !byDomain) return;
+  const rows = [...Object.entries(byBin), ...Object.entries(byDomain)];
+  const causes = [...new Set(rows.flatMap(([, v]) => Object.keys(v)))];
+  const head = document.createElement("tr");
+  for (const c of ["", ...causes]) { const th = document.createElement("th"); th.textContent = c; head.append(th); }
+  $("#waste-by thead").replaceChildren(head);
+  fillRows($("#waste-by tbody"), rows.map(([key, v]) => [key, ...causes.map((c) => fmt(v[c]))]));
 }
 
 // Multi-turn episodes: shown once the sampler has run any.

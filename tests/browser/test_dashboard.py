@@ -142,6 +142,9 @@ def test_dashboard(sampler: SamplerProcess, browser: Any, toy: Any) -> None:
     wait_for("the token figures", lambda: "decoded" in page.inner_text("#tokens"))
     tokens = page.inner_text("#tokens")
     assert all(part in tokens for part in ("trained", "waste: surplus", "waste: stale", "pending"))
+    # ... and the waste by pass-rate bin and by domain, one row each, a column per cause.
+    waste_by = page.inner_text("#waste-by")
+    assert all(part in waste_by for part in ("q1", "q4", "unseen", "stale", "crash"))
     # The time charts run from the page's first sample, a minute at least: not over years
     # (uPlot's own range for a lone point).
     for chart in ("rates", "queue"):

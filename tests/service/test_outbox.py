@@ -53,7 +53,7 @@ async def test_running_counts_match_a_recount_through_every_move(tmp_path: Path)
     _check(outbox)
     assert outbox.release_consumer("a") == 4
     _check(outbox)
-    dropped = outbox.drop_stale(served_version=5, max_staleness=2)
+    dropped, again = outbox.drop_stale(served_version=5, max_staleness=2, split=True)
     assert dropped
     _check(outbox)
     again = outbox.take("b", ttl_s=10, max_groups=100)
@@ -84,4 +84,42 @@ async def test_ready_frames_go_out_oldest_version_first_then_redeliveries_then_i
     outbox.release_consumer("a")  # b2 and b0 come back: redeliveries
     order = [d.group.group_id for d in outbox.take("b", ttl_s=10, max_groups=100)]
     assert order == ["b2", "b0", "b3", "b1"]
+    await sync.close()
+
+
+async def test_a_stale_frame_never_handed_out_is_split_and_one_handed_out_is_dropped_whole(
+    tmp_path: Path,
+) -> None:
+    """One straggler must not take its fresh frame-mates down: a READY frame never handed
+    out loses only its members past the bound, and the rest are stored pending again to
+    be framed anew. A frame a consumer held once stays whole (it is dropped whole), and
+    so does every frame when batch selections ran on it (`split` False)."""
+    store = Store(tmp_path / "s.sqlite", checkpoint_every_s=None)
+    sync = AsyncStore(store)
+    outbox = Outbox(sync)
+
+    def offer(batch: str, versions: list[int]) -> None:
+        members = []
+        for i, version in enumerate(versions):
+            gid = f"{batch}.{i}"
+            store.add_pending(gid, b"x")
+            members.append(StoredGroup(0, gid, b"x", policy_version_min=version))
+        store.frame([FrameRows(batch, [(m.group_id, b"x") for m in members])])
+        outbox.offer(StoredFrame(batch, members))
+
+    offer("held", [1, 3])
+    outbox.take("c", ttl_s=10)
+    assert outbox.release_consumer("c") == 2  # handed out once, READY again
+    offer("fresh", [1, 3, 3])
+    dropped, again = outbox.drop_stale(served_version=4, max_staleness=2, split=True)
+    assert sorted(m.group_id for m in dropped) == ["fresh.0", "held.0", "held.1"]
+    assert [m.group_id for m in again] == ["fresh.1", "fresh.2"]
+    assert outbox.ready_groups == 0
+    store.unframe([m.group_id for m in again])
+    assert [g.group_id for g in store.pending()] == ["fresh.1", "fresh.2"]
+    assert not {m.group_id for f in store.frames() for m in f.members} & {"fresh.1", "fresh.2"}
+    offer("selected", [1, 3])
+    dropped, again = outbox.drop_stale(served_version=4, max_staleness=2, split=False)
+    assert len(dropped) == 2 and again == []
+    _check(outbox)
     await sync.close()

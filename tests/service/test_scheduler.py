@@ -30,6 +30,7 @@ from sampler_service.finalize import MemorySink
 from sampler_service.scheduler import Scheduler, VerifyFn
 from sampler_service.verifiers import exact
 from sampler_service.verifiers.base import Verdict
+from trainer_client.contract.protocol import Group
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -555,3 +556,60 @@ async def test_a_failed_verification_drops_its_prompt_and_is_never_a_negative(to
     assert sum(tally.answers[d, "positive"] for d in tally.domains) == 0
     # Every counted answer is in a group: those of dropped prompts were never counted.
     assert tally.samples == sum(g.stats.n_generated for g in sink.groups())
+
+
+class _FramingSink(MemorySink):
+    """Remembers each framed group's lag behind the served weights when it was framed."""
+
+    def __init__(self, backend: HFBackend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.lags: list[int] = []
+
+    async def add_frame(
+        self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
+    ) -> None:
+        served = self.backend.policy_version
+        self.lags += [served - g.policy_version_min for g in groups]
+        await super().add_frame(groups, dropped, state)
+
+
+async def test_a_group_past_the_bound_when_it_finishes_is_dropped_alone_and_served_again(
+    toy, backend, tmp_path: Path
+) -> None:
+    """Prompts that never meet the rule run 16 one-answer waves, across two weight
+    pushes: their groups start at v0 and end with v2 served, past `max_staleness` 1. Each
+    is dropped on its own (framed, it would take its frame-mates down with it) as stale
+    waste, and its prompt is served again; no group is framed past the bound."""
+    one_answer_waves = {**ROUNDS, "mode": "continuous", "wave_size": 1, "group_size": 4}
+    bound = {"max_staleness": 1, "batch_groups": 2, "max_active_prompts": 4}
+    data = [unanswerable(toy, tmp_path)]
+    scheduler, _ = make_scheduler(toy, backend, data, **one_answer_waves, **bound)
+    sink = scheduler.finalizer.sink = _FramingSink(backend)
+    served_again: list[str] = []
+    serve_again = scheduler.dataset.serve_again
+
+    def recorded(domain: str, prompt_id: str) -> None:
+        served_again.append(prompt_id)
+        serve_again(domain, prompt_id)
+
+    scheduler.finalizer._serve_again = recorded
+    tensors = {name: t.clone() for name, t in backend._model.state_dict().items()}
+    scheduler.start()
+    try:
+        async with asyncio.timeout(120):
+            while scheduler.tally.samples < 8:  # every prompt is part-way through
+                await asyncio.sleep(0.01)
+            for version in (1, 2):
+                async with scheduler.paused_for_weights():
+                    await backend.load_weights(tensors, version)
+            while not scheduler.tally.dropped["stale"] or not any(
+                g.policy_version_min == 2 for g in sink.groups()
+            ):
+                await asyncio.sleep(0.01)
+    finally:
+        await scheduler.stop()
+    stale = scheduler.tally.dropped["stale"]
+    assert stale >= 1 and len(served_again) == stale
+    assert scheduler.tally.waste["stale"] > 0
+    assert sink.lags and max(sink.lags) <= 1

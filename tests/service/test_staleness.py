@@ -5,6 +5,7 @@ server on the toy model; weights are pushed as a trainer would."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from support import perturbed_file, stream_groups
 
 from bench.common import fixed_groups
 from trainer_client.client import SamplerClient
+from trainer_client.demo import SEQ_BALANCE
 from trainer_client.verl.settings import SamplerSettings
 from trainer_client.verl.source import GroupSource
 
@@ -333,3 +335,39 @@ def test_every_decoded_token_has_one_fate_live(make_server: Any, toy: Any) -> No
         assert c.patch("/v1/config", json={"max_staleness": 0}).status_code == 200
         later = check(_wait_for("admission to settle again", settled))
         assert later["trained"] > 0 and later["waste"]["stale"] > 0
+
+
+def test_a_straggler_loses_only_its_own_group_and_its_frame_mates_are_delivered(
+    make_server: Any, toy: Any
+) -> None:
+    """The demo's sampler (Seq-Balance 2/2, adaptive waves up to 16 answers) under
+    `max_staleness` 1, against a trainer that leases a frame of 8, trains briefly, pushes
+    its weights and acks, 30 times: hard prompts sample over more than one version and
+    miss the bound. Each such straggler is dropped alone; the fresh groups framed with it
+    are framed again and delivered (whole-frame drops lost them too). Nothing delivered
+    is past the bound, and the stale waste by pass-rate bin adds up to the stale waste."""
+    config = {**SEQ_BALANCE, "max_tokens": 6, "batch_groups": 8, "max_active_prompts": 12,
+              "max_staleness": 1}  # fmt: skip
+    server = make_server(config)
+    weights = perturbed_file(toy.model_dir, 0.0)
+    with server.client() as c:
+        for version in range(1, 31):
+            got = _lease(c, 8, "trainer", groups_per_step=8)
+            assert len(got) == 8, version
+            lags = [version - 1 - g["policy_version_min"] for g in got]
+            assert max(lags) <= 1, (version, lags)
+            time.sleep(0.05)  # the trainer's step
+            _push(c, weights, version)
+            _ack(c, got)
+        stats = c.get("/v1/stats").json()
+    splits = [
+        (int(m[1]), int(m[2]))
+        for m in re.finditer(
+            r"dropped (\d+) READY groups .*?; (\d+) fresh groups of their frames are framed",
+            server.log_path.read_text(),
+        )
+    ]
+    assert any(dropped and fresh for dropped, fresh in splits), splits
+    assert sum(d for d, _ in splits) <= stats["dropped"]["stale"]
+    by_bin = stats["waste_by_quartile"]
+    assert sum(b["stale"] for b in by_bin.values()) == stats["waste"]["waste"]["stale"] > 0

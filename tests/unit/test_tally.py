@@ -28,15 +28,16 @@ def test_stats_and_metrics_read_the_same_counts() -> None:
     )
     tally.admitted("add")
     tally.skipped("mul")
-    tally.wave(WaveOutcome("add", answers=4, positives=1, tokens=40, seconds=0.2))
+    tally.wave(WaveOutcome("add", "q1", answers=4, positives=1, tokens=40, seconds=0.2))
     cost = EpisodeCost((1, 2), model_tokens=9, observation_tokens=5, env_errors=1,
                        env_seconds=0.5, last_env_error="boom")  # fmt: skip
-    tally.wave(WaveOutcome("mul", 2, 2, 9, 0.1, cost))
-    tally.wave(WaveOutcome("mul", 0, 0, 0, None))  # a dropped wave: no latency
+    tally.wave(WaveOutcome("mul", "unseen", 2, 2, 9, 0.1, cost))
+    tally.wave(WaveOutcome("mul", "q4", 0, 0, 0, None))  # a dropped wave: no latency
     tally.prompt_finished(PromptOutcome("add", 4, 1, "rule"))
     tally.prompt_finished(PromptOutcome("mul", 2, 2, "budget", budget=2, cut=True))
     tally.emitted("add")
-    tally.dropped_groups("stale", 3)
+    for _ in range(3):
+        tally.dropped_group("stale", 0, "add", "q1")
     tally.delivered([0, 2])
     tally.acked(1, 40)
     tally.verified("ok", 0.01)
@@ -108,3 +109,38 @@ def test_stats_and_metrics_read_the_same_counts() -> None:
         series["adaptive_rollout_config_version", ()],
     ) == (7, 2)
     assert tally.allocation.to_dict()["cut"] == 1
+
+
+def test_waste_by_domain_and_pass_rate_bin_adds_up_to_the_waste() -> None:
+    """Every waste cause lands in one writer, split by domain and by the prompt's
+    pass-rate bin: each split sums to the totals, in /v1/stats and in /metrics."""
+    tally = Tally(["add", "mul"], lambda: 0.0)
+    metrics = Metrics()
+    metrics.follow(
+        tally, active_prompts=lambda: 0, policy_version=lambda: 0, config_version=lambda: 0
+    )
+    tally.wave(WaveOutcome("add", "q1", 8, 1, 80, 0.5, surplus_answers=2, surplus_tokens=30,
+                           aborted_tokens=7))  # fmt: skip
+    tally.wave(WaveOutcome("mul", "q4", 0, 0, 0, None, dropped_tokens=11))
+    tally.dropped_group("stale", 50, "mul", "q1")
+    tally.dropped_group("stale", 20, "add", "unseen")
+    tally.dropped_group("too_few_samples", 4, "add", "q3")
+    tally.lost(9, "mul", "q2")
+    stats = tally.to_dict({})
+    totals = stats["waste"]["waste"]
+    assert totals == {"surplus": 30, "aborted": 7, "stale": 70, "prompt_dropped": 15, "crash": 9}
+    for split in ("waste_by_domain", "waste_by_quartile"):
+        for cause, total in totals.items():
+            assert sum(by[cause] for by in stats[split].values()) == total, (split, cause)
+    assert set(stats["waste_by_quartile"]) == {"q1", "q2", "q3", "q4", "unseen"}
+    assert stats["waste_by_quartile"]["q1"]["stale"] == 50
+    assert stats["waste_by_domain"]["add"]["stale"] == 20
+    series = _series(metrics)
+    waste = {
+        labels: value
+        for (name, labels), value in series.items()
+        if name == "adaptive_rollout_waste_tokens_total"
+    }
+    assert sum(waste.values()) == sum(totals.values())
+    key = (("cause", "stale"), ("domain", "mul"), ("quartile", "q1"))
+    assert waste[key] == 50
