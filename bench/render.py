@@ -113,6 +113,7 @@ def _step_staleness() -> str:
             {
                 "target": name,
                 "measured": t["measured"],
+                "unpaced": figures["unpaced"][name],
                 "unbounded": figures["unbounded"][name],
                 "goal": t["goal"],
                 "met": "met" if t["met"] else "**missed**",
@@ -128,15 +129,17 @@ def _step_staleness() -> str:
             lines,
             [
                 ("target", "target"),
-                ("measured", "max_staleness 1"),
+                ("measured", "max_staleness 1, paced"),
+                ("unpaced", "not paced"),
                 ("unbounded", "no bound"),
                 ("goal", "goal"),
                 ("met", "met"),
             ],
         )
         + f"\nStale-dropped groups / groups seen by pass-rate quartile (q1 hardest): {counts}; "
-        f"step {runs['bounded']['step_s']:.0f} s vs {runs['unbounded']['step_s']:.0f} s "
-        "without a bound.\n"
+        f"step {runs['bounded']['step_s']:.0f} s paced, {runs['unpaced']['step_s']:.0f} s not, "
+        f"{runs['unbounded']['step_s']:.0f} s without a bound; "
+        f"{runs['bounded']['pacing']['delayed']} prompts delayed.\n"
     )
 
 

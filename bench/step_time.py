@@ -382,7 +382,10 @@ async def simulate(
     finally:
         await scheduler.stop()
         await engine.close()
-    return summarize(trainer.records, warmup, trainer.groups)
+    return {
+        **summarize(trainer.records, warmup, trainer.groups),
+        "pacing": scheduler.pacer.to_dict(),
+    }
 
 
 def summarize(
@@ -780,6 +783,7 @@ def exact_targets(per_seed: list[dict[str, Any] | None]) -> dict[str, Any]:
 STALENESS_ROW = "seqpos1_posterior_skip"
 STALENESS_RUNS: dict[str, dict[str, Any]] = {
     "bounded": {},
+    "unpaced": {"max_delay_versions": 0},
     "unbounded": {"max_staleness": None},
 }
 STALENESS_STEPS = 10
@@ -850,7 +854,8 @@ def measure_staleness(
             "goal": f"{sense} {goal}",
             "met": met,
             "reason": f"{what} of {STALENESS_ROW} off-policy (max_staleness 1, r 0.7), "
-            f"{args.steps} measured steps; without a bound {figures['unbounded'][key]:.3f}; "
+            f"{args.steps} measured steps; not paced {figures['unpaced'][key]:.3f}, without a "
+            f"bound {figures['unbounded'][key]:.3f}; "
             f"stale-dropped groups by pass-rate quartile (q1 hardest): {counts}",
         }
     return {"row": STALENESS_ROW, "runs": runs, "figures": figures, "targets": judged}

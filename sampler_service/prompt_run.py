@@ -28,6 +28,8 @@ class PromptRun:
     #: The allocation policy at admission and the history it reads (the estimator).
     allocation: AllocationPolicy | None = None
     history: Estimator | None = None
+    #: Tokens it was expected to decode when admitted (paced admission; 0 unpaced).
+    expected_tokens: float = 0.0
     #: The counted answers, in index order (1..j).
     completions: list[Completion] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)

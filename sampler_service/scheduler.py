@@ -33,6 +33,7 @@ from sampler_service.episodes import EpisodeRunner
 from sampler_service.finalize import Finalizer, GroupSink
 from sampler_service.live_config import LiveConfig
 from sampler_service.metrics import Metrics
+from sampler_service.pacing import Pacer
 from sampler_service.prompt_run import PromptRun
 from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
 from sampler_service.replay import ReplayStore
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: Prompts admitted per pass of the admission loop before it yields to the event loop.
 _ADMIT_CHUNK = 64
+#: Candidates paced admission looks at for each free slot before it waits for a poke.
+_PACED_TRIES = 4
 #: The state store's key of the scheduler's learned state (`Scheduler.state_dict`).
 STATE_KEY = "scheduler_state"
 
@@ -80,6 +83,7 @@ class Scheduler:
             live = LiveConfig(config, config_version, dataset.domains, dataset.prompt_ids())
         self.live = live
         self.admission = Admission(live, consumer_step)
+        self.pacer = Pacer(live, clock, lambda: self.tally.decoded)
         self.admitter = mixing.DeficitAdmitter(dataset.domains, window=200)
         self.tally = tally or Tally(dataset.domains, clock)
         #: Earlier right answers per prompt, for all-wrong groups (config `replay`).
@@ -132,7 +136,14 @@ class Scheduler:
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> None:
         self._runner = asyncio.create_task(self._run(), name="scheduler")
+        self._runner.add_done_callback(self._runner_ended)
         self.finalizer.start()
+
+    def _runner_ended(self, task: asyncio.Task[None]) -> None:
+        """The admission loop ends only when stopped: a failure is said, never silent."""
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.last_error = f"the admission loop failed, nothing more is admitted: {exc!r}"
+            log.error("the admission loop failed; nothing more is admitted", exc_info=exc)
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Stop generating; groups whose answers are all in are still stored (bounded wait)."""
@@ -250,12 +261,29 @@ class Scheduler:
             buffered=self.buffered(),
         )
 
-    def _admit(self) -> PromptRun:
-        live = self.live
-        domain = self.admitter.choose(live.mixer.proportions())
-        row = self._next_admissible(domain)
-        self.tally.admitted(domain)
-        return PromptRun(row, live.plan, live.allocation, live.estimator)
+    def _admit(self, paced: bool = True) -> PromptRun | None:
+        """The next prompt to sample: a delayed one first (`pacing`), then the next the
+        mixer and admission policies choose; None while every candidate is delayed."""
+        live, pacer = self.live, self.pacer
+        pacer.observe(self.backend.policy_version)
+        backlog = pacer.backlog(self._active.values) if paced and pacer.active else 0.0
+        row = pacer.take_delayed(backlog) if paced else None
+        for _ in range(_PACED_TRIES):
+            if row is not None or pacer.full():
+                break
+            candidate = self._next_admissible(self.admitter.choose(live.mixer.proportions()))
+            if not paced or pacer.fits(candidate, backlog):
+                row = candidate
+            else:
+                pacer.delay(candidate)
+        if row is None:
+            return None
+        self.tally.admitted(row.domain)
+        run = PromptRun(row, live.plan, live.allocation, live.estimator)
+        if paced:
+            run.expected_tokens = pacer.cost(row)
+            pacer.admitted(run.expected_tokens)
+        return run
 
     def _next_admissible(self, domain: str) -> PromptRow:
         """The domain's next prompt that no admission policy skips; skips are counted.
@@ -302,7 +330,10 @@ class Scheduler:
             # A few at a time, yielding in between: heartbeats, PATCHes and /health keep
             # being answered while a large max_active_prompts fills up.
             for _ in range(min(n, _ADMIT_CHUNK)):
-                self._spawn(self._admit())
+                if (run := self._admit()) is None:  # paced: wait for a finish or a version
+                    await self._sleep_until_poked(1.0)
+                    break
+                self._spawn(run)
             await asyncio.sleep(0)
 
     async def _run_cohort(self) -> None:
@@ -312,7 +343,9 @@ class Scheduler:
         cfg = self.config
         runs = self._cohort = []
         for i in range(cfg.cohort_size):
-            runs.append(self._admit())
+            run = self._admit(paced=False)
+            assert run is not None
+            runs.append(run)
             if i % _ADMIT_CHUNK == _ADMIT_CHUNK - 1:
                 await asyncio.sleep(0)
         # Every round adds at least one answer to each live prompt, so n_max rounds end
@@ -336,6 +369,7 @@ class Scheduler:
         if failed := await self.sampler.sample(run):
             self._drop(run, failed)
             return
+        self.pacer.finished(run.recorded_tokens, run.n_generated)
         self.finalizer.put(run)
 
     async def _wave(self, run: PromptRun, n: int) -> str | None:
@@ -376,6 +410,7 @@ class Scheduler:
                 yield
             finally:
                 self._gate.set()
+                self.pacer.observe(self.backend.policy_version)
                 self.poke()
 
     async def _drain(self, timeout_s: float) -> None:

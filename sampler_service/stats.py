@@ -85,6 +85,7 @@ class Stats:
             **self.scheduler.tally.staleness(),
             "max_staleness": self.scheduler.config.max_staleness,
             "step_groups": self.scheduler.admission.step_groups,
+            "pacing": self.scheduler.pacer.to_dict(),
         }
 
     def document(self) -> dict[str, Any]:

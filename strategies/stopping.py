@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from fractions import Fraction
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -63,6 +63,8 @@ class StoppingRule(Policy, ABC):
 
     scope = "prompt"
     params: StoppingParams
+    #: Whether the waves depend on the prompt beyond its answers (a per-prompt budget).
+    per_prompt: ClassVar[bool] = False
 
     def __init__(self, params: StoppingParams) -> None:
         super().__init__(params)
@@ -193,6 +195,8 @@ class Est(StoppingRule):
     N_x is read from the estimator at each call, so a recalibration while the prompt is
     in flight applies to its remaining waves. ``wave: adaptive`` does not apply.
     """
+
+    per_prompt = True
 
     def validate(self) -> None:
         super().validate()

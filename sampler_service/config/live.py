@@ -171,6 +171,16 @@ class SamplerConfig(LiveModel):
         "fall further behind at a weight update are dropped (`stale`) and their prompts "
         "served again; null: no bound",
     )
+    max_delay_versions: int = Field(
+        2,
+        ge=0,
+        le=1_000,
+        description="paced admission under max_staleness: a prompt expected to finish past "
+        "the bound (its rule's expected answers at its estimated pass rate, times the "
+        "current answer length, behind the tokens the running prompts still need, at the "
+        "engines' measured tokens/s and seconds per weight push) is delayed, first in line "
+        "once it fits, and admitted anyway after waiting this many versions; 0: no pacing",
+    )
     lease_ttl_s: float = Field(
         300.0, gt=0.0, le=86_400.0, description="a lease not acked by then is served again"
     )

@@ -125,3 +125,28 @@ def test_targets_take_the_fastest_step_and_the_cheapest_informative_group() -> N
     assert judged["exact/engine_s_per_informative"]["met"] is True
     assert judged["exact/step"]["measured"]["mean"] == pytest.approx(1.1)
     assert judged["exact/tokens_per_informative"]["measured"]["wave_stopping"]["mean"] == 0.55
+
+
+def test_paced_admission_runs_every_delayed_prompt_within_max_delay_versions() -> None:
+    """The off-policy pipeline on the hard mix (hard prompts run up to 4 waves of long
+    answers), B = 64, the trainer applying the service's drop rule: the pacer delays
+    prompts, none waits more than `max_delay_versions` versions, and what was dropped
+    stale is in the per-quartile counts."""
+    by_key = {r.key: r for r in step_time.rows()}
+    args = argparse.Namespace(batch=64, steps=4, warmup=2, prompts=256, seed=0, history_epochs=2)
+    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(0))
+    t4 = step_time.run_one(by_key["grpo4"], "sync", rates, args, step_time.ENGINE)["gen_s"]
+    result = step_time.run_one(
+        by_key[step_time.STALENESS_ROW],
+        "off_policy",
+        rates,
+        args,
+        step_time.ENGINE,
+        train_s_per_sample=0.7 * t4 / (4 * args.batch),
+        overrides={"max_delay_versions": 1},
+    )
+    pacing = result["pacing"]
+    assert pacing["active"] and pacing["delayed"] > 0
+    assert pacing["longest_wait_versions"] <= 1
+    stale = sum(q["stale_groups"] for q in result["quartiles"].values())
+    assert (stale > 0) == (result["stale_dropped_share"] > 0)
