@@ -85,7 +85,11 @@ class DemoSettings(BaseModel):
 
 
 #: The demo's sampler: balanced adaptive sampling (Reinforce-Ada) with the global
-#: baseline, uniform domain mixing, and at most one policy version of lag.
+#: baseline, uniform domain mixing, and at most two policy versions of lag. A prompt
+#: here often samples for longer than one trainer step (~0.23 s): Seq-Balance runs many
+#: to 16 answers. With a bound of 1 those groups were dropped, 4.7-6.5% of the groups
+#: emitted; with 2, 1.2-1.8%, and held-out greedy accuracy rose as much (3 seeds each:
+#: +0.061/+0.071/+0.071 against +0.087/+0.053/+0.066).
 ARITHMETIC_SAMPLER: dict[str, Any] = {
     **SEQ_BALANCE,
     "advantage": "global",
@@ -93,7 +97,7 @@ ARITHMETIC_SAMPLER: dict[str, Any] = {
     "max_tokens": 6,
     "max_active_prompts": 24,
     "max_buffered_groups": 32,
-    "max_staleness": 1,
+    "max_staleness": 2,
     "mixing": {"name": "static"},
 }
 #: What the calculator task changes: a turn stops at the call's `]` (the environment's
