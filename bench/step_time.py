@@ -78,7 +78,7 @@ from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.finalize import VolatileSink
 from sampler_service.grouping import fresh_tokens
-from sampler_service.outbox import too_stale
+from sampler_service.outbox import split_stale, too_stale
 from sampler_service.scheduler import Scheduler
 from trainer_client.contract.protocol import Group
 
@@ -297,7 +297,7 @@ class Trainer(VolatileSink):
         return min(int(float(self.rates[int(group.prompt_id[1:])]) * 4), 3)
 
     async def _drop_stale(self) -> list[Group]:
-        """The service's drop rule (`sampler_service.outbox.Outbox.drop_stale`) over the
+        """The service's drop rule (`Outbox.drop_stale`, through `split_stale`) over the
         frames waiting, checked where the service checks it (after a push, before a
         hand-out): a frame whose oldest sample is past the bound loses its members past
         it, whose prompts are served again, and the rest are framed again (no frame here
@@ -313,9 +313,9 @@ class Trainer(VolatileSink):
             if not too_stale(self.version, min(g.policy_version_min for g in frame), bound):
                 kept.append(frame)
                 continue
-            for group in frame:
-                past = too_stale(self.version, group.policy_version_min, bound)
-                (dropped if past or not split else again).append(group)
+            gone, back = split_stale(frame, self.version, bound, whole=not split)
+            dropped += gone
+            again += back
         if dropped or again:
             self.held = kept
             for group in dropped:

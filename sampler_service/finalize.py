@@ -209,7 +209,9 @@ class Finalizer:
             return None
         kept = fresh_tokens(group)
         self.tally.grouped(kept, counted - kept)
-        if too_stale(self._served_version(), group.policy_version_min, run.plan.cfg.max_staleness):
+        if too_stale(
+            self._served_version(), group.policy_version_min, self.live.config.max_staleness
+        ):
             # Past the bound already: it could never be handed out, and framed it would
             # take a whole frame of fresh groups down with it.
             self.tally.dropped_group("stale", kept, row.domain, run.quartile())

@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from sampler_service.grouping import FrameResult, fresh_tokens, new_id
 from sampler_service.store import AsyncStore, FrameRows, StoredFrame, StoredGroup
@@ -50,6 +50,27 @@ def too_stale(served_version: int, policy_version_min: int, max_staleness: int |
     """The staleness bound: a group (or frame) whose oldest sample is more than
     `max_staleness` versions behind the served weights is never handed out."""
     return max_staleness is not None and served_version - policy_version_min > max_staleness
+
+
+class _Versioned(Protocol):
+    @property
+    def policy_version_min(self) -> int: ...
+
+
+M = TypeVar("M", bound=_Versioned)
+
+
+def split_stale(
+    members: Sequence[M], served_version: int, max_staleness: int | None, whole: bool
+) -> tuple[list[M], list[M]]:
+    """A stale frame's members: those to drop (past the bound, or all when the frame must
+    stay `whole`) and those to frame again."""
+    dropped: list[M] = []
+    again: list[M] = []
+    for member in members:
+        past = too_stale(served_version, member.policy_version_min, max_staleness)
+        (dropped if whole or past else again).append(member)
+    return dropped, again
 
 
 @dataclass
@@ -199,8 +220,10 @@ class Outbox:
             for member in frame.members:
                 for delivery_id in self._delivery_ids.pop(member.group_id, []):
                     self._by_delivery.pop(delivery_id, None)
-                past = too_stale(served_version, member.policy_version_min, max_staleness)
-                (dropped if past or frame.handed_out or not split else again).append(member)
+            whole = frame.handed_out or not split
+            gone, kept = split_stale(frame.members, served_version, max_staleness, whole)
+            dropped += gone
+            again += kept
         if stale:
             self._notify()
         return dropped, again
