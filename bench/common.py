@@ -210,6 +210,17 @@ def run_line(data: dict[str, Any], detail: str) -> str:
     )
 
 
+def paired_run_line(data: dict[str, Any], pair_of: str, detail: str) -> str:
+    """The run line of a benchmark of paired windows (each pair one of each kind, in
+    alternating order): how many pairs of what, each window's warm-up and measured time."""
+    s = data["settings"]
+    return run_line(
+        data,
+        f"{s['pairs']} pairs per {pair_of}, windows of {fmt(s['warmup_s'])} s warm-up + "
+        f"{fmt(s['measure_s'])} s measured, {detail}",
+    )
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     import numpy as np
 

@@ -363,12 +363,8 @@ def targets_table(data: dict[str, Any]) -> str:
 
 def run_line(data: dict[str, Any]) -> str:
     s = data["settings"]
-    return common.run_line(
-        data,
-        f"{s['pairs']} pairs per answer kind, windows of {fmt(s['warmup_s'])} s warm-up + "
-        f"{fmt(s['measure_s'])} s measured, n = {s['n']}, long answers of {s['max_tokens']} "
-        "tokens",
-    )
+    detail = f"n = {s['n']}, long answers of {s['max_tokens']} tokens"
+    return common.paired_run_line(data, "answer kind", detail)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.common import child_env, environment, fmt, table, write_json
+from bench.common import child_env, environment, table, write_json
 from bench.overhead import VLLM_PYTHON
 from sampler_service.backends.base import Completion
 from sampler_service.config import JudgeKnobs, SamplerConfig, ServeSettings
@@ -168,12 +168,8 @@ def results_table(data: dict[str, Any]) -> str:
 
 def run_line(data: dict[str, Any]) -> str:
     s = data["settings"]
-    return common.run_line(
-        data,
-        f"{s['pairs']} pairs per judge, windows of {fmt(s['warmup_s'])} s warm-up + "
-        f"{fmt(s['measure_s'])} s measured, {s['prompts']} waves of {s['wave']} answers in "
-        "flight",
-    )
+    detail = f"{s['prompts']} waves of {s['wave']} answers in flight"
+    return common.paired_run_line(data, "judge", detail)
 
 
 def _scripted_judge() -> tuple[subprocess.Popen[str], str]:

@@ -17,13 +17,9 @@ from bench.sim_backend import REWARD_TEXT, EngineSpec, SimBackend, verify_reward
 from sampler_service.backends.base import SamplingParams
 
 # Every answer exactly `length_median` tokens long, no prefill: times are easy to predict.
-FLAT = EngineSpec(
-    max_num_seqs=2,
-    step_base_s=0.01,
+FLAT = dataclasses.replace(
+    EngineSpec.fixed_step(max_num_seqs=2, step_s=0.01, length_median=100, length_sigma=0.0),
     step_per_seq_s=0.001,
-    prefill_per_token_s=0.0,
-    length_median=100,
-    length_sigma=0.0,
 )
 
 

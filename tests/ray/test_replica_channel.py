@@ -13,7 +13,9 @@ import asyncio
 import functools
 import os
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -27,6 +29,7 @@ from sampler_service.backends.ray.member import RayMember
 from sampler_service.backends.ray.replica import NotStarted, Replica
 from sampler_service.backends.ray.transport import build_ray_fleet
 from sampler_service.config import ReplicaSettings
+from sampler_service.fleet.pool import Fleet
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -34,6 +37,22 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 RAY_HEAD_ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'ray'}"}
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=4)
+
+
+def _on_a_fleet(
+    factory: Callable[[], Any], settings: ReplicaSettings, check: Callable[[Fleet], Awaitable[None]]
+) -> None:
+    """Run `check` against a started fleet of Ray replicas, closed after it."""
+
+    async def run() -> None:
+        pool = build_ray_fleet(factory, settings, instance_id=uuid.uuid4().hex[:8])
+        await pool.start()
+        try:
+            await check(pool)
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
 
 
 async def _settle() -> None:
@@ -48,49 +67,41 @@ def test_waves_of_one_loop_turn_share_a_call_and_each_returns_when_done(
     factory = functools.partial(GatedEngine, toy.model_dir, gate)
     settings = ReplicaSettings(count=1, probe_s=60.0)
 
-    async def run() -> None:
-        pool = build_ray_fleet(factory, settings, instance_id=uuid.uuid4().hex[:8])
-        await pool.start()
+    async def check(pool: Fleet) -> None:
         replica = pool.table.seats[0].member
         assert isinstance(replica, RayMember)
-        try:
-            before = await replica.replica_health()
+        before = await replica.replica_health()
 
-            # Eight waves asked for in one loop turn: one submit call carries them all.
-            waves = [
-                asyncio.ensure_future(pool.generate([GATED_TOKEN, 1, 2], 2, SAMPLING)),
-                *(
-                    asyncio.ensure_future(pool.generate([8 + i, 1, 2], 2, SAMPLING))
-                    for i in range(7)
-                ),
-            ]
-            held, free = waves[0], waves[1:]
-            # The seven free waves come back while the held one (same call) cannot finish.
-            for out in await asyncio.wait_for(asyncio.gather(*free), 300):
-                assert len(out) == 2 and all(len(c.token_ids) for c in out)
-            await _settle()
-            assert not held.done()
-            after = await replica.replica_health()
-            assert after["submit_calls"] - before["submit_calls"] == 1
-            assert after["submitted_waves"] - before["submitted_waves"] == 8
+        # Eight waves asked for in one loop turn: one submit call carries them all.
+        waves = [
+            asyncio.ensure_future(pool.generate([GATED_TOKEN, 1, 2], 2, SAMPLING)),
+            *(asyncio.ensure_future(pool.generate([8 + i, 1, 2], 2, SAMPLING)) for i in range(7)),
+        ]
+        held, free = waves[0], waves[1:]
+        # The seven free waves come back while the held one (same call) cannot finish.
+        for out in await asyncio.wait_for(asyncio.gather(*free), 300):
+            assert len(out) == 2 and all(len(c.token_ids) for c in out)
+        await _settle()
+        assert not held.done()
+        after = await replica.replica_health()
+        assert after["submit_calls"] - before["submit_calls"] == 1
+        assert after["submitted_waves"] - before["submitted_waves"] == 8
 
-            gate.touch()
-            assert len(await held) == 2
+        gate.touch()
+        assert len(await held) == 2
 
-            # An abort reaches the held wave's own caller as GenerationAborted; the free
-            # wave sent with it in the same call is answered normally.
-            gate.unlink()
-            held = asyncio.ensure_future(pool.generate([GATED_TOKEN, 3], 1, SAMPLING))
-            free_one = asyncio.ensure_future(pool.generate([12, 3], 1, SAMPLING))
-            assert len(await asyncio.wait_for(free_one, 300)) == 1
-            await _settle()
-            await pool.abort_all()
-            with pytest.raises(GenerationAborted, match="held at the gate"):
-                await held
-        finally:
-            await pool.close()
+        # An abort reaches the held wave's own caller as GenerationAborted; the free
+        # wave sent with it in the same call is answered normally.
+        gate.unlink()
+        held = asyncio.ensure_future(pool.generate([GATED_TOKEN, 3], 1, SAMPLING))
+        free_one = asyncio.ensure_future(pool.generate([12, 3], 1, SAMPLING))
+        assert len(await asyncio.wait_for(free_one, 300)) == 1
+        await _settle()
+        await pool.abort_all()
+        with pytest.raises(GenerationAborted, match="held at the gate"):
+            await held
 
-    asyncio.run(run())
+    _on_a_fleet(factory, settings, check)
 
 
 def test_a_cancel_reaches_the_replicas_rows_and_answers_come_back_by_index(
@@ -102,28 +113,23 @@ def test_a_cancel_reaches_the_replicas_rows_and_answers_come_back_by_index(
     factory = functools.partial(HFBackend, endless(toy.model_dir, tmp_path / "m"), max_batch_rows=2)
     settings = ReplicaSettings(count=1, probe_s=60.0)
 
-    async def run() -> None:
-        pool = build_ray_fleet(factory, settings, instance_id=uuid.uuid4().hex[:8])
-        await pool.start()
-        try:
-            assert pool.cancels_answers
-            wave = pool.wave([3, 4, 5], 3, SamplingParams(temperature=0, max_tokens=4000))
-            assert wave.cancels_answers
-            reading = aiter(wave)
-            await asyncio.sleep(3.0)  # rows 0 and 1 run on the replica, row 2 waits
-            await wave.cancel([1, 2])
-            assert pool.members()[0]["inflight_samples"] == 1  # freed at the cancel
-            index, queued = await asyncio.wait_for(anext(reading), 300)
-            assert (index, queued.finish_reason, len(queued.token_ids)) == (2, "abort", 0)
-            rest = {i: answer async for i, answer in reading}
-            cut, twin = as_list(rest[1].token_ids), as_list(rest[0].token_ids)
-            assert rest[1].finish_reason == "abort" and rest[0].finish_reason == "length"
-            assert 0 < len(cut) < len(twin) == 4000 and cut == twin[: len(cut)]
-            assert pool.members()[0]["inflight_samples"] == 0
-        finally:
-            await pool.close()
+    async def check(pool: Fleet) -> None:
+        assert pool.cancels_answers
+        wave = pool.wave([3, 4, 5], 3, SamplingParams(temperature=0, max_tokens=4000))
+        assert wave.cancels_answers
+        reading = aiter(wave)
+        await asyncio.sleep(3.0)  # rows 0 and 1 run on the replica, row 2 waits
+        await wave.cancel([1, 2])
+        assert pool.members()[0]["inflight_samples"] == 1  # freed at the cancel
+        index, queued = await asyncio.wait_for(anext(reading), 300)
+        assert (index, queued.finish_reason, len(queued.token_ids)) == (2, "abort", 0)
+        rest = {i: answer async for i, answer in reading}
+        cut, twin = as_list(rest[1].token_ids), as_list(rest[0].token_ids)
+        assert rest[1].finish_reason == "abort" and rest[0].finish_reason == "length"
+        assert 0 < len(cut) < len(twin) == 4000 and cut == twin[: len(cut)]
+        assert pool.members()[0]["inflight_samples"] == 0
 
-    asyncio.run(run())
+    _on_a_fleet(factory, settings, check)
 
 
 def test_finished_waves_are_kept_for_the_session_that_started_the_replica(

@@ -15,6 +15,7 @@ is measured and printed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import tempfile
 from collections import Counter
@@ -51,13 +52,8 @@ CONFIG = {
     "max_staleness": None,
 }
 #: Right answers ~100 tokens, wrong ones ~4x longer: they finish in a very different order.
-SPEC = EngineSpec(
-    max_num_seqs=256,
-    step_base_s=0.01,
-    step_per_seq_s=0.0,
-    prefill_per_token_s=0.0,
-    length_median=100.0,
-    length_sigma=0.3,
+SPEC = dataclasses.replace(
+    EngineSpec.fixed_step(max_num_seqs=256, step_s=0.01, length_median=100.0, length_sigma=0.3),
     wrong_length_factor=4.0,
 )
 SE = 4.0

@@ -50,7 +50,9 @@ class FakeMember:
 
     address = None
 
-    def __init__(self, index: int, *, restartable: bool = True, workers: int = 1) -> None:
+    def __init__(
+        self, index: int, *, restartable: bool = True, workers: int = 1, streams: bool = False
+    ) -> None:
         self.name = f"member {index}"
         self.restartable = restartable
         self.workers = workers
@@ -77,7 +79,7 @@ class FakeMember:
         self.back.set()
         #: Its waves stream and cancel single answers; held ones (`open` cleared) are
         #: answered one by one by the test (`answer`).
-        self.streams = False
+        self.streams = streams
         self.waves: list[StreamedWave] = []
 
     @property

@@ -530,8 +530,7 @@ async def _next(reading: AsyncIterator[tuple[int, Completion]]) -> tuple[int, st
 async def test_a_fleet_wave_passes_answers_on_as_they_finish_and_forwards_cancels(
     fleet: Any,
 ) -> None:
-    members = [FakeMember(0)]
-    members[0].streams = True
+    members = [FakeMember(0, streams=True)]
     pool = await fleet(members)
     assert pool.cancels_answers
     members[0].open.clear()  # the test finishes each answer
@@ -559,9 +558,7 @@ async def test_a_fleet_wave_passes_answers_on_as_they_finish_and_forwards_cancel
 async def test_a_member_that_fails_mid_wave_has_only_what_it_did_not_answer_reissued(
     fleet: Any,
 ) -> None:
-    members = [FakeMember(0), FakeMember(1)]
-    for m in members:
-        m.streams = True
+    members = [FakeMember(0, streams=True), FakeMember(1, streams=True)]
     pool = await fleet(members)
     members[0].open.clear()
     members[0].back.clear()  # its restart waits for the test
@@ -585,8 +582,7 @@ async def test_a_member_that_fails_mid_wave_has_only_what_it_did_not_answer_reis
 async def test_a_weight_updates_abort_passes_aborted_answers_on_and_fails_a_whole_read(
     fleet: Any,
 ) -> None:
-    members = [FakeMember(0)]
-    members[0].streams = True
+    members = [FakeMember(0, streams=True)]
     pool = await fleet(members)
     members[0].open.clear()
     wave = pool.wave([1, 2], 2, SAMPLING, affinity_key="p")
