@@ -195,11 +195,19 @@ class Dataset:
                 raise DatasetError(f"{row.where}: prompt {row.id!r} tokenizes to no tokens")
         return row
 
+    def _find(self, domain: str, prompt_id: str) -> PromptRow | None:
+        if self._by_id is None:  # built on first use: most runs never look a prompt up
+            self._by_id = {(r.domain, r.id): r for rows in self.rows.values() for r in rows}
+        return self._by_id.get((domain, prompt_id))
+
+    def find(self, domain: str, prompt_id: str) -> PromptRow | None:
+        """The prompt, tokenized; None if the dataset has no such prompt (any more)."""
+        row = self._find(domain, prompt_id)
+        return None if row is None else self._prepared(row)
+
     def serve_again(self, domain: str, prompt_id: str) -> None:
         """Have `next(domain)` return this prompt before any other."""
-        if self._by_id is None:  # built on first use: most runs never serve a prompt again
-            self._by_id = {(r.domain, r.id): r for rows in self.rows.values() for r in rows}
-        if (row := self._by_id.get((domain, prompt_id))) is not None:
+        if (row := self._find(domain, prompt_id)) is not None:
             self._again[domain].append(row)
 
     def _order(self, domain: str, epoch: int) -> np.ndarray:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from sampler_service import grouping
 from sampler_service.grouping import fresh_tokens
+from sampler_service.journal import Journal
 from sampler_service.live_config import LiveConfig
 from sampler_service.outbox import too_stale
 from sampler_service.prompt_run import PromptRun
@@ -86,9 +87,11 @@ class Finalizer:
         clock: Callable[[], float],
         on_error: Callable[[str], None],
         serve_again: Callable[[str, str], None] = lambda domain, prompt_id: None,
+        journal: Journal | None = None,
     ) -> None:
         """`serve_again(domain, prompt_id)` puts the prompt of a group dropped as stale
-        back in line."""
+        back in line; the `journal` is told which prompts end, and how."""
+        self.journal = journal or Journal()
         self.live, self.sink, self.tally, self.replay = live, sink, tally, replay
         self._serve_again = serve_again
         self._served_version = served_version
@@ -199,6 +202,7 @@ class Finalizer:
             stop_reason=stop_reason,
             n_env_errors=run.env_errors,
             replay=replay,
+            group_id=run.attempt_id,
         )
         reward_mean = sum(v.reward for v in run.verdicts) / len(run.verdicts)
         self.live.mixer.observe(row.domain, reward_mean, result.mean_abs_advantage)
@@ -206,6 +210,7 @@ class Finalizer:
         counted = run.sampled_tokens()
         if group is None:
             self.tally.dropped_group(str(result.drop_reason), counted, row.domain, run.quartile())
+            self.journal.ended(run)
             return None
         kept = fresh_tokens(group)
         self.tally.grouped(kept, counted - kept)
@@ -216,7 +221,9 @@ class Finalizer:
             # take a whole frame of fresh groups down with it.
             self.tally.dropped_group("stale", kept, row.domain, run.quartile())
             self._serve_again(row.domain, row.id)
+            self.journal.ended(run)
             return None
+        self.journal.finished(run)
         if replay is not None and any(s.replayed for s in group.samples):
             self.tally.replayed_answer()
         return group

@@ -133,6 +133,7 @@ def build_group(
     n_env_errors: int = 0,
     replay: Replayed | None = None,
     make_id: Callable[[], str] = new_id,
+    group_id: str | None = None,
 ) -> GroupResult:
     """Turn a prompt's answers (generation order) into its training group.
 
@@ -140,7 +141,8 @@ def build_group(
     caller has it already from the stopping rule's bookkeeping. ``replay``, given when
     every answer is wrong, takes the place of the last kept answer after down-sampling
     (`sampler_service.replay`): it counts in the advantages' baseline as one more answer,
-    and not in the group's generated counts or policy versions.
+    and not in the group's generated counts or policy versions. ``group_id`` is the
+    prompt's attempt id where it has one (the answer journal's key).
     """
     if len(completions) != len(verdicts) or not completions:
         raise ValueError(f"{len(completions)} completions for {len(verdicts)} verdicts")
@@ -211,7 +213,7 @@ def build_group(
     # A replayed answer is old by design: the group's versions are its fresh answers'.
     versions = [s.policy_version for s in samples if not s.replayed]
     group = Group.model_construct(
-        group_id=make_id(),
+        group_id=group_id or make_id(),
         prompt_id=row.id,
         domain=row.domain,
         prompt_token_ids=prompt_ids,

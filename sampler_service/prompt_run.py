@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from sampler_service.backends.base import Completion
 from sampler_service.dataset import PromptRow
-from sampler_service.grouping import sampled_tokens
+from sampler_service.grouping import new_id, sampled_tokens
 from sampler_service.live_config import PromptPlan
 from sampler_service.verifiers.base import Verdict
 from strategies.allocation import AllocationPolicy
@@ -30,6 +30,8 @@ class PromptRun:
     history: Estimator | None = None
     #: Tokens it was expected to decode when admitted (paced admission; 0 unpaced).
     expected_tokens: float = 0.0
+    #: This admission of the prompt: the answer journal's key, and its group's id.
+    attempt_id: str = field(default_factory=new_id)
     #: The counted answers, in index order (1..j).
     completions: list[Completion] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
@@ -38,6 +40,9 @@ class PromptRun:
     n_neg: int = 0
     #: Answers issued so far: the next one's index.
     issued: int = 0
+    #: Indices below `issued` to draw again first: a restart resumed the prompt without
+    #: them (they were decoding, or not yet stored, when it stopped).
+    redo: list[int] = field(default_factory=list)
     #: Verified answers above the counted ones, by index, waiting for those below.
     waiting: dict[int, tuple[Completion, Verdict]] = field(default_factory=dict)
     #: The rule held on the counted answers: the prompt takes no more.

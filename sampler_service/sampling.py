@@ -38,6 +38,7 @@ from sampler_service.backends.base import (
 from sampler_service.dataset import PromptRow
 from sampler_service.episodes import EpisodeRunner, EpisodesExhausted, EpisodeWave
 from sampler_service.grouping import sampled_tokens
+from sampler_service.journal import Journal
 from sampler_service.prompt_run import PromptRun
 from sampler_service.tally import EpisodeCost, Tally, WaveOutcome
 from sampler_service.verifiers.base import Verdict
@@ -115,6 +116,7 @@ class PromptSampler:
         clock: Callable[[], float],
         engine_result: Callable[[str | None], None],
         episodes: EpisodeRunner | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.backend = backend
         self._verify = verify
@@ -124,23 +126,31 @@ class PromptSampler:
         #: Told of every engine call: None for a success, the error for a failure.
         self._engine_result = engine_result
         self.episodes = episodes
+        #: Told of every answer issued and verified, so a restart can resume the prompt.
+        self.journal = journal or Journal()
 
     async def sample(self, run: PromptRun) -> str | None:
-        """Waves until the prompt stops; why it must be dropped, or None."""
-        while (n := run.wave_size()) > 0:
-            try:
+        """Waves until the prompt stops (a resumed prompt first draws again the answers
+        it was missing); why it must be dropped, or None."""
+        try:
+            if run.redo:
+                redo, run.redo = run.redo, []
+                await self.wave(run, len(redo), redo)
+            while (n := run.wave_size()) > 0:
                 await self.wave(run, n)
-            except PromptDropped as exc:
-                return exc.reason
+        except PromptDropped as exc:
+            return exc.reason
         return None
 
-    async def wave(self, run: PromptRun, n: int) -> None:
-        """Issue the prompt's next n answers and count them (PromptDropped if it cannot
-        be finished)."""
+    async def wave(self, run: PromptRun, n: int, indices: list[int] | None = None) -> None:
+        """Issue the prompt's next n answers (or the answers `indices`, issued before)
+        and count them (PromptDropped if it cannot be finished)."""
         started = self._clock()
         account = _Account(run.n_generated, run.n_pos)
-        indices = list(range(run.issued, run.issued + n))
-        run.issued += n
+        if indices is None:
+            indices = list(range(run.issued, run.issued + n))
+            run.issued += n
+            self.journal.issued(run)
         failures = 0
         try:
             while indices and not run.stopped:
@@ -319,8 +329,10 @@ class PromptSampler:
         if run.stopped:  # stopped while this batch was verified: all of it is surplus
             self._surplus(account, [c for _, c in answers])
             return
-        for (index, completion), verdict in zip(answers, verdicts, strict=True):
+        verified = [(i, c, v) for (i, c), v in zip(answers, verdicts, strict=True)]
+        for index, completion, verdict in verified:
             run.arrived(index, completion, verdict)
+        self.journal.answered(run, verified)
         if run.count_arrived():
             self._surplus(account, [c for c, _ in run.waiting.values()])
             run.waiting.clear()

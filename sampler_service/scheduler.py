@@ -31,6 +31,7 @@ from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.episodes import EpisodeRunner
 from sampler_service.finalize import Finalizer, GroupSink
+from sampler_service.journal import DATASET_KEY, Journal, cursor_state
 from sampler_service.live_config import LiveConfig
 from sampler_service.metrics import Metrics
 from sampler_service.pacing import Pacer
@@ -69,10 +70,13 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         seed: int = 0,
         episodes: EpisodeRunner | None = None,
+        journal: Journal | None = None,
     ) -> None:
         """`live` (or `config` and `config_version` to build one from), the consumers'
         step (`consumer_step`) and the `tally` are shared with the service's other
-        components; a benchmark gives a config and gets its own."""
+        components; a benchmark gives a config and gets its own. The `journal` stores
+        the answers of prompts being sampled (a sampler without one resumes nothing)."""
+        self.journal = journal or Journal()
         self.backend = backend
         self.dataset = dataset
         self._verify = verify
@@ -97,6 +101,7 @@ class Scheduler:
             saved_state=self.saved_state,
             clock=clock,
             on_error=self._error,
+            journal=self.journal,
         )
         self.finalizer.on_stored = self.poke
         self.sampler = PromptSampler(
@@ -107,6 +112,7 @@ class Scheduler:
             clock=clock,
             engine_result=self._engine_result,
             episodes=episodes,
+            journal=self.journal,
         )
         self._rng = np.random.default_rng(seed)
         #: Prompts being sampled, by their task; in rounds, the cohort of the round.
@@ -120,6 +126,8 @@ class Scheduler:
         self._drained.set()
         self._wakeup = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
+        #: Prompts a restart continues (`resume`), sampled before any new admission.
+        self._resumed: list[PromptRun] = []
         self.last_error: str | None = None
         #: Recent engine calls: the time of each failure, None for each success.
         self.engine_errors: deque[float | None] = deque(maxlen=100)
@@ -134,7 +142,14 @@ class Scheduler:
         self.engine_errors.append(None if error is None else self.clock())
 
     # -- life cycle -------------------------------------------------------------------
+    def resume(self, runs: list[PromptRun]) -> None:
+        """Prompts stored half-sampled before a restart: `start` spawns them first."""
+        self._resumed.extend(runs)
+
     def start(self) -> None:
+        for run in self._resumed:
+            self._spawn(run)
+        self._resumed = []
         self._runner = asyncio.create_task(self._run(), name="scheduler")
         self._runner.add_done_callback(self._runner_ended)
         self.finalizer.start()
@@ -147,10 +162,11 @@ class Scheduler:
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Stop generating; groups whose answers are all in are still stored (bounded wait)."""
-        # What the prompts still sampling had decoded is lost with them: a restart starts
-        # them again.
-        for run in [*self._active.values(), *(run for run in self._cohort if not run.done)]:
-            self.tally.lost(run.recorded_tokens, run.row.domain, run.quartile())
+        # Without a journal, what the prompts still sampling had decoded is lost with
+        # them: a restart starts them again. With one, they resume from their answers.
+        if not self.journal.keeps_answers:
+            for run in [*self._active.values(), *(r for r in self._cohort if not r.done)]:
+                self.tally.lost(run.recorded_tokens, run.row.domain, run.quartile())
         tasks = [t for t in (self._runner, *self._active) if t is not None]
         for task in tasks:
             task.cancel()
@@ -215,18 +231,22 @@ class Scheduler:
             "mixer": self.live.mixer.state_dict(),
             "admitter": self.admitter.state_dict(),
             "estimator": self.live.estimator.state_dict(),
-            "dataset": self.dataset.state_dict(),
         }
 
     def saved_state(self) -> dict[str, Any]:
-        """What a save writes, by state key: the learned state (`state_dict`) and the
-        replay store's prompts changed since the last save."""
-        return {STATE_KEY: self.state_dict(), **self.replay.changes()}
+        """What a save writes, by state key: the learned state (`state_dict`), the
+        dataset's cursor (also written by every journal write, so it moves with the
+        attempts it admitted) and the replay store's prompts changed since the last save."""
+        return {STATE_KEY: self.state_dict(), **cursor_state(self.dataset), **self.replay.changes()}
 
     def restore_state(self, saved: dict[str, Any]) -> None:
-        """Load what `saved_state` wrote (every key of it, however many saves ago)."""
+        """Load what `saved_state` wrote (every key of it, however many saves ago); a
+        state dir from before the cursor had a key of its own holds it in the learned
+        state."""
         if saved.get(STATE_KEY):
             self.load_state_dict(saved[STATE_KEY])
+        if saved.get(DATASET_KEY):
+            self.dataset.load_state_dict(saved[DATASET_KEY])
         self.replay.restore({k: v for k, v in saved.items() if k.startswith(REPLAY_KEY_PREFIX)})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -280,6 +300,7 @@ class Scheduler:
             return None
         self.tally.admitted(row.domain)
         run = PromptRun(row, live.plan, live.allocation, live.estimator)
+        self.journal.issued(run)  # with the cursor that admitted it
         if paced:
             run.expected_tokens = pacer.cost(row)
             pacer.admitted(run.expected_tokens)
@@ -395,6 +416,7 @@ class Scheduler:
 
     def _drop(self, run: PromptRun, reason: str) -> None:
         run.done = True
+        self.journal.ended(run)
         self.tally.dropped_group(reason, run.sampled_tokens(), run.row.domain, run.quartile())
 
     # -- weight updates ---------------------------------------------------------------

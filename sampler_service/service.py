@@ -26,16 +26,18 @@ from sampler_service.control import Control, EventLog
 from sampler_service.dataset import PromptRow
 from sampler_service.delivery import Delivery
 from sampler_service.health import ServiceHealth
+from sampler_service.journal import DATASET_KEY, AnswerJournal
 from sampler_service.live_config import LiveConfig
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Outbox, StoreSink, described
 from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
+from sampler_service.resume import resume
 from sampler_service.sampling import VerifyFn
 from sampler_service.scheduler import STATE_KEY, Scheduler
 from sampler_service.startup import Prepared, check_verifiers, prepare
 from sampler_service.state_dir import StateDir
 from sampler_service.stats import Stats
-from sampler_service.store import ACKED_KEY, AsyncStore
+from sampler_service.store import ACKED_KEY, AsyncStore, JournalRows
 from sampler_service.tally import Tally
 from sampler_service.verifiers.base import Verdict
 from sampler_service.verifiers.judge import Judges
@@ -122,6 +124,7 @@ class SamplerService:
     control: Control
     weights: WeightsManager
     stats: Stats
+    journal: AnswerJournal
     #: One line on what this process delivered, set when it stops (the CLI prints it).
     shutdown_summary: str | None = None
     _tasks: TaskSet = field(default_factory=TaskSet)
@@ -172,6 +175,8 @@ class SamplerService:
         await backend.start()
         undo.push_async_callback(backend.close)
         consumers = ConsumerSteps()
+        journal = AnswerJournal(store, dataset)
+        undo.push_async_callback(journal.close)
         scheduler = Scheduler(
             backend=backend,
             dataset=dataset,
@@ -183,6 +188,7 @@ class SamplerService:
             metrics=metrics,
             seed=s.seed,
             episodes=_episode_runner(p),
+            journal=journal,
         )
         consumers.on_change = scheduler.poke
         metrics.follow(
@@ -239,7 +245,7 @@ class SamplerService:
             p.filtered_overlong,
         )
         scheduler.restore_state(
-            await store.call(store.sync.get_many, [STATE_KEY], REPLAY_KEY_PREFIX)
+            await store.call(store.sync.get_many, [STATE_KEY, DATASET_KEY], REPLAY_KEY_PREFIX)
         )
         restored = await outbox.restore(described)
         pending = await store.call(store.sync.pending)
@@ -251,6 +257,13 @@ class SamplerService:
         await delivery.drop_stale_frames()
         # Steps whose condition was met just before a crash apply now.
         await control.advance_schedule()
+        # Prompts half-sampled when it stopped continue from their stored answers.
+        resumption = resume(
+            await store.call(store.sync.attempts), dataset, live, backend.policy_version, tally
+        )
+        if resumption.gone:
+            await store.call(store.sync.journal, JournalRows(ended=resumption.gone))
+        scheduler.resume(resumption.runs)
         service = cls(
             s,
             p.state_dir,
@@ -266,18 +279,23 @@ class SamplerService:
             control,
             weights,
             stats,
+            journal,
             _acked_at_start=control.trained_groups,
         )
+        journal.start()
         scheduler.start()
         service._tasks.spawn(service._housekeeping(), "housekeeping")
         health.ready = True
         log.info(
-            "sampler ready: backend=%s model=%s domains=%s restored %d groups (%d unframed)",
+            "sampler ready: backend=%s model=%s domains=%s restored %d groups (%d unframed); "
+            "resumed %d half-sampled prompts (%d stored answers)",
             backend.name,
             backend.model_name,
             dataset.domains,
             restored,
             len(pending),
+            len(resumption.runs),
+            tally.restart["reused_answers"],
         )
         return service
 
@@ -294,6 +312,7 @@ class SamplerService:
         self.health.ready = False
         await self._tasks.cancel()
         await self.scheduler.stop()
+        await self.journal.close()  # what the prompts still sampling had verified
         await self.store.call(self.store.sync.put, self.scheduler.saved_state())
         self.verifiers.close()
         await self.judges.close()

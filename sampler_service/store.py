@@ -1,4 +1,5 @@
-"""Durable state in one SQLite file (WAL): finished groups and the sampler's own state.
+"""Durable state in one SQLite file (WAL): finished groups, the answer journal of the
+prompts still being sampled (`sampler_service.journal`) and the sampler's own state.
 
 A group is written here before it is offered to any consumer and deleted only when it
 is acked, so a crash, a dropped connection or a restart never loses a finished group.
@@ -30,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -63,6 +64,21 @@ CREATE TABLE IF NOT EXISTS events (
     data   TEXT NOT NULL    -- JSON object
 );
 CREATE INDEX IF NOT EXISTS events_kind ON events(kind, seq);
+CREATE TABLE IF NOT EXISTS attempts (
+    attempt_id TEXT PRIMARY KEY,  -- the group id its group will have once finished
+    prompt_id  TEXT NOT NULL,
+    domain     TEXT NOT NULL,
+    issued     INTEGER NOT NULL,  -- answers issued so far: the next answer's index
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS answers (
+    attempt_id TEXT NOT NULL,
+    idx        INTEGER NOT NULL,  -- its index in the prompt's sequence of answers
+    version    INTEGER NOT NULL,  -- the policy version that sampled it
+    reward     REAL NOT NULL,
+    payload    BLOB NOT NULL,     -- the msgpack answer (sampler_service.journal)
+    PRIMARY KEY (attempt_id, idx)
+) WITHOUT ROWID;
 """
 
 #: The event log keeps this many of the newest events of each kind; older ones are deleted
@@ -102,6 +118,30 @@ class FrameRows:
     batch_id: str
     members: list[tuple[str, bytes]]
     dropped: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class JournalRows:
+    """One write of the answer journal: prompts' attempts (their answers issued so far),
+    their verified answers `(attempt_id, index, version, reward, payload)`, the attempts
+    that ended without a group, and state that moves with them."""
+
+    attempts: Sequence[tuple[str, str, str, int]] = ()  # attempt, prompt, domain, issued
+    answers: Sequence[tuple[str, int, int, float, bytes]] = ()
+    ended: Sequence[str] = ()
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoredAttempt:
+    """A prompt that was being sampled when the sampler stopped, with the answers that
+    were stored: `(index, version, reward, payload)`, in index order."""
+
+    attempt_id: str
+    prompt_id: str
+    domain: str
+    issued: int
+    answers: list[tuple[int, int, float, bytes]]
 
 
 @dataclass(frozen=True)
@@ -168,6 +208,15 @@ def _seqs(db: sqlite3.Connection, group_ids: Sequence[str]) -> dict[str, int]:
         ).fetchone()
         seq_of.update(json.loads(found))
     return seq_of
+
+
+def _end_attempts(db: sqlite3.Connection, attempt_ids: Sequence[str]) -> None:
+    """Forget these attempts and their answers (their group is stored, or they ended
+    without one)."""
+    for chunk in _chunks(attempt_ids):
+        marks = _marks(len(chunk))
+        db.execute(f"DELETE FROM answers WHERE attempt_id IN ({marks})", chunk)
+        db.execute(f"DELETE FROM attempts WHERE attempt_id IN ({marks})", chunk)
 
 
 def _delete(db: sqlite3.Connection, group_ids: Sequence[str]) -> int:
@@ -247,6 +296,7 @@ class Store:
                 "INSERT INTO groups (group_id, payload, created_at) VALUES (?, ?, ?)",
                 (group_id, payload, time.time()),
             )
+            _end_attempts(db, [group_id])
             self._put_many(db, state or {})
             assert cur.lastrowid is not None  # set by every INSERT
             return cur.lastrowid
@@ -282,7 +332,9 @@ class Store:
                     [value for row in chunk for value in row],
                 )
             seq_of = _seqs(db, [row[0] for row in rows])
-            _delete(db, [g for frame in frames for g in frame.dropped])
+            dropped = [g for frame in frames for g in frame.dropped]
+            _end_attempts(db, [row[0] for row in rows] + dropped)
+            _delete(db, dropped)
             self._put_many(db, state or {})
             return [[seq_of[gid] for gid, _ in frame.members] for frame in frames]
 
@@ -347,6 +399,45 @@ class Store:
 
     def count(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM groups").fetchone()[0])
+
+    # -- the answer journal -----------------------------------------------------------
+    def journal(self, rows: JournalRows) -> None:
+        """Write a batch of the answer journal in one transaction. An attempt's issued
+        count only grows; an answer written again (drawn again after a restart) replaces
+        the stored one."""
+
+        def run(db: sqlite3.Connection) -> None:
+            now = time.time()
+            db.executemany(
+                "INSERT INTO attempts (attempt_id, prompt_id, domain, issued, created_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(attempt_id) "
+                "DO UPDATE SET issued = MAX(issued, excluded.issued)",
+                [(*attempt, now) for attempt in rows.attempts],
+            )
+            for chunk in _chunks(rows.answers):
+                db.execute(
+                    "INSERT OR REPLACE INTO answers (attempt_id, idx, version, reward, payload) "
+                    f"VALUES {', '.join(['(?, ?, ?, ?, ?)'] * len(chunk))}",
+                    [value for row in chunk for value in row],
+                )
+            _end_attempts(db, rows.ended)
+            self._put_many(db, rows.state)
+
+        self._tx(run)
+
+    def attempts(self) -> list[StoredAttempt]:
+        """The journalled attempts, oldest first, each with its stored answers. An attempt
+        whose group was stored is gone (it ends with the group's write); answers whose
+        attempt row is missing (none should be) are left out."""
+        answers: dict[str, list[tuple[int, int, float, bytes]]] = {}
+        for attempt_id, idx, version, reward, payload in self._db.execute(
+            "SELECT attempt_id, idx, version, reward, payload FROM answers ORDER BY attempt_id, idx"
+        ):
+            answers.setdefault(attempt_id, []).append((idx, version, reward, bytes(payload)))
+        rows = self._db.execute(
+            "SELECT attempt_id, prompt_id, domain, issued FROM attempts ORDER BY created_at"
+        ).fetchall()
+        return [StoredAttempt(a, p, d, n, answers.get(a, [])) for a, p, d, n in rows]
 
     # -- key/value state ------------------------------------------------------------
     @staticmethod

@@ -62,6 +62,10 @@ JUDGE_FAILURES = ("timeout", "transport", "status", "unreadable")
 #: or groups dropped for an engine, environment or verifier failure, a selection policy
 #: or too few samples; crash: lost to a restart.
 WASTE_CAUSES = ("surplus", "aborted", "stale", "prompt_dropped", "crash")
+#: What /v1/stats `restart` counts of the prompts a restart continued: the prompts, the
+#: stored answers reused, those dropped as stale by the bound, and the indices issued
+#: before the restart and not stored (decoding, or not yet written), drawn again.
+RESTART_COUNTS = ("resumed_prompts", "reused_answers", "stale_answers", "regenerated_answers")
 #: Last delivered groups whose lag /v1/stats `staleness` summarizes.
 STALENESS_WINDOW = 100
 #: Prompts' pass rates and domain shares are over this many recent prompts.
@@ -114,6 +118,24 @@ class WaveOutcome:
     #: Answers drawn again for an index, by cause (aborted, engine_error, env_error, ...):
     #: a re-draw that favours short answers breaks the exactness of the group.
     redrawn: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """A prompt a restart continues from its stored answers (`sampler_service.resume`)."""
+
+    domain: str
+    quartile: str
+    #: Answers found stored, and the sampled tokens of those counted at once.
+    answers: int
+    counted_tokens: int
+    #: Stored answers now stale by the bound (dropped), and their tokens.
+    stale_answers: int
+    stale_tokens: int
+    #: Tokens of stored answers above the index where the rule already holds.
+    surplus_tokens: int
+    #: Indices issued before the restart and not stored, drawn again.
+    regenerated: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,6 +352,8 @@ class Tally:
         self.waste_by: Counter[tuple[str, str, str]] = Counter()
         self.surplus_answers = 0
         self.redrawn: Counter[str] = Counter()
+        #: Prompts continued after a restart, from their stored answers (`resumed`).
+        self.restart: Counter[str] = Counter()
 
     # -- records ------------------------------------------------------------------------
     def admitted(self, domain: str) -> None:
@@ -363,6 +387,20 @@ class Tally:
         self._wasted("prompt_dropped", outcome.dropped_tokens, *where)
         self.surplus_answers += outcome.surplus_answers
         self.redrawn.update(dict(outcome.redrawn))
+
+    def resumed(self, prompt: Resumed) -> None:
+        """A prompt continued after a restart. Its stored answers were decoded by the
+        process before: those counted now, those stale and those surplus enter this
+        process's decoded tokens here (answers waiting for an index below them are
+        counted with the wave that draws it)."""
+        self.restart["resumed_prompts"] += 1
+        self.restart["reused_answers"] += prompt.answers - prompt.stale_answers
+        self.restart["stale_answers"] += prompt.stale_answers
+        self.restart["regenerated_answers"] += prompt.regenerated
+        self.decoded += prompt.counted_tokens + prompt.stale_tokens + prompt.surplus_tokens
+        where = prompt.domain, prompt.quartile
+        self._wasted("stale", prompt.stale_tokens, *where)
+        self._wasted("surplus", prompt.surplus_tokens, *where)
 
     def prompt_finished(self, outcome: PromptOutcome) -> None:
         rate = outcome.positives / outcome.answers
@@ -491,6 +529,7 @@ class Tally:
             "verifier_retries": self.verifier_retries,
             "judges": {name: judge.to_dict() for name, judge in self.judges.items()},
             "waste": self.tokens_by_fate(),
+            "restart": {key: self.restart[key] for key in RESTART_COUNTS},
             "waste_by_domain": self.waste_by_key(0, self.domains),
             "waste_by_quartile": self.waste_by_key(1, (*QUARTILES, UNSEEN)),
         }
@@ -502,7 +541,12 @@ class TallyCollector(Collector):
     def __init__(self, tally: Tally, prefix: str) -> None:
         self.tally, self.prefix = tally, prefix
 
-    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
+    def _counter(
+        self, name: str, doc: str, labels: Sequence[str] = (), value: float | None = None
+    ) -> CounterMetricFamily:
+        """A counter family: labelled (its samples added by the caller), or one `value`."""
+        if value is not None:
+            return CounterMetricFamily(self.prefix + name, doc, value=value)
         return CounterMetricFamily(self.prefix + name, doc, labels=labels)
 
     def collect(self) -> Iterator[Metric]:
@@ -520,9 +564,7 @@ class TallyCollector(Collector):
             skipped.add_metric([domain], counts.skipped)
             emitted.add_metric([domain], counts.emitted)
         yield from (answers, skipped, emitted)
-        tokens = self._counter("generated_tokens", "Response tokens generated")
-        tokens.add_metric([], t.tokens)
-        yield tokens
+        yield self._counter("generated_tokens", "Response tokens generated", value=t.tokens)
         dropped = self._counter("groups_dropped", "Finalized groups not emitted", ("reason",))
         for reason in sorted({*DROP_REASONS, *t.dropped}):
             dropped.add_metric([reason], t.dropped[reason])
@@ -531,11 +573,11 @@ class TallyCollector(Collector):
         for reason in sorted({*STOP_REASONS, *t.stop_reasons}):
             reasons.add_metric([reason], t.stop_reasons[reason])
         yield reasons
-        replayed = self._counter(
-            "replayed_answers", "Earlier right answers put into all-wrong groups (config replay)"
+        yield self._counter(
+            "replayed_answers",
+            "Earlier right answers put into all-wrong groups (config replay)",
+            value=t.replayed,
         )
-        replayed.add_metric([], t.replayed)
-        yield replayed
         yield _histogram(
             p + "samples_per_group",
             "Answers generated per finalized prompt",
@@ -564,27 +606,28 @@ class TallyCollector(Collector):
             value=t.recent_lags[-1] if t.recent_lags else 0,
         )
         yield last_lag
-        acked = self._counter("groups_acked", "Groups acked by a trainer (deleted)")
-        acked.add_metric([], t.groups_acked)
-        yield acked
+        yield self._counter(
+            "groups_acked", "Groups acked by a trainer (deleted)", value=t.groups_acked
+        )
         verifier = self._counter("verifier_errors", "Verifier failures", ("kind",))
         for kind in sorted({*VERIFIER_ERROR_KINDS, *t.verifier_errors}):
             verifier.add_metric([kind], t.verifier_errors[kind])
         yield verifier
         yield t.verifier_seconds.family(p + "verifier_latency_seconds", "Time per verification")
-        retries = self._counter(
-            "verifier_retries", "Answers a program verifier was asked again after a failure"
+        yield self._counter(
+            "verifier_retries",
+            "Answers a program verifier was asked again after a failure",
+            value=t.verifier_retries,
         )
-        retries.add_metric([], t.verifier_retries)
-        yield retries
         yield from self._judges()
         yield from self._episodes()
         yield from self._tokens()
 
     def _tokens(self) -> Iterator[Metric]:
         t = self.tally
-        decoded = self._counter("decoded_tokens", "Sampled tokens the engines returned")
-        decoded.add_metric([], t.decoded)
+        decoded = self._counter(
+            "decoded_tokens", "Sampled tokens the engines returned", value=t.decoded
+        )
         fates = self._counter(
             "token_fates",
             "Decoded tokens by what became of them: trained, downsampled, or a waste cause",
@@ -595,9 +638,10 @@ class TallyCollector(Collector):
         for cause in WASTE_CAUSES:
             fates.add_metric([cause], t.waste[cause])
         surplus = self._counter(
-            "surplus_answers", "Answers above the index at which their prompt's rule first held"
+            "surplus_answers",
+            "Answers above the index at which their prompt's rule first held",
+            value=t.surplus_answers,
         )
-        surplus.add_metric([], t.surplus_answers)
         redrawn = self._counter("redrawn_answers", "Answers drawn again for an index", ("cause",))
         for cause, count in sorted(t.redrawn.items()):
             redrawn.add_metric([cause], count)
@@ -609,7 +653,12 @@ class TallyCollector(Collector):
         )
         for (domain, quartile, cause), tokens in sorted(t.waste_by.items()):
             wasted.add_metric([cause, domain, quartile], tokens)
-        yield from (decoded, fates, surplus, redrawn, wasted)
+        restart = self._counter(
+            "restart", "Prompts continued after a restart, and their answers", ("count",)
+        )
+        for key in RESTART_COUNTS:
+            restart.add_metric([key], t.restart[key])
+        yield from (decoded, fates, surplus, redrawn, wasted, restart)
 
     def _judges(self) -> Iterator[Metric]:
         judges, p = self.tally.judges, self.prefix
@@ -645,10 +694,11 @@ class TallyCollector(Collector):
         errors = self._counter(
             "env_errors",
             "Environment failures (exception or time-out); each episode was run again",
+            value=e.env_errors,
         )
-        errors.add_metric([], e.env_errors)
-        seconds = self._counter("env_seconds", "Seconds spent in environment calls")
-        seconds.add_metric([], e.env_seconds)
+        seconds = self._counter(
+            "env_seconds", "Seconds spent in environment calls", value=e.env_seconds
+        )
         tokens = self._counter(
             "episode_tokens",
             "Tokens of finished episodes: model (sampled) or observation",

@@ -147,6 +147,7 @@ def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
         ("stop reason", "stop_reasons"),
         ("dropped", "dropped"),
         ("answers/group", "samples_per_group"),
+        ("restart", "restart"),
     ):
         for name, n in stats.get(key, {}).items():
             counts.add_row(kind, str(name), str(n))
