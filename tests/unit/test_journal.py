@@ -187,19 +187,25 @@ def test_the_journal_writes_in_batches_and_forgets_what_ended(
             r.issued = 2
             journal.issued(r)
             journal.answered(r, [(0, _answer(2), Verdict(1.0)), (1, _answer(3), Verdict(0.0))])
+        cursor = dataset.state_dict()
         journal.finished(runs[1])  # its group's write ends it: nothing of it is written
-        await journal.flush()
-        assert journal.writes == 1
+        await journal.flush()  # a first write holds the rows back: their prompts may end
         sync = store.sync
+        assert sync.attempts() == [] and sync.get(DATASET_KEY) is None
+        dataset.next("d")  # an admission after that write: not yet in the written cursor
+        await journal.flush()
         assert {a.attempt_id for a in sync.attempts()} == {runs[0].attempt_id, runs[2].attempt_id}
-        assert sync.get(DATASET_KEY) == dataset.state_dict()  # the cursor, in the same write
+        assert sync.get(DATASET_KEY) == cursor  # the cursor that admitted them, with them
         journal.ended(runs[2])
         journal.start()
-        await asyncio.sleep(0.2)
-        await journal.close()
+        await asyncio.sleep(0.3)
         [left] = sync.attempts()
         assert left.attempt_id == runs[0].attempt_id and [i for i, *_ in left.answers] == [0, 1]
         assert left.answers[0][2] == 1.0 and left.issued == 2
+        runs[0].issued = 3
+        journal.issued(runs[0])
+        await journal.close()  # a clean stop writes everything, with the cursor of now
+        assert sync.attempts()[0].issued == 3 and sync.get(DATASET_KEY) == dataset.state_dict()
         await store.close()
 
     asyncio.run(run())
