@@ -133,7 +133,9 @@ class Finalizer:
         self._tasks = []
 
     def put(self, run: PromptRun) -> None:
-        """A prompt whose answers are all in: its group is built and stored soon."""
+        """A prompt whose answers are all in: its group is built and stored soon (what the
+        journal still holds of it is not written: its group's write ends the attempt)."""
+        self.journal.finished(run)
         self.finalizing += 1
         self._queued_tokens += run.recorded_tokens
         self._queue.put_nowait(run)
@@ -170,6 +172,7 @@ class Finalizer:
         in one write."""
         groups = []
         for run in runs:
+            self.journal.finished(run)  # (rounds come here without `put`)
             try:
                 group = self._built(run)
             except Exception as exc:  # one bad group must not stop the rest
@@ -223,7 +226,6 @@ class Finalizer:
             self._serve_again(row.domain, row.id)
             self.journal.ended(run)
             return None
-        self.journal.finished(run)
         if replay is not None and any(s.replayed for s in group.samples):
             self.tally.replayed_answer()
         return group

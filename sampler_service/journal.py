@@ -6,14 +6,15 @@ What is stored, per admitted prompt (an *attempt*, whose id is the id its group 
 have): its prompt, the answers issued so far (the next index), and each verified
 answer with its index, policy version and reward. Writes are batched: the journal
 collects what happened and writes it every `FLUSH_S` in one transaction on the store's
-thread, never on the event loop. Each write carries the dataset's cursor, so the
-attempts a write records and the cursor that admitted them land together: after a
+thread, never on the event loop, each row at its second write (`AnswerJournal`). Each
+write carries the dataset's cursor as it was when the rows it writes were collected, so
+the attempts a write records and the cursor that admitted them land together: after a
 crash a prompt is either resumed or admitted again, never both and never neither.
 
 An attempt ends in the same transaction that stores its group (`Store.add_pending`,
 `Store.frame`), or through `ended` when it finishes without one (dropped). What a kill
 loses is what was issued and not yet stored: answers still decoding, and those verified
-in the last `FLUSH_S`; a restart draws exactly those indices again (`resume`).
+in the last two write periods; a restart draws exactly those indices again (`resume`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from trainer_client.contract.wire import narrow_array
 
 log = logging.getLogger(__name__)
 
-#: Seconds between the journal's writes: what a kill -9 can lose of verified answers.
+#: Seconds between the journal's writes; a kill -9 can lose the verified answers of the
+#: last two.
 FLUSH_S = 0.05
 #: The state store's key of the dataset's cursor, written by the journal alone.
 DATASET_KEY = "dataset_state"

@@ -21,7 +21,7 @@ from sampler_service.live_config import LiveConfig
 from sampler_service.outbox import too_stale
 from sampler_service.prompt_run import PromptRun
 from sampler_service.store import StoredAttempt
-from sampler_service.tally import Resumed, Tally
+from sampler_service.tally import Resumed, Tally, WaveOutcome
 from sampler_service.verifiers.base import Verdict
 
 
@@ -42,7 +42,7 @@ def resume(
     tally: Tally,
 ) -> Resumption:
     """Rebuild the stored attempts as runs of the live config (see the module docstring);
-    each is counted in the tally (`Tally.resumed`)."""
+    each is counted in the tally as a wave outcome of what was found stored."""
     runs, gone = [], []
     for attempt in attempts:
         row = dataset.find(attempt.domain, attempt.prompt_id)
@@ -62,8 +62,9 @@ def resume(
             run.arrived(index, completion, Verdict(reward))
         stored = set(run.waiting)
         run.issued = max(attempt.issued, max(stored, default=-1) + 1)
-        surplus_tokens = 0
+        surplus_answers = surplus_tokens = 0
         if run.count_arrived():  # the rule holds on what was stored
+            surplus_answers = len(run.waiting)
             surplus_tokens = sum(
                 sampled_tokens(c.token_ids, c.loss_mask) for c, _ in run.waiting.values()
             )
@@ -71,16 +72,23 @@ def resume(
         else:
             run.redo = [i for i in range(run.n_generated, run.issued) if i not in stored]
         run.recorded_tokens = run.sampled_tokens()
-        tally.resumed(
-            Resumed(
-                domain=row.domain,
+        tally.wave(
+            WaveOutcome(
+                row.domain,
                 quartile=run.quartile(),
-                answers=len(attempt.answers),
-                counted_tokens=run.recorded_tokens,
-                stale_answers=len(stale),
-                stale_tokens=stale_tokens,
+                answers=0,
+                positives=0,
+                tokens=0,
+                seconds=None,
+                surplus_answers=surplus_answers,
                 surplus_tokens=surplus_tokens,
-                regenerated=sum(i not in stale for i in run.redo),
+                resumed=Resumed(
+                    answers=len(attempt.answers),
+                    stale_answers=len(stale),
+                    counted_tokens=run.recorded_tokens,
+                    stale_tokens=stale_tokens,
+                    regenerated=sum(i not in stale for i in run.redo),
+                ),
             )
         )
         runs.append(run)

@@ -118,24 +118,26 @@ class WaveOutcome:
     #: Answers drawn again for an index, by cause (aborted, engine_error, env_error, ...):
     #: a re-draw that favours short answers breaks the exactness of the group.
     redrawn: tuple[tuple[str, int], ...] = ()
+    #: A restart's resumption of the prompt (`sampler_service.resume`): what it found
+    #: stored; its tokens, decoded by the process before, enter this one's here.
+    resumed: Resumed | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Resumed:
-    """A prompt a restart continues from its stored answers (`sampler_service.resume`)."""
+    """A prompt a restart continues from its stored answers."""
 
-    domain: str
-    quartile: str
-    #: Answers found stored, and the sampled tokens of those counted at once.
+    #: Answers found stored; those stale by the bound now (dropped, drawn again).
     answers: int
-    counted_tokens: int
-    #: Stored answers now stale by the bound (dropped), and their tokens.
     stale_answers: int
+    #: Sampled tokens of the stored answers counted at once, and of the stale ones.
+    counted_tokens: int
     stale_tokens: int
-    #: Tokens of stored answers above the index where the rule already holds.
-    surplus_tokens: int
     #: Indices issued before the restart and not stored, drawn again.
     regenerated: int
+
+
+_NOT_RESUMED = Resumed(0, 0, 0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,7 +354,7 @@ class Tally:
         self.waste_by: Counter[tuple[str, str, str]] = Counter()
         self.surplus_answers = 0
         self.redrawn: Counter[str] = Counter()
-        #: Prompts continued after a restart, from their stored answers (`resumed`).
+        #: Prompts continued after a restart, from their stored answers (`RESTART_COUNTS`).
         self.restart: Counter[str] = Counter()
 
     # -- records ------------------------------------------------------------------------
@@ -375,32 +377,29 @@ class Tally:
             self.wave_seconds.add(outcome.seconds)
         if outcome.episodes is not None:
             self.episodes.add(outcome.episodes)
+        resumed = outcome.resumed or _NOT_RESUMED
         self.decoded += (
             outcome.tokens
             + outcome.surplus_tokens
             + outcome.aborted_tokens
             + outcome.dropped_tokens
+            + resumed.counted_tokens
+            + resumed.stale_tokens
         )
         where = outcome.domain, outcome.quartile
         self._wasted("surplus", outcome.surplus_tokens, *where)
         self._wasted("aborted", outcome.aborted_tokens, *where)
         self._wasted("prompt_dropped", outcome.dropped_tokens, *where)
+        self._wasted("stale", resumed.stale_tokens, *where)
         self.surplus_answers += outcome.surplus_answers
         self.redrawn.update(dict(outcome.redrawn))
-
-    def resumed(self, prompt: Resumed) -> None:
-        """A prompt continued after a restart. Its stored answers were decoded by the
-        process before: those counted now, those stale and those surplus enter this
-        process's decoded tokens here (answers waiting for an index below them are
-        counted with the wave that draws it)."""
-        self.restart["resumed_prompts"] += 1
-        self.restart["reused_answers"] += prompt.answers - prompt.stale_answers
-        self.restart["stale_answers"] += prompt.stale_answers
-        self.restart["regenerated_answers"] += prompt.regenerated
-        self.decoded += prompt.counted_tokens + prompt.stale_tokens + prompt.surplus_tokens
-        where = prompt.domain, prompt.quartile
-        self._wasted("stale", prompt.stale_tokens, *where)
-        self._wasted("surplus", prompt.surplus_tokens, *where)
+        if outcome.resumed is not None:
+            self.restart.update(
+                resumed_prompts=1,
+                reused_answers=resumed.answers - resumed.stale_answers,
+                stale_answers=resumed.stale_answers,
+                regenerated_answers=resumed.regenerated,
+            )
 
     def prompt_finished(self, outcome: PromptOutcome) -> None:
         rate = outcome.positives / outcome.answers
