@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import episodes, front, http_hop, judge, learning, scaleout
+from bench import episodes, front, http_hop, judge, learning, restart, scaleout
 from bench.common import RESULTS, ROOT, fmt, table
 from bench.step_time import steps_table
 
@@ -440,6 +440,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "http_hop.results": lambda: http_hop.results_table(_load("http_hop")),
     "http_hop.targets": lambda: http_hop.targets_table(_load("http_hop")),
     "judge.run": lambda: judge.run_line(_load("judge")),
+    "restart.summary": lambda: restart.summary(_load("restart")),
+    "restart.kills": lambda: restart.kills_table(_load("restart")),
     "judge.results": lambda: judge.results_table(_load("judge")),
     "episodes.toy": lambda: episodes.toy_table(_load("episodes")["toy"]),
     "episodes.sim": lambda: episodes.sim_table(_load("episodes")["sim"]),

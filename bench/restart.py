@@ -217,6 +217,24 @@ def kills_table(data: dict[str, Any]) -> str:
     return table(data["kills"], list(HEADINGS.items()))
 
 
+def summary(data: dict[str, Any]) -> str:
+    """The committed run in a few lines: the regenerated ratio and the front's knee."""
+    t, kills = data["totals"], len(data["kills"])
+    ratio = data["targets"]["46/regenerated"]["measured"]
+    text = (
+        f"Over {kills} kills: **{t['regenerated']} answers regenerated of {t['issued_not_stored']} "
+        f"issued and not stored** ({ratio:.2f}x, goal <= {REGENERATED_GOAL}x); {t['reused']} of "
+        f"the {t['before']} answers a restart drew again before the journal were reused "
+        f"({t['saved_share']:.0%})."
+    )
+    if (f := data.get("front")) is not None:
+        text += (
+            f" The front's knee with the journal: {f['after']:,.0f} answers/s against "
+            f"{f['before']:,.0f} at {f['baseline']} (**{f['ratio']:.2f}x**, goal >= {KNEE_GOAL}x)."
+        )
+    return text + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 kills (~1 minute)")
