@@ -72,24 +72,14 @@ def resume(
         else:
             run.redo = [i for i in range(run.n_generated, run.issued) if i not in stored]
         run.recorded_tokens = run.sampled_tokens()
-        tally.wave(
-            WaveOutcome(
-                row.domain,
-                quartile=run.quartile(),
-                answers=0,
-                positives=0,
-                tokens=0,
-                seconds=None,
-                surplus_answers=surplus_answers,
-                surplus_tokens=surplus_tokens,
-                resumed=Resumed(
-                    answers=len(attempt.answers),
-                    stale_answers=len(stale),
-                    counted_tokens=run.recorded_tokens,
-                    stale_tokens=stale_tokens,
-                    regenerated=sum(i not in stale for i in run.redo),
-                ),
-            )
+        found = Resumed(
+            answers=len(attempt.answers),
+            stale_answers=len(stale),
+            counted_tokens=run.recorded_tokens,
+            stale_tokens=stale_tokens,
+            regenerated=sum(i not in stale for i in run.redo),
         )
+        surplus = (surplus_answers, surplus_tokens)
+        tally.wave(WaveOutcome.resumption(row.domain, run.quartile(), found, *surplus))
         runs.append(run)
     return Resumption(runs, gone)

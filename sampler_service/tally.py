@@ -122,6 +122,16 @@ class WaveOutcome:
     #: stored; its tokens, decoded by the process before, enter this one's here.
     resumed: Resumed | None = None
 
+    @classmethod
+    def resumption(
+        cls, domain: str, quartile: str, found: Resumed, surplus_answers: int, surplus_tokens: int
+    ) -> WaveOutcome:
+        """What a restart found of a prompt, as the outcome of a wave that generated
+        nothing: the stored answers above its stopping index, if any, are surplus."""
+        return cls(
+            domain, quartile, 0, 0, 0, None, None, surplus_answers, surplus_tokens, resumed=found
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Resumed:
