@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,8 +232,12 @@ class Dataset:
         self._cursor[domain] = [epoch, pos]
         return self._prepared(row)
 
-    def state_dict(self) -> dict[str, Any]:
-        again = {d: [r.id for r in rows] for d, rows in self._again.items() if rows}
+    def state_dict(self, held: Iterable[PromptRow] = ()) -> dict[str, Any]:
+        """The cursor and the prompts to serve again; `held`: prompts the cursor has passed
+        that were not admitted yet (paced admission's delayed ones), served again first."""
+        again: dict[str, list[str]] = {}
+        for row in [*held, *(r for rows in self._again.values() for r in rows)]:
+            again.setdefault(row.domain, []).append(row.id)
         return {"cursor": self._cursor, "again": again}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

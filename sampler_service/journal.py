@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 
 from sampler_service.backends.base import Completion
-from sampler_service.dataset import Dataset
+from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.prompt_run import PromptRun
 from sampler_service.store import AsyncStore, JournalRows, Store
 from sampler_service.verifiers.base import Verdict
@@ -112,6 +112,9 @@ class Journal:
 
     #: Whether a restart resumes the prompts being sampled from what was told here.
     keeps_answers = False
+    #: Prompts taken from the dataset and not admitted yet (paced admission's delayed
+    #: ones): the cursor written is past them, so they are written to be served again.
+    held: Callable[[], Iterable[PromptRow]] = staticmethod(lambda: ())
 
     def issued(self, run: PromptRun) -> None:
         """A prompt was admitted or issued more answers (its `issued` count moved)."""
@@ -211,7 +214,7 @@ class AnswerJournal(Journal):
         and the ended attempts."""
         batch, self._old, self._young = self._old, self._young, _Batch()
         batch.ended, self._old.ended = batch.ended + self._old.ended, []
-        cursor, self._cursor = self._cursor, {DATASET_KEY: self._dataset.state_dict()}
+        cursor, self._cursor = self._cursor, {DATASET_KEY: self._dataset.state_dict(self.held())}
         if everything:
             batch = _merged(batch, self._old)
             self._old, cursor = _Batch(), self._cursor

@@ -139,6 +139,10 @@ class Pacer:
         # would only delay the push further.
         return left <= 0 or backlog + self.cost(row) <= self.token_rate * left
 
+    def delayed_rows(self) -> list[PromptRow]:
+        """The delayed prompts, first in line first."""
+        return [item.row for item in self.delayed]
+
     def delay(self, row: PromptRow) -> None:
         self.delayed.append(_Delayed(row, self._version or 0))
         self.delays += 1

@@ -88,6 +88,7 @@ class Scheduler:
         self.live = live
         self.admission = Admission(live, consumer_step)
         self.pacer = Pacer(live, clock, lambda: self.tally.decoded)
+        self.journal.held = self.pacer.delayed_rows
         self.admitter = mixing.DeficitAdmitter(dataset.domains, window=200)
         self.tally = tally or Tally(dataset.domains, clock)
         #: Earlier right answers per prompt, for all-wrong groups (config `replay`).

@@ -80,6 +80,8 @@ def test_half_sampled_prompts_resume_after_kill9(make_server, toy, tmp_path: Pat
                     else:
                         _check_group(group, {})
                 c.post("/v1/groups/ack", json={"delivery_ids": [g["delivery_id"] for g in got]})
+            # Their groups' writes ended their attempts: a next restart will not find them.
+            assert set(left).isdisjoint(journal_left(db)), f"kill {kill}: attempts left over"
     assert totals["regenerated"] <= 1.1 * totals["issued_not_stored"], totals
     assert totals["reused"] > totals["regenerated"], totals
     # A clean stop (SIGTERM) writes what was verified before it exits: the prompts resume

@@ -209,3 +209,27 @@ def test_the_journal_writes_in_batches_and_forgets_what_ended(
         await store.close()
 
     asyncio.run(run())
+
+
+def test_prompts_taken_and_not_yet_admitted_are_written_to_be_served_again(
+    tmp_path: Path, dataset: Dataset
+) -> None:
+    """Paced admission holds prompts the cursor has passed: the cursor the journal writes
+    names them first in line, so a crash does not skip them."""
+    delayed = dataset.next("d")
+    dataset.serve_again("d", "p2")
+
+    async def run() -> dict[str, Any]:
+        store = AsyncStore(Store(tmp_path / "state.db", checkpoint_every_s=None))
+        journal = AnswerJournal(store, dataset)
+        journal.held = lambda: [delayed]
+        await journal.close()
+        written = store.sync.get(DATASET_KEY)
+        await store.close()
+        return written
+
+    written = asyncio.run(run())
+    assert written["again"] == {"d": [delayed.id, "p2"]}
+    fresh = Dataset([tmp_path / "d.jsonl"], lambda row: setattr(row, "token_ids", [1]))
+    fresh.load_state_dict(written)
+    assert [fresh.next("d").id for _ in range(2)] == [delayed.id, "p2"]
