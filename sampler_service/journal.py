@@ -133,9 +133,9 @@ class AnswerJournal(Journal):
     """Collects the journal's rows as prompts are sampled and writes them in batches.
 
     A row is written at the second write after it was collected, if its prompt has not
-    finished by then: most prompts' last answers are followed by their group's write
-    within a few milliseconds, and writing them first would double the store's work
-    exactly when it is busiest (a front at its knee). What a kill can lose is therefore
+    been handed to the finalizer by then: most prompts' last answers are followed by
+    their group's write within a few milliseconds, and writing them first would double
+    the store's work exactly when it is busiest (a front at its knee). What a kill can lose is therefore
     the answers verified in the last two write periods. The dataset's cursor is written
     with the same lag, so it never covers an admission whose attempt is not yet written.
     """
@@ -157,7 +157,6 @@ class AnswerJournal(Journal):
         self._ended_meanwhile: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.writes = 0
 
     # -- what happened --------------------------------------------------------------
     def issued(self, run: PromptRun) -> None:
@@ -226,7 +225,6 @@ class AnswerJournal(Journal):
         except BaseException:
             self._merge_back(batch)
             raise
-        self.writes += 1
 
     def _merge_back(self, batch: _Batch) -> None:
         """A write that failed: its rows are written with the next (newer rows win), but
