@@ -24,6 +24,12 @@ only reads it back: the scheduler, rules and policies are the project's real cod
 benchmark that runs a real verifier passes its own `text` function instead (an answer
 text that the verifier scores as drawn).
 
+A weight load under `continue` (`update_pause` keep or recompute) leaves the running
+sequences decoding: each notes the token at which the new version took over (its
+`version_spans`), and `recompute` stalls the batch for the prefill of every running
+sequence's prompt and tokens so far. `abort_all` ends every sequence with the tokens it
+decoded.
+
 The engine is event-driven, not token-stepped: between two events (an arrival, a
 finishing sequence) the batch size is constant, so every running sequence advances at
 the same rate and the next finish is computed exactly. It runs on whatever clock the
@@ -49,6 +55,7 @@ from sampler_service.backends.base import (
     Backend,
     BackendHealth,
     Completion,
+    ContinueKV,
     Floats,
     TensorSpec,
     TokenIds,
@@ -133,6 +140,8 @@ class _Seq:
     correct: bool
     start: float = 0.0  # the engine's step count when the sequence was scheduled
     running: bool = False
+    #: (version, tokens decoded when it took over) since it was scheduled.
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 class _SimWave(Wave):
@@ -228,8 +237,23 @@ class SimBackend(Backend):
     def weight_specs(self) -> Mapping[str, TensorSpec]:
         return {}
 
+    @property
+    def continues(self) -> frozenset[ContinueKV]:
+        return frozenset({"keep", "recompute"})
+
     async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        """Serve `version`; running sequences (only a `continue` update leaves any) go on
+        under it from their next token, after a prefill of what they hold under
+        `recompute`."""
         self._version = version
+        for _, _, seq in self._running:
+            decoded = int(self._steps - seq.start)
+            if decoded < seq.length:
+                seq.spans.append((version, decoded))
+                if self.update_pause == "recompute":
+                    held = seq.request.prompt_len + decoded
+                    self._stall_s += self.spec.prefill_per_token_s * held
+                    self.stats.prefill_s += self.spec.prefill_per_token_s * held
 
     def health(self) -> BackendHealth:
         return BackendHealth(ok=self._task is not None, detail={"queued": len(self._queue)})
@@ -306,7 +330,7 @@ class SimBackend(Backend):
                 stall = spec.prefill_per_token_s * seq.request.prompt_len
                 self._stall_s += stall
                 self.stats.prefill_s += stall
-            seq.start, seq.running = self._steps, True
+            seq.start, seq.running, seq.spans = self._steps, True, [(self._version, 0)]
             self._ctx_base += seq.request.prompt_len - seq.start
             heapq.heappush(self._running, (self._steps + seq.length, next(self._tiebreak), seq))
 
@@ -320,12 +344,14 @@ class SimBackend(Backend):
 
     def _report(self, seq: _Seq, length: int, finish_reason: str) -> None:
         token_ids, logprobs = self._payload(self._rng, length)
+        spans = [s for i, s in enumerate(seq.spans) if i == 0 or s[1] < length]
         completion = Completion(
             token_ids=token_ids,
             logprobs=logprobs,
             text=self._text(self._rng, length, seq.correct),
             finish_reason=finish_reason,  # type: ignore[arg-type]
-            policy_version=self._version,
+            policy_version=spans[0][0] if spans else self._version,
+            version_spans=spans if len(spans) > 1 else None,
         )
         self.stats.sequences += 1
         self.stats.tokens += length

@@ -156,7 +156,8 @@ class Delivery:
     def required_features(self) -> dict[str, str]:
         """Wire features a consumer must declare, each with what it must do about them:
         `loss_mask` while episodes are served (their observation tokens must not be
-        trained on), `replayed` while replay is on (a replayed answer is off-policy)."""
+        trained on), `replayed` while replay is on (a replayed answer is off-policy),
+        `version_spans` while weight updates continue running answers."""
         required = {}
         if self.serves_episodes:
             required[wire_features.LOSS_MASK] = "train on Sample.loss_mask == 1 tokens only"
@@ -164,6 +165,11 @@ class Delivery:
             required[wire_features.REPLAYED] = (
                 "treat Sample.replayed answers as off-policy (clip their importance ratio or "
                 "drop them)"
+            )
+        if self.live.config.weight_update_mode == "continue":
+            required[wire_features.VERSION_SPANS] = (
+                "weigh the tokens of each Sample.version_spans span by the importance ratio "
+                "of the version that decoded them (truncated importance sampling)"
             )
         return required
 

@@ -22,7 +22,7 @@ from typing import cast
 
 import numpy as np
 
-from sampler_service.backends.base import Completion, TokenIds, as_list
+from sampler_service.backends.base import Completion, TokenIds, VersionSpans, as_list
 from sampler_service.config import Reweighting, SamplerConfig
 from sampler_service.dataset import PromptRow
 from sampler_service.replay import Replayed
@@ -101,10 +101,19 @@ def on_one_prompt(
             logprobs=[0.0] * (len(p) - shared) + as_list(c.logprobs),
             loss_mask=[0] * (len(p) - shared)
             + (as_list(c.loss_mask) if c.loss_mask is not None else [1] * len(c.token_ids)),
+            version_spans=shifted_spans(c.version_spans, len(p) - shared),
         )
         for c, p in zip(completions, prompts, strict=True)
     ]
     return prompts[0][:shared], None, answers
+
+
+def shifted_spans(spans: VersionSpans | None, offset: int) -> VersionSpans | None:
+    """Version spans of an answer whose response gained `offset` tokens in front (the
+    first span starts at 0: what leads it was decoded under no version, only read)."""
+    if spans is None:
+        return None
+    return [(version, start + offset if i else 0) for i, (version, start) in enumerate(spans)]
 
 
 def sampled_tokens(token_ids: Sized, loss_mask: TokenIds | None) -> int:
@@ -205,6 +214,7 @@ def build_group(
             advantage=float(a),
             loss_mask=cast(list[int] | None, c.loss_mask),
             num_turns=c.num_turns,
+            version_spans=c.version_spans,
             replayed=i >= n_gen,
             index=i if i < n_gen else None,
         )

@@ -13,7 +13,8 @@ whole wave is counted.
 Exactness needs every index up to j to be drawn once. An answer that is thrown away and
 drawn again for a reason tied to it (a weight update's abort or a drain time-out cuts
 the long ones; an engine that dies takes its running answers with it; an environment
-that fails re-runs its episode) is counted as `redrawn`, by cause.
+that fails re-runs its episode; `max_versions_per_answer` cuts an answer that a
+`continue` update would carry over too many versions) is counted as `redrawn`, by cause.
 """
 
 from __future__ import annotations
@@ -100,6 +101,25 @@ class _Account:
     dropped_tokens: int = 0
     redrawn: Counter[str] = field(default_factory=Counter)
     episodes: list[EpisodeCost] = field(default_factory=list)
+    spanning_answers: int = 0
+    continued_tokens: int = 0
+
+    def returned(self, completion: Completion) -> None:
+        """An answer the engine handed back: what a `continue` update kept of it."""
+        spans = completion.version_spans
+        if spans is not None and len(spans) > 1:
+            self.spanning_answers += 1
+            self.continued_tokens += spans[-1][1]
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A wave being drawn: the version it was issued under, its handle once issued, and
+    whether `max_versions_per_answer` cancelled it."""
+
+    version: int
+    wave: Wave | None = None
+    capped: bool = False
 
 
 class PromptSampler:
@@ -128,6 +148,7 @@ class PromptSampler:
         self.episodes = episodes
         #: Told of every answer issued and verified, so a restart can resume the prompt.
         self.journal = journal or Journal()
+        self._in_flight: set[_InFlight] = set()
 
     async def sample(self, run: PromptRun) -> str | None:
         """Waves until the prompt stops (a resumed prompt first draws again the answers
@@ -177,6 +198,18 @@ class PromptSampler:
             raise
         self.tally.wave(self._outcome(run, account, self._clock() - started))
 
+    async def cap_versions(self, version: int, cap: int) -> None:
+        """Before a `continue` update to `version`: cancel the waves still running that
+        would then span more than `cap` versions; their answers are drawn again, counted
+        as `redrawn` version_cap (a re-draw that favours short answers)."""
+        over = [w for w in self._in_flight if w.wave is not None and version - w.version >= cap]
+        for flight in over:
+            flight.capped = True
+        await asyncio.gather(
+            *(f.wave.cancel(range(f.wave.n)) for f in over if f.wave is not None),
+            return_exceptions=True,
+        )
+
     def _outcome(self, run: PromptRun, account: _Account, seconds: float | None) -> WaveOutcome:
         counted = run.completions[account.counted_before :]
         tokens = sum(map(_tokens, counted))
@@ -194,6 +227,8 @@ class PromptSampler:
             aborted_tokens=account.aborted_tokens,
             dropped_tokens=account.dropped_tokens,
             redrawn=tuple(sorted(account.redrawn.items())),
+            spanning_answers=account.spanning_answers,
+            continued_tokens=account.continued_tokens,
         )
 
     async def _draw(
@@ -208,12 +243,15 @@ class PromptSampler:
         missing = set(range(len(indices)))
         again: list[int] = []
         error: Exception | None = None
+        flight = _InFlight(self.backend.policy_version)
+        self._in_flight.add(flight)
         try:
-            wave = await issued
+            wave = flight.wave = await issued
             while missing and (batch := await _next_batch(results)) is not None:
                 answers = []
                 for local, completion in batch:
                     missing.discard(local)
+                    account.returned(completion)
                     if completion.finish_reason == "abort":  # a weight update cut it short
                         account.aborted_tokens += _tokens(completion)
                         again.append(indices[local])
@@ -233,6 +271,7 @@ class PromptSampler:
         except Exception as exc:  # noqa: BLE001 - an engine failure: the caller retries
             error = exc
         finally:
+            self._in_flight.discard(flight)
             if not pump.done():
                 pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -241,7 +280,7 @@ class PromptSampler:
             account.surplus_answers += len(again) + len(missing)
             return [], None
         if error is None and (redrawn := len(again) + len(missing)):
-            account.redrawn["aborted"] += redrawn
+            account.redrawn["version_cap" if flight.capped else "aborted"] += redrawn
         return sorted(again + [indices[i] for i in missing]), error
 
     async def _pump(
@@ -358,6 +397,7 @@ class PromptSampler:
                 while left and (batch := await _next_batch(results)) is not None:
                     for local, completion in batch:
                         left.discard(local)
+                        account.returned(completion)
                         self._surplus(account, [completion])
         account.surplus_answers += len(left)  # not back in time: their tokens are unknown
 

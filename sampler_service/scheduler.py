@@ -26,7 +26,7 @@ import numpy as np
 
 from sampler_service.admission import Admission
 from sampler_service.aio import wait_event
-from sampler_service.backends.base import Backend
+from sampler_service.backends.base import Backend, PauseMode
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset, PromptRow
 from sampler_service.episodes import EpisodeRunner
@@ -130,6 +130,8 @@ class Scheduler:
         #: Prompts a restart continues (`resume`), sampled before any new admission.
         self._resumed: list[PromptRun] = []
         self.last_error: str | None = None
+        #: Why the last update asked to `continue` drained instead (None: it did not).
+        self.continue_fallback: str | None = None
         #: Recent engine calls: the time of each failure, None for each success.
         self.engine_errors: deque[float | None] = deque(maxlen=100)
 
@@ -423,18 +425,45 @@ class Scheduler:
     # -- weight updates ---------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def paused_for_weights(self) -> AsyncIterator[None]:
-        """Stop new waves, drain (`wait`) or abort (`abort`) in-flight ones, then resume."""
+        """Stop new waves; running answers finish first (`wait`), are aborted (`abort`),
+        or go on decoding under the new weights (`continue`); then resume."""
         async with self._weights_lock:
             self._gate.clear()
+            pause = self._update_pause()
             try:
-                if self.config.weight_update_mode == "abort":
-                    await self.backend.abort_all()
-                await self._drain(self.config.weight_drain_timeout_s)
+                if pause == "wait":
+                    if self.config.weight_update_mode == "abort":
+                        await self.backend.abort_all()
+                    await self._drain(self.config.weight_drain_timeout_s)
+                else:
+                    cap = self.config.max_versions_per_answer
+                    if cap is not None:
+                        await self.sampler.cap_versions(self.backend.policy_version + 1, cap)
+                self.backend.update_pause = pause
                 yield
             finally:
+                self.backend.update_pause = "wait"
                 self._gate.set()
                 self.pacer.observe(self.backend.policy_version)
                 self.poke()
+
+    def _update_pause(self) -> PauseMode:
+        """How this update's barrier pauses running answers: frozen and continued
+        (`keep`, `recompute`) where the mode is `continue` and the engine can, else
+        `wait` (what `abort` cut has stopped by then)."""
+        self.continue_fallback = None
+        if self.config.weight_update_mode != "continue":
+            return "wait"
+        kv = self.config.weight_update_kv
+        if kv in self.backend.continues:
+            return kv
+        can = ", ".join(sorted(self.backend.continues)) or "neither"
+        self.continue_fallback = (
+            f"the {self.backend.name} engine cannot continue answers across a weight "
+            f"update with weight_update_kv {kv} (it can: {can}): running answers finish first"
+        )
+        log.warning("weight_update_mode continue: %s", self.continue_fallback)
+        return "wait"
 
     async def _drain(self, timeout_s: float) -> None:
         """Wait for in-flight waves; abort the ones still running after `timeout_s`.

@@ -121,6 +121,10 @@ class WaveOutcome:
     #: A restart's resumption of the prompt (`sampler_service.resume`): what it found
     #: stored; its tokens, decoded by the process before, enter this one's here.
     resumed: Resumed | None = None
+    #: Answers a `continue` weight update ran across (several `version_spans`), and the
+    #: tokens they had decoded before their last update: work an abort would have lost.
+    spanning_answers: int = 0
+    continued_tokens: int = 0
 
     @classmethod
     def resumption(
@@ -366,6 +370,9 @@ class Tally:
         self.redrawn: Counter[str] = Counter()
         #: Prompts continued after a restart, from their stored answers (`RESTART_COUNTS`).
         self.restart: Counter[str] = Counter()
+        #: Answers `continue` weight updates ran across, and the tokens kept by it.
+        self.spanning_answers = 0
+        self.continued_tokens = 0
 
     # -- records ------------------------------------------------------------------------
     def admitted(self, domain: str) -> None:
@@ -403,6 +410,8 @@ class Tally:
         self._wasted("stale", resumed.stale_tokens, *where)
         self.surplus_answers += outcome.surplus_answers
         self.redrawn.update(dict(outcome.redrawn))
+        self.spanning_answers += outcome.spanning_answers
+        self.continued_tokens += outcome.continued_tokens
         if outcome.resumed is not None:
             self.restart.update(
                 resumed_prompts=1,
@@ -539,6 +548,10 @@ class Tally:
             "judges": {name: judge.to_dict() for name, judge in self.judges.items()},
             "waste": self.tokens_by_fate(),
             "restart": {key: self.restart[key] for key in RESTART_COUNTS},
+            "continue": {
+                "spanning_answers": self.spanning_answers,
+                "continued_tokens": self.continued_tokens,
+            },
             "waste_by_domain": self.waste_by_key(0, self.domains),
             "waste_by_quartile": self.waste_by_key(1, (*QUARTILES, UNSEEN)),
         }
@@ -667,7 +680,18 @@ class TallyCollector(Collector):
         )
         for key in RESTART_COUNTS:
             restart.add_metric([key], t.restart[key])
-        yield from (decoded, fates, surplus, redrawn, wasted, restart)
+        spanning = self._counter(
+            "spanning_answers",
+            "Answers a continue weight update ran across (decoded under several versions)",
+            value=t.spanning_answers,
+        )
+        continued = self._counter(
+            "continued_tokens",
+            "Tokens spanning answers had decoded before their last weight update: kept, "
+            "where abort would have lost them",
+            value=t.continued_tokens,
+        )
+        yield from (decoded, fates, surplus, redrawn, wasted, restart, spanning, continued)
 
     def _judges(self) -> Iterator[Metric]:
         judges, p = self.tally.judges, self.prefix

@@ -53,8 +53,19 @@ class GenerationAborted(RuntimeError):
 
 
 #: How an engine pauses: `wait` lets running requests finish, `abort` ends them
-#: (GenerationAborted), `keep` freezes them with their cache until resume.
-PauseMode = Literal["wait", "abort", "keep"]
+#: (GenerationAborted), `keep` freezes them with their cache until resume, and
+#: `recompute` freezes them too but recomputes their cache under the weights loaded
+#: meanwhile. Under the last two the running requests go on under the new weights: a
+#: weight update in `continue` mode.
+PauseMode = Literal["wait", "abort", "keep", "recompute"]
+#: What a running answer's cache becomes at a `continue` weight update: kept (its tokens
+#: before the update keep the old weights' keys and values, the approximation partial
+#: rollouts make) or recomputed under the new weights (exact; costs a prefill of the
+#: prompt and the tokens decoded so far).
+ContinueKV = Literal["keep", "recompute"]
+#: (version, index of its first token) for each weight version an answer was decoded
+#: under, oldest first.
+VersionSpans = list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,9 @@ class Completion:
     `prompt_token_ids` and `prompt_text` are the prompt the answer continues where it is
     not the row's (None: the row's): an episode on a chat row whose environment added
     messages or tools began from its own rendering of the conversation.
+    `policy_version` is the oldest version that decoded any of its tokens; an answer a
+    `continue` weight update ran across holds each version's first token in
+    `version_spans` (None: one version decoded all of it).
     """
 
     token_ids: TokenIds
@@ -157,6 +171,7 @@ class Completion:
     env_reward: float | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
+    version_spans: VersionSpans | None = None
 
     @property
     def verified_text(self) -> str:
@@ -442,6 +457,19 @@ class Backend(abc.ABC):
         return False
 
     @property
+    def continues(self) -> frozenset[ContinueKV]:
+        """The caches under which running answers can go on across a weight load (a
+        `continue` update: `update_pause` is `keep` or `recompute`), each answer
+        reporting its `version_spans`; empty: running answers must finish or be aborted
+        first."""
+        return frozenset()
+
+    #: How the next weight load's barrier pauses the engine's running requests; the
+    #: scheduler sets it before each update from its `weight_update_mode` (`wait`: none
+    #: are running by then).
+    update_pause: PauseMode = "wait"
+
+    @property
     @abc.abstractmethod
     def model_name(self) -> str: ...
 
@@ -499,6 +527,17 @@ class Backend(abc.ABC):
     async def resume(self) -> None:
         """Serve again after `pause`."""
         raise NotSupported(f"the {self.name} engine does not pause")
+
+    async def pause_for_load(self, mode: PauseMode) -> None:
+        """The engine's part of a weight update's barrier: new requests wait (`pause`;
+        NotSupported where the engine has no pause of its own) and running ones ride
+        the load as `mode` says (`update_pause`, which such an engine reads itself)."""
+        self.update_pause = mode
+        await self.pause(mode)
+
+    async def resume_after_load(self) -> None:
+        self.update_pause = "wait"
+        await self.resume()
 
     @abc.abstractmethod
     def weight_specs(self) -> Mapping[str, TensorSpec]:

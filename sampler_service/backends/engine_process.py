@@ -36,6 +36,7 @@ from sampler_service.aio import TurnBatch
 from sampler_service.backends.base import (
     Backend,
     BackendHealth,
+    ContinueKV,
     PauseMode,
     SamplingParams,
     StreamedWave,
@@ -156,6 +157,7 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
             "policy_version": backend.policy_version,
             "name": backend.name,
             "cancels_answers": backend.cancels_answers,
+            "continues": sorted(backend.continues),
             # the dtype weights are served in (a trainer casts its upload to it)
             "dtype": backend.health().detail.get("dtype"),
         },
@@ -186,6 +188,7 @@ class EngineProcess(StreamingBackend):
             "policy_version": 0,
             "specs": {},
             "cancels_answers": False,
+            "continues": [],
         }
         self._process: multiprocessing.process.BaseProcess | None = None
 
@@ -333,10 +336,14 @@ class EngineProcess(StreamingBackend):
         return await self._call("abort_all")
 
     async def pause(self, mode: PauseMode = "wait") -> None:
-        await self._call("pause", mode)
+        await self._call("pause_for_load", mode)
 
     async def resume(self) -> None:
-        await self._call("resume")
+        await self._call("resume_after_load")
+
+    @property
+    def continues(self) -> frozenset[ContinueKV]:
+        return frozenset(self._info["continues"])
 
     async def score(
         self, prompt_token_ids: list[int], response_token_ids: list[int], temperature: float = 1.0

@@ -12,6 +12,12 @@ aborted with nothing decoded; one in the running batch stops at its next token (
 stopping criterion marks its row finished, and the row's tokens up to there are its
 answer, aborted): `generate` cannot free a row's slot while it runs, so the batch goes
 on for the other rows. `abort_all` (a weight update) ends every answer the same way.
+
+A weight load waits for the running batch, except under a `continue` update
+(`update_pause` `keep`): then the batch's own stopping criterion, which runs on the
+model thread between two decode steps, copies the weights in, and the rows go on under
+them from their next token (their earlier tokens keep the old weights' cache), each
+answer noting where the new version began (`version_spans`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
@@ -44,6 +50,7 @@ from sampler_service.backends.base import (
     BackendHealth,
     CheckpointBackend,
     Completion,
+    ContinueKV,
     FinishReason,
     SamplingParams,
     StreamedWave,
@@ -94,6 +101,21 @@ class _Batch:
     stopped: set[int] = field(default_factory=set)
     #: Row -> the tokens it had when it was stopped (written by the model thread).
     cut: dict[int, int] = field(default_factory=dict)
+    #: (version, tokens decoded when it took over) of each weight version the batch ran
+    #: under; a load handed to the running batch (`_Swap`), installed at its next step.
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    swap: _Swap | None = None
+    #: generate is running (guarded by the backend's swap lock).
+    running: bool = False
+
+
+@dataclass(eq=False)
+class _Swap:
+    """A weight load for the running batch to install between two decode steps."""
+
+    plan: list[tuple[torch.Tensor, torch.Tensor]]
+    version: int
+    done: Future[None] = field(default_factory=Future)
 
 
 class _LogprobRecorder(LogitsProcessor):
@@ -152,15 +174,18 @@ class _StopStrings(StoppingCriteria):
 class _StoppedRows(StoppingCriteria):
     """Stops the rows of a running batch that were cancelled, and every row once
     `abort_all` sets the batch's event, noting how many tokens each had then: a stopped
-    row is padded from there on while the others decode."""
+    row is padded from there on while the others decode. Between two steps it also
+    installs a weight load handed to the batch (`install`)."""
 
-    def __init__(self, batch: _Batch, width: int) -> None:
-        self._batch, self._width = batch, width
+    def __init__(self, batch: _Batch, width: int, install: Callable[[_Batch, int], None]) -> None:
+        self._batch, self._width, self._install = batch, width, install
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
     ) -> torch.BoolTensor:
         batch, rows = self._batch, input_ids.shape[0]
+        if batch.swap is not None:
+            self._install(batch, input_ids.shape[1] - self._width)
         if batch.abort.is_set():
             stop = [True] * rows
         elif batch.stopped:
@@ -227,6 +252,7 @@ class HFBackend(CheckpointBackend, StreamingBackend):
         self._eos_ids: list[int] = []
         self._pad_id = 0
         self._vocab_size = 0
+        self._swap_lock = threading.Lock()
         self._targets: dict[str, torch.Tensor] = {}  # state_dict key -> tensor sharing storage
         self._names: dict[str, str] = {}  # accepted weight name -> state_dict key
         self._specs = WeightSpecs({})
@@ -448,18 +474,25 @@ class HFBackend(CheckpointBackend, StreamingBackend):
         recorder = _LogprobRecorder(sampling.temperature if sampling.temperature > 0 else 1.0)
         if batch.reseed:
             torch.manual_seed(sampling.seed)
-        version = self._version
-        criteria: list[StoppingCriteria] = [_StoppedRows(batch, width)]
+        criteria: list[StoppingCriteria] = [_StoppedRows(batch, width, self._install_swap)]
         if sampling.stop and self._tokenizer is not None:
             criteria.append(_StopStrings(self._tokenizer, sampling.stop, width))
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=input_ids.to(self._device),
-                attention_mask=attention_mask.to(self._device),
-                generation_config=self._generation_config(sampling),
-                logits_processor=LogitsProcessorList([recorder]),
-                stopping_criteria=StoppingCriteriaList(criteria),
-            )
+        with self._swap_lock:
+            batch.running, batch.spans = True, [(self._version, 0)]
+        try:
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=input_ids.to(self._device),
+                    attention_mask=attention_mask.to(self._device),
+                    generation_config=self._generation_config(sampling),
+                    logits_processor=LogitsProcessorList([recorder]),
+                    stopping_criteria=StoppingCriteriaList(criteria),
+                )
+        finally:
+            with self._swap_lock:
+                batch.running = False
+                if batch.swap is not None:  # it came after the last step: between batches
+                    self._install_swap(batch, None)
         self.model_calls += 1
         logprobs = recorder.finish(out.sequences)
         completions = []
@@ -467,7 +500,7 @@ class HFBackend(CheckpointBackend, StreamingBackend):
         for row, (tokens, lps) in enumerate(zip(rows, logprobs, strict=True)):
             cut = batch.cut.get(row)
             tokens = tokens if cut is None else tokens[:cut]
-            completions.append(self._completion(tokens, lps, sampling, version))
+            completions.append(self._completion(tokens, lps, sampling, batch.spans))
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
         return completions
 
@@ -493,9 +526,14 @@ class HFBackend(CheckpointBackend, StreamingBackend):
         )
 
     def _completion(
-        self, tokens: list[int], logprobs: list[float], sampling: SamplingParams, version: int
+        self,
+        tokens: list[int],
+        logprobs: list[float],
+        sampling: SamplingParams,
+        spans: list[tuple[int, int]],
     ) -> Completion:
-        """Cut a generated row after its first stop (the rest is padding) and label it."""
+        """Cut a generated row after its first stop (the rest is padding) and label it
+        with the versions that decoded its tokens."""
         stop = self._stop_index(tokens, sampling)
         reason: FinishReason
         if stop is not None:
@@ -503,7 +541,15 @@ class HFBackend(CheckpointBackend, StreamingBackend):
         else:  # without a stop a row is only short of max_tokens when it was stopped
             reason = "length" if len(tokens) >= sampling.max_tokens else "abort"
         text = self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
-        return Completion(tokens, logprobs[: len(tokens)], text, reason, version)
+        mine = [span for i, span in enumerate(spans) if i == 0 or span[1] < len(tokens)]
+        return Completion(
+            tokens,
+            logprobs[: len(tokens)],
+            text,
+            reason,
+            mine[0][0],
+            version_spans=mine if len(mine) > 1 else None,
+        )
 
     def _stop_index(self, tokens: list[int], sampling: SamplingParams) -> int | None:
         """Index of the token that ended the row: an eos or stop id, or the token that
@@ -535,7 +581,37 @@ class HFBackend(CheckpointBackend, StreamingBackend):
             tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
             check_tensor(name, tuple(tensor.shape), safetensors_code(tensor.dtype), self._specs)
             plan.append((self._targets[self._names[name]], tensor))
-        await self._in_model_thread(self._install, plan, version)
+        swap = _Swap(plan, version)
+        with self._swap_lock:
+            batch = self._inflight
+            handed = self.update_pause == "keep" and batch is not None and batch.running
+            if handed:
+                assert batch is not None
+                batch.swap = swap
+        if handed:
+            await asyncio.wrap_future(swap.done)
+        else:
+            await self._in_model_thread(self._install, plan, version)
+
+    @property
+    def continues(self) -> frozenset[ContinueKV]:
+        """Answers go on across a load with their cache kept: generate cannot re-prefill
+        the rows it runs."""
+        return frozenset({"keep"})
+
+    def _install_swap(self, batch: _Batch, decoded: int | None) -> None:
+        """Model thread: install the load handed to `batch`, its rows going on under it
+        from token `decoded` (None: the batch has ended)."""
+        swap, batch.swap = batch.swap, None
+        assert swap is not None
+        try:
+            self._install(swap.plan, swap.version)
+        except BaseException as exc:
+            swap.done.set_exception(exc)
+            raise
+        if decoded is not None:
+            batch.spans.append((swap.version, decoded))
+        swap.done.set_result(None)
 
     def _install(self, plan: list[tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
         with torch.no_grad():

@@ -55,11 +55,13 @@ from sampler_service.backends.base import (
     BackendHealth,
     CheckpointBackend,
     Completion,
+    ContinueKV,
     GenerationAborted,
     PauseMode,
     RequestWave,
     SamplingParams,
     StreamingBackend,
+    VersionSpans,
     WaveRequest,
     answer_seed,
     check_request,
@@ -151,6 +153,8 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
         self._inflight: dict[str, str] = {}
         self._load_lock = asyncio.Lock()
         self._failure: str | None = None
+        #: How the running requests were frozen for the load under way (None: not).
+        self._frozen: PauseMode | None = None
         self._nccl_ready = False
         self._sources_stale = False  # set once NCCL put weights in the engine that no file holds
         self.engine_args: dict[str, Any] = {}  # what the engine was built with (after start)
@@ -300,7 +304,9 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
         self._check(prompt_token_ids, n, sampling)
         from vllm.inputs.engine import tokens_input
 
-        prompt = tokens_input(list(prompt_token_ids))
+        # Salted with the version, a prompt's cached blocks are shared only by requests
+        # under the same weights: under a `keep` update the old blocks stay cached.
+        prompt = tokens_input(list(prompt_token_ids), cache_salt=f"v{self._version}")
         wave_id = uuid.uuid4().hex
         ids = [f"{wave_id}-{i}" for i in range(n)]
         version = self._version
@@ -336,7 +342,15 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
         logprobs = _sampled_logprobs(tokens, out.logprobs if tokens else [])
         text = self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
         self.generated_tokens += len(tokens)
-        return Completion(tokens, logprobs, text, out.finish_reason, _version_of(out, version))
+        spans = _spans_of(out) or [(version, 0)]
+        return Completion(
+            tokens,
+            logprobs,
+            text,
+            out.finish_reason,
+            spans[0][0],
+            version_spans=spans if len(spans) > 1 else None,
+        )
 
     async def score(
         self, prompt_token_ids: list[int], response_token_ids: list[int], temperature: float = 1.0
@@ -403,14 +417,33 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
     async def pause(self, mode: PauseMode = "wait") -> None:
         """vLLM's own pause: new requests queue in the engine until `resume`.
 
-        `abort` ends in-flight requests (GenerationAborted), `wait` lets them finish,
-        `keep` freezes them until resume with their cache kept (every other mode clears
-        the prefix cache, whose blocks the next weights would not have computed).
+        `abort` ends in-flight requests (GenerationAborted), `wait` lets them finish;
+        `keep` and `recompute` freeze them until resume, and a load meanwhile leaves
+        their cache (`keep`) or drops it, so they are prefilled again under the new
+        weights (`recompute`). Every other mode clears the prefix cache, whose blocks the
+        next weights would not have computed.
         """
-        await self._require_running().pause_generation(mode=mode, clear_cache=mode != "keep")
+        frozen = mode in ("keep", "recompute")
+        await self._require_running().pause_generation(
+            mode="keep" if frozen else mode, clear_cache=not frozen
+        )
+        self._frozen = mode if frozen else None
 
     async def resume(self) -> None:
         await self._require_running().resume_generation()
+        self._frozen = None
+
+    @property
+    def continues(self) -> frozenset[ContinueKV]:
+        return frozenset({"keep", "recompute"})
+
+    async def _drop_stale_cache(self, engine: Any) -> None:
+        """After a load: every cached block goes, and requests frozen by a `recompute`
+        pause are prefilled again under the new weights; under a `keep` pause the frozen
+        ones keep theirs (no new request shares them: their cache salt names the
+        version)."""
+        if self._frozen != "keep":
+            await _reset_prefix_cache(engine)
 
     async def is_paused(self) -> bool:
         return bool(await self._require_running().is_paused())
@@ -460,7 +493,7 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
             started = time.monotonic()
             try:
                 await engine.collective_rpc(_LOAD_RPC, args=(plan,))
-                await _reset_prefix_cache(engine)
+                await self._drop_stale_cache(engine)
             except Exception as exc:
                 log.error("weight load failed (%r); reloading the previous weights", exc)
                 await self._restore_files(engine, f"a failed load ({exc!r})")
@@ -491,7 +524,7 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
         plan = [(name, self._sources[name]) for name in checkpoint.order]
         try:
             await engine.collective_rpc(_LOAD_RPC, args=(plan,))
-            await _reset_prefix_cache(engine)
+            await self._drop_stale_cache(engine)
         except Exception as again:  # the engine's weights are now unknown
             self._failure = f"weights unknown after {after} and a failed reload: {again!r}"
             log.exception("reloading the weights from their files failed")
@@ -557,7 +590,7 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
                     str(version if failure is None else self._version)
                 )
                 if failure is None:
-                    await _reset_prefix_cache(engine)
+                    await self._drop_stale_cache(engine)
             except Exception as exc:  # noqa: BLE001
                 if failure is None:
                     failure = exc
@@ -641,18 +674,15 @@ def _sampled_logprobs(tokens: list[int], logprobs: Any) -> list[float]:
     return out
 
 
-def _version_of(output: Any, default: int) -> int:
-    """The oldest policy version that produced any token of this sample.
-
-    vLLM records weight-version spans per output when versions change mid-request;
-    with the scheduler's pause around updates a sample has one version.
-    """
-    spans = getattr(output, "weight_versions", None) or []
-    versions = []
-    for span in spans:
+def _spans_of(output: Any) -> VersionSpans:
+    """(version, first token) of each weight version that decoded this answer, as vLLM
+    records them when the version label changes under a running request (a `continue`
+    update); empty where it recorded none."""
+    spans: VersionSpans = []
+    for span in getattr(output, "weight_versions", None) or []:
         with contextlib.suppress(TypeError, ValueError):
-            versions.append(int(span.version))
-    return min(versions) if versions else default
+            spans.append((int(span.version), int(span.start)))
+    return spans
 
 
 def _dtype_name(value: Any) -> str:

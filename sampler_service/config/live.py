@@ -184,10 +184,28 @@ class SamplerConfig(LiveModel):
     lease_ttl_s: float = Field(
         300.0, gt=0.0, le=86_400.0, description="a lease not acked by then is served again"
     )
-    weight_update_mode: Literal["wait", "abort"] = Field(
+    weight_update_mode: Literal["wait", "abort", "continue"] = Field(
         "wait",
-        description="at a weight update, running waves finish (wait) or are aborted and "
-        "re-issued on the new weights (abort)",
+        description="at a weight update, running answers finish first (wait), are aborted "
+        "and drawn again on the new weights (abort), or go on decoding under the new "
+        "weights from their next token (continue: each answer carries its version_spans, "
+        "and consumers must declare that feature); an engine that cannot continue uses wait",
+    )
+    weight_update_kv: Literal["recompute", "keep"] = Field(
+        "recompute",
+        description="under continue, what a running answer's cache becomes: recomputed "
+        "under the new weights (exact: every token's logprob is its own version's; costs a "
+        "prefill of the prompt and the tokens decoded so far) or kept (the old weights' "
+        "keys and values stay for the tokens before the update: no prefill, later spans "
+        "only approximately their version's); hf keeps only",
+    )
+    max_versions_per_answer: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="under continue, an answer still running that would span more weight "
+        "versions than this is cancelled at the update and drawn again (counted as "
+        "redrawn version_cap: a re-draw that favours short answers); null: unbounded",
     )
     weight_drain_timeout_s: float = Field(
         60.0,

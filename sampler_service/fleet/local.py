@@ -22,6 +22,7 @@ from typing import Any
 from sampler_service.backends.base import (
     Backend,
     BackendHealth,
+    ContinueKV,
     PauseMode,
     Wave,
     WaveRequest,
@@ -48,6 +49,10 @@ class LocalMember:
     def cancels_answers(self) -> bool:
         return self.engine.cancels_answers
 
+    @property
+    def continues(self) -> frozenset[ContinueKV]:
+        return self.engine.continues
+
     def describe(self) -> dict[str, Any]:
         return {}
 
@@ -73,10 +78,10 @@ class LocalMember:
         return await self.engine.abort_all()
 
     async def pause(self, mode: PauseMode) -> None:
-        await self.engine.pause(mode)
+        await self.engine.pause_for_load(mode)
 
     async def resume(self) -> None:
-        await self.engine.resume()
+        await self.engine.resume_after_load()
 
     async def load(self, source: Source | None, version: int) -> None:
         if source is None or source.payload is None:

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sampler_service.backends.base import PauseMode, Wave, WaveRequest
+from sampler_service.backends.base import ContinueKV, PauseMode, Wave, WaveRequest
 from sampler_service.errors import NotSupported
 from sampler_service.weights.types import NCCLDescription, TensorSpec
 
@@ -110,6 +110,12 @@ class Member(Protocol):
     @property
     def cancels_answers(self) -> bool:
         """Its waves cancel single answers (known once it is attached)."""
+        ...
+
+    @property
+    def continues(self) -> frozenset[ContinueKV]:
+        """The caches its running answers can go on under across a weight load
+        (`Backend.continues`; known once it is attached)."""
         ...
 
     @property

@@ -37,8 +37,10 @@ from sampler_service.backends.base import (
     Backend,
     BackendHealth,
     Completion,
+    ContinueKV,
     GenerationAborted,
     HealthState,
+    PauseMode,
     StreamedWave,
     Wave,
     WaveRequest,
@@ -172,6 +174,22 @@ class Fleet(Backend):
         """Every member's waves cancel single answers (a wave may land on any of them)."""
         seats = self.table.seats
         return bool(seats) and all(s.member.cancels_answers for s in seats)
+
+    @property
+    def continues(self) -> frozenset[ContinueKV]:
+        """What every member continues under (an update pauses them all)."""
+        seats = [s for s in self.table.seats if s.state != "gone"]
+        if not seats:
+            return frozenset()
+        return frozenset.intersection(*(s.member.continues for s in seats))
+
+    @property
+    def update_pause(self) -> PauseMode:
+        return self.weights.pause_mode
+
+    @update_pause.setter
+    def update_pause(self, mode: PauseMode) -> None:
+        self.weights.pause_mode = mode
 
     def issue(self, request: WaveRequest) -> Wave:
         """A wave read whole goes to one member as it is (a member may answer it as one

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from sampler_service.backends.base import PauseMode
 from sampler_service.errors import NotSupported
 from sampler_service.fleet.member import MemberDown, Source, Transport
 from sampler_service.fleet.table import Seat, Table
@@ -64,6 +65,9 @@ class FleetWeights:
         self.lock = asyncio.Lock()
         #: A load or NCCL round is under way: no wave is routed.
         self.loading = False
+        #: How the barrier pauses the members' running requests (the fleet's
+        #: `update_pause`: `keep` or `recompute` under a `continue` update).
+        self.pause_mode: PauseMode = "wait"
 
     @property
     def source_version(self) -> int:
@@ -173,8 +177,9 @@ class FleetWeights:
 
     async def pause(self, seats: Sequence[Seat], epochs: dict[int, int]) -> None:
         """Every member holds its requests (those without a pause are held by the
-        scheduler's gate alone)."""
-        results = await self.table.each(seats, epochs, lambda s: s.member.pause("wait"))
+        scheduler's gate alone), its running ones as `pause_mode` says."""
+        mode = self.pause_mode
+        results = await self.table.each(seats, epochs, lambda s: s.member.pause(mode))
         self._settle(seats, results)
 
     async def resume(self, seats: Sequence[Seat], epochs: dict[int, int]) -> None:

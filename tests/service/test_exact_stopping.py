@@ -121,10 +121,14 @@ class FinishingOrder(SimBackend):
 
 
 async def _groups(
-    engine_cls: type[SimBackend], cfg: SamplerConfig, pushes: str | None, seed: int
+    engine_cls: type[SimBackend],
+    cfg: SamplerConfig,
+    pushes: str | None,
+    seed: int,
+    **knobs: Any,
 ) -> dict[str, Any]:
     """Run until PROMPTS groups are formed; weight pushes every 2 simulated seconds in
-    `pushes` mode (`wait` or `abort`), if given."""
+    `pushes` mode (`wait`, `abort` or `continue`), if given, under more config `knobs`."""
     with tempfile.TemporaryDirectory() as tmp:
         data = adaptive_sim.write_dataset(Path(tmp), PROMPTS)
         dataset = adaptive_sim.simulated_dataset(data, PROMPTS, seed)
@@ -133,7 +137,7 @@ async def _groups(
     await engine.start()
     sink = MemorySink()
     if pushes is not None:
-        cfg = cfg.model_copy(update={"weight_update_mode": pushes})
+        cfg = cfg.model_copy(update={"weight_update_mode": pushes, **knobs})
     check_consistency(cfg, dataset.domains)
     scheduler = sim_scheduler(engine, dataset, sink, cfg, seed)
     scheduler.start()
@@ -167,6 +171,8 @@ async def _groups(
         "indices": [sorted(s.index for s in g.samples) for g in groups],
         "waste": stats,
         "dropped": dict(scheduler.tally.dropped),
+        "spanning": [sum(s.version_spans is not None for s in g.samples) for g in groups],
+        "continued_tokens": scheduler.tally.continued_tokens,
     }
 
 
@@ -244,6 +250,22 @@ def test_weight_pushes_in_wait_mode_stay_exact_and_abort_mode_redraws() -> None:
     print(f"pushes every 2 s, abort: z {z_abort}; redrawn {aborted['waste']['redrawn']}")
     assert aborted["waste"]["redrawn"].get("aborted", 0) > 0
     assert aborted["waste"]["waste"]["aborted"] > 0
+
+
+def test_weight_pushes_in_continue_mode_stay_exact_and_a_version_cap_redraws() -> None:
+    continued = virtual_clock.run(_groups(SimBackend, CFG, "continue", seed=2))
+    z = _zs(continued, CFG)
+    spanning = sum(continued["spanning"])
+    print(f"pushes every 2 s, continue: z {z}; {spanning} spanning answers in the groups")
+    assert all(abs(v) <= SE for v in z.values()), z
+    assert not continued["waste"]["redrawn"] and continued["waste"]["waste"]["aborted"] == 0
+    assert spanning > 0 and continued["continued_tokens"] > 0
+    capped = virtual_clock.run(
+        _groups(SimBackend, CFG, "continue", seed=2, max_versions_per_answer=1)
+    )
+    print(f"continue, at most 1 version per answer: redrawn {capped['waste']['redrawn']}")
+    assert capped["waste"]["redrawn"].get("version_cap", 0) > 0
+    assert sum(capped["spanning"]) == 0 and capped["continued_tokens"] == 0
 
 
 class WholeWavesCheaper(SimBackend):

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2ForCausalL
 
 from sampler_service.backends.base import Completion, GenerationAborted, SamplingParams
 from sampler_service.backends.hf import HFBackend
+from sampler_service.errors import NotSupported
 from sampler_service.weights.types import WeightsRejected
 from sampler_service.weights.vetting import spec_bytes, vet_weight_file
 from trainer_client.toy.model import build_config
@@ -278,6 +279,44 @@ async def test_weight_load_waits_for_the_running_batch(endless_dir: Path) -> Non
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
         (later,) = await backend.generate(prompt, 1, SamplingParams(max_tokens=2))
         assert later.policy_version == 1
+
+
+async def test_a_continue_load_lands_between_two_decode_steps(endless_dir: Path) -> None:
+    """Under a `continue` update (`update_pause` keep) the running rows go on under the
+    new weights from the step after the load, and each answer says where they began."""
+    reference = AutoModelForCausalLM.from_pretrained(endless_dir, dtype=torch.float32).eval()
+    new = perturbed_state(reference, 0.5, seed=1, names=["lm_head.weight"])
+    updated = AutoModelForCausalLM.from_pretrained(endless_dir, dtype=torch.float32).eval()
+    updated.load_state_dict(new, strict=False)
+    async with started(endless_dir) as backend:
+        assert backend.continues == {"keep"}
+        prompt, sampling = [5, 6], SamplingParams(max_tokens=400)
+        running = asyncio.create_task(backend.generate(prompt, 3, sampling))
+        await asyncio.sleep(0.2)
+        assert not running.done() and backend.queue_depth == 0  # taken into a batch
+        with pytest.raises(NotSupported):  # no pause of its own: it reads update_pause
+            await backend.pause_for_load("keep")
+        await backend.load_weights(new, 1)
+        with pytest.raises(NotSupported):
+            await backend.resume_after_load()
+        assert backend.update_pause == "wait" and backend.policy_version == 1
+        answers = await running
+    for c in answers:
+        assert c.finish_reason == "length" and c.policy_version == 0
+        assert c.version_spans is not None
+        [(first, zero), (second, start)] = c.version_spans
+        assert (first, zero, second) == (0, 0, 1) and 0 < start < len(c.token_ids)
+        # Tokens before the load are the old weights' own. After it, the keys and values
+        # of the earlier tokens stay the old weights' (the `keep` approximation), so the
+        # new weights' full forward pass scores them only approximately; the ratio is
+        # nearer 1 under the new weights than under the old.
+        old = reference_logprobs(reference, prompt, c.token_ids, 1.0)
+        fresh = reference_logprobs(updated, prompt, c.token_ids, 1.0)
+        sampled = torch.tensor(c.logprobs)
+        torch.testing.assert_close(sampled[:start], old[:start], atol=1e-4, rtol=0)
+        later = sampled[start:]
+        assert (later - fresh[start:]).abs().mean() < (later - old[start:]).abs().mean()
+    assert {c.version_spans[1][1] for c in answers if c.version_spans} == {start}
 
 
 async def test_abort_all_and_a_responsive_event_loop(endless_dir: Path) -> None:

@@ -49,6 +49,7 @@ class FakeMember:
     servers their owner runs."""
 
     address = None
+    continues: frozenset[str] = frozenset()
 
     def __init__(
         self, index: int, *, restartable: bool = True, workers: int = 1, streams: bool = False

@@ -28,8 +28,14 @@ LOSS_MASK = "loss_mask"
 #: it, rather than let it train on an off-policy answer as if it were fresh.
 REPLAYED = "replayed"
 
+#: Samples may have been decoded under several policy versions (`Sample.version_spans`):
+#: a weight update in `continue` mode let them go on decoding under the new weights. A
+#: sampler in that mode refuses (409 `feature_required`) a consumer that did not declare
+#: it, rather than let it take such an answer's logprobs for one policy's.
+VERSION_SPANS = "version_spans"
+
 #: Every feature this version knows.
-FEATURES: frozenset[str] = frozenset({NO_TEXT, LOSS_MASK, REPLAYED})
+FEATURES: frozenset[str] = frozenset({NO_TEXT, LOSS_MASK, REPLAYED, VERSION_SPANS})
 
 #: The query parameter that carries them.
 QUERY_PARAM = "features"

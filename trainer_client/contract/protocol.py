@@ -83,6 +83,14 @@ class Sample(_Wire):
         description="the answer's index in its prompt's sequence, fixed when its wave was "
         "issued (0-based); null for a replayed answer, which an earlier group drew",
     )
+    version_spans: list[tuple[int, int]] | None = Field(
+        None,
+        description="(policy version, index of its first response token) for each weight "
+        "version that decoded part of the answer, oldest first: a weight update in "
+        "continue mode ran across it (policy_version is the first, the oldest); null: one "
+        "version decoded all of it. Served only to a consumer that declared the "
+        "version_spans feature while the sampler continues answers across updates",
+    )
     replayed: bool = Field(
         False,
         description="an earlier right answer of the prompt put in place of one of an "

@@ -42,6 +42,7 @@ import orjson
 
 from sampler_service.backends.base import (
     Completion,
+    ContinueKV,
     FinishReason,
     GenerationAborted,
     PauseMode,
@@ -127,6 +128,7 @@ class HTTPMember:
 
     restartable = False
     cancels_answers = True
+    continues: frozenset[ContinueKV] = frozenset()
 
     def __init__(self, url: str, servers: Servers) -> None:
         self.name = self.address = url.rstrip("/")

@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from sampler_service.backends.base import PauseMode, Wave, WaveRequest
+from sampler_service.backends.base import ContinueKV, PauseMode, Wave, WaveRequest
 from sampler_service.backends.ray.channel import ReplicaChannel
 from sampler_service.backends.ray.replica import NotStarted
 from sampler_service.errors import NotSupported
@@ -67,6 +67,8 @@ class RayMember:
         self.pid: int | None = None
         #: Its engine's waves cancel single answers (as it said when it was attached).
         self.cancels_answers = False
+        #: What its engine continues under across a weight load (likewise).
+        self.continues: frozenset[ContinueKV] = frozenset()
         #: The process this member asked Ray to kill: until Ray's kill lands, calls may
         #: still reach it, and it is not a new incarnation.
         self._killed_pid: int | None = None
@@ -95,6 +97,7 @@ class RayMember:
             raise _KillPending(f"{self.name}: pid {self._killed_pid} is not dead yet")
         self._killed_pid, self.pid = None, info["pid"]
         self.cancels_answers = bool(info["cancels_answers"])
+        self.continues = frozenset(info.get("continues", ()))
         return Attached(
             version=int(info["policy_version"]),
             identity=self.pid,

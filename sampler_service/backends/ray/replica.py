@@ -190,6 +190,7 @@ class Replica:
             "policy_version": self._backend.policy_version,
             "specs": self._backend.weight_specs(),
             "cancels_answers": self._backend.cancels_answers,
+            "continues": sorted(self._backend.continues),
             "attached": attached,
         }
 
@@ -400,10 +401,10 @@ class Replica:
         return await self._engine().abort_all() if self._backend is not None else 0
 
     async def pause(self, mode: PauseMode) -> None:
-        await self._engine().pause(mode)
+        await self._engine().pause_for_load(mode)
 
     async def resume(self) -> None:
-        await self._engine().resume()
+        await self._engine().resume_after_load()
 
     async def policy_version(self) -> int:
         """The version its engine serves (a read, unlike `health`, which generates)."""
