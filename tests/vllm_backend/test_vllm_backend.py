@@ -474,3 +474,81 @@ def test_episodes_and_stop_strings_match_hf(engines: Engines) -> None:
         assert v.token_ids == h.token_ids and v.loss_mask == h.loss_mask
         assert v.num_turns == h.num_turns == 2 and 0 in v.loss_mask
         assert _max_diff(v.logprobs, h.logprobs) <= LOGPROB_TOL
+
+
+def _across_a_load(
+    engines: Engines,
+    prompt: list[int],
+    sampling: SamplingParams,
+    kv: str,
+    weights: tuple[Any, Any],
+    v: int,
+) -> list[Completion]:
+    """Answers a `continue` load (`kv`) of the new weights (`weights`: old, new) as
+    version `v` ran across: the load comes once they decode, and is tried again on a
+    fresh wave, the old weights loaded back first, where an answer finished before it or
+    began after it (a loaded CPU may outrun the pause)."""
+    old, new = weights
+
+    async def one_try() -> list[Completion]:
+        wave = engines.vllm.wave(prompt, 4, sampling)
+        reading = asyncio.ensure_future(wave.answers())
+        while not engines.vllm.health().detail["inflight_requests"]:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)  # a few tokens in
+        await engines.vllm.pause_for_load(kv)  # type: ignore[arg-type]
+        await engines.vllm.load_weights(new, v)
+        await engines.vllm.resume_after_load()
+        return await reading
+
+    for _ in range(5):
+        answers = engines.run(one_try())
+        if all(a.version_spans for a in answers):
+            return answers
+        engines.run(engines.vllm.load_weights(old, v + 1))
+        v += 2
+    raise AssertionError("in every try an answer finished before the load or began after it")
+
+
+def test_a_continue_load_runs_across_answers_and_records_their_spans(engines: Engines, toy) -> None:
+    """Under `recompute` each answer's tokens are exactly the logprobs of the weights of
+    their span; under `keep` the first span is, and the later spans (decoded over the old
+    weights' cache) only approximately: their distribution is reported. A new request
+    after a `keep` load shares no cache block with the old weights (its cache salt)."""
+    prompt, longest = _endless(engines)
+    # Greedy, on weights near the toy's: every answer runs long (the endless prompt).
+    sampling = SamplingParams(temperature=0.0, max_tokens=longest)
+    base = _perturbed(toy.model_dir, 0.0, seed=0)
+    engines.run(engines.vllm.load_weights(base, 100))
+    engines.run(engines.hf.load_weights(base, 100))
+    assert engines.vllm.continues == {"keep", "recompute"}
+    for kv, seed in (("recompute", 11), ("keep", 12)):
+        new = _perturbed(toy.model_dir, 0.01, seed=seed)
+        version = engines.vllm.policy_version + 1
+        answers = _across_a_load(engines, prompt, sampling, kv, (base, new), version)
+        before = [engines.run(engines.hf.score(prompt, a.token_ids)) for a in answers]
+        engines.run(engines.hf.load_weights(new, engines.vllm.policy_version))
+        base = new
+        ratios: list[float] = []
+        for a, old in zip(answers, before, strict=True):
+            [(first, zero), (second, start)] = a.version_spans or []
+            assert (first, zero) == (a.policy_version, 0) and second > first
+            assert 0 < start < len(a.token_ids)
+            assert _max_diff(a.logprobs[:start], old[:start]) <= LOGPROB_TOL
+            fresh = engines.run(engines.hf.score(prompt, a.token_ids))
+            later = a.logprobs[start:]
+            if kv == "recompute":
+                assert _max_diff(later, fresh[start:]) <= LOGPROB_TOL
+            else:
+                ratios += [math.exp(s - f) for s, f in zip(later, fresh[start:], strict=True)]
+        if kv == "keep":
+            ratios.sort()
+            REPORT["keep: later spans' ratio sampled/new weights, p5/p50/p95"] = (
+                f"{ratios[len(ratios) // 20]:.3f}/{ratios[len(ratios) // 2]:.3f}/"
+                f"{ratios[-1 - len(ratios) // 20]:.3f} over {len(ratios)} tokens"
+            )
+        # Both engines serve the new weights again, and a new request is exact under them.
+        [after] = engines.run(engines.vllm.generate(prompt, 1, sampling))
+        assert after.version_spans is None
+        expected = engines.run(engines.hf.score(prompt, after.token_ids))
+        assert _max_diff(after.logprobs, expected) <= LOGPROB_TOL
