@@ -37,6 +37,7 @@ class TrainBatch:
     group_index: torch.Tensor  # [B] long, index into `groups` of each sample's group
     policy_versions: torch.Tensor  # [B] long, the policy version that generated the sample
     replayed: torch.Tensor  # [B] bool, an earlier answer replayed into its group (off-policy)
+    spanning: torch.Tensor  # [B] bool, decoded under several policy versions (version_spans)
     groups: list[Group] = field(default_factory=list)
 
     @property
@@ -87,6 +88,7 @@ TENSOR_FIELDS = (
     "group_index",
     "policy_versions",
     "replayed",
+    "spanning",
 )
 
 
@@ -140,6 +142,7 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
         group_index=torch.tensor([gi for gi, _, _ in rows], dtype=torch.long),
         policy_versions=torch.tensor([s.policy_version for _, _, s in rows], dtype=torch.long),
         replayed=torch.tensor([s.replayed for _, _, s in rows], dtype=torch.bool),
+        spanning=torch.tensor([bool(s.version_spans) for _, _, s in rows], dtype=torch.bool),
         groups=list(groups),
     )
 

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from trainer_client import checkpoints
 from trainer_client.batch import BatchAssembler, TrainBatch
 from trainer_client.client import SamplerClient
-from trainer_client.contract.features import LOSS_MASK, NO_TEXT, REPLAYED
+from trainer_client.contract.features import LOSS_MASK, NO_TEXT, REPLAYED, VERSION_SPANS
 from trainer_client.contract.flags import command_line
 from trainer_client.train_config import TrainConfig
 
@@ -156,6 +156,21 @@ def ppo_clip_loss(
     return loss, {"clip_frac": clip_frac.item()}
 
 
+#: The truncated importance correction's cap for a batch holding an answer a `continue`
+#: weight update ran across, where none is configured.
+SPANNING_TIS_CAP = 2.0
+
+
+def tis_cap(configured: float | None, batch: TrainBatch) -> float | None:
+    """The cap of the per-token importance weight min(pi_old / pi_sampler, cap): the
+    configured one, else SPANNING_TIS_CAP where the batch holds an answer decoded under
+    several versions (each token's sampler logprob is its own version's, so the one
+    correction covers every span), else none."""
+    if configured is not None:
+        return configured
+    return SPANNING_TIS_CAP if bool(batch.spanning.any()) else None
+
+
 def approx_kl(logprobs: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> float:
     """k3 estimate of KL(sampler || policy) over response tokens: E[r - 1 - log r]."""
     log_r = torch.where(mask > 0, logprobs - behaviour, 0.0)
@@ -191,8 +206,9 @@ class GRPOTrainer:
             groups_per_step=cfg.batch_groups,
             # It trains on token ids and logprobs and never reads a text (a third fewer
             # bytes per group on the wire), on an episode's sampled tokens only, and on
-            # replayed answers as off-policy ones (`cfg.replayed`).
-            features=[NO_TEXT, LOSS_MASK, REPLAYED],
+            # replayed answers as off-policy ones (`cfg.replayed`), and on answers decoded
+            # under several versions through the truncated importance weights (`tis_cap`).
+            features=[NO_TEXT, LOSS_MASK, REPLAYED, VERSION_SPANS],
         )
         if cfg.fresh and (aside := checkpoints.move_aside(cfg.out_dir)) is not None:
             tqdm.write(f"--fresh: moved {cfg.out_dir} aside to {aside}", file=sys.stderr)
@@ -250,7 +266,8 @@ class GRPOTrainer:
         # (tis_cap), and for a replayed answer, sampled by an older policy, capped at
         # replay_is_cap (or zero: dropped) in place of that.
         log_r = torch.where(mask > 0, old_lp - b.behaviour_logprobs, 0.0)
-        is_weights = torch.exp(log_r).clamp(max=cfg.tis_cap) if cfg.tis_cap else None
+        cap = tis_cap(cfg.tis_cap, b)
+        is_weights = torch.exp(log_r).clamp(max=cap) if cap else None
         if b.replayed.any():
             replay_w = (
                 torch.exp(log_r).clamp(max=cfg.replay_is_cap)
@@ -289,6 +306,10 @@ class GRPOTrainer:
             "version_lag_mean": lag.mean().item(),
             "version_lag_max": lag.max().item(),
             "advantage_abs_mean": adv.abs().mean().item(),
+            # Tokens whose importance weight the cap truncated (0 with the correction off).
+            "tis_truncated_tokens": float(((torch.exp(log_r) > cap) & (mask > 0)).sum())
+            if cap
+            else 0.0,
         }
 
     def train(self) -> list[dict[str, Any]]:

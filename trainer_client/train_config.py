@@ -60,7 +60,10 @@ class TrainConfig(BaseModel):
         None,
         gt=0.0,
         allow_inf_nan=False,
-        description="truncated importance correction min(pi_old / pi_sampler, CAP); unset: off",
+        description="truncated importance correction min(pi_old / pi_sampler, CAP) per "
+        "token; unset: 2 for a batch that holds an answer a continue weight update ran "
+        "across (version_spans: its tokens' sampler logprobs are each span's own version's), "
+        "off otherwise",
     )
     replayed: Literal["clip", "drop"] = Field(
         "clip",

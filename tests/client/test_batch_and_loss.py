@@ -10,7 +10,7 @@ import torch
 from support import group, sample
 
 from trainer_client.batch import BatchAssembler, collate
-from trainer_client.contract.features import LOSS_MASK, NO_TEXT, REPLAYED
+from trainer_client.contract.features import LOSS_MASK, NO_TEXT, REPLAYED, VERSION_SPANS
 from trainer_client.contract.protocol import Group
 from trainer_client.grpo import (
     GRPOTrainer,
@@ -200,14 +200,14 @@ def test_train_step_loss_matches_hand_computed_value(tiny_model_dir: Path) -> No
     assert metrics["version_lag_mean"] == 0.0
 
 
-def test_the_reference_trainer_declares_no_text_loss_mask_and_replayed(
+def test_the_reference_trainer_declares_no_text_loss_mask_replayed_and_version_spans(
     tiny_model_dir: Path,
 ) -> None:
     """It trains on token ids alone, so its stream and leases ask for groups without texts,
-    on sampled tokens only, so it takes multi-turn episodes, and on replayed answers as
-    off-policy ones."""
+    on sampled tokens only, so it takes multi-turn episodes, on replayed answers as
+    off-policy ones, and on answers of several versions through its importance weights."""
     trainer = GRPOTrainer(TrainConfig(url="http://unused", model=tiny_model_dir))
-    declared = f"{LOSS_MASK},{NO_TEXT},{REPLAYED}"
+    declared = f"{LOSS_MASK},{NO_TEXT},{REPLAYED},{VERSION_SPANS}"
     try:
         assert trainer.client.features == declared
         assert trainer.client._query_params(None)["features"] == declared
@@ -270,6 +270,56 @@ def test_a_replayed_answer_is_weighted_as_off_policy(tiny_model_dir: Path, mode:
     as_fresh = trainer.train_step(collate([fresh], pad_id=0))["loss"]
     assert as_fresh == pytest.approx(0.0, abs=1e-7)
     assert metrics["loss"] > 0.05
+
+
+def _with_spans(spans: list[list[int]] | None) -> Group:
+    """A right answer of four tokens whose sampler logprobs are far from the model's,
+    decoded under versions 3 then 4 from its third token (`spans`), and a wrong one."""
+    return G(
+        "s",
+        prompt=[3, 4],
+        samples=[
+            sample(
+                [5, 6, 7, 8],
+                logprobs=[-6.0, -0.05, -6.0, -0.05],
+                reward=1.0,
+                advantage=0.5,
+                policy_version=3,
+                version_spans=spans,
+            ),
+            sample([7], logprobs=[-1.0], reward=0.0, advantage=-0.5, policy_version=4),
+        ],
+    )
+
+
+def test_an_answer_of_two_versions_is_weighed_by_the_truncated_importance_ratio(
+    tiny_model_dir: Path,
+) -> None:
+    """With no tis_cap configured, a batch holding an answer a `continue` update ran
+    across weighs every token by min(pi_old / pi_sampler, 2): each token's sampler
+    logprob is its own span's version's, so the one correction covers both spans. A batch
+    without one is not corrected."""
+    cfg = TrainConfig(url="http://unused", model=tiny_model_dir, advantage="server", lr=0.0)
+    trainer = GRPOTrainer(cfg, client=_NoClient())  # type: ignore[arg-type]
+    trainer._temperatures[0] = 1.0
+    trainer.version = 4
+    batch = collate([_with_spans([[3, 0], [4, 2]])], pad_id=0)
+    assert batch.spanning.tolist() == [True, False]
+    with torch.no_grad():
+        lp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, torch.ones(2))
+    terms, truncated = [], 0
+    for i, adv, cols in ((0, 0.5, [2, 3, 4, 5]), (1, -0.5, [2])):
+        for col in cols:
+            ratio = math.exp(lp[i, col].item() - batch.behaviour_logprobs[i, col].item())
+            truncated += ratio > 2.0
+            terms.append(-adv * min(ratio, 2.0))
+    metrics = trainer.train_step(batch)
+    assert metrics["loss"] == pytest.approx(sum(terms) / 5, rel=1e-5, abs=1e-7)
+    assert metrics["tis_truncated_tokens"] == truncated > 0
+    # The check can fail: without spans nothing is corrected, each token weighs 1.
+    plain = trainer.train_step(collate([_with_spans(None)], pad_id=0))
+    assert plain["loss"] == pytest.approx((-0.5 * 4 + 0.5) / 5, abs=1e-7)
+    assert plain["tis_truncated_tokens"] == 0.0 and plain["loss"] != metrics["loss"]
 
 
 def _episode(logprob_at_obs: float, weight_at_obs: float) -> Group:

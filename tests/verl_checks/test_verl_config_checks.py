@@ -106,3 +106,15 @@ def test_an_allocation_that_can_stop_short_of_a_group_is_a_problem(name: str, kn
     assert len(problems) == 1 and f"allocation.params.{knob} >= {least + 1}" in problems[0]
     fixed = {**short, "allocation": {"name": name, "params": {knob: least + 1}}}
     assert check_sampler_config(fixed, rollout_n=least + 1)[0] == []
+
+
+def test_a_sampler_that_continues_answers_needs_token_level_rollout_correction() -> None:
+    """Under weight_update_mode continue an answer's tokens may come from several
+    versions: verl must weigh each by its own ratio (rollout_correction.rollout_is=token)."""
+    sampler = {"rule": "fixed", "group_size": 4, "weight_update_mode": "continue"}
+    [problem], _ = check_sampler_config(sampler, rollout_n=4, rollout_is="sequence")
+    assert "rollout_correction.rollout_is=token" in problem and "'sequence'" in problem
+    assert check_sampler_config(sampler, rollout_n=4)[0] != []
+    assert check_sampler_config(sampler, rollout_n=4, rollout_is="token")[0] == []
+    waits = {**sampler, "weight_update_mode": "wait"}
+    assert check_sampler_config(waits, rollout_n=4)[0] == []

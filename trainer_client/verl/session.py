@@ -75,6 +75,9 @@ class SamplerSession:
                 temperature=float(rollout.temperature),
                 top_p=float(rollout.get("top_p", 1.0)),
                 max_response_length=config.data.get("max_response_length"),
+                rollout_is=(config.algorithm.get("rollout_correction", None) or {}).get(
+                    "rollout_is", None
+                ),
             ):
                 log.warning("sampler config: %s", warning)
         self.use_sampler_advantages = self.settings.sampler_advantages(sampler_config)

@@ -33,7 +33,7 @@ from strategies.allocation import ALLOCATIONS
 from strategies.estimator import EstimatorParams
 from strategies.stopping import StoppingParams
 from trainer_client.contract.dtypes import ServingDType
-from trainer_client.contract.features import LOSS_MASK, REPLAYED
+from trainer_client.contract.features import LOSS_MASK, REPLAYED, VERSION_SPANS
 
 #: The name our trainer mode and checkpoint engine are registered under in verl.
 MODE = "adaptive_rollout"
@@ -152,8 +152,10 @@ class SamplerSettings(BaseModel):
             "consumer": self.consumer,
             "watchdog_s": self.watchdog_s,
             # The conversion trains on Sample.loss_mask == 1 tokens only and handles
-            # replayed answers (`replayed`), so episodes and replay may be served to it.
-            "features": [LOSS_MASK, REPLAYED],
+            # replayed answers (`replayed`), so episodes and replay may be served to it;
+            # answers of several versions carry each token's own logprob, which verl's
+            # token-level rollout correction (required then) weighs.
+            "features": [LOSS_MASK, REPLAYED, VERSION_SPANS],
         }
 
     def sampler_advantages(self, sampler_config: Mapping[str, Any]) -> bool:
@@ -198,10 +200,19 @@ def check_sampler_config(
     temperature: float | None = None,
     top_p: float | None = None,
     max_response_length: int | None = None,
+    rollout_is: str | None = None,
 ) -> tuple[list[str], list[str]]:
-    """(problems, warnings) of training verl with rollout.n = `rollout_n` on this sampler config."""
+    """(problems, warnings) of training verl with rollout.n = `rollout_n` on this sampler
+    config; `rollout_is` is verl's ``algorithm.rollout_correction.rollout_is``."""
     problems: list[str] = []
     warnings: list[str] = []
+    if sampler.get("weight_update_mode") == "continue" and rollout_is != "token":
+        problems.append(
+            "the sampler's weight updates continue running answers (weight_update_mode "
+            "continue), so one answer's tokens may come from several policy versions, each "
+            "with its own logprob: set algorithm.rollout_correction.rollout_is=token so verl "
+            f"weighs every token by its own truncated ratio (it is {rollout_is!r})"
+        )
     group_size = _knob(StoppingParams, sampler, "group_size")
     if group_size != rollout_n:
         what = (
