@@ -67,7 +67,7 @@ def _step_targets() -> str:
     lines = []
     for key, t in data["targets"].items():
         which, _, competing = key.partition("/")
-        if which in ("exact", "staleness"):  # their own tables
+        if which in ("exact", "staleness", "continue"):  # their own tables
             continue
         labels = {r["method"]: r["label"] for r in data["tables"][which]}
         lines.append(
@@ -140,6 +140,41 @@ def _step_staleness() -> str:
         f"step {runs['bounded']['step_s']:.0f} s paced, {runs['unpaced']['step_s']:.0f} s not, "
         f"{runs['unbounded']['step_s']:.0f} s without a bound; "
         f"{runs['bounded']['pacing']['delayed']} prompts delayed.\n"
+    )
+
+
+def _step_continue() -> str:
+    data = _load("step_time")["continue"]
+    runs = data["runs"]
+    lines = [
+        {
+            "run": name,
+            "step": r["step_s"],
+            "drain": r["drain_s_per_step"],
+            "aborted": r["aborted_tokens"],
+            "spanning": r["spanning_per_step"],
+            "engine": r["engine_s_per_informative"],
+        }
+        for name, r in runs.items()
+    ]
+    verdicts = "; ".join(
+        f"{key.partition('/')[2]} {t['measured']:.3g} (goal {t['goal']}: "
+        f"{'met' if t['met'] else 'missed'})"
+        for key, t in data["targets"].items()
+    )
+    return (
+        table(
+            lines,
+            [
+                ("run", "pipeline / weight_update_mode"),
+                ("step", "step (s)"),
+                ("drain", "drain s / step"),
+                ("aborted", "aborted tokens"),
+                ("spanning", "spanning answers / step"),
+                ("engine", "engine-s / informative group"),
+            ],
+        )
+        + f"\nTargets: {verdicts}.\n"
     )
 
 
@@ -449,6 +484,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "step_time.checks": _step_checks,
     "step_time.targets": _step_targets,
     "step_time.staleness": _step_staleness,
+    "step_time.continue": _step_continue,
     "step_time.exact": _step_exact,
     "step_time.difficulty": lambda: _step_table("difficulty"),
     "step_time.flat": lambda: _step_table("flat"),

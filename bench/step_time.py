@@ -216,6 +216,8 @@ class Trainer(VolatileSink):
         self.groups: list[tuple[float, int, bool]] = []  # (pass rate, answers, informative)
         self.scheduler: Scheduler | None = None
         self.engine: SimBackend | None = None
+        #: Seconds weight updates waited for running answers (drained or aborted).
+        self.drain_s = 0.0
 
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
@@ -245,6 +247,9 @@ class Trainer(VolatileSink):
             "surplus": st.waste["surplus"],
             "wasted": sum(st.waste.values()),
             "stale_tokens": st.waste["stale"],
+            "aborted_tokens": st.waste["aborted"],
+            "drain_s": self.drain_s,
+            "spanning": st.spanning_answers,
         }
 
     async def run(self) -> None:
@@ -268,7 +273,9 @@ class Trainer(VolatileSink):
                 for g, inf in zip(frame, informative, strict=True)
             )
             await asyncio.sleep(self.train_s_per_sample * samples + SYNC_S)
+            update_started = loop.time()
             async with self.scheduler.paused_for_weights():
+                self.drain_s += loop.time() - update_started
                 self.version += 1
                 await self.engine.load_weights({}, self.version)
             self.training = []
@@ -435,6 +442,9 @@ def summarize(
         "stale_share": sum(n for lag, n in lags.items() if lag >= 1) / max(samples, 1),
         "lags": {str(lag): n / max(samples, 1) for lag, n in sorted(lags.items())},
         "stale_dropped_share": delta("stale_tokens") / decoded,
+        "aborted_tokens": delta("aborted_tokens"),
+        "drain_s_per_step": delta("drain_s") / k,
+        "spanning_per_step": delta("spanning") / k,
         "quartiles": {
             str(q): {
                 "trained_samples": quartiles["trained_by_quartile"][q],
@@ -861,6 +871,69 @@ def measure_staleness(
     return {"row": STALENESS_ROW, "runs": runs, "figures": figures, "targets": judged}
 
 
+#: Weight updates that neither drain nor abort, judged on STALENESS_ROW at r 0.7 with the
+#: service's default drain cap (weight_drain_timeout_s), each update mode side by side.
+CONTINUE_MODES = ("wait", "abort", "continue")
+CONTINUE_GOALS = {
+    "step": ("step with continue vs the same row with wait", 0.85, "<="),
+    "engine_s_per_informative": ("engine-seconds per informative group vs GRPO n=4", 1.0, "<="),
+    "aborted": ("tokens aborted by weight updates under continue", 0.0, "<="),
+}
+
+
+def measure_continue(args: argparse.Namespace, spec: EngineSpec, log: Any) -> dict[str, Any]:
+    """STALENESS_ROW in each weight update mode on both asynchronous pipelines, and GRPO
+    n=4 on-policy; the `continue/<name>` targets on the off-policy pipeline (max_staleness
+    1: under max_staleness 0 every answer an update ran across is stale by its oldest
+    version, so the on-policy runs show that cost instead)."""
+    row = next(r for r in rows() if r.key == STALENESS_ROW)
+    grpo4 = next(r for r in rows() if r.key == "grpo4")
+    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+    t4 = run_one(grpo4, "sync", rates, args, spec)["gen_s"]
+    train_s = 0.7 * t4 / (4 * args.batch)
+    runs: dict[str, dict[str, Any]] = {}
+    for pipeline in ("off_policy", "on_policy"):
+        for mode in CONTINUE_MODES:
+            started = time.monotonic()
+            res = run_one(
+                row,
+                pipeline,
+                rates,
+                args,
+                spec,
+                train_s_per_sample=train_s,
+                overrides={"weight_update_mode": mode},
+            )
+            res.pop("groups", None)
+            runs[f"{pipeline}/{mode}"] = res
+            log(
+                f"  continue {pipeline}/{mode}: step {res['step_s']:.1f}s, drain "
+                f"{res['drain_s_per_step']:.1f}s/step ({time.monotonic() - started:.1f}s real)"
+            )
+    base = run_one(grpo4, "on_policy", rates, args, spec, train_s_per_sample=train_s)
+    base.pop("groups", None)
+    runs["grpo4/on_policy"] = base
+    cont, wait = runs["off_policy/continue"], runs["off_policy/wait"]
+    measured = {
+        "step": cont["step_s"] / wait["step_s"],
+        "engine_s_per_informative": cont["engine_s_per_informative"]
+        / base["engine_s_per_informative"],
+        "aborted": cont["aborted_tokens"],
+    }
+    drains = ", ".join(f"{name} {r['drain_s_per_step']:.1f}" for name, r in runs.items())
+    judged = {
+        f"continue/{key}": {
+            "measured": measured[key],
+            "goal": f"{sense} {goal}",
+            "met": measured[key] <= goal,
+            "reason": f"{what}: {STALENESS_ROW} off-policy (max_staleness 1, r 0.7), "
+            f"{args.steps} measured steps; drain s/step by run: {drains}",
+        }
+        for key, (what, goal, sense) in CONTINUE_GOALS.items()
+    }
+    return {"row": STALENESS_ROW, "runs": runs, "targets": judged}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="B 256, 3 steps, r 0.7 off-policy")
@@ -883,6 +956,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="measure only the staleness runs and update their targets in the results",
     )
+    p.add_argument(
+        "--continue-only",
+        action="store_true",
+        help="measure only the weight update modes and update their targets in the results",
+    )
     args = p.parse_args(argv)
     args.batch = args.batch or (256 if args.quick else 512)
     args.steps = args.steps or (3 if args.quick else 6)
@@ -891,6 +969,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.monotonic()
     if args.staleness_only:
         return _staleness_only(args, started)
+    if args.continue_only:
+        return _continue_only(args, started)
 
     # One tick per self-check draw and per (row, pipeline) run, on stderr.
     bar = tqdm(
@@ -932,6 +1012,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     judged.update(exact_targets(per_seed))
     staleness = measure_staleness(args, ENGINE, _t4(tables["difficulty"]), log)
     judged.update(staleness["targets"])
+    continued = measure_continue(args, ENGINE, log)
+    judged.update(continued["targets"])
     log(f"\ntargets: {judged}")
     out = {
         "settings": {
@@ -959,6 +1041,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tables": tables,
         "targets": judged,
         "staleness": staleness,
+        "continue": continued,
     }
     write_json("step_time", out, started=started)
     return out
@@ -984,6 +1067,20 @@ def _staleness_only(args: argparse.Namespace, started: float) -> dict[str, Any]:
     out = json.loads(path.read_text()) if path.exists() else {"targets": {}}
     out["targets"].update(staleness["targets"])
     out["staleness"] = {**staleness, "settings": flags(args, "batch", "steps", "warmup", "seed")}
+    write_json("step_time", out, started=started)
+    return out
+
+
+def _continue_only(args: argparse.Namespace, started: float) -> dict[str, Any]:
+    """`--continue-only`: the weight update modes' runs; their targets and section
+    replace those in `bench/results/step_time.json`, the rest is kept."""
+    continued = measure_continue(args, ENGINE, print)
+    for name, target in continued["targets"].items():
+        print(f"{name}: {target}")
+    path = RESULTS / "step_time.json"
+    out = json.loads(path.read_text()) if path.exists() else {"targets": {}}
+    out["targets"].update(continued["targets"])
+    out["continue"] = {**continued, "settings": flags(args, "batch", "steps", "warmup", "seed")}
     write_json("step_time", out, started=started)
     return out
 
