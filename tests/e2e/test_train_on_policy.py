@@ -39,8 +39,9 @@ def test_max_staleness_zero_trains_every_step_on_the_current_weights(
         watchdog_s=60.0,
     )
     trainer = GRPOTrainer(cfg)
-    # no texts; episodes masked; replayed answers weighted as off-policy
-    assert trainer.client.features == "loss_mask,no_text,replayed"
+    # no texts; episodes masked; replayed answers weighted as off-policy; answers of
+    # several versions weighted per token
+    assert trainer.client.features == "loss_mask,no_text,replayed,version_spans"
     with trainer.client:
         log = trainer.train()
         assert trainer.client.health().policy_version == STEPS
