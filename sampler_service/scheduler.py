@@ -130,8 +130,6 @@ class Scheduler:
         #: Prompts a restart continues (`resume`), sampled before any new admission.
         self._resumed: list[PromptRun] = []
         self.last_error: str | None = None
-        #: Why the last update asked to `continue` drained instead (None: it did not).
-        self.continue_fallback: str | None = None
         #: Recent engine calls: the time of each failure, None for each success.
         self.engine_errors: deque[float | None] = deque(maxlen=100)
 
@@ -451,19 +449,24 @@ class Scheduler:
         """How this update's barrier pauses running answers: frozen and continued
         (`keep`, `recompute`) where the mode is `continue` and the engine can, else
         `wait` (what `abort` cut has stopped by then)."""
-        self.continue_fallback = None
         if self.config.weight_update_mode != "continue":
             return "wait"
+        if (why := self.continue_unsupported()) is not None:
+            log.warning("weight_update_mode continue: %s", why)
+            return "wait"
+        return self.config.weight_update_kv
+
+    def continue_unsupported(self) -> str | None:
+        """Why `weight_update_mode: continue` drains instead, on this engine and with
+        this `weight_update_kv` (None: it continues, or is not asked to)."""
         kv = self.config.weight_update_kv
-        if kv in self.backend.continues:
-            return kv
+        if self.config.weight_update_mode != "continue" or kv in self.backend.continues:
+            return None
         can = ", ".join(sorted(self.backend.continues)) or "neither"
-        self.continue_fallback = (
+        return (
             f"the {self.backend.name} engine cannot continue answers across a weight "
             f"update with weight_update_kv {kv} (it can: {can}): running answers finish first"
         )
-        log.warning("weight_update_mode continue: %s", self.continue_fallback)
-        return "wait"
 
     async def _drain(self, timeout_s: float) -> None:
         """Wait for in-flight waves; abort the ones still running after `timeout_s`.

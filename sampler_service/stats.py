@@ -119,6 +119,12 @@ class Stats:
             "held_tokens": scheduler.held_tokens() + self.outbox.held_tokens(),
             "rates": self._rates(),
             "staleness": self._staleness(),
+            "weight_updates": {
+                "mode": scheduler.config.weight_update_mode,
+                "kv": scheduler.config.weight_update_kv,
+                "engine_continues": sorted(self.backend.continues),
+                "drains_instead": scheduler.continue_unsupported(),
+            },
             "allocation": scheduler.allocation_stats(),
             "trained_groups": self.control.trained_groups,
             "schedule": {

@@ -433,6 +433,94 @@ def test_a_weight_push_in_abort_mode_reissues_the_aborted_waves(fleet: Fleet, to
             time.sleep(0.25)
 
 
+def test_continue_needs_the_generate_dialect_whose_answers_carry_their_spans(
+    fleet: Fleet, toy, loop_thread, tmp_path: Path
+) -> None:
+    """`/v1/completions` reports no spans, so a sampler on the `vllm` dialect says it
+    drains instead. On `vllm-generate` (a server of its own, which no other sampler
+    resyncs meanwhile) a `recompute` update lets running answers go on, and each token's
+    logprob is its own version's: the base model's for the first span, the new weights'
+    for the second (scored by transformers in float32, vLLM's within 1e-5 here)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sampler_service.backends.base import SamplingParams
+    from sampler_service.backends.http.dialects import VLLM_GENERATE
+    from sampler_service.backends.http.transport import HTTPPoolSettings, build_http_fleet
+
+    with httpx.Client(base_url=fleet.sampler.url, timeout=120) as c:
+        assert c.patch("/v1/config", json={"weight_update_mode": "continue"}).status_code == 200
+        updates = c.get("/v1/stats").json()["weight_updates"]
+        assert updates["engine_continues"] == []
+        assert "cannot continue" in updates["drains_instead"]
+        assert c.patch("/v1/config", json={"weight_update_mode": "wait"}).status_code == 200
+    tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
+    prompt = tokenizer("1234567890")["input_ids"]  # no `=` to answer: greedy runs long
+    greedy = SamplingParams(temperature=0.0, max_tokens=64 - len(prompt))
+    state = load_file(str(toy.model_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    new = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+    base = AutoModelForCausalLM.from_pretrained(toy.model_dir, dtype=torch.float32).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(toy.model_dir, dtype=torch.float32).eval()
+    reloaded.load_state_dict(new)
+
+    def scored(model: Any, tokens: list[int]) -> list[float]:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0]
+        picked = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+        return picked.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+
+    server = EngineServer(toy.model_dir, tmp_path / "vllm.log", args=("--enable-scale-out",))
+    server.start()
+    try:
+        server.wait_ready()
+        http = build_http_fleet(
+            toy.model_dir,
+            HTTPPoolSettings(
+                urls=(server.url,),
+                instance_id="continue",
+                weights_dir=tmp_path,
+                dialect=VLLM_GENERATE,
+            ),
+        )
+        loop_thread.run(http.start())
+        assert http.continues == {"keep", "recompute"}
+
+        async def across(version: int) -> list[Any]:
+            reading = asyncio.ensure_future(http.wave(prompt, 4, greedy).answers())
+            member = http.table.seats[0].member
+            while len(member.requests) < 4 and not reading.done():
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.05)  # a few tokens in
+            http.update_pause = "recompute"
+            try:
+                await http.load_weights(new, version)
+            finally:
+                http.update_pause = "wait"
+            return await reading
+
+        try:
+            # A try whose answers finished before the load (a loaded machine) is made again,
+            # running across the same new weights under the next version.
+            version = 1
+            answers = loop_thread.run(across(version))
+            while not all(a.version_spans for a in answers) and version < 5:
+                version += 1
+                answers = loop_thread.run(across(version))
+        finally:
+            loop_thread.run(http.close())
+    finally:
+        server.stop()
+    for a in answers:
+        [(first, zero), (second, start)] = a.version_spans or [(None, None), (None, None)]
+        assert (first, zero, second) == (version - 1, 0, version), a.version_spans
+        assert 0 < start < len(a.token_ids)
+        before = scored(base if first == 0 else reloaded, a.token_ids)
+        assert a.logprobs[:start] == pytest.approx(before[:start], abs=2e-4)
+        assert a.logprobs[start:] == pytest.approx(scored(reloaded, a.token_ids)[start:], abs=2e-4)
+
+
 @pytest.mark.parametrize("name", ["vllm", "vllm-generate"])
 def test_an_abort_reaches_the_requests_it_names(fleet: Fleet, name: str) -> None:
     """A weight update in `abort` mode aborts the sampler's in-flight requests by id; vLLM

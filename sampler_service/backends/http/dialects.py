@@ -12,7 +12,10 @@ answer back as token ids and logprobs, and how to reload weights from a path.
   `/inference/v1/generate` (token ids in, token ids and logprobs out), whose answers
   carry `weight_versions`: the label under which each run of tokens was sampled. The
   backend checks every span against the label the wave was sent under, so an answer a
-  foreign reload touched is never kept; everything else is `vllm`'s.
+  foreign reload touched is never kept. The spans also make `continue` weight updates
+  possible (`/pause?mode=keep`, the only dialect that reports them): an answer an update
+  ran across reads its later labels as its `version_spans`, and each request is
+  cache-salted with its label. Everything else is `vllm`'s.
 - `sglang`: SGLang's native API. Waves are `/generate` with `input_ids` and
   `sampling_params` (`n` answers, `sampling_seed`), `return_logprob` giving
   `meta_info.output_token_logprobs` as `[logprob, token_id, text]` triples; weights reload
@@ -33,13 +36,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from sampler_service.backends.base import PauseMode, SamplingParams
+from sampler_service.backends.base import ContinueKV, PauseMode, SamplingParams
 
 DialectName = Literal["vllm", "vllm-generate", "sglang"]
 
 #: token ids, their logprobs, finish reason ("stop", "length", "abort" or the server's
-#: word), and the weight labels its tokens were sampled under (None: not reported)
-Answer = tuple[list[int], list[float], str | None, tuple[str, ...] | None]
+#: word), and (weight label, first token) of each run of its tokens sampled under one
+#: label (None: not reported)
+Answer = tuple[list[int], list[float], str | None, tuple[tuple[str, int], ...] | None]
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,11 @@ class Dialect:
     reload_body: Callable[[str], dict[str, Any]]
     #: Our request ids -> the abort calls' bodies, under the ids the server gave them.
     abort_bodies: Callable[[Sequence[str]], list[dict[str, Any]]]
+    #: What running answers can go on under across a weight load: the servers report
+    #: each answer's label spans (`Backend.continues`).
+    continues: frozenset[ContinueKV] = frozenset()
+    #: The request field that salts its prefix cache (None: not salted).
+    cache_salt: str | None = None
 
 
 def _knobs(sampling: SamplingParams, no_top_k: int) -> dict[str, Any]:
@@ -177,7 +186,11 @@ def _vllm_generate_answers(body: Any) -> list[Answer]:
         if content and [int(c["token_id"]) for c in content] != ids:
             raise RuntimeError("the server's token ids and logprob tokens differ")
         spans = choice.get("weight_versions")
-        labels = None if spans is None else tuple(str(span["version"]) for span in spans)
+        labels = (
+            None
+            if spans is None
+            else tuple((str(span["version"]), int(span["start"])) for span in spans)
+        )
         if spans and sum(int(span["end"]) - int(span["start"]) for span in spans) != len(ids):
             raise RuntimeError("the server's weight_versions spans do not cover the answer")
         values = [float(c["logprob"]) for c in content]
@@ -279,6 +292,8 @@ VLLM_GENERATE = replace(
     request=_vllm_generate_request,
     answers=_vllm_generate_answers,
     abort_bodies=lambda ids: [{"request_ids": [f"generate-tokens-{rid}" for rid in sorted(ids)]}],
+    continues=frozenset({"keep", "recompute"}),
+    cache_salt="cache_salt",
 )
 
 DIALECTS: dict[DialectName, Dialect] = {

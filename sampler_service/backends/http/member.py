@@ -20,7 +20,9 @@ for `--backend http` (what every server shares, and the fleet around them: `tran
   A failed receive leaves part of the round (`PartialWeights`): reloaded before routing.
 - A server that refuses connections, times out or answers a wave with 5xx is down
   (`MemberDown`); one whose `weight_versions` spans (`vllm-generate`) differ from the
-  wave's label had its weights changed by someone else (`ForeignWeights`).
+  wave's label had its weights changed by someone else (`ForeignWeights`), unless the
+  later labels are those this member set at `continue` updates it was frozen for: the
+  answer's `version_spans`.
 
 Paths and field names are the server's dialect (`dialects.py`: vLLM's or SGLang's).
 """
@@ -128,7 +130,6 @@ class HTTPMember:
 
     restartable = False
     cancels_answers = True
-    continues: frozenset[ContinueKV] = frozenset()
 
     def __init__(self, url: str, servers: Servers) -> None:
         self.name = self.address = url.rstrip("/")
@@ -147,6 +148,16 @@ class HTTPMember:
         #: error they answer with is an answer aborted with nothing counted, never a
         #: failed member.
         self.aborted: set[str] = set()
+        #: How the server's running requests were frozen for the update under way
+        #: (`keep` or `recompute`; None: not frozen).
+        self._frozen: PauseMode | None = None
+        #: Labels set at `continue` updates: an answer running across one has it in its
+        #: spans, never a foreign reload's.
+        self._continued: set[str] = set()
+
+    @property
+    def continues(self) -> frozenset[ContinueKV]:
+        return self._dialect.continues
 
     def describe(self) -> dict[str, Any]:
         digest = self.checksum_digest
@@ -289,6 +300,9 @@ class HTTPMember:
         """One request of n answers, to its answers (aborted, with what they had decoded,
         where it was asked to abort)."""
         body = self.request_body(prompt, n, sampling, request_id)
+        expected = self._servers.label(version)
+        if self._dialect.cache_salt is not None:  # no cached block of other weights is read
+            body[self._dialect.cache_salt] = expected.replace("/", "-")  # '/' is refused
         self.requests.add(request_id)
         try:
             response = await self._servers.wave_client().post(
@@ -313,15 +327,28 @@ class HTTPMember:
         answers = self._dialect.answers(orjson.loads(response.content))
         if len(answers) != n:
             raise GenerationAborted(f"{self.address} returned {len(answers)} of {n} answers")
-        expected = self._servers.label(version)
-        if foreign := {x for a in answers for x in a[3] or () if x != expected}:
+        for answer in answers:
+            self._check_spans(answer, version, expected)
+        return [self._completion(answer, version) for answer in answers]
+
+    def _check_spans(self, answer: Answer, version: int, expected: str) -> None:
+        """Its first run of tokens under the wave's label (or one set at a `continue`
+        update the answer waited through), each later one under such a label."""
+        spans = answer[3] or ()
+        later = {
+            label
+            for label in self._continued
+            if (v := self._servers.version(label)) is not None and v > version
+        }
+        if foreign := {label for label, _ in spans if label != expected and label not in later}:
             raise ForeignWeights(
                 f"{self.address} sampled tokens under {sorted(foreign)}, not {expected!r}"
             )
-        return [self._completion(answer, version) for answer in answers]
 
     def _completion(self, answer: Answer, version: int) -> Completion:
-        ids, values, reason, _ = answer
+        ids, values, reason, labelled = answer
+        spans = [(self._servers.version(label), start) for label, start in labelled or ()]
+        version_spans = [(v, start) for v, start in spans if v is not None]
         finish = _FINISHED.get(reason or "")
         if finish is None:
             raise RuntimeError(f"the server finished an answer with {reason!r}")
@@ -329,7 +356,14 @@ class HTTPMember:
             raise RuntimeError("the server's token ids and logprobs do not line up")
         tokenizer = self._servers.tokenizer
         text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else ""
-        return Completion(ids, values, text, finish, version)
+        return Completion(
+            ids,
+            values,
+            text,
+            finish,
+            version_spans[0][0] if version_spans else version,
+            version_spans=version_spans if len(version_spans) > 1 else None,
+        )
 
     async def _abort(self, ids: list[str], timeout: float) -> None:
         """Ask the server to abort these requests of ours, under the ids it runs them as."""
@@ -351,22 +385,29 @@ class HTTPMember:
 
     # -- the weight barrier -----------------------------------------------------------
     async def pause(self, mode: PauseMode) -> None:
-        if mode not in self._dialect.pause_modes:
+        """`keep` and `recompute` both freeze the running requests (`/pause?mode=keep`);
+        the load then keeps their cache or drops it (`load`)."""
+        frozen = mode in ("keep", "recompute")
+        if frozen and mode not in self._dialect.continues:
+            raise NotSupported(f"{self._dialect.name} servers do not continue answers ({mode})")
+        if not frozen and mode not in self._dialect.pause_modes:
             raise NotSupported(f"{self._dialect.name} servers do not pause with mode {mode}")
-        await self._post(self._dialect.pause.format(mode=mode))
-        self._paused = True
+        await self._post(self._dialect.pause.format(mode="keep" if frozen else mode))
+        self._paused, self._frozen = True, mode if frozen else None
 
     async def resume(self) -> None:
         await self._post(self._dialect.resume)
-        self._paused = False
+        self._paused, self._frozen = False, None
 
     async def load(self, source: Source | None, version: int) -> None:
         """Reload from the source's directory (None: the base model's), then drop the
-        prefix cache (blocks computed with the old weights)."""
+        prefix cache (blocks computed with the old weights; running requests frozen by
+        `recompute` are prefilled again), unless `keep` froze them: their cache stays, and
+        new requests read none of it (their cache salt is their label)."""
         path = str(source.payload if source is not None else self._servers.model_dir)
         timeout = self._servers.request_timeout_s
         await self._post(self._dialect.reload, self._dialect.reload_body(path), timeout=timeout)
-        if self._dialect.reset_cache is not None:
+        if self._dialect.reset_cache is not None and self._frozen != "keep":
             await self._post(self._dialect.reset_cache)
 
     async def label(self) -> int | None:
@@ -376,7 +417,14 @@ class HTTPMember:
     async def set_label(self, version: int) -> None:
         label = self._servers.label(version)
         await self._post(self._dialect.set_label, {"new_version": label})
+        self._labelled(label)
+
+    def _labelled(self, label: str) -> None:
+        """The server carries `label` now; one set at a `continue` update may label the
+        later spans of the answers it froze."""
         self.label_text = label
+        if self._frozen is not None:
+            self._continued.add(label)
 
     async def checksum(self) -> str:
         """One digest of the server's /weight_checker checksums (one per tensor, under
@@ -432,8 +480,8 @@ class HTTPMember:
                 raise
             label = self._servers.label(version)
             await self._post(paths.finish, {"weight_version": label})
-            self.label_text = label
-            if self._dialect.reset_cache is not None:
+            self._labelled(label)
+            if self._dialect.reset_cache is not None and self._frozen != "keep":
                 await self._post(self._dialect.reset_cache)
         except ServerError as exc:
             raise PartialWeights(str(exc)) from exc
