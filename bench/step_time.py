@@ -1055,32 +1055,29 @@ def _t4(table_rows: list[dict[str, Any]]) -> float:
 
 
 def _staleness_only(args: argparse.Namespace, started: float) -> dict[str, Any]:
-    """`--staleness-only`: GRPO n=4 sync (for T4), then the staleness runs; their targets
-    and section replace those in `bench/results/step_time.json`, the rest is kept."""
+    """`--staleness-only`: GRPO n=4 sync (for T4), then the staleness runs."""
     grpo4 = next(r for r in rows() if r.key == "grpo4")
     rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
     t4 = run_one(grpo4, "sync", rates, args, ENGINE)["gen_s"]
-    staleness = measure_staleness(args, ENGINE, t4, print)
-    for name, target in staleness["targets"].items():
-        print(f"{name}: {target}")
-    path = RESULTS / "step_time.json"
-    out = json.loads(path.read_text()) if path.exists() else {"targets": {}}
-    out["targets"].update(staleness["targets"])
-    out["staleness"] = {**staleness, "settings": flags(args, "batch", "steps", "warmup", "seed")}
-    write_json("step_time", out, started=started)
-    return out
+    return _section_only("staleness", measure_staleness(args, ENGINE, t4, print), args, started)
 
 
 def _continue_only(args: argparse.Namespace, started: float) -> dict[str, Any]:
-    """`--continue-only`: the weight update modes' runs; their targets and section
-    replace those in `bench/results/step_time.json`, the rest is kept."""
-    continued = measure_continue(args, ENGINE, print)
-    for name, target in continued["targets"].items():
-        print(f"{name}: {target}")
+    """`--continue-only`: the weight update modes' runs."""
+    return _section_only("continue", measure_continue(args, ENGINE, print), args, started)
+
+
+def _section_only(
+    name: str, section: dict[str, Any], args: argparse.Namespace, started: float
+) -> dict[str, Any]:
+    """One section measured alone: its targets and section replace those in
+    `bench/results/step_time.json`, the rest is kept."""
+    for key, target in section["targets"].items():
+        print(f"{key}: {target}")
     path = RESULTS / "step_time.json"
     out = json.loads(path.read_text()) if path.exists() else {"targets": {}}
-    out["targets"].update(continued["targets"])
-    out["continue"] = {**continued, "settings": flags(args, "batch", "steps", "warmup", "seed")}
+    out["targets"].update(section["targets"])
+    out[name] = {**section, "settings": flags(args, "batch", "steps", "warmup", "seed")}
     write_json("step_time", out, started=started)
     return out
 
