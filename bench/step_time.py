@@ -882,34 +882,38 @@ CONTINUE_GOALS = {
 
 
 def measure_continue(args: argparse.Namespace, spec: EngineSpec, log: Any) -> dict[str, Any]:
-    """STALENESS_ROW in each weight update mode on both asynchronous pipelines, and GRPO
-    n=4 on-policy; the `continue/<name>` targets on the off-policy pipeline (max_staleness
-    1: under max_staleness 0 every answer an update ran across is stale by its oldest
-    version, so the on-policy runs show that cost instead)."""
+    """STALENESS_ROW in each weight update mode on both asynchronous pipelines (and
+    off-policy without a bound), and GRPO n=4 on-policy; the `continue/<name>` targets on
+    the off-policy pipeline (max_staleness 1: on-policy, max_staleness 0, admits nothing
+    that an update could run across)."""
     row = next(r for r in rows() if r.key == STALENESS_ROW)
     grpo4 = next(r for r in rows() if r.key == "grpo4")
     rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
     t4 = run_one(grpo4, "sync", rates, args, spec)["gen_s"]
     train_s = 0.7 * t4 / (4 * args.batch)
     runs: dict[str, dict[str, Any]] = {}
-    for pipeline in ("off_policy", "on_policy"):
-        for mode in CONTINUE_MODES:
-            started = time.monotonic()
-            res = run_one(
-                row,
-                pipeline,
-                rates,
-                args,
-                spec,
-                train_s_per_sample=train_s,
-                overrides={"weight_update_mode": mode},
-            )
-            res.pop("groups", None)
-            runs[f"{pipeline}/{mode}"] = res
-            log(
-                f"  continue {pipeline}/{mode}: step {res['step_s']:.1f}s, drain "
-                f"{res['drain_s_per_step']:.1f}s/step ({time.monotonic() - started:.1f}s real)"
-            )
+    # "unbounded": off-policy without max_staleness, which shows what the bound costs an
+    # answer an update ran across (its group is as old as its oldest version).
+    settings = [(p, m, {}) for p in ("off_policy", "on_policy") for m in CONTINUE_MODES] + [
+        ("unbounded", m, {"max_staleness": None}) for m in ("wait", "continue")
+    ]
+    for pipeline, mode, extra in settings:
+        started = time.monotonic()
+        res = run_one(
+            row,
+            "off_policy" if pipeline == "unbounded" else pipeline,
+            rates,
+            args,
+            spec,
+            train_s_per_sample=train_s,
+            overrides={"weight_update_mode": mode, **extra},
+        )
+        res.pop("groups", None)
+        runs[f"{pipeline}/{mode}"] = res
+        log(
+            f"  continue {pipeline}/{mode}: step {res['step_s']:.1f}s, drain "
+            f"{res['drain_s_per_step']:.1f}s/step ({time.monotonic() - started:.1f}s real)"
+        )
     base = run_one(grpo4, "on_policy", rates, args, spec, train_s_per_sample=train_s)
     base.pop("groups", None)
     runs["grpo4/on_policy"] = base
@@ -920,6 +924,12 @@ def measure_continue(args: argparse.Namespace, spec: EngineSpec, log: Any) -> di
         / base["engine_s_per_informative"],
         "aborted": cont["aborted_tokens"],
     }
+    loose, loose_wait = runs["unbounded/continue"], runs["unbounded/wait"]
+    unbounded = (
+        f"without a bound: step {loose['step_s'] / loose_wait['step_s']:.3f}x wait, "
+        f"engine-s {loose['engine_s_per_informative'] / base['engine_s_per_informative']:.3f}x "
+        "GRPO n=4"
+    )
     drains = ", ".join(f"{name} {r['drain_s_per_step']:.1f}" for name, r in runs.items())
     judged = {
         f"continue/{key}": {
@@ -927,7 +937,7 @@ def measure_continue(args: argparse.Namespace, spec: EngineSpec, log: Any) -> di
             "goal": f"{sense} {goal}",
             "met": measured[key] <= goal,
             "reason": f"{what}: {STALENESS_ROW} off-policy (max_staleness 1, r 0.7), "
-            f"{args.steps} measured steps; drain s/step by run: {drains}",
+            f"{args.steps} measured steps; {unbounded}; drain s/step by run: {drains}",
         }
         for key, (what, goal, sense) in CONTINUE_GOALS.items()
     }

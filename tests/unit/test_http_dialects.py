@@ -310,8 +310,8 @@ def test_vllm_generate_answers_carry_their_weight_labels_and_must_add_up() -> No
         ]
     }
     assert VLLM_GENERATE.answers(body) == [
-        ([7, 8], [-1.75, -2.0], "length", ("a/v1",)),
-        ([4, 5, 6], [-1.0, -1.25, -1.5], "length", ("a/v1", "a/v2")),
+        ([7, 8], [-1.75, -2.0], "length", (("a/v1", 0),)),
+        ([4, 5, 6], [-1.0, -1.25, -1.5], "length", (("a/v1", 0), ("a/v2", 2))),
     ]
     assert VLLM_GENERATE.answers({"choices": [choice(0, [7], None)]})[0][3] is None
     with pytest.raises(RuntimeError, match="do not cover"):
