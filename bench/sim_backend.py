@@ -61,6 +61,7 @@ from sampler_service.backends.base import (
     TokenIds,
     Wave,
     WaveRequest,
+    versions_of,
 )
 from sampler_service.config import SamplerConfig
 from sampler_service.dataset import Dataset
@@ -344,14 +345,14 @@ class SimBackend(Backend):
 
     def _report(self, seq: _Seq, length: int, finish_reason: str) -> None:
         token_ids, logprobs = self._payload(self._rng, length)
-        spans = [s for i, s in enumerate(seq.spans) if i == 0 or s[1] < length]
+        oldest, spans = versions_of(seq.spans, self._version, length)
         completion = Completion(
             token_ids=token_ids,
             logprobs=logprobs,
             text=self._text(self._rng, length, seq.correct),
             finish_reason=finish_reason,  # type: ignore[arg-type]
-            policy_version=spans[0][0] if spans else self._version,
-            version_spans=spans if len(spans) > 1 else None,
+            policy_version=oldest,
+            version_spans=spans,
         )
         self.stats.sequences += 1
         self.stats.tokens += length

@@ -180,6 +180,18 @@ class Completion:
         return self.text if self.answer_text is None else self.answer_text
 
 
+def versions_of(
+    spans: VersionSpans, version: int, length: int | None = None
+) -> tuple[int, VersionSpans | None]:
+    """An answer's `policy_version` and `version_spans` from the (version, first token)
+    spans its engine recorded, leaving out those that begin past its `length` tokens (a
+    row cut before the load reached it); no span recorded: `version` decoded it all."""
+    kept = [span for i, span in enumerate(spans) if i == 0 or length is None or span[1] < length]
+    if not kept:
+        return version, None
+    return kept[0][0], kept if len(kept) > 1 else None
+
+
 def packed(completion: Completion) -> Completion:
     """`completion` with its token ids, logprobs and mask as narrow numpy arrays.
 

@@ -58,6 +58,7 @@ from sampler_service.backends.base import (
     WaveRequest,
     aborted,
     check_request,
+    versions_of,
 )
 from sampler_service.weights.types import TensorSpec
 from sampler_service.weights.vetting import WeightSpecs, check_tensor, tensor_spec
@@ -541,15 +542,8 @@ class HFBackend(CheckpointBackend, StreamingBackend):
         else:  # without a stop a row is only short of max_tokens when it was stopped
             reason = "length" if len(tokens) >= sampling.max_tokens else "abort"
         text = self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
-        mine = [span for i, span in enumerate(spans) if i == 0 or span[1] < len(tokens)]
-        return Completion(
-            tokens,
-            logprobs[: len(tokens)],
-            text,
-            reason,
-            mine[0][0],
-            version_spans=mine if len(mine) > 1 else None,
-        )
+        oldest, mine = versions_of(spans, self._version, len(tokens))
+        return Completion(tokens, logprobs[: len(tokens)], text, reason, oldest, version_spans=mine)
 
     def _stop_index(self, tokens: list[int], sampling: SamplingParams) -> int | None:
         """Index of the token that ended the row: an eos or stop id, or the token that

@@ -65,6 +65,7 @@ from sampler_service.backends.base import (
     WaveRequest,
     answer_seed,
     check_request,
+    versions_of,
 )
 from sampler_service.backends.checkpoint import (
     Checkpoint,
@@ -342,15 +343,8 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
         logprobs = _sampled_logprobs(tokens, out.logprobs if tokens else [])
         text = self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer else ""
         self.generated_tokens += len(tokens)
-        spans = _spans_of(out) or [(version, 0)]
-        return Completion(
-            tokens,
-            logprobs,
-            text,
-            out.finish_reason,
-            spans[0][0],
-            version_spans=spans if len(spans) > 1 else None,
-        )
+        oldest, spans = versions_of(_spans_of(out), version)
+        return Completion(tokens, logprobs, text, out.finish_reason, oldest, version_spans=spans)
 
     async def score(
         self, prompt_token_ids: list[int], response_token_ids: list[int], temperature: float = 1.0

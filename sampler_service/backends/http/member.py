@@ -56,6 +56,7 @@ from sampler_service.backends.base import (
     aborted,
     answer_seed,
     check_request,
+    versions_of,
 )
 from sampler_service.backends.checkpoint import Checkpoint
 from sampler_service.backends.http.dialects import VLLM, Answer, Dialect, NCCLPaths
@@ -327,28 +328,23 @@ class HTTPMember:
         answers = self._dialect.answers(orjson.loads(response.content))
         if len(answers) != n:
             raise GenerationAborted(f"{self.address} returned {len(answers)} of {n} answers")
-        for answer in answers:
-            self._check_spans(answer, version, expected)
-        return [self._completion(answer, version) for answer in answers]
-
-    def _check_spans(self, answer: Answer, version: int, expected: str) -> None:
-        """Its first run of tokens under the wave's label (or one set at a `continue`
-        update the answer waited through), each later one under such a label."""
-        spans = answer[3] or ()
-        later = {
+        # Each run of tokens is under the wave's label, or one set at a `continue` update
+        # the answer ran across (or waited through).
+        ours = {expected} | {
             label
             for label in self._continued
             if (v := self._servers.version(label)) is not None and v > version
         }
-        if foreign := {label for label, _ in spans if label != expected and label not in later}:
+        if foreign := {label for a in answers for label, _ in a[3] or () if label not in ours}:
             raise ForeignWeights(
                 f"{self.address} sampled tokens under {sorted(foreign)}, not {expected!r}"
             )
+        return [self._completion(answer, version) for answer in answers]
 
     def _completion(self, answer: Answer, version: int) -> Completion:
         ids, values, reason, labelled = answer
         spans = [(self._servers.version(label), start) for label, start in labelled or ()]
-        version_spans = [(v, start) for v, start in spans if v is not None]
+        oldest, version_spans = versions_of([(v, a) for v, a in spans if v is not None], version)
         finish = _FINISHED.get(reason or "")
         if finish is None:
             raise RuntimeError(f"the server finished an answer with {reason!r}")
@@ -356,14 +352,7 @@ class HTTPMember:
             raise RuntimeError("the server's token ids and logprobs do not line up")
         tokenizer = self._servers.tokenizer
         text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else ""
-        return Completion(
-            ids,
-            values,
-            text,
-            finish,
-            version_spans[0][0] if version_spans else version,
-            version_spans=version_spans if len(version_spans) > 1 else None,
-        )
+        return Completion(ids, values, text, finish, oldest, version_spans=version_spans)
 
     async def _abort(self, ids: list[str], timeout: float) -> None:
         """Ask the server to abort these requests of ours, under the ids it runs them as."""
