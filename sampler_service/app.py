@@ -36,6 +36,13 @@ from sampler_service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sampler_service.nccl_routes import create_nccl_router
 from sampler_service.request_body import parse_body, read_body
 from sampler_service.service import SamplerService
+from sampler_service.sessions.chat import (
+    ChatRequest,
+    ClaimRequest,
+    ClaimResponse,
+    EndRequest,
+    EndResponse,
+)
 from sampler_service.store import EventKind
 from trainer_client.contract import features as wire_features
 from trainer_client.contract.protocol import (
@@ -80,6 +87,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _REASONS = {
     400: "the body is not valid JSON",
     401: "missing or wrong API key",
+    404: "no such session (or this sampler serves none)",
     409: "a conflict: a stale version, or a name already in use",
     413: "the body is over its size limit",
     422: "a value is out of range, of the wrong type, unknown or inconsistent",
@@ -153,6 +161,9 @@ _BEARER = HTTPBearer(auto_error=False, description="the API key, when one is con
 
 #: Request models declared through `_json_body`, added to the document's components.
 _BODY_MODELS: tuple[type[BaseModel], ...] = (
+    ChatRequest,
+    ClaimRequest,
+    EndRequest,
     ConfigPatch,
     AckRequest,
     LeaseRequest,
@@ -395,10 +406,44 @@ def create_app(settings: ServeSettings, build: Callable[[], Awaitable[SamplerSer
         """The event log after `since`, oldest first; `kind` (repeatable) keeps those kinds."""
         return _json(await service.control.events.page(since, limit, kind or ()))
 
+    @v1.post("/sessions/claim", response_model=ClaimResponse, **_json_route(ClaimRequest, 404))
+    async def claim_session(request: Request, service: _Service) -> Response:
+        """A session no harness holds yet, for a harness that runs elsewhere (waits up to
+        `wait_s`; `session` is null when none came)."""
+        body = parse_body(ClaimRequest, await read_body(request, settings.max_request_bytes))
+        return _json(await service.claim_session(body.wait_s, str(request.base_url)))
+
     v1.include_router(
         create_nccl_router(lambda: app.state.service.weights), responses=_errors(400, 409, 413)
     )
     app.include_router(v1)
+
+    # A harness's session: the OpenAI base URL is /sessions/{id}/v1.
+    sessions = APIRouter(
+        prefix="/sessions/{session_id}",
+        dependencies=[*guards, Depends(_require_ready)],
+        responses=_errors(404, *_V1_ERRORS, *((401,) if guards else ())),
+    )
+
+    @sessions.post(
+        "/v1/chat/completions", response_model=dict[str, Any], **_json_route(ChatRequest, 409)
+    )
+    async def chat_completions(session_id: str, request: Request, service: _Service) -> Response:
+        """An OpenAI chat completion in the session: the model's next turn (tool calls as
+        `tool_calls`). 409 `history_changed` for a call that does not continue the
+        transcript or overlaps another, `session_cancelled` / `session_ended` once the
+        episode is over; 400 for n > 1 or stream=true."""
+        body = parse_body(ChatRequest, await read_body(request, settings.max_request_bytes))
+        return _json(await service.session_hub().chat(session_id, body))
+
+    @sessions.post("/end", response_model=EndResponse, **_json_route(EndRequest, 409))
+    async def end_session(session_id: str, request: Request, service: _Service) -> Response:
+        """End the session with its reward (null: the row's verifier scores the last turn)."""
+        body = parse_body(EndRequest, await read_body(request, settings.max_request_bytes))
+        service.session_hub().get(session_id).end(body.reward)
+        return _json(EndResponse(session_id=session_id, ended=True))
+
+    app.include_router(sessions)
     app.include_router(create_dashboard_router())
     app.include_router(create_docs_router())
 

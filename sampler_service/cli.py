@@ -81,6 +81,16 @@ def initial_config(
         parser.error(f"--config/--set: {exc}")
 
 
+def _reachable_url(address: Any) -> str:
+    """This host's URL of a listening address (a wildcard address is reached on loopback)."""
+    host, port = address[:2]
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _exit_now(settings: Any) -> None:
     logging.getLogger("sampler_service").error(
         "shutdown took longer than %g s: exiting now (stored groups are safe)",
@@ -165,6 +175,8 @@ def serve(args: argparse.Namespace) -> None:
         sock = config.bind_socket()
     except SystemExit as exc:
         raise SystemExit(f"cannot listen on {settings.host}:{settings.port}") from exc
+    if prepared.sessions is not None:  # the harnesses it starts reach it here
+        prepared.sessions.hub.server_url = _reachable_url(sock.getsockname())
     server.run(sockets=[sock])
 
 

@@ -44,8 +44,8 @@ from sampler_service.backends.base import (
 from sampler_service.config import EpisodeKnobs
 from sampler_service.dataset import PromptRow
 from sampler_service.environments import load_environment_factory
-from sampler_service.environments.base import Environment, Reset, Step
-from sampler_service.environments.render import ObservationRenderer
+from sampler_service.environments.base import Environment, Reset, Step, Turn, TurnEnvironment
+from sampler_service.environments.render import ObservationRenderer, message_text
 from sampler_service.tally import EpisodeCost
 
 log = logging.getLogger(__name__)
@@ -353,6 +353,10 @@ class EpisodeRunner:
             return await self._turns(
                 row, live, reset, sampling, limits, generate, index, timed, partial
             )
+        except asyncio.CancelledError:
+            if isinstance(env, TurnEnvironment):
+                env.cancelled()
+            raise
         finally:
             if env is not None:
                 closing = env
@@ -416,6 +420,7 @@ class EpisodeRunner:
                 stop_token_ids=stop_ids,
                 seed=turn_seed(sampling.seed, index, turns + 1),
             )
+            context = len(prompt) + len(ids)
             out = await generate(prompt + ids, turn_sampling)
             turn_ids = as_list(out.token_ids)
             turns += 1
@@ -425,7 +430,11 @@ class EpisodeRunner:
             versions.append(out.policy_version)
             pieces.append(out.text)
             last_text = out.text
-            step = await timed(functools.partial(env.step, out.text), f"step {turns}")
+            if isinstance(env, TurnEnvironment):
+                turn = Turn(out.text, turn_ids, as_list(out.logprobs), out.finish_reason, context)
+                step = await timed(functools.partial(env.step_turn, turn), f"step {turns}")
+            else:
+                step = await timed(functools.partial(env.step, out.text), f"step {turns}")
             if not isinstance(step, Step):
                 raise EnvironmentFailed(f"step {turns} returned {type(step).__name__}, not a Step")
             if step.done:
@@ -460,6 +469,9 @@ class EpisodeRunner:
         to (`Reset.observation` is what extends it) and its tools go unrendered.
         """
         tools = reset.info.get("tools") or None
+        if reset.conversation is not None:
+            ids, text = self.render.conversation(reset.conversation, tools)
+            return (list(row.token_ids), None) if ids == row.token_ids else (ids, text)
         if isinstance(row.prompt, str):
             if reset.messages:
                 raise EnvironmentFailed(
@@ -507,6 +519,17 @@ class EpisodeRenderer:
             raise EnvironmentFailed(
                 f"the episode's first prompt cannot be rendered: {exc!r}"
             ) from exc
+
+    def conversation(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> tuple[list[int], str]:
+        """The ids and text of a whole conversation an environment starts from: the chat
+        template's rendering, or, for a model without a template, the messages' texts
+        joined and encoded as a text prompt is."""
+        if self._renderer.templated:
+            return self.prompt(messages, tools)
+        text = "".join(message_text(m) for m in messages)
+        return self._renderer.encode_prompt(text), text
 
     def observation(self, observation: Any, turn: list[int]) -> list[int]:
         """An observation's tokens (text encoded without special tokens, token ids as they

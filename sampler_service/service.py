@@ -25,6 +25,7 @@ from sampler_service.consumers import ConsumerSteps
 from sampler_service.control import Control, EventLog
 from sampler_service.dataset import PromptRow
 from sampler_service.delivery import Delivery
+from sampler_service.errors import ServiceError
 from sampler_service.health import ServiceHealth
 from sampler_service.journal import DATASET_KEY, AnswerJournal
 from sampler_service.live_config import LiveConfig
@@ -34,6 +35,8 @@ from sampler_service.replay import KEY_PREFIX as REPLAY_KEY_PREFIX
 from sampler_service.resume import resume
 from sampler_service.sampling import VerifyFn
 from sampler_service.scheduler import STATE_KEY, Scheduler
+from sampler_service.sessions import SessionHub, SessionSetup
+from sampler_service.sessions.chat import ClaimedSession, ClaimResponse
 from sampler_service.startup import Prepared, check_verifiers, prepare
 from sampler_service.state_dir import StateDir
 from sampler_service.stats import Stats
@@ -125,6 +128,8 @@ class SamplerService:
     weights: WeightsManager
     stats: Stats
     journal: AnswerJournal
+    #: Harness sessions, when rows are answered by them.
+    sessions: SessionSetup | None = None
     #: One line on what this process delivered, set when it stops (the CLI prints it).
     shutdown_summary: str | None = None
     _tasks: TaskSet = field(default_factory=TaskSet)
@@ -165,6 +170,8 @@ class SamplerService:
         tokenizer = await loop.run_in_executor(None, lambda: p.tokenize.tokenizer)
         live = LiveConfig(p.config, p.config_version, dataset.domains, dataset.prompt_ids())
         tally = Tally(dataset.domains, time.monotonic, judges=s.judge_url)
+        if p.sessions is not None:
+            p.sessions.hub.attach(loop)
         verifiers = VerifierPool(max_workers=s.verifier_pool_size, timeout_s=s.verifier_timeout_s)
         undo.callback(verifiers.close)
         judges = Judges(s.judge_url, s.judge_api_key, lambda: live.config.judges, tally)
@@ -243,6 +250,7 @@ class SamplerService:
             health,
             control,
             p.filtered_overlong,
+            p.sessions.hub if p.sessions is not None else None,
         )
         scheduler.restore_state(
             await store.call(store.sync.get_many, [STATE_KEY, DATASET_KEY], REPLAY_KEY_PREFIX)
@@ -280,6 +288,7 @@ class SamplerService:
             weights,
             stats,
             journal,
+            sessions=p.sessions,
             _acked_at_start=control.trained_groups,
         )
         journal.start()
@@ -338,6 +347,34 @@ class SamplerService:
                 failure_logged = True
                 await self.control.events.record("engine_failed", "engine", {"error": error})
             await asyncio.sleep(1.0)
+
+    def session_hub(self) -> SessionHub:
+        """The live sessions; 404 when no row is answered by sessions."""
+        if self.sessions is None:
+            raise ServiceError(
+                404,
+                "no_sessions",
+                "this sampler serves no sessions: rows answered by harnesses name the "
+                "environment 'session' (or serve --env session)",
+            )
+        return self.sessions.hub
+
+    async def claim_session(self, wait_s: float, server_url: str) -> ClaimResponse:
+        """A session for a harness that runs elsewhere, its URLs on `server_url` (the
+        address the harness reached this server at)."""
+        hub = self.session_hub()
+        session = await hub.claim(wait_s)
+        if session is None:
+            return ClaimResponse(session=None)
+        urls = hub.urls(session, server_url)
+        return ClaimResponse(
+            session=ClaimedSession(
+                session_id=session.id,
+                base_url=urls.base_url,
+                session_url=urls.session_url,
+                row=session.row,
+            )
+        )
 
     async def ack(self, delivery_ids: list[str]) -> AckResponse:
         """Acked groups leave the store; schedule steps keyed on trained groups may apply."""

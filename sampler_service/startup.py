@@ -30,6 +30,7 @@ from sampler_service.config import (
 )
 from sampler_service.dataset import Dataset, DatasetError, OverlongPrompt, PromptRow
 from sampler_service.environments.render import check_prefix_preserving
+from sampler_service.sessions import SESSION_ENV, SessionSetup, build_sessions, session_factory
 from sampler_service.state_dir import StateDir, StateDirError, fingerprint, open_state_dir
 from sampler_service.store import AsyncStore, Store
 from sampler_service.verifiers.pool import VerifierPool, resolve_error
@@ -117,6 +118,8 @@ class Prepared:
     filtered_overlong: int = 0
     #: Each judge a row or --verifier names, with who names it first (`check_judges`).
     judges_used: dict[str, str] = field(default_factory=dict)
+    #: Harness sessions, when a row or --env names the environment `session`.
+    sessions: SessionSetup | None = None
 
     def check_judges(self, cfg: SamplerConfig) -> None:
         """A config's judges against the servers given and the judges the data uses."""
@@ -151,8 +154,23 @@ def prepare(
     except DatasetError as exc:
         raise StartupError(str(exc)) from exc
     specs = dataset.env_specs() | ({s.env} if s.env else set())
+    sessions = None
     try:
-        env_factories = episodes.load_factories(specs)
+        env_factories = episodes.load_factories(specs - {SESSION_ENV})
+        if SESSION_ENV in specs:
+            sessions = build_sessions(
+                model=s.model.name,
+                api_key=s.api_key,
+                harness=s.harness,
+                tools=s.session_tools,
+                tokenizer=tokenize.tokenizer,
+            )
+            env_factories[SESSION_ENV] = session_factory(sessions)
+        elif s.harness is not None:
+            raise ValueError(
+                "--harness drives sessions, but no row names the environment 'session' "
+                '(give --env session, or rows with "env": "session")'
+            )
         if env_factories:  # chat observations need a prefix-preserving template
             check_prefix_preserving(tokenize.tokenizer, str(s.model))
         check_verifier_imports(dataset, s.verifier)
@@ -204,6 +222,7 @@ def prepare(
         0,
         len(dropped),
         used,
+        sessions,
     )
     if (saved := store.get("config")) is None:
         if "max_tokens" not in given:

@@ -14,6 +14,7 @@ from sampler_service.health import ServiceHealth
 from sampler_service.metrics import Metrics
 from sampler_service.outbox import Outbox, StoreSink
 from sampler_service.scheduler import Scheduler
+from sampler_service.sessions.hub import SessionHub
 from sampler_service.verifiers.pool import VerifierPool
 
 #: /v1/stats `rates` are averaged over this window.
@@ -34,6 +35,8 @@ class Stats:
     control: Control
     #: Prompts left out at start-up for having no room for an answer in the context.
     filtered_overlong: int = 0
+    #: Harness sessions, when rows are answered by them.
+    sessions: SessionHub | None = None
     #: (monotonic time, groups emitted, answers, tokens, groups acked), once a second.
     _samples: deque[tuple[float, int, int, int, int]] = field(
         default_factory=lambda: deque(maxlen=int(RATE_WINDOW_S) + 1), init=False
@@ -126,6 +129,7 @@ class Stats:
                 "drains_instead": scheduler.continue_unsupported(),
             },
             "allocation": scheduler.allocation_stats(),
+            "sessions": self.sessions.stats() if self.sessions is not None else None,
             "trained_groups": self.control.trained_groups,
             "schedule": {
                 "steps": len(scheduler.config.schedule),

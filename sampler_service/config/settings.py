@@ -156,7 +156,7 @@ class ServeSettings(StrictModel):
             "vllm",
             "weights_dir",
         ),
-        "episodes": ("env",),
+        "episodes": ("env", "harness", "session_tools"),
         "judges": ("judge_url", "judge_api_key"),
         "replicas and servers (Ray or HTTP fleet)": (
             "replica.max_inflight",
@@ -224,6 +224,22 @@ class ServeSettings(StrictModel):
         description="default environment for rows without one (their prompts are answered "
         "by multi-turn episodes): a built-in name | python:module:factory (imported from the "
         "working directory too); unset: rows without an env get single answers",
+    )
+    harness: str | None = Field(
+        None,
+        description="the agent harness the sampler starts for each session (rows whose "
+        "environment is 'session'): python:module:function (called with a HarnessSession) "
+        "| a command line (run without a shell; OPENAI_BASE_URL, OPENAI_API_KEY, "
+        "ADAPTIVE_ROLLOUT_SESSION_URL and ADAPTIVE_ROLLOUT_ROW in its environment); unset: "
+        "harnesses elsewhere claim sessions (POST /v1/sessions/claim). Start-up only: a "
+        "spec runs code",
+    )
+    session_tools: Literal["auto", "hermes", "calculator", "none"] = Field(
+        "auto",
+        description="how a session's model turns are read into OpenAI tool_calls: hermes "
+        "(Qwen/Hermes <tool_call> JSON), calculator (the toy's [expr]), none; auto: hermes "
+        "when the chat template has <tool_call>, calculator for a model without a template, "
+        "else none",
     )
     filter_overlong_prompts: bool = Field(
         False,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 #: What an observation may be: text (encoded without special tokens), chat messages
 #: (rendered as a chat-template delta) or token ids (used as they are).
@@ -34,6 +34,10 @@ class Reset:
     observation: str | list[int] | None = None
     stop: tuple[str, ...] = ()
     info: dict[str, Any] = field(default_factory=dict)
+    #: The whole conversation the first turn continues, in place of the row's prompt
+    #: (a session's harness writes its own); rendered by the chat template, or, for a
+    #: model without one, as the concatenation of the messages' texts.
+    conversation: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,38 @@ class Environment(Protocol):
 
     async def close(self) -> None:
         """Release what the episode held; called once, whatever the outcome."""
+        ...
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model turn as the engine returned it, for an environment that answers with
+    more than the text (the session proxy returns the logprobs a harness asks for)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    #: The ids the turn continued (the episode's prompt and every token before the turn).
+    context_tokens: int
+
+
+@runtime_checkable
+class TurnEnvironment(Environment, Protocol):
+    """An environment that reads whole turns, and learns when its episode was cancelled.
+
+    The runner calls `step_turn` in place of `step`, and `cancelled` (from the episode's
+    task, before `close`) when the episode is cancelled as surplus, so that whatever
+    drives it from outside (a harness) is told the episode's end from its cause.
+    """
+
+    async def step_turn(self, turn: Turn) -> Step:
+        """Answer the model's turn."""
+        ...
+
+    def cancelled(self) -> None:
+        """The episode was cancelled; it must return at once and may be called from any
+        thread."""
         ...
 
 

@@ -32,12 +32,35 @@ class NotPrefixPreserving(ValueError):
     """A chat template rewrites earlier turns when a turn is added."""
 
 
+def message_text(message: dict[str, Any]) -> str:
+    """A chat message's text: its content, or the text parts of a content list (OpenAI's
+    ``[{"type": "text", "text": ...}]``) joined; no content is no text."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    raise ValueError(f"a message's content must be text or a list of parts, got {content!r:.80}")
+
+
 class ObservationRenderer:
     """Renders observations into token ids for one tokenizer (and its chat template)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._dummy: tuple[list[int], list[int]] | None = None
+
+    @property
+    def templated(self) -> bool:
+        """Whether the tokenizer has a chat template (chat messages can be rendered)."""
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """``text`` as a text prompt's ids, with the special tokens the tokenizer adds at
+        the start of a sequence (as a text row is encoded)."""
+        return list(self._tokenizer(text, verbose=False)["input_ids"])
 
     def chat_text(
         self,
@@ -48,7 +71,7 @@ class ObservationRenderer:
     ) -> str:
         """The template's rendering of ``messages`` (and the tools' schemas, where the
         template renders them), as text."""
-        if not getattr(self._tokenizer, "chat_template", None):
+        if not self.templated:
             raise ValueError("chat messages need a tokenizer with a chat template")
         return str(
             self._tokenizer.apply_chat_template(

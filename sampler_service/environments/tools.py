@@ -73,6 +73,11 @@ def parse_tool_calls(action: str) -> list[ToolCall | MalformedCall]:
     return calls
 
 
+def strip_tool_calls(action: str) -> str:
+    """``action`` without its ``<tool_call>`` blocks: the text around the calls."""
+    return _CALL.sub("", action)
+
+
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     """The OpenAI/Qwen function schema of ``fn``: name, docstring, parameters by type hint."""
     hints = typing.get_type_hints(fn)
