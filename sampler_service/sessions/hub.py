@@ -46,6 +46,16 @@ _REFUSALS: dict[State, tuple[str, str]] = {
 }
 
 
+def refusal(session_id: str, state: State) -> ServiceError:
+    """The 409 a call to a session that is over gets, naming why it is over."""
+    code, message = _REFUSALS[state]
+    return ServiceError(409, code, f"session {session_id}: {message}")
+
+
+#: Sessions that are over, remembered (newest last) so a late call learns why.
+REMEMBERED_OVER = 10_000
+
+
 @dataclass(frozen=True)
 class SessionURLs:
     """Where a harness reaches its session: `base_url` for an OpenAI client, and the
@@ -108,8 +118,7 @@ class Session:
         self.claimed = False
 
     def _refusal(self) -> ServiceError:
-        code, message = _REFUSALS[self.state]
-        return ServiceError(409, code, f"session {self.id}: {message}")
+        return refusal(self.id, self.state)
 
     def _post(self, event: Event) -> None:
         """Queue an event (the lock held) and wake the episode."""
@@ -210,6 +219,7 @@ class SessionHub:
         #: http://host:port of this server, for the harnesses it starts (set at bind).
         self.server_url: str | None = None
         self._sessions: dict[str, Session] = {}
+        self._over: collections.OrderedDict[str, State] = collections.OrderedDict()
         self._unclaimed: collections.deque[Session] = collections.deque()
         self._lock = threading.Lock()
         self._offered: asyncio.Event | None = None
@@ -244,6 +254,9 @@ class SessionHub:
     def forget(self, session: Session) -> None:
         with self._lock:
             self._sessions.pop(session.id, None)
+            self._over[session.id] = session.state
+            if len(self._over) > REMEMBERED_OVER:
+                self._over.popitem(last=False)
             if session in self._unclaimed:
                 self._unclaimed.remove(session)
             if session.state == "cancelled":
@@ -254,12 +267,14 @@ class SessionHub:
     def get(self, session_id: str) -> Session:
         with self._lock:
             session = self._sessions.get(session_id)
+            over = self._over.get(session_id)
+        if over is not None:
+            raise refusal(session_id, over)
         if session is None:
             raise ServiceError(
                 404,
                 "unknown_session",
-                f"no live session {session_id!r}: it never existed, or its episode is over "
-                "and its group formed",
+                f"no session {session_id!r} (ids come from a claim or a started harness)",
             )
         return session
 
@@ -286,8 +301,8 @@ class SessionHub:
 
     async def chat(self, session_id: str, request: ChatRequest) -> dict[str, Any]:
         """Serve one call: queued to its episode, answered when the model's turn is in."""
-        session = self.get(session_id)
         try:
+            session = self.get(session_id)
             request.check()
             call = session.begin_call(request)
         except ServiceError as exc:

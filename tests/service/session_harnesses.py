@@ -2,16 +2,15 @@
 loop that runs the model's tool calls itself, knowing nothing of the sampler but the
 session's URL.
 
-`calculator` is the toy calculator task's harness (a `python:` spec); run as a script it
-is the same harness as a command (its session from the environment the sampler sets).
-`misbehaving` picks a failure from the row's `metadata.harness`.
+`calculator` is the toy calculator task's harness (a `python:` spec). Run as a script it
+is a command harness (its session from the environment the sampler sets) that drives
+the same task, or fails as the row's `metadata.harness` asks.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -80,33 +79,27 @@ def calculator(session: Any) -> None:
     drive(client, session.row["prompt"], session.session_url, session.api_key)
 
 
-def misbehaving(session: Any) -> None:
-    """What the row's `metadata.harness` asks: `crash` (raise before any call), `hang`
-    (never call), `silent` (one call, then nothing), `quit` (stop without ending), or
-    the calculator harness."""
-    mode = (session.row.get("metadata") or {}).get("harness")
-    client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+def misbehave(client: openai.OpenAI, row: dict[str, Any], session_url: str, key: str) -> None:
+    """What the row's `metadata.harness` asks: `crash` (raise before any call), `silent`
+    (one call, then nothing), `quit` (one call, then stop without ending), else the
+    calculator harness."""
+    mode = (row.get("metadata") or {}).get("harness")
     if mode == "crash":
         raise RuntimeError("the harness crashed")
-    if mode == "hang":
-        time.sleep(3600)
     if mode in ("silent", "quit"):
         client.chat.completions.create(
-            model="toy", messages=[{"role": "user", "content": session.row["prompt"]}]
+            model="toy", messages=[{"role": "user", "content": row["prompt"]}]
         )
         if mode == "silent":
             time.sleep(3600)
         return
-    calculator(session)
+    drive(client, row["prompt"], session_url, key)
 
 
 if __name__ == "__main__":  # the command harness: the session comes in the environment
-    row = json.loads(os.environ["ADAPTIVE_ROLLOUT_ROW"])
-    if (row.get("metadata") or {}).get("harness") == "crash":
-        sys.exit("the command harness crashed")
-    drive(
+    misbehave(
         openai.OpenAI(max_retries=0),  # OPENAI_BASE_URL and OPENAI_API_KEY
-        row["prompt"],
+        json.loads(os.environ["ADAPTIVE_ROLLOUT_ROW"]),
         os.environ["ADAPTIVE_ROLLOUT_SESSION_URL"],
         os.environ["OPENAI_API_KEY"],
     )
