@@ -15,18 +15,27 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import episode_envs
 import httpx
 import openai
 import pytest
 import torch
+from chat_tokenizers import CHATML, char_tokenizer, encode
 from session_harnesses import CALCULATOR_TOOL, tool_result
 from support import Server, write_jsonl
+from test_episode_runner import CALL, ScriptedChat, chat_row
 from transformers import AutoTokenizer
 
+from sampler_service.backends.base import SamplingParams
 from sampler_service.backends.hf import HFBackend
+from sampler_service.config import EpisodeKnobs
+from sampler_service.environments.tools import tool_schema
+from sampler_service.episodes import EpisodeRenderer, EpisodeRunner, EpisodeWave
+from sampler_service.sessions import build_sessions, session_factory
 from sampler_service.sessions.chat import ChatRequest
 from sampler_service.sessions.harness import FunctionLauncher, HarnessSession
 from sampler_service.sessions.hub import End, Exited, Session, SessionHub
@@ -419,3 +428,78 @@ def test_a_python_harness_that_raises_or_returns_is_reported_to_its_session() ->
 
     assert "raised ValueError('boom')" in asyncio.run(run(crash)).reason
     assert asyncio.run(run(quits)).reason == "the harness returned"
+
+
+def test_a_hermes_harness_session_on_a_chat_template_is_token_in_token_out(
+    tmp_path: Path,
+) -> None:
+    """On a ChatML template with Hermes tool calls: the first turn is sent the template's
+    rendering of the harness's messages and tools, the model's `<tool_call>` comes back
+    as an OpenAI tool call, the tool message is appended as the template's delta, and
+    the episode is the sampled tokens (never re-encoded) with the harness's reward."""
+    tokenizer = char_tokenizer(CHATML)
+    row = chat_row(tmp_path, tokenizer)
+    model = ScriptedChat(tokenizer)
+    setup = build_sessions(
+        model="chat", api_key=None, harness=None, tools="hermes", tokenizer=tokenizer
+    )
+    hub = setup.hub
+    hub.server_url = "http://127.0.0.1:1"  # the harness below calls the hub itself
+    tools = [tool_schema(episode_envs.add)]
+    replies: list[dict[str, Any]] = []
+
+    async def harness(session: HarnessSession) -> None:
+        messages: list[dict[str, Any]] = list(session.row["prompt"])
+        while True:
+            request = ChatRequest.model_validate({"messages": messages, "tools": tools})
+            reply = await hub.chat(session.session_id, request)
+            replies.append(reply)
+            message = reply["choices"][0]["message"]
+            messages.append(message)
+            if not message.get("tool_calls"):
+                break
+            for call in message["tool_calls"]:
+                result = episode_envs.add(**json.loads(call["function"]["arguments"]))
+                messages.append(
+                    {"role": "tool", "tool_call_id": call["id"], "content": str(result)}
+                )
+        hub.get(session.session_id).end(1.0)
+
+    setup = replace(setup, launcher=FunctionLauncher(harness))
+
+    async def run() -> EpisodeWave:
+        runner = EpisodeRunner(tokenizer, EpisodeRenderer(tokenizer), {})
+        return await EpisodeWave(
+            runner, row, session_factory(setup), 1, SamplingParams(), EpisodeKnobs(), model.turn, 1
+        ).run()
+
+    wave = asyncio.run(run())
+    assert not wave.env_errors, wave.env_errors
+    call = replies[0]["choices"][0]
+    assert call["finish_reason"] == "tool_calls" and call["message"]["content"] == ""
+    assert call["message"]["tool_calls"][0]["function"] == {
+        "name": "add",
+        "arguments": json.dumps({"a": 2, "b": 3}),
+    }
+    assert replies[1]["choices"][0]["message"] == {"role": "assistant", "content": "5"}
+    opening = list(row.prompt)
+    after_call = [
+        *opening,
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "name": "add", "content": "5"},
+    ]
+    first, second = (
+        encode(
+            tokenizer,
+            tokenizer.apply_chat_template(
+                m, tools=tools, add_generation_prompt=True, tokenize=False
+            ),
+        )
+        for m in (opening, after_call)
+    )
+    assert model.sent == [first, second]
+    (episode,) = wave.completions
+    assert episode.env_reward == 1.0 and episode.num_turns == 2
+    assert episode.prompt_token_ids == first
+    assert first + episode.token_ids == [*second, *encode(tokenizer, "5"), tokenizer.eos_token_id]
+    assert hub.stats()["ended_by_harness"] == 1
