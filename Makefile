@@ -35,7 +35,7 @@ SUITE_MARKERS := vllm verl gpu ray browser api deploy gpu_bundle install
 empty :=
 space := $(empty) $(empty)
 CORE_EXPR = not $(subst $(space), and not ,$(strip $(SUITE_MARKERS)))
-LINT_PATHS := strategies sampler_service trainer_client tests bench
+LINT_PATHS := strategies sampler_service trainer_client tests bench examples
 
 .PHONY: venv test test-core test-unit lint format demo demo-calculator wheel clean
 

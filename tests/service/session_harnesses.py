@@ -1,11 +1,7 @@
-"""Agent harnesses for the session tests, written as users write them: an OpenAI client
-loop that runs the model's tool calls itself, knowing nothing of the sampler but the
-session's URL.
-
-`calculator` is the toy calculator task's harness (a `python:` spec). Run as a script it
-is a command harness (its session from the environment the sampler sets) that drives
-the same task, or fails as the row's `metadata.harness` asks.
-"""
+"""A misbehaving agent harness for the session tests: a command (`python -m
+session_harnesses`, its session from the environment the sampler sets) that drives the
+toy calculator task as `examples.calculator_harness` does, or fails as the row's
+`metadata.harness` asks."""
 
 from __future__ import annotations
 
@@ -14,69 +10,9 @@ import os
 import time
 from typing import Any
 
-import httpx
 import openai
 
-from trainer_client.contract.calculator import evaluate
-
-CALCULATOR_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression of + - * over non-negative integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    },
-}
-
-
-def tool_result(arguments: str) -> str:
-    """The calculator's answer in the toy's syntax (``148;``; ``;`` for a non-expression)."""
-    value = evaluate(json.loads(arguments).get("expression", ""))
-    return ";" if value is None else f"{value};"
-
-
-def drive(client: openai.OpenAI, prompt: str, session_url: str, api_key: str) -> None:
-    """One episode: ask, run the tool calls, ask again, until a turn makes none; then end
-    the session without a reward (the row's verifier scores the last turn)."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
-    while True:
-        try:
-            response = client.chat.completions.create(
-                model="toy",
-                messages=messages,  # type: ignore[arg-type]
-                tools=[CALCULATOR_TOOL],  # type: ignore[list-item]
-                temperature=0.3,  # the sampler's settings win: counted and ignored
-            )
-        except openai.ConflictError:
-            return  # cancelled (a surplus session) or over: nothing left to do
-        message = response.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            break
-        for call in message.tool_calls:
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": call.id,
-                    "content": tool_result(call.function.arguments),  # type: ignore[union-attr]
-                }
-            )
-    httpx.post(
-        f"{session_url}/end",
-        json={"reward": None},
-        headers={"Authorization": f"Bearer {api_key}"},
-        timeout=30,
-    )
-
-
-def calculator(session: Any) -> None:
-    """The `python:` harness."""
-    client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
-    drive(client, session.row["prompt"], session.session_url, session.api_key)
+from examples.calculator_harness import drive
 
 
 def misbehave(client: openai.OpenAI, row: dict[str, Any], session_url: str, key: str) -> None:

@@ -1,6 +1,6 @@
 """Agent harnesses drive episodes through the session proxy, against the real server.
 
-- An unchanged OpenAI-client harness (`session_harnesses.calculator`, a `python:` spec)
+- An unchanged OpenAI-client harness (`examples.calculator_harness`, a `python:` spec)
   drives the toy calculator task: its tool calls come back as `tool_calls`, its results
   are appended token-in/token-out, the groups obey the rule counted in sessions, the
   engine's scores reproduce the sampled logprobs, and finished groups survive kill -9.
@@ -25,11 +25,11 @@ import openai
 import pytest
 import torch
 from chat_tokenizers import CHATML, char_tokenizer, encode
-from session_harnesses import CALCULATOR_TOOL, tool_result
 from support import Server, write_jsonl
 from test_episode_runner import CALL, ScriptedChat, chat_row
 from transformers import AutoTokenizer
 
+from examples.calculator_harness import CALCULATOR_TOOL, tool_result
 from sampler_service.backends.base import SamplingParams
 from sampler_service.backends.hf import HFBackend
 from sampler_service.config import EpisodeKnobs
@@ -124,7 +124,7 @@ def harnessed(make_module_server, calculator, tmp_path_factory) -> Server:
         data,
         EXACT_BALANCED,
         "--harness",
-        "python:session_harnesses:calculator",
+        "python:examples.calculator_harness:harness",
     )
 
 
@@ -246,7 +246,7 @@ def test_failing_command_harnesses_are_environment_errors_not_negatives(
         # a process per session: ~1.2 s of CPU to start one, on a loaded 2-core box
         "episode": {"max_tokens_per_turn": 16, "env_timeout_s": 15.0, "max_env_errors": 1},
     }
-    harness = f"{sys.executable} {HERE / 'session_harnesses.py'}"
+    harness = f"{sys.executable} -m session_harnesses"  # tests/service is on PYTHONPATH
     server = _start(make_server, calculator, data, cfg, "--harness", harness)
     groups = _lease_masked(server, 4)
     assert not {g["prompt_id"] for g in groups} & failing
