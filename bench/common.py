@@ -227,11 +227,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
 
 
-def tree_cpu_s(pid: int, include_root: bool = True) -> float:
+def tree_cpu_s(pid: int, include_root: bool = True, waited: bool = False) -> float:
     """CPU seconds (user + system) of a process and all its live descendants (Linux /proc).
 
     Engines such as vLLM run their engine core in a child process, so a process's own
-    CPU time would miss most of the work. `include_root=False`: the descendants alone.
+    CPU time would miss most of the work. `include_root=False`: the descendants alone;
+    `waited`: the root's children that exited and were waited for count too (short-lived
+    ones, such as a harness per session).
     """
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
@@ -245,6 +247,8 @@ def tree_cpu_s(pid: int, include_root: bool = True) -> float:
             continue
         parents[int(entry)] = int(fields[1])
         cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+        if waited and int(entry) == pid:
+            cpu[pid] += (int(fields[13]) + int(fields[14])) / tick
     total, frontier = 0.0, [pid]
     children: dict[int, list[int]] = {}
     for child, parent in parents.items():
