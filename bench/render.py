@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import episodes, front, http_hop, judge, learning, restart, scaleout
+from bench import episodes, front, http_hop, judge, learning, restart, scaleout, sessions
 from bench.common import RESULTS, ROOT, fmt, table
 from bench.step_time import steps_table
 
@@ -478,6 +478,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "restart.summary": lambda: restart.summary(_load("restart")),
     "restart.kills": lambda: restart.kills_table(_load("restart")),
     "judge.results": lambda: judge.results_table(_load("judge")),
+    "sessions.run": lambda: sessions.results_run_line(_load("sessions")),
+    "sessions.results": lambda: sessions.results_table(_load("sessions")),
     "episodes.toy": lambda: episodes.toy_table(_load("episodes")["toy"]),
     "episodes.sim": lambda: episodes.sim_table(_load("episodes")["sim"]),
     "step_time.settings": _step_settings,

@@ -4,7 +4,7 @@
 #   make bench BENCH_ARGS=       the full runs (more batches, seeds and repeats)
 #   make bench-step | bench-sim | bench-overhead | bench-stream | bench-learning |
 #   bench-scaleout | bench-soak | bench-front | bench-episodes | bench-http-hop |
-#   bench-judge | bench-restart  one of them
+#   bench-judge | bench-restart | bench-sessions  one of them
 #   make bench-render            rewrite the tables of BENCHMARKS.md and bench/notes/*.md
 #                                from bench/results/*.json
 #
@@ -12,7 +12,7 @@
 # side by side in one run; on a shared machine, rerun before comparing across runs.
 BENCH_ARGS ?= --quick
 
-BENCHES := step sim overhead stream learning scaleout soak front episodes http-hop judge restart
+BENCHES := step sim overhead stream learning scaleout soak front episodes http-hop judge restart sessions
 
 .PHONY: bench $(BENCHES:%=bench-%) bench-render
 
