@@ -50,3 +50,12 @@ def char_tokenizer(template: str | None) -> PreTrainedTokenizerFast:
 
 def encode(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
+
+
+def rendered(tok: PreTrainedTokenizerFast, messages: list, tools: list | None) -> list[int]:
+    """The ids of the template's rendering of `messages` with `tools`, ready for the
+    assistant's turn: what a conversation's first (or next) turn is sent."""
+    text = tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    return encode(tok, text)

@@ -127,18 +127,22 @@ class Session:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._wake.set)
 
+    def _check_idle(self, code: str, why: str) -> None:
+        """409 if the session is over, or (`code`, `why`) if a call is in flight (the
+        lock held)."""
+        if self.state != "open":
+            raise self._refusal()
+        if self._busy:
+            raise ServiceError(409, code, f"session {self.id}: a call is in flight; {why}")
+
     def begin_call(self, request: ChatRequest) -> Call:
         """Queue a call; 409 if the session is over or a call is in flight already."""
         with self._lock:
-            if self.state != "open":
-                raise self._refusal()
-            if self._busy:
-                raise ServiceError(
-                    409,
-                    "history_changed",
-                    f"session {self.id}: a call is already in flight; calls in one session "
-                    "are sequential, each continuing the transcript the last one returned",
-                )
+            self._check_idle(
+                "history_changed",
+                "calls in one session are sequential, each continuing the transcript the "
+                "last one returned",
+            )
             self._busy = True
             call = Call(request)
             self._post(call)
@@ -151,14 +155,7 @@ class Session:
     def end(self, reward: float | None) -> None:
         """The harness's end of the session; 409 if it is over or a call is in flight."""
         with self._lock:
-            if self.state != "open":
-                raise self._refusal()
-            if self._busy:
-                raise ServiceError(
-                    409,
-                    "call_in_flight",
-                    f"session {self.id}: a call is in flight; end the session after its answer",
-                )
+            self._check_idle("call_in_flight", "end the session after its answer")
             self.state = "ended"
             self._post(End(reward))
 

@@ -15,7 +15,7 @@ import episode_envs
 import pytest
 import pytest_asyncio
 import torch
-from chat_tokenizers import CHATML, char_tokenizer, encode
+from chat_tokenizers import CHATML, char_tokenizer, encode, rendered
 from support import rows_with, write_jsonl
 from test_scheduler import make_scheduler, run_until
 from transformers import AutoTokenizer
@@ -397,15 +397,7 @@ async def test_a_tool_episode_on_a_chat_row_starts_from_the_whole_conversation(
         {"role": "assistant", "content": CALL},
         {"role": "tool", "name": "add", "content": "5"},
     ]
-    first, second = (
-        encode(
-            tokenizer,
-            tokenizer.apply_chat_template(
-                m, tools=tools, add_generation_prompt=True, tokenize=False
-            ),
-        )
-        for m in (opening, after_call)
-    )
+    first, second = (rendered(tokenizer, m, tools) for m in (opening, after_call))
     assert "# Tools" in tokenizer.decode(first) and first != row.token_ids
     assert sorted(model.sent) == [first, first, second, second]
     assert not any("assistant\n<|im_end|>" in tokenizer.decode(ids) for ids in model.sent)
