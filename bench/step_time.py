@@ -908,7 +908,7 @@ def measure_continue(args: argparse.Namespace, spec: EngineSpec, log: Any) -> di
             args,
             spec,
             train_s_per_sample=train_s,
-            overrides={"weight_update_mode": mode, **extra},
+            overrides={"weight_update_mode": mode, "weight_update_kv": args.continue_kv, **extra},
         )
         res.pop("groups", None)
         runs[f"{pipeline}/{mode}"] = res
@@ -938,7 +938,8 @@ def measure_continue(args: argparse.Namespace, spec: EngineSpec, log: Any) -> di
             "measured": measured[key],
             "goal": f"{sense} {goal}",
             "met": measured[key] <= goal,
-            "reason": f"{what}: {STALENESS_ROW} off-policy (max_staleness 1, r 0.7), "
+            "reason": f"{what}: {STALENESS_ROW} off-policy (max_staleness 1, r 0.7, kv "
+            f"{args.continue_kv}), "
             f"{args.steps} measured steps; {unbounded}; drain s/step by run: {drains}",
         }
         for key, (what, goal, sense) in CONTINUE_GOALS.items()
@@ -972,6 +973,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--continue-only",
         action="store_true",
         help="measure only the weight update modes and update their targets in the results",
+    )
+    p.add_argument(
+        "--continue-kv",
+        choices=("recompute", "keep"),
+        default="recompute",
+        help="weight_update_kv of the weight update modes' runs (the service's default: recompute)",
     )
     args = p.parse_args(argv)
     args.batch = args.batch or (256 if args.quick else 512)

@@ -66,10 +66,11 @@ def test_without_a_key_no_operation_declares_security() -> None:
     assert "securitySchemes" not in document.get("components", {})
 
 
-def test_with_a_key_every_v1_operation_declares_the_bearer_scheme() -> None:
+def test_with_a_key_every_v1_and_session_operation_declares_the_bearer_scheme() -> None:
     document = _document(api_key="secret")
     schemes = document["components"]["securitySchemes"]
     assert [s["scheme"] for s in schemes.values()] == ["bearer"]
     for path, item in document["paths"].items():
+        guarded = path.startswith(("/v1/", "/sessions/"))
         for op in item.values():
-            assert bool(op.get("security")) == path.startswith("/v1/"), (path, op.get("security"))
+            assert bool(op.get("security")) == guarded, (path, op.get("security"))

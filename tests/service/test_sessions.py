@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -278,7 +279,11 @@ def claimable(make_module_server, calculator, tmp_path_factory) -> Server:
     """Sessions for harnesses elsewhere (no --harness), behind an API key; a session not
     called within 20 s fails (and its prompt is re-run)."""
     data = _session_rows(calculator, tmp_path_factory.mktemp("claim"))
-    cfg = {**EXACT_BALANCED, "max_active_prompts": 1, "episode": {"env_timeout_s": 20.0}}
+    cfg = {
+        **EXACT_BALANCED,
+        "max_active_prompts": 1,
+        "episode": {"env_timeout_s": 20.0, "max_tokens_per_turn": 8},
+    }
     return make_module_server(
         cfg, data=[data], model=calculator.model_dir, extra=["--api-key", KEY], name="claim"
     )
@@ -335,7 +340,19 @@ def test_a_claimed_session_answers_every_misuse_with_its_code(claimable: Server)
                     "content": tool_result(call["function"]["arguments"]),
                 },
             ]
+        # two copies of the next call at once: one is served, the other refused (in
+        # flight, or no longer the transcript once the first was answered)
+        with ThreadPoolExecutor(2) as pool:
+            both = list(pool.map(lambda _: c.post(url, json={**body, "messages": follow}), [0, 1]))
+        assert sorted(r.status_code for r in both) == [200, 409]
+        (loser,) = [r for r in both if r.status_code == 409]
+        assert loser.json()["error"]["code"] == "history_changed"
+        (served,) = [r for r in both if r.status_code == 200]
+        follow = [*follow, served.json()["choices"][0]["message"], {"role": "user", "content": ""}]
         assert c.post(url, json={**body, "messages": follow}).status_code == 200
+        # the harness is a start-up setting: never part of the live config
+        patched = c.patch(f"{claimable.url}/v1/config", json={"harness": "python:os:system"})
+        assert patched.status_code == 422 and "harness" in patched.text
         end = c.post(f"{session['session_url']}/end", json={"reward": 1.0})
         assert end.status_code == 200 and end.json()["ended"] is True
         after = c.post(url, json={**body, "messages": follow})

@@ -248,7 +248,7 @@ def test_serve_help_groups_its_flags_by_section_and_every_section_names_real_fie
     }
     assert {"--model", "--port", "--config", "--set"} <= sections["core"]
     assert {"--backend", "--vllm-arg", "--weights-dir"} <= sections["engine"]
-    assert sections["episodes"] == {"--env"}
+    assert sections["episodes"] == {"--env", "--harness", "--session-tools"}
     assert {"--replicas", "--ray-address"} <= sections["Ray replicas"]
     assert {"--engine-url", "--engine-compare-checksums"} <= sections["HTTP fleet (--backend http)"]
 
