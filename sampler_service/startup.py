@@ -169,7 +169,8 @@ def prepare(
         elif s.harness is not None:
             raise ValueError(
                 "--harness drives sessions, but no row names the environment 'session' "
-                '(give --env session, or rows with "env": "session")'
+                '(rows with "env": "session", or --env session for the rows that name no '
+                "environment)"
             )
         if env_factories:  # chat observations need a prefix-preserving template
             check_prefix_preserving(tokenize.tokenizer, str(s.model))

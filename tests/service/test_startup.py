@@ -147,6 +147,21 @@ def test_a_chat_template_that_is_not_prefix_preserving_is_refused_at_start(
     assert not state.exists()
 
 
+def test_a_harness_without_sessions_or_that_cannot_run_is_refused_at_start(
+    toy: Any, tmp_path: Path
+) -> None:
+    """A harness spec runs code, so it is checked before anything starts: one line naming
+    what is wrong, and no state dir."""
+    state = tmp_path / "state"
+    line = one_line_error(serve(toy, state, "--harness", "python:os:getcwd"))
+    assert "--harness drives sessions, but no row names the environment 'session'" in line
+    line = one_line_error(serve(toy, state, "--env", "session", "--harness", "no-such-harness"))
+    assert "'no-such-harness' is not an executable on PATH" in line
+    line = one_line_error(serve(toy, state, "--env", "session", "--harness", "python:nope:run"))
+    assert "harness 'python:nope:run' cannot be loaded" in line
+    assert not state.exists()
+
+
 def test_a_max_tokens_past_the_context_is_refused_at_start_naming_the_flag(
     toy: Any, tmp_path: Path
 ) -> None:
