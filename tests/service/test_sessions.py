@@ -245,7 +245,7 @@ def test_failing_command_harnesses_are_environment_errors_not_negatives(
         **EXACT_BALANCED,
         "max_active_prompts": 3,
         # a process per session: ~1.2 s of CPU to start one, on a loaded 2-core box
-        "episode": {"max_tokens_per_turn": 16, "env_timeout_s": 15.0, "max_env_errors": 1},
+        "episode": {"max_tokens_per_turn": 16, "env_timeout_s": 20.0, "max_env_errors": 1},
     }
     harness = f"{sys.executable} -m session_harnesses"  # tests/service is on PYTHONPATH
     server = _start(make_server, calculator, data, cfg, "--harness", harness)
