@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import openai
@@ -73,6 +73,18 @@ COLUMNS = [
 ]
 
 
+class Mark(NamedTuple):
+    """The counters at a window's edge."""
+
+    at: float
+    #: The server's process tree, waited-for children included.
+    server_cpu: float
+    #: This process (the `claimed` variant's harness threads).
+    bench_cpu: float
+    episodes: int
+    turns: int
+
+
 def _rows(data: list[Path], env: str, out: Path) -> Path:
     import orjson
 
@@ -109,7 +121,7 @@ def run(variant: str, toy: Any, work: Path, warmup: int, groups: int) -> dict[st
         env=child_env(ROOT),
     )
     taken = 0
-    marks: dict[str, tuple[float, float, int, int]] = {}
+    marks: dict[str, Mark] = {}
     stop = threading.Event()
     claimers: list[threading.Thread] = []
     with proc, httpx.Client(base_url=proc.url, timeout=120) as c:
@@ -136,28 +148,26 @@ def run(variant: str, toy: Any, work: Path, warmup: int, groups: int) -> dict[st
             taken += len(leased)
             for name, at in (("start", warmup), ("end", warmup + groups)):
                 if before < at <= taken:
-                    at_cpu = (time.monotonic(), tree_cpu_s(proc.pid, waited=True))
-                    marks[name] = (*at_cpu, *_counts(c))
-                    marks[name + "_harness"] = (time.process_time(), 0.0, 0, 0)
+                    server_cpu, bench_cpu = tree_cpu_s(proc.pid, waited=True), time.process_time()
+                    marks[name] = Mark(time.monotonic(), server_cpu, bench_cpu, *_counts(c))
         sessions = c.get("/v1/stats").json()["sessions"]
         stop.set()
         for thread in claimers:
             thread.join(timeout=30)
-    (t0, cpu0, e0, n0), (t1, cpu1, e1, n1) = marks["start"], marks["end"]
-    episodes, turns, cpu = e1 - e0, n1 - n0, cpu1 - cpu0
+    start, end = marks["start"], marks["end"]
+    episodes, turns = end.episodes - start.episodes, end.turns - start.turns
+    seconds, cpu = end.at - start.at, end.server_cpu - start.server_cpu
     return {
         "variant": variant,
         "episodes": episodes,
         "turns": turns,
-        "seconds": t1 - t0,
-        "episodes_per_s": episodes / (t1 - t0),
-        "turns_per_s": turns / (t1 - t0),
+        "seconds": seconds,
+        "episodes_per_s": episodes / seconds,
+        "turns_per_s": turns / seconds,
         "cpu_ms_per_episode": 1e3 * cpu / episodes,
         "cpu_ms_per_turn": 1e3 * cpu / turns,
         "harness_cpu_ms_per_episode": (
-            1e3 * (marks["end_harness"][0] - marks["start_harness"][0]) / episodes
-            if variant == "claimed"
-            else None
+            1e3 * (end.bench_cpu - start.bench_cpu) / episodes if variant == "claimed" else None
         ),
         "calls": sessions["calls"] if sessions else None,
         "refused": sessions["refused"] if sessions else None,

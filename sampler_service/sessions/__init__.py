@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sampler_service.environments.base import EnvironmentFactory
 from sampler_service.sessions.chat import parser_for
 from sampler_service.sessions.environment import SessionEnvironment, SessionSetup
 from sampler_service.sessions.harness import HarnessSession, load_launcher
@@ -44,6 +45,6 @@ def build_sessions(
     )
 
 
-def session_factory(setup: SessionSetup) -> Any:
+def session_factory(setup: SessionSetup) -> EnvironmentFactory:
     """The episode runner's factory: a fresh environment per session."""
     return lambda: SessionEnvironment(setup)

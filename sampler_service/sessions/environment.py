@@ -17,7 +17,7 @@ The model's tokens are the runner's, never re-encoded from the text the harness 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ class SessionSetup:
     #: Starts a harness per session; None: harnesses claim sessions over HTTP.
     launcher: Launcher | None
     #: Token id -> its text, for the logprobs a call asks for.
-    token_text: Any
+    token_text: Callable[[int], str]
     #: Whether the model has a chat template (else messages are rendered as their text).
     templated: bool
 

@@ -115,7 +115,6 @@ class Session:
         self._wake = asyncio.Event()
         self.state: State = "open"
         self._busy = False
-        self.claimed = False
 
     def _refusal(self) -> ServiceError:
         return refusal(self.id, self.state)
@@ -284,7 +283,6 @@ class SessionHub:
                 while self._unclaimed:
                     session = self._unclaimed.popleft()
                     if session.state == "open":
-                        session.claimed = True
                         self.counts.claimed += 1
                         return session
                 self._offered.clear()
