@@ -113,6 +113,7 @@ def _step_staleness() -> str:
             {
                 "target": name,
                 "measured": t["measured"],
+                "arrival": figures["arrival"][name],
                 "unpaced": figures["unpaced"][name],
                 "unbounded": figures["unbounded"][name],
                 "goal": t["goal"],
@@ -129,7 +130,8 @@ def _step_staleness() -> str:
             lines,
             [
                 ("target", "target"),
-                ("measured", "max_staleness 1, paced"),
+                ("measured", "max_staleness 1, paced, oldest prompt first"),
+                ("arrival", "engines in arrival order"),
                 ("unpaced", "not paced"),
                 ("unbounded", "no bound"),
                 ("goal", "goal"),
@@ -137,7 +139,8 @@ def _step_staleness() -> str:
             ],
         )
         + f"\nStale-dropped groups / groups seen by pass-rate quartile (q1 hardest): {counts}; "
-        f"step {runs['bounded']['step_s']:.0f} s paced, {runs['unpaced']['step_s']:.0f} s not, "
+        f"step {runs['bounded']['step_s']:.0f} s, {runs['arrival']['step_s']:.0f} s in arrival "
+        f"order, {runs['unpaced']['step_s']:.0f} s not paced, "
         f"{runs['unbounded']['step_s']:.0f} s without a bound; "
         f"{runs['bounded']['pacing']['delayed']} prompts delayed.\n"
     )
@@ -416,19 +419,25 @@ def _front(render: Callable[[dict[str, Any]], str]) -> Callable[[], str]:
 
 def _step_exact() -> str:
     """The exact-stopping targets: each figure's mean and spread over the seeds, with the
-    same row under whole-wave stopping beside it."""
+    same row under whole-wave stopping, and with its engine in arrival order, beside it."""
     data = _load("step_time")
     rows = []
+
+    def spread(m: dict[str, Any]) -> str:
+        return f"{m['mean']:.3g} ({m['min']:.3g}-{m['max']:.3g})"
+
     for key, t in data["targets"].items():
         if not key.startswith("exact/"):
             continue
-        m, wave = t["measured"], t["measured"]["wave_stopping"]
+        m = t["measured"]
+        arrival = m.get("arrival_order")
         rows.append(
             {
                 "target": f"`{key}`",
                 "what": t["target"],
-                "exact": f"{m['mean']:.3g} ({m['min']:.3g}-{m['max']:.3g})",
-                "wave": f"{wave['mean']:.3g} ({wave['min']:.3g}-{wave['max']:.3g})",
+                "exact": spread(m),
+                "arrival": spread(arrival) if arrival else "-",
+                "wave": spread(m["wave_stopping"]),
                 "goal": t["goal"],
                 "met": {True: "met", False: "**missed**", None: "-"}[t["met"]],
             }
@@ -440,6 +449,7 @@ def _step_exact() -> str:
             ("target", "target"),
             ("what", "figure"),
             ("exact", f"exact stopping, mean (min-max, {seeds} seeds)"),
+            ("arrival", "exact, engines in arrival order"),
             ("wave", "whole-wave stopping"),
             ("goal", "goal"),
             ("met", "met"),

@@ -3,8 +3,10 @@
 It models what decides a rollout's wall time on an engine with continuous batching
 (vLLM-style):
 
-- at most `max_num_seqs` sequences decode at once; further ones wait in a FIFO queue and
-  join the running batch as soon as a slot frees (no global barrier inside the engine);
+- at most `max_num_seqs` sequences decode at once; further ones wait in a queue and
+  join the running batch as soon as a slot frees (no global barrier inside the engine),
+  lowest request priority first, then in arrival order (vLLM's priority scheduling; all
+  priorities equal make it first come, first served);
 - every decode step advances each running sequence by one token and takes
   `step_base_s + step_per_seq_s x running + kv_token_s x context` seconds, context being
   the prompt and generated tokens the running sequences hold (memory-bound decode: a
@@ -43,7 +45,6 @@ import asyncio
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,7 +202,9 @@ class SimBackend(Backend):
         self._record = record_timeline
         self._payload = payload or _cheap_payload
         self._text = text or _reward_text
-        self._queue: deque[_Seq] = deque()
+        #: Waiting sequences as (priority, arrival, sequence): a heap.
+        self._queue: list[tuple[int, int, _Seq]] = []
+        self._arrivals = itertools.count()
         #: Waves with sequences still to finish.
         self._requests: set[_Request] = set()
         self._running: list[tuple[float, int, _Seq]] = []  # (finish step, tiebreak, seq)
@@ -214,8 +217,8 @@ class SimBackend(Backend):
         self._arrival = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._version = 0
-        #: (prompt index, answers asked) of every generate call, in arrival order.
-        self.requests: list[tuple[int, int]] = []
+        #: (prompt index, answers asked, their priorities) of every wave, in arrival order.
+        self.requests: list[tuple[int, int, tuple[int, ...]]] = []
 
     # -- Backend interface ------------------------------------------------------------
     @property
@@ -242,6 +245,10 @@ class SimBackend(Backend):
     def continues(self) -> frozenset[ContinueKV]:
         return frozenset({"keep", "recompute"})
 
+    @property
+    def orders_by_priority(self) -> bool:
+        return True
+
     async def load_weights(self, tensors: Mapping[str, Any], version: int) -> None:
         """Serve `version`; running sequences (only a `continue` update leaves any) go on
         under it from their next token, after a prefill of what they hold under
@@ -264,7 +271,7 @@ class SimBackend(Backend):
         if self._task is None:
             raise RuntimeError("sim engine not started")
         p = float(self.pass_rates[prompt_token_ids[0]])
-        self.requests.append((prompt_token_ids[0], n))
+        self.requests.append((prompt_token_ids[0], n, request.priorities))
         spec = self.spec
         correct = self._rng.random(n) < p
         median = spec.length_median * (1.0 + spec.difficulty_length * (1.0 - p))
@@ -284,7 +291,7 @@ class SimBackend(Backend):
                 bool(correct[i]),
             )
             queued.live[i] = seq
-            self._queue.append(seq)
+            heapq.heappush(self._queue, (request.priority(i), next(self._arrivals), seq))
         self._arrival.set()
         return _SimWave(self, queued)
 
@@ -323,7 +330,7 @@ class SimBackend(Backend):
         """Move queued sequences into free slots; their prompts' prefill stalls the batch."""
         spec = self.spec
         while self._queue and len(self._running) < spec.max_num_seqs:
-            seq = self._queue.popleft()
+            _, _, seq = heapq.heappop(self._queue)
             if seq.index not in seq.request.live:  # cancelled while queued
                 continue
             if not seq.request.prefilled:

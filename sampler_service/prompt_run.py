@@ -3,6 +3,7 @@ verdicts, and what its stopping rule and allocation budget make of them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sampler_service.backends.base import Completion
@@ -11,7 +12,7 @@ from sampler_service.grouping import new_id, sampled_tokens
 from sampler_service.live_config import PromptPlan
 from sampler_service.verifiers.base import Verdict
 from strategies.allocation import AllocationPolicy
-from strategies.estimator import UNSEEN, Estimator
+from strategies.estimator import MAX_ANSWERS, UNSEEN, Estimator
 from strategies.stopping import StopReason
 
 
@@ -30,6 +31,10 @@ class PromptRun:
     history: Estimator | None = None
     #: Tokens it was expected to decode when admitted (paced admission; 0 unpaced).
     expected_tokens: float = 0.0
+    #: Its place in the order prompts were admitted in, and the weight version served
+    #: then (0 for one resumed after a restart: the oldest).
+    admitted: int = 0
+    admitted_version: int = 0
     #: This admission of the prompt: the answer journal's key, and its group's id.
     attempt_id: str = field(default_factory=new_id)
     #: The counted answers, in index order (1..j).
@@ -76,6 +81,15 @@ class PromptRun:
     def quartile(self) -> str:
         """Its pass-rate bin in the history it was admitted with (`Estimator.quartile`)."""
         return self.history.quartile(self.row.id) if self.history is not None else UNSEEN
+
+    def priorities(self, indices: Sequence[int]) -> tuple[int, ...]:
+        """The engine priorities of its answers `indices` (`engine_priority`)."""
+        order = self.plan.cfg.engine_order
+        if order == "oldest_prompt":
+            return (self.admitted,) * len(indices)
+        if order == "answer_index":
+            return tuple(self.admitted_version * MAX_ANSWERS + i for i in indices)
+        return ()
 
     def sampled_tokens(self) -> int:
         """Sampled tokens of the counted answers."""

@@ -239,7 +239,7 @@ class PromptSampler:
         lost) and the engine's failure, if it failed."""
         results: asyncio.Queue[_Item] = asyncio.Queue()
         issued: asyncio.Future[Wave] = asyncio.get_running_loop().create_future()
-        pump = asyncio.create_task(self._pump(run, len(indices), issued, results, account))
+        pump = asyncio.create_task(self._pump(run, indices, issued, results, account))
         missing = set(range(len(indices)))
         again: list[int] = []
         error: Exception | None = None
@@ -286,24 +286,29 @@ class PromptSampler:
     async def _pump(
         self,
         run: PromptRun,
-        n: int,
+        indices: list[int],
         issued: asyncio.Future[Wave],
         results: asyncio.Queue[_Item],
         account: _Account,
     ) -> None:
-        """Issue the wave and pass on each answer as it comes; an engine failure ends
-        the stream as the exception. A wave of single answers holds the engine's gate
-        while it runs; episodes hold it per turn, not across their environments' steps."""
+        """Issue the wave of answers `indices` and pass on each answer as it comes; an
+        engine failure ends the stream as the exception. A wave of single answers holds
+        the engine's gate while it runs; episodes hold it per turn, not across their
+        environments' steps."""
+        n = len(indices)
         try:
             factory = self.episodes.factory_for(run.row) if self.episodes is not None else None
             if factory is None:
                 async with self._generating():
                     row, sampling = run.row, run.plan.sampling
+                    key, priorities = row.id, run.priorities(indices)
                     if run.exact or not self.backend.whole_waves_cheaper:
-                        wave = self.backend.wave(row.token_ids, n, sampling, affinity_key=row.id)
+                        wave = self.backend.wave(
+                            row.token_ids, n, sampling, affinity_key=key, priorities=priorities
+                        )
                     else:  # read whole, nothing cancelled alone: one request of n
                         answers = self.backend.generate(
-                            row.token_ids, n, sampling, affinity_key=row.id
+                            row.token_ids, n, sampling, affinity_key=key, priorities=priorities
                         )
                         wave = WholeWave(answers, n)
                     await _relay(wave, issued, results)
@@ -317,7 +322,7 @@ class PromptSampler:
                     n,
                     run.plan.sampling,
                     knobs,
-                    functools.partial(self._turn, run.row),
+                    functools.partial(self._turn, run),
                     knobs.max_env_errors - run.env_errors,
                 )
                 try:
@@ -341,13 +346,15 @@ class PromptSampler:
         finally:
             results.put_nowait(None)
 
-    async def _turn(self, row: PromptRow, ids: list[int], sampling: SamplingParams) -> Completion:
+    async def _turn(self, run: PromptRun, ids: list[int], sampling: SamplingParams) -> Completion:
         """One model turn of an episode, held in the engine's gate; a weight update's
         abort issues the turn again, not the episode."""
         while True:
             try:
                 async with self._generating():
-                    [answer] = await self.backend.generate(ids, 1, sampling, affinity_key=row.id)
+                    [answer] = await self.backend.generate(
+                        ids, 1, sampling, affinity_key=run.row.id, priorities=run.priorities([0])
+                    )
                 return answer
             except GenerationAborted:
                 continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import deque
@@ -119,6 +120,8 @@ class Scheduler:
         #: Prompts being sampled, by their task; in rounds, the cohort of the round.
         self._active: dict[asyncio.Task[None], PromptRun] = {}
         self._cohort: list[PromptRun] = []
+        #: Prompts admitted so far (1 on): each one's place in line (`PromptRun.admitted`).
+        self._admissions = itertools.count(1)
         self._gate = asyncio.Event()  # cleared while weights are being swapped
         self._gate.set()
         self._weights_lock = asyncio.Lock()
@@ -301,6 +304,7 @@ class Scheduler:
             return None
         self.tally.admitted(row.domain)
         run = PromptRun(row, live.plan, live.allocation, live.estimator)
+        run.admitted, run.admitted_version = next(self._admissions), self.backend.policy_version
         self.journal.issued(run)  # with the cursor that admitted it
         if paced:
             run.expected_tokens = pacer.cost(row)

@@ -89,6 +89,10 @@ class Stats:
             "max_staleness": self.scheduler.config.max_staleness,
             "step_groups": self.scheduler.admission.step_groups,
             "pacing": self.scheduler.pacer.to_dict(),
+            "engine_priority": {
+                "order": self.scheduler.config.engine_order,
+                "engine_orders": self.backend.orders_by_priority,
+            },
         }
 
     def document(self) -> dict[str, Any]:

@@ -13,7 +13,11 @@ alone (`cancels_answers`), so a reader that stops early works with every engine.
 An engine implements one generation call, `issue(WaveRequest)`: `wave` and `generate`
 build the request once, here, `generate`'s marked as read whole, so an engine that
 answers whole waves more cheaply (`whole_waves_cheaper`: an HTTP server, one request
-of n) may.
+of n) may. A request carries each answer's priority (lower first, ties in the order
+issued, as vLLM's priority scheduling orders them; the scheduler's `engine_priority`
+sets them), so an engine with a queue serves the answers that matter most first; an
+engine that cannot order its queue serves in arrival order and says so
+(`orders_by_priority`).
 """
 
 from __future__ import annotations
@@ -95,6 +99,14 @@ class WaveRequest:
     sampling: SamplingParams
     affinity_key: str | None = None
     whole: bool = False
+    #: Each answer's priority: a queued answer is served before those of a higher one,
+    #: after those issued earlier with the same (`Backend.orders_by_priority`); empty:
+    #: all 0.
+    priorities: tuple[int, ...] = ()
+
+    def priority(self, index: int = 0) -> int:
+        """Answer `index`'s priority (a wave sent as one request: its first answer's)."""
+        return self.priorities[index] if self.priorities else 0
 
 
 def answer_seed(seed: int | None, index: int) -> int | None:
@@ -462,6 +474,12 @@ class Backend(abc.ABC):
         return False
 
     @property
+    def orders_by_priority(self) -> bool:
+        """Whether queued answers are served by their `WaveRequest.priorities` (else in
+        the order issued)."""
+        return False
+
+    @property
     def whole_waves_cheaper(self) -> bool:
         """Whether `generate` (a wave read whole) costs less than a streamed `wave`: an
         HTTP server parses one request of n instead of n of one. A reader that takes
@@ -503,13 +521,17 @@ class Backend(abc.ABC):
         sampling: SamplingParams,
         *,
         affinity_key: str | None = None,
+        priorities: tuple[int, ...] = (),
     ) -> Wave:
         """n independent answers to one prompt as a wave handle, issued now: each answer
         as it finishes, cancelled by index where the engine can; never blocks the event
         loop. `affinity_key` (the prompt's id) keeps the calls of one prompt on one
         replica, so the turns of an episode find their prefix in its cache; without it
-        a multi-replica backend keys on the prompt's tokens."""
-        return self.issue(WaveRequest(list(prompt_token_ids), n, sampling, affinity_key))
+        a multi-replica backend keys on the prompt's tokens. `priorities`: see
+        `WaveRequest`."""
+        return self.issue(
+            WaveRequest(list(prompt_token_ids), n, sampling, affinity_key, priorities=priorities)
+        )
 
     async def generate(
         self,
@@ -518,10 +540,13 @@ class Backend(abc.ABC):
         sampling: SamplingParams,
         *,
         affinity_key: str | None = None,
+        priorities: tuple[int, ...] = (),
     ) -> list[Completion]:
         """`wave`'s n answers read whole: nothing is cancelled alone, so an engine may
         answer them as one request (`WaveRequest.whole`)."""
-        request = WaveRequest(list(prompt_token_ids), n, sampling, affinity_key, whole=True)
+        request = WaveRequest(
+            list(prompt_token_ids), n, sampling, affinity_key, whole=True, priorities=priorities
+        )
         return await self.issue(request).answers()
 
     @abc.abstractmethod

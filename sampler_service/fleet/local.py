@@ -53,6 +53,10 @@ class LocalMember:
     def continues(self) -> frozenset[ContinueKV]:
         return self.engine.continues
 
+    @property
+    def orders_by_priority(self) -> bool:
+        return self.engine.orders_by_priority
+
     def describe(self) -> dict[str, Any]:
         return {}
 

@@ -119,6 +119,12 @@ class Member(Protocol):
         ...
 
     @property
+    def orders_by_priority(self) -> bool:
+        """It serves queued answers by their request's priority (`Backend.orders_by_priority`;
+        known once it is attached)."""
+        ...
+
+    @property
     def restartable(self) -> bool:
         """The fleet restarts it when it fails (a Ray actor); otherwise its owner does,
         and the fleet waits until it answers again."""

@@ -176,6 +176,12 @@ class Fleet(Backend):
         return bool(seats) and all(s.member.cancels_answers for s in seats)
 
     @property
+    def orders_by_priority(self) -> bool:
+        """Every member orders its queue (a wave may land on any of them)."""
+        seats = self.table.seats
+        return bool(seats) and all(s.member.orders_by_priority for s in seats)
+
+    @property
     def continues(self) -> frozenset[ContinueKV]:
         """What every member continues under (an update pauses them all)."""
         seats = [s for s in self.table.seats if s.state != "gone"]
@@ -242,7 +248,14 @@ class Fleet(Backend):
                     issue.indices = sorted(issue.charged)
                     if not issue.indices:
                         continue
-                    part = replace(run.request, n=len(issue.indices))
+                    request = run.request
+                    part = replace(
+                        request,
+                        n=len(issue.indices),
+                        priorities=tuple(map(request.priority, issue.indices))
+                        if request.priorities
+                        else (),
+                    )
                     issue.wave = seat.member.generate(part, self.weights.committed)
                     run.issue = issue
                     try:

@@ -64,13 +64,13 @@ def _first_waves(history: dict[str, list[float]] | None) -> tuple[dict[int, int]
         scheduler.start()
         try:
             async with asyncio.timeout(1e6):
-                while len({i for i, _ in engine.requests}) < PROMPTS:
+                while len({i for i, _, _ in engine.requests}) < PROMPTS:
                     await asyncio.sleep(1.0)
         finally:
             await scheduler.stop()
             await engine.close()
         first: dict[int, int] = {}
-        for index, n in engine.requests:
+        for index, n, _ in engine.requests:
             first.setdefault(index, n)
         return first, prior
 

@@ -15,6 +15,10 @@ import pytest
 from bench import adaptive_sim, virtual_clock
 from bench.sim_backend import REWARD_TEXT, EngineSpec, SimBackend, verify_reward_text
 from sampler_service.backends.base import SamplingParams
+from sampler_service.config import SamplerConfig
+from sampler_service.dataset import Dataset, PromptRow
+from sampler_service.finalize import MemorySink
+from sampler_service.scheduler import Scheduler
 
 # Every answer exactly `length_median` tokens long, no prefill: times are easy to predict.
 FLAT = dataclasses.replace(
@@ -198,3 +202,95 @@ def test_continuous_and_adaptive_modes_respect_the_rule_caps() -> None:
         r = _simulate(key)
         assert r["groups_per_batch"] == 16
         assert r["generated_per_emitted_group"] <= 32
+
+
+def test_queued_answers_run_lowest_priority_first() -> None:
+    """Two slots, held by a first wave; of the four answers queued behind it, the two with
+    the lower priority run first, though they were issued last; equal priorities run in
+    the order issued."""
+
+    def finish_order(priorities: tuple[int, ...]) -> list[int]:
+        async def main() -> list[int]:
+            engine = SimBackend([0.5] * 2, FLAT, seed=0)
+            await engine.start()
+            try:
+                first = asyncio.create_task(engine.generate([0, 0, 0], 2, SamplingParams()))
+                await asyncio.sleep(FLAT.step_s(2))  # it holds both slots now
+                wave = engine.wave([1, 0, 0], 4, SamplingParams(), priorities=priorities)
+                order = [index async for index, _ in wave]
+                await first
+            finally:
+                await engine.close()
+            return order
+
+        return virtual_clock.run(main())
+
+    assert finish_order((9, 9, 1, 1)) == [2, 3, 0, 1]
+    assert finish_order((3, 3, 3, 3)) == [0, 1, 2, 3]
+
+
+def _wave_priorities(**config: object) -> dict[int, list[tuple[int, ...]]]:
+    """The priorities each prompt's waves carried, by prompt, in the order the prompts
+    first reached the engine, while the real scheduler samples 24 prompts, 8 at a time."""
+    prompts = 24
+
+    async def main() -> dict[int, list[tuple[int, ...]]]:
+        with tempfile.TemporaryDirectory() as tmp:
+            data = adaptive_sim.write_dataset(Path(tmp), prompts)
+            dataset = Dataset([data], _index_tokens, seed=0)
+        engine = SimBackend(np.full(prompts, 0.2), EngineSpec(max_num_seqs=8), seed=0)
+        await engine.start()
+        cfg = {"rule": "positive", "k_pos": 1, "n_max": 16, "wave_size": 4, "group_size": 4}
+        scheduler = Scheduler(
+            backend=engine,
+            dataset=dataset,
+            verify=verify_reward_text,
+            sink=MemorySink(),
+            config=SamplerConfig(
+                **{**cfg, "max_active_prompts": 8, "batch_groups": prompts, **config}
+            ),
+        )
+        scheduler.start()
+        try:
+            async with asyncio.timeout(1e6):
+                while len({i for i, _, _ in engine.requests}) < prompts:
+                    await asyncio.sleep(1.0)
+        finally:
+            await scheduler.stop()
+            await engine.close()
+        waves: dict[int, list[tuple[int, ...]]] = {}
+        for index, _, priorities in engine.requests:
+            waves.setdefault(index, []).append(priorities)
+        return waves
+
+    return virtual_clock.run(main())
+
+
+def _index_tokens(row: PromptRow) -> None:
+    row.token_ids = [int(row.id[1:]), 0, 0]
+
+
+def test_wave_stopping_puts_the_earliest_admitted_prompt_first_in_the_engine() -> None:
+    # Under a staleness bound (the default, 1): every answer of a prompt carries its place
+    # in the admission order, so an old prompt's later waves go before a new prompt's.
+    waves = _wave_priorities()
+    places = []
+    for prompt_waves in waves.values():
+        answers = {p for priorities in prompt_waves for p in priorities}
+        assert len(answers) == 1
+        places.append(answers.pop())
+    assert places == sorted(places) and len(set(places)) == len(places) and min(places) >= 1
+    # Under max_staleness 0 every running prompt is due at the same push: arrival order,
+    # as it is when asked for.
+    for config in ({"max_staleness": 0}, {"engine_priority": "arrival"}):
+        assert all(p == () for w in _wave_priorities(**config).values() for p in w)
+
+
+def test_exact_stopping_puts_every_prompts_earlier_answers_first_in_the_engine() -> None:
+    # Answer i of a prompt (admitted at version 0: nothing pushes weights here) has
+    # priority i, across its waves: a later answer, the likelier surplus, waits behind
+    # the earlier answers of every prompt.
+    waves = _wave_priorities(stopping="exact")
+    for prompt_waves in waves.values():
+        answers = [p for priorities in prompt_waves for p in priorities]
+        assert answers == list(range(len(answers))) and len(answers) >= 4

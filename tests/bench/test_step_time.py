@@ -125,6 +125,12 @@ def test_targets_take_the_fastest_step_and_the_cheapest_informative_group() -> N
     assert judged["exact/engine_s_per_informative"]["met"] is True
     assert judged["exact/step"]["measured"]["mean"] == pytest.approx(1.1)
     assert judged["exact/tokens_per_informative"]["measured"]["wave_stopping"]["mean"] == 0.55
+    assert "arrival_order" not in judged["exact/step"]["measured"]
+    # With the same row's figures in arrival order beside each seed's:
+    arrival = {**seed, "arrival": {**seed["exact"], "step": 1.3}}
+    judged = step_time.exact_targets([arrival, {**arrival, "arrival": seed["exact"]}])
+    assert judged["exact/step"]["measured"]["arrival_order"]["mean"] == pytest.approx(1.2)
+    assert "1.20x with engines in arrival order" in judged["exact/step"]["reason"]
 
 
 def test_paced_admission_runs_every_delayed_prompt_within_max_delay_versions() -> None:

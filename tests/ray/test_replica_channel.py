@@ -143,16 +143,18 @@ def test_finished_waves_are_kept_for_the_session_that_started_the_replica(
     )
     try:
         with pytest.raises(NotStarted, match="no engine loaded"):
-            ray.get(actor.submit_waves.remote("first", [(0, [1, 2], 1, SAMPLING)], []), timeout=60)
+            ray.get(
+                actor.submit_waves.remote("first", [(0, [1, 2], 1, SAMPLING, ())], []), timeout=60
+            )
         ray.get(actor.start.remote(None, "first"), timeout=300)
-        ray.get(actor.submit_waves.remote("first", [(0, [1, 2], 1, SAMPLING)], []), timeout=60)
+        ray.get(actor.submit_waves.remote("first", [(0, [1, 2], 1, SAMPLING, ())], []), timeout=60)
         finished = ray.get(actor.collect_waves.remote("first", 60.0), timeout=120)
         assert [(call_id, index) for call_id, index, _ in finished] == [(0, 0)]  # its answer
 
         ray.get(actor.start.remote(None, "second"), timeout=60)  # another sampler attaches
         with pytest.raises(NotStarted, match="another sampler session"):
             ray.get(actor.collect_waves.remote("first", 0.1), timeout=60)
-        ray.get(actor.submit_waves.remote("second", [(5, [1, 2], 1, SAMPLING)], []), timeout=60)
+        ray.get(actor.submit_waves.remote("second", [(5, [1, 2], 1, SAMPLING, ())], []), timeout=60)
         finished = ray.get(actor.collect_waves.remote("second", 60.0), timeout=120)
         assert [(call_id, index) for call_id, index, _ in finished] == [(5, 0)]
     finally:

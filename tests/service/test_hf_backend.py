@@ -386,6 +386,33 @@ async def test_a_queued_answer_cancelled_is_answered_at_once_and_never_runs(
         assert backend.model_calls == 1
 
 
+async def test_queued_waves_run_lowest_priority_first(endless_dir: Path) -> None:
+    """Behind a running batch, the wave with the lower priority (its first answer's) runs
+    first though it was queued second; equal priorities run in the order queued."""
+
+    async def finish_order(later_priority: int, sooner_priority: int) -> list[str]:
+        async with started(endless_dir, max_batch_rows=2) as backend:
+            assert backend.orders_by_priority
+            sampling = SamplingParams(max_tokens=8)
+            finished: list[str] = []
+
+            async def read(name: str, wave: Any) -> None:
+                async for _ in wave:
+                    pass
+                finished.append(name)
+
+            first = asyncio.create_task(read("first", backend.wave([5], 2, sampling)))
+            await _running(backend)
+            later = backend.wave([6], 2, sampling, priorities=(later_priority,) * 2)
+            sooner = backend.wave([7], 2, sampling, priorities=(sooner_priority,) * 2)
+            await asyncio.gather(first, read("later", later), read("sooner", sooner))
+            assert backend.model_calls == 3  # one batch each
+            return finished
+
+    assert await finish_order(later_priority=9, sooner_priority=1) == ["first", "sooner", "later"]
+    assert await finish_order(later_priority=3, sooner_priority=3) == ["first", "later", "sooner"]
+
+
 async def test_a_reader_that_leaves_stops_its_rows(endless_dir: Path) -> None:
     async with started(endless_dir) as backend:
         reading = asyncio.create_task(

@@ -50,6 +50,7 @@ class FakeMember:
 
     address = None
     continues: frozenset[str] = frozenset()
+    orders_by_priority = False
 
     def __init__(
         self, index: int, *, restartable: bool = True, workers: int = 1, streams: bool = False

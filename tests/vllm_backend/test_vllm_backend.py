@@ -253,6 +253,40 @@ def test_answers_stream_as_they_finish_under_their_own_index_and_seed(engines: E
     assert len({tuple(c.token_ids) for c in distinct}) == 4
 
 
+def test_one_slot_serves_the_queued_answer_of_lowest_priority_first(
+    engines: Engines, toy, loop_thread: LoopThread
+) -> None:
+    """vLLM's priority scheduling, which the backend turns on, per answer: with one
+    sequence at a time, of a wave's two answers queued behind a running one, the one of
+    lower priority runs first though it was issued second; equal priorities run in the
+    order issued."""
+    from sampler_service.backends.vllm import VLLMBackend
+
+    assert engines.vllm.engine_args["scheduling_policy"] == "priority"
+    assert engines.vllm.orders_by_priority
+    prompt, longest = _endless(engines)
+    one_slot = VLLMBackend(toy.model_dir, tokenizer=engines.tokenizer, seed=0, max_num_seqs=1)
+    loop_thread.run(one_slot.start(), timeout=600)
+    # A first request is slow to reach the engine core: warm, the long answer below runs
+    # (its 54 tokens) before the two short ones reach the core, one after the other.
+    engines.run(one_slot.generate(prompt, 1, SamplingParams(temperature=0.0, max_tokens=4)))
+
+    async def finish_order(priorities: tuple[int, int]) -> list[int]:
+        greedy = SamplingParams(temperature=0.0, max_tokens=longest)
+        first = one_slot.wave(prompt, 1, greedy)
+        await asyncio.sleep(0.02)  # it holds the one slot
+        short = SamplingParams(temperature=0.0, max_tokens=4)
+        order = [i async for i, _ in one_slot.wave(prompt, 2, short, priorities=priorities)]
+        await first.answers()
+        return order
+
+    try:
+        assert engines.run(finish_order((9, 1))) == [1, 0]
+        assert engines.run(finish_order((3, 3))) == [0, 1]
+    finally:
+        loop_thread.run(one_slot.close(), timeout=120)
+
+
 def _perturbed(
     model_dir: Any, scale: float, seed: int, only: str | None = None
 ) -> dict[str, torch.Tensor]:

@@ -131,6 +131,9 @@ class HTTPMember:
 
     restartable = False
     cancels_answers = True
+    #: A server orders its queue only when started with `--scheduling-policy priority`,
+    #: and refuses a request's priority otherwise: none is sent.
+    orders_by_priority = False
 
     def __init__(self, url: str, servers: Servers) -> None:
         self.name = self.address = url.rstrip("/")

@@ -42,8 +42,8 @@ from sampler_service.backends.base import SamplingParams, StreamedWave, WaveRequ
 #: empty and is sent again (a hung replica is the health probe's to find).
 COLLECT_POLL_S = 5.0
 
-#: One wave as sent: (call id, prompt token ids, n, sampling).
-SentWave = tuple[int, list[int], int, SamplingParams]
+#: One wave as sent: (call id, prompt token ids, n, sampling, the answers' priorities).
+SentWave = tuple[int, list[int], int, SamplingParams, tuple[int, ...]]
 #: One cancel as sent: (call id, the answers to stop, or None: its reader left, stop all).
 SentCancel = tuple[int, list[int] | None]
 #: One answer as returned: (call id, index, the answer; or None and the wave's error).
@@ -84,7 +84,8 @@ class ReplicaChannel:
 
         wave = StreamedWave(request.n, cancel, drop, cancels_answers=cancels_answers)
         self._waiting[call_id] = (self._generation, wave)
-        self._outbox.add((call_id, request.prompt_token_ids, request.n, request.sampling))
+        sent = (call_id, request.prompt_token_ids, request.n, request.sampling, request.priorities)
+        self._outbox.add(sent)
         if not self._collecting:
             self._collecting = True
             self._tasks.spawn(self._collect(self._generation), "replica-channel")
@@ -98,7 +99,7 @@ class ReplicaChannel:
         await self._tasks.cancel()
 
     def _flush(self, sent: list[SentWave | SentCancel]) -> None:
-        waves = [s for s in sent if len(s) == 4]  # the rest are cancels, (call id, indices)
+        waves = [s for s in sent if len(s) == 5]  # the rest are cancels, (call id, indices)
         cancels = [s for s in sent if len(s) == 2]
         ref = self._handle.submit_waves.remote(self.session, waves, cancels)
         self._tasks.spawn(self._check_submit(ref, [wave[0] for wave in waves]), "replica-channel")

@@ -69,6 +69,8 @@ class RayMember:
         self.cancels_answers = False
         #: What its engine continues under across a weight load (likewise).
         self.continues: frozenset[ContinueKV] = frozenset()
+        #: Its engine serves queued answers by priority (likewise).
+        self.orders_by_priority = False
         #: The process this member asked Ray to kill: until Ray's kill lands, calls may
         #: still reach it, and it is not a new incarnation.
         self._killed_pid: int | None = None
@@ -98,6 +100,7 @@ class RayMember:
         self._killed_pid, self.pid = None, info["pid"]
         self.cancels_answers = bool(info["cancels_answers"])
         self.continues = frozenset(info.get("continues", ()))
+        self.orders_by_priority = bool(info.get("orders_by_priority", False))
         return Attached(
             version=int(info["policy_version"]),
             identity=self.pid,

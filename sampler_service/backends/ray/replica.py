@@ -191,6 +191,7 @@ class Replica:
             "specs": self._backend.weight_specs(),
             "cancels_answers": self._backend.cancels_answers,
             "continues": sorted(self._backend.continues),
+            "orders_by_priority": self._backend.orders_by_priority,
             "attached": attached,
         }
 
@@ -270,9 +271,9 @@ class Replica:
         self._check_session(session)
         self._submit_calls += 1
         self._submitted_waves += len(waves)
-        for call_id, prompt_token_ids, n, sampling in waves:
+        for call_id, prompt_token_ids, n, sampling, priorities in waves:
             self._wave_tasks.spawn(
-                self._stream(engine, session, call_id, prompt_token_ids, n, sampling)
+                self._stream(engine, session, call_id, prompt_token_ids, n, sampling, priorities)
             )
         for call_id, indices in cancels:
             if (running := self._waves.get(call_id)) is None:
@@ -297,12 +298,13 @@ class Replica:
         prompt_token_ids: list[int],
         n: int,
         sampling: SamplingParams,
+        priorities: tuple[int, ...],
     ) -> None:
         """Each answer of one wave to the session's collect, packed, as it finishes."""
         left = n
         self._inflight += n
         try:
-            wave = engine.wave(prompt_token_ids, n, sampling)
+            wave = engine.wave(prompt_token_ids, n, sampling, priorities=priorities)
             reader = asyncio.current_task()
             assert reader is not None
             self._waves[call_id] = (wave, reader)
