@@ -133,6 +133,26 @@ def test_targets_take_the_fastest_step_and_the_cheapest_informative_group() -> N
     assert "1.20x with engines in arrival order" in judged["exact/step"]["reason"]
 
 
+def test_the_judged_row_is_the_fastest_adaptive_row_at_90_percent_informative() -> None:
+    def row(method: str, informative: float, ratio: float, extra: bool = False) -> dict[str, Any]:
+        return {"method": method, "pipeline": "on_policy", "extra": extra,
+                "informative_frac": informative, "ratio_by_r": {"0.7": ratio}}  # fmt: skip
+
+    table = [
+        row("grpo4", 0.55, 1.0),  # GRPO and DAPO are the baselines, not adaptive rows
+        row("dapo4", 1.0, 1.2),
+        row("seqbal11_adaptive_skip", 0.96, 1.3, extra=True),  # beyond the listed rows
+        row("seqbal_knapsack", 0.66, 1.25),  # too few informative groups
+        row("seqpos1_posterior_skip", 0.94, 1.84),
+        row("seqpos1_posterior_skip_exact", 0.93, 1.7),
+        row("seqbal_exact", 0.92, 2.5),
+        {**row("seqpos1_posterior_skip_exact", 0.93, 0.5), "pipeline": "off_policy"},
+    ]
+    assert step_time.best_row(table) == "seqpos1_posterior_skip_exact"
+    table[5]["ratio_by_r"]["0.7"] = 1.9  # the twin slower: the listed row is judged
+    assert step_time.best_row(table) == "seqpos1_posterior_skip"
+
+
 def test_paced_admission_runs_every_delayed_prompt_within_max_delay_versions() -> None:
     """The off-policy pipeline on the hard mix (hard prompts run up to 4 waves of long
     answers), B = 64, the trainer applying the service's drop rule: the pacer delays
