@@ -446,8 +446,8 @@ class VLLMBackend(CheckpointBackend, StreamingBackend):
 
     @property
     def orders_by_priority(self) -> bool:
-        """Unless the engine was built with `scheduling_policy: fcfs` (vLLM then refuses
-        a priority other than 0)."""
+        """Unless the engine was built with `scheduling_policy: fcfs` (which serves in
+        arrival order whatever the priority)."""
         return self.engine_args.get("scheduling_policy") == "priority"
 
     async def _drop_stale_cache(self, engine: Any) -> None:

@@ -132,7 +132,7 @@ class HTTPMember:
     restartable = False
     cancels_answers = True
     #: A server orders its queue only when started with `--scheduling-policy priority`,
-    #: and refuses a request's priority otherwise: none is sent.
+    #: which the sampler cannot see: no priority is sent.
     orders_by_priority = False
 
     def __init__(self, url: str, servers: Servers) -> None:
