@@ -83,6 +83,8 @@ class FakeMember:
         #: answered one by one by the test (`answer`).
         self.streams = streams
         self.waves: list[StreamedWave] = []
+        #: Every wave it was asked for, as asked.
+        self.requests: list[WaveRequest] = []
 
     @property
     def cancels_answers(self) -> bool:
@@ -125,6 +127,7 @@ class FakeMember:
         return Probe(self.healthy, self.labelled, self.pid, self.paused, "unhealthy")
 
     def generate(self, request: WaveRequest, version: int) -> Wave:
+        self.requests.append(request)
         n = request.n
         if not self.streams:
             return WholeWave(self._wave(n, version), n)

@@ -562,8 +562,9 @@ async def test_a_member_that_fails_mid_wave_has_only_what_it_did_not_answer_reis
     pool = await fleet(members)
     members[0].open.clear()
     members[0].back.clear()  # its restart waits for the test
-    wave = pool.wave([1, 2], 4, SAMPLING, affinity_key="p")
+    wave = pool.wave([1, 2], 4, SAMPLING, affinity_key="p", priorities=(10, 11, 12, 13))
     await _until("the wave to reach member 0", lambda: bool(members[0].waves))
+    assert members[0].requests[-1].priorities == (10, 11, 12, 13)
     reading = aiter(wave)
     members[0].answer(0)
     members[0].answer(2)
@@ -572,6 +573,12 @@ async def test_a_member_that_fails_mid_wave_has_only_what_it_did_not_answer_reis
     rest = {await _next(reading) for _ in range(2)}
     assert rest == {(1, "stop"), (3, "stop")}
     assert members[1].named("generate") == [("generate", 2, 0)]  # indices 1 and 3 alone
+    assert members[1].requests[-1].priorities == (11, 13)  # theirs, not the wave's first two
+    # Queues are ordered only where every member orders its own.
+    assert not pool.orders_by_priority
+    for member in members:
+        member.orders_by_priority = True
+    assert pool.orders_by_priority
     assert ("drop",) in members[0].calls  # its wave was dropped, not cancelled over the wire
     row = pool.members()[0]
     assert row["reissued_waves"] == 1 and row["inflight_samples"] == 0
