@@ -1,10 +1,9 @@
 """Transformers backend: the embedded default engine and the test backend.
 
-Concurrent waves are queued (by their first answer's priority, then in arrival order),
-and one
-batcher coroutine turns every queued wave with equal sampling parameters into a single
-left-padded `model.generate` call, so the
-prompts of a wave share one forward pass per token instead of one each. All model
+Concurrent waves are queued, and one batcher coroutine turns the queued answers with
+equal sampling parameters into a single left-padded `model.generate` call (up to
+`max_batch_rows`, the lowest request priority first), so the prompts of a wave share
+one forward pass per token instead of one each. All model
 access (load, generate, weight copies, scoring) runs on one dedicated thread: the event
 loop never waits on torch, and a weight load can only run between two batches.
 
@@ -88,7 +87,8 @@ class _Request:
     prompt: list[int]
     sampling: SamplingParams
     queued: deque[int]
-    priority: int = 0
+    #: Its answers' priorities (`WaveRequest.priorities`).
+    request: WaveRequest
     wave: StreamedWave = field(init=False)
     #: Some of its rows went to a batch (a seeded wave seeds the RNG at its first one).
     started: bool = False
@@ -361,18 +361,13 @@ class HFBackend(CheckpointBackend, StreamingBackend):
         check_request(prompt_token_ids, n, sampling, vocab_size=self._vocab_size)
         if (hook := os.environ.get(FAULT_ENGINE_ERRORS_ENV)) and Path(hook).exists():
             raise RuntimeError(f"fault hook: {FAULT_ENGINE_ERRORS_ENV} file {hook} exists")
-        queued = _Request(list(prompt_token_ids), sampling, deque(range(n)), request.priority())
+        queued = _Request(list(prompt_token_ids), sampling, deque(range(n)), request)
         queued.wave = StreamedWave(
             n,
             lambda indices: self._cancel(queued, indices),
             lambda: self._stop(queued, queued.wave.missing),
         )
-        # Behind every wave of its priority or lower, ahead of the rest.
-        place = next(
-            (i for i, req in enumerate(self._queue) if req.priority > queued.priority),
-            len(self._queue),
-        )
-        self._queue.insert(place, queued)
+        self._queue.append(queued)
         self._wakeup.set()
         return queued.wave
 
@@ -444,28 +439,33 @@ class HFBackend(CheckpointBackend, StreamingBackend):
             await wait_event(self._wakeup, remaining)
 
     def _next_batch(self) -> _Batch | None:
-        """Take up to max_batch_rows rows from the first wave in line and those sharing its params.
+        """Take up to max_batch_rows queued answers, the lowest priority first (ties in
+        arrival order), among those sharing the sampling params of the first of them.
 
-        A wave with a seed runs alone, so its samples depend only on its own seed.
+        A wave with a seed runs alone, its answers in index order, so its samples depend
+        only on its own seed.
         """
-        while self._queue and not self._queue[0].queued:
-            self._queue.popleft()
+        self._queue = deque(req for req in self._queue if req.queued)
         if not self._queue:
             return None
-        head = self._queue[0]
+        line = sorted(
+            ((req.request.priority(i), place, i) for place, req in enumerate(self._queue)
+             for i in req.queued)
+        )  # fmt: skip
+        head = self._queue[line[0][1]]
         sampling, seeded = head.sampling, head.sampling.seed is not None
         batch = _Batch([], sampling, reseed=seeded and not head.started)
-        budget = self._max_batch_rows
-        kept: deque[_Request] = deque()
-        for req in self._queue:
-            if budget and req.queued and req.sampling == sampling and (not seeded or req is head):
-                take = min(len(req.queued), budget)
-                batch.rows += [(req, req.queued.popleft()) for _ in range(take)]
-                req.started = True
-                budget -= take
-            if req.queued:
-                kept.append(req)
-        self._queue = kept
+        if seeded:
+            rows = [(head, i) for i in head.queued]
+        else:
+            rows = [
+                (req, i) for _, place, i in line if (req := self._queue[place]).sampling == sampling
+            ]
+        batch.rows = rows[: self._max_batch_rows]
+        for req, i in batch.rows:
+            req.queued.remove(i)
+            req.started = True
+        self._queue = deque(req for req in self._queue if req.queued)
         return batch
 
     def _run_batch(self, batch: _Batch) -> list[Completion]:

@@ -386,31 +386,37 @@ async def test_a_queued_answer_cancelled_is_answered_at_once_and_never_runs(
         assert backend.model_calls == 1
 
 
-async def test_queued_waves_run_lowest_priority_first(endless_dir: Path) -> None:
-    """Behind a running batch, the wave with the lower priority (its first answer's) runs
-    first though it was queued second; equal priorities run in the order queued."""
+async def test_queued_answers_run_lowest_priority_first(endless_dir: Path) -> None:
+    """Behind a running batch of two rows, the queued answers of lower priority run first,
+    across waves and within one, though they were queued last; equal priorities run in
+    the order queued."""
 
-    async def finish_order(later_priority: int, sooner_priority: int) -> list[str]:
+    async def finish_order(priorities: tuple[int, ...]) -> list[tuple[str, int]]:
         async with started(endless_dir, max_batch_rows=2) as backend:
             assert backend.orders_by_priority
             sampling = SamplingParams(max_tokens=8)
-            finished: list[str] = []
+            finished: list[tuple[str, int]] = []
 
             async def read(name: str, wave: Any) -> None:
-                async for _ in wave:
-                    pass
-                finished.append(name)
+                async for index, _ in wave:
+                    finished.append((name, index))
 
             first = asyncio.create_task(read("first", backend.wave([5], 2, sampling)))
             await _running(backend)
-            later = backend.wave([6], 2, sampling, priorities=(later_priority,) * 2)
-            sooner = backend.wave([7], 2, sampling, priorities=(sooner_priority,) * 2)
+            later = backend.wave([6], 2, sampling, priorities=priorities[:2])
+            sooner = backend.wave([7], 2, sampling, priorities=priorities[2:])
             await asyncio.gather(first, read("later", later), read("sooner", sooner))
-            assert backend.model_calls == 3  # one batch each
-            return finished
+            assert backend.model_calls == 3  # two rows a batch
+            return finished[2:]
 
-    assert await finish_order(later_priority=9, sooner_priority=1) == ["first", "sooner", "later"]
-    assert await finish_order(later_priority=3, sooner_priority=3) == ["first", "later", "sooner"]
+    # One of each wave's answers jumps the queue: a batch holds the two of priority 1 (a
+    # batch's answers come back in its row order).
+    assert await finish_order((9, 1, 5, 1)) == [
+        ("later", 1), ("sooner", 1), ("sooner", 0), ("later", 0)
+    ]  # fmt: skip
+    assert await finish_order((3, 3, 3, 3)) == [
+        ("later", 0), ("later", 1), ("sooner", 0), ("sooner", 1)
+    ]  # fmt: skip
 
 
 async def test_a_reader_that_leaves_stops_its_rows(endless_dir: Path) -> None:
