@@ -882,24 +882,20 @@ def staleness_figures(run: dict[str, Any], unbounded: dict[str, Any]) -> dict[st
 def best_row(table_rows: list[dict[str, Any]]) -> str:
     """The adaptive row (listed, or an exact twin) with the lowest on-policy step at r 0.7
     among those with >= 90% informative groups."""
+    adaptive = {m.key for m in rows() if _adaptive(m) or m.key.endswith("_exact")}
     return str(
         min(
             (
                 r
                 for r in table_rows
                 if r["pipeline"] == "on_policy"
-                and _adaptive_key(r["method"])
+                and r["method"] in adaptive
                 and not r["extra"]
                 and r["informative_frac"] >= MIN_INFORMATIVE
             ),
             key=lambda r: r["ratio_by_r"]["0.7"],
         )["method"]
     )
-
-
-def _adaptive_key(key: str) -> bool:
-    by_key = {m.key: m for m in rows()}
-    return _adaptive(by_key[key]) or key.endswith("_exact")
 
 
 def measure_staleness(

@@ -143,9 +143,8 @@ class NCCLWeightSender:
         """Form the NCCL group with the sampler's workers; `source` is the trainer's
         `torch.nn.Module` (its `named_parameters()` use checkpoint names, as a Hugging
         Face model's do) or a vLLM `WeightSource`."""
-        import torch
-
-        try:  # an optional trainer-side dependency: the core install has no vLLM
+        try:  # optional trainer-side dependencies: the core install has no torch or vLLM
+            import torch
             from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
             from vllm.distributed.weight_transfer.nccl_engine import (
                 NCCLTrainerInitInfo,
@@ -153,8 +152,8 @@ class NCCLWeightSender:
             )
         except ImportError as exc:
             raise NCCLTransferError(
-                "NCCL weight transfer drives vLLM's trainer-side NCCL engine: install "
-                "vLLM on the trainer (pip install 'adaptive-rollout[vllm]'), or push "
+                "NCCL weight transfer drives vLLM's trainer-side NCCL engine on torch: "
+                "install both on the trainer (pip install 'adaptive-rollout[vllm]'), or push "
                 f"weights as files instead ({exc})"
             ) from exc
 

@@ -82,16 +82,22 @@ class Decoder(Protocol):
 
 @dataclass(eq=False)
 class _Request:
-    """One wave: its answers' indices not yet handed to a batch, and its handle."""
+    """One wave as asked (its prompt, sampling and answers' priorities), its answers'
+    indices not yet handed to a batch, and its handle."""
 
-    prompt: list[int]
-    sampling: SamplingParams
-    queued: deque[int]
-    #: Its answers' priorities (`WaveRequest.priorities`).
     request: WaveRequest
+    queued: deque[int]
     wave: StreamedWave = field(init=False)
     #: Some of its rows went to a batch (a seeded wave seeds the RNG at its first one).
     started: bool = False
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
 
 
 @dataclass(eq=False)
@@ -361,7 +367,7 @@ class HFBackend(CheckpointBackend, StreamingBackend):
         check_request(prompt_token_ids, n, sampling, vocab_size=self._vocab_size)
         if (hook := os.environ.get(FAULT_ENGINE_ERRORS_ENV)) and Path(hook).exists():
             raise RuntimeError(f"fault hook: {FAULT_ENGINE_ERRORS_ENV} file {hook} exists")
-        queued = _Request(list(prompt_token_ids), sampling, deque(range(n)), request)
+        queued = _Request(request, deque(range(n)))
         queued.wave = StreamedWave(
             n,
             lambda indices: self._cancel(queued, indices),

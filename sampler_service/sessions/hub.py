@@ -1,5 +1,8 @@
 """The session table: where a harness's HTTP calls meet the episode they drive.
 
+"Session" is the product's own term (docs/architecture.md, "Sessions"): one episode that
+an outside agent harness drives through a URL of its own, never a work session.
+
 An episode runs on its environment's own thread and event loop (`episodes.EnvThread`);
 the harness's calls arrive on the server's loop. A `Session` is the one place both
 touch, under a lock: the server's side posts events (a call, the end) and awaits the
@@ -29,7 +32,8 @@ from sampler_service.sessions.chat import ChatRequest
 log = logging.getLogger(__name__)
 
 #: open: calls are served; ended: the harness ended it; cancelled: surplus, or the
-#: episode stopped early; closed: the episode is over (its turns or tokens spent).
+#: episode stopped early; closed: the episode is over (its turns or tokens spent). The
+#: refusals below name the harness's session (its episode), as the OpenAI wire sees it.
 State = Literal["open", "ended", "cancelled", "closed"]
 
 _REFUSALS: dict[State, tuple[str, str]] = {

@@ -8,18 +8,10 @@ where it is asked for.
 
 from __future__ import annotations
 
-import asyncio
 import math
-import tempfile
-from pathlib import Path
 
-import numpy as np
+from sim_waves import waves_until_every_prompt_asked
 
-from bench import adaptive_sim, virtual_clock
-from bench.sim_backend import EngineSpec, SimBackend, verify_reward_text
-from sampler_service.config import SamplerConfig
-from sampler_service.dataset import Dataset, PromptRow
-from sampler_service.finalize import MemorySink
 from sampler_service.scheduler import Scheduler
 
 PROMPTS = 16
@@ -38,43 +30,17 @@ CONFIG = {
 
 def _first_waves(history: dict[str, list[float]] | None) -> tuple[dict[int, int], dict[int, float]]:
     """Run one epoch; return each prompt's first wave and the p the estimator held for it."""
-    rates = np.full(PROMPTS, 0.1)
 
-    async def main() -> tuple[dict[int, int], dict[int, float]]:
-        with tempfile.TemporaryDirectory() as tmp:
-            data = adaptive_sim.write_dataset(Path(tmp), PROMPTS)
-
-            def tokenize(row: PromptRow) -> None:
-                row.token_ids = [int(row.id[1:]), 0, 0]
-
-            dataset = Dataset([data], tokenize, seed=0)
-        engine = SimBackend(rates, EngineSpec(max_num_seqs=64), seed=0)
-        await engine.start()
-        sink = MemorySink()
-        scheduler = Scheduler(
-            backend=engine,
-            dataset=dataset,
-            verify=verify_reward_text,
-            sink=sink,
-            config=SamplerConfig(**CONFIG),
-        )
+    def prepare(scheduler: Scheduler) -> dict[int, float]:
         if history is not None:
             scheduler.live.estimator.load_state_dict({"c": 0.0, "finalized": 0, "stats": history})
-        prior = {i: scheduler.live.estimator.p(f"p{i:06d}") for i in range(PROMPTS)}
-        scheduler.start()
-        try:
-            async with asyncio.timeout(1e6):
-                while len({i for i, _, _ in engine.requests}) < PROMPTS:
-                    await asyncio.sleep(1.0)
-        finally:
-            await scheduler.stop()
-            await engine.close()
-        first: dict[int, int] = {}
-        for index, n, _ in engine.requests:
-            first.setdefault(index, n)
-        return first, prior
+        return {i: scheduler.live.estimator.p(f"p{i:06d}") for i in range(PROMPTS)}
 
-    return virtual_clock.run(main())
+    waves, prior = waves_until_every_prompt_asked([0.1] * PROMPTS, CONFIG, 64, prepare)
+    first: dict[int, int] = {}
+    for index, n, _ in waves:
+        first.setdefault(index, n)
+    return first, prior
 
 
 def test_history_changes_the_first_adaptive_wave() -> None:

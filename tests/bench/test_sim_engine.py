@@ -11,14 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sim_waves import waves_until_every_prompt_asked
 
 from bench import adaptive_sim, virtual_clock
 from bench.sim_backend import REWARD_TEXT, EngineSpec, SimBackend, verify_reward_text
 from sampler_service.backends.base import SamplingParams
-from sampler_service.config import SamplerConfig
-from sampler_service.dataset import Dataset, PromptRow
-from sampler_service.finalize import MemorySink
-from sampler_service.scheduler import Scheduler
 
 # Every answer exactly `length_median` tokens long, no prefill: times are easy to predict.
 FLAT = dataclasses.replace(
@@ -233,41 +230,13 @@ def _wave_priorities(**config: object) -> dict[int, list[tuple[int, ...]]]:
     """The priorities each prompt's waves carried, by prompt, in the order the prompts
     first reached the engine, while the real scheduler samples 24 prompts, 8 at a time."""
     prompts = 24
-
-    async def main() -> dict[int, list[tuple[int, ...]]]:
-        with tempfile.TemporaryDirectory() as tmp:
-            data = adaptive_sim.write_dataset(Path(tmp), prompts)
-            dataset = Dataset([data], _index_tokens, seed=0)
-        engine = SimBackend(np.full(prompts, 0.2), EngineSpec(max_num_seqs=8), seed=0)
-        await engine.start()
-        cfg = {"rule": "positive", "k_pos": 1, "n_max": 16, "wave_size": 4, "group_size": 4}
-        scheduler = Scheduler(
-            backend=engine,
-            dataset=dataset,
-            verify=verify_reward_text,
-            sink=MemorySink(),
-            config=SamplerConfig(
-                **{**cfg, "max_active_prompts": 8, "batch_groups": prompts, **config}
-            ),
-        )
-        scheduler.start()
-        try:
-            async with asyncio.timeout(1e6):
-                while len({i for i, _, _ in engine.requests}) < prompts:
-                    await asyncio.sleep(1.0)
-        finally:
-            await scheduler.stop()
-            await engine.close()
-        waves: dict[int, list[tuple[int, ...]]] = {}
-        for index, _, priorities in engine.requests:
-            waves.setdefault(index, []).append(priorities)
-        return waves
-
-    return virtual_clock.run(main())
-
-
-def _index_tokens(row: PromptRow) -> None:
-    row.token_ids = [int(row.id[1:]), 0, 0]
+    cfg = {"rule": "positive", "k_pos": 1, "n_max": 16, "wave_size": 4, "group_size": 4}
+    cfg |= {"max_active_prompts": 8, "batch_groups": prompts, **config}
+    asked, _ = waves_until_every_prompt_asked([0.2] * prompts, cfg, 8, lambda scheduler: None)
+    waves: dict[int, list[tuple[int, ...]]] = {}
+    for index, _, priorities in asked:
+        waves.setdefault(index, []).append(priorities)
+    return waves
 
 
 def test_wave_stopping_puts_the_earliest_admitted_prompt_first_in_the_engine() -> None:

@@ -155,3 +155,24 @@ def test_console_script_runs_trainer_commands_and_names_missing_extras(
         done = _run(core_venv, script, *argv)
         assert done.returncode != 0
         assert f"pip install 'adaptive-rollout[{extra}]'" in done.stderr, (argv, done.stderr)
+
+
+NCCL_WITHOUT_TORCH = """
+from trainer_client.nccl import NCCLTransferError, NCCLWeightSender
+
+sender = NCCLWeightSender("http://127.0.0.1:9", master_address="127.0.0.1", master_port=1)
+try:
+    sender.connect(object())
+except NCCLTransferError as exc:
+    print(exc)
+"""
+
+
+def test_the_nccl_sender_names_what_to_install_on_a_core_install(core_venv: Path) -> None:
+    """The core install has neither torch nor vLLM: connecting fails with the install to
+    make, not an ImportError from inside the module."""
+    python = str(core_venv / "bin" / "python")
+    done = _run(core_venv, python, "-I", "-c", NCCL_WITHOUT_TORCH)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "pip install 'adaptive-rollout[vllm]'" in done.stdout
+    assert "No module named 'torch'" in done.stdout
