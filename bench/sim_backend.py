@@ -205,8 +205,10 @@ class SimBackend(Backend):
         #: Waiting sequences as (priority, arrival, sequence): a heap.
         self._queue: list[tuple[int, int, _Seq]] = []
         self._arrivals = itertools.count()
-        #: Waves with sequences still to finish.
-        self._requests: set[_Request] = set()
+        #: Waves with sequences still to finish, in issue order: a dict, not a set, as a
+        #: set of objects iterates in memory-address order, which made `abort_all`, and
+        #: so every run whose drain timed out, differ between runs of one seed.
+        self._requests: dict[_Request, None] = {}
         self._running: list[tuple[float, int, _Seq]] = []  # (finish step, tiebreak, seq)
         self._tiebreak = itertools.count()
         self._steps = 0.0  # decode steps done so far: a running seq's progress clock
@@ -279,7 +281,7 @@ class SimBackend(Backend):
         lengths = np.where(correct, lengths, lengths * spec.wrong_length_factor)
         lengths = np.maximum(1, np.round(lengths)).astype(np.int64)
         queued = _Request(len(prompt_token_ids), n)
-        self._requests.add(queued)
+        self._requests[queued] = None
         for i in range(n):
             length = int(lengths[i])
             truncated = length > sampling.max_tokens
@@ -313,7 +315,7 @@ class SimBackend(Backend):
                 self._ctx_base -= request.prompt_len - seq.start
             self._report(seq, decoded, "abort")
         if not request.live:
-            self._requests.discard(request)
+            self._requests.pop(request, None)
         self._arrival.set()  # a freed slot: the engine schedules again
 
     async def abort_all(self) -> int:
@@ -346,7 +348,7 @@ class SimBackend(Backend):
         request = seq.request
         del request.live[seq.index]
         if not request.live:
-            self._requests.discard(request)
+            self._requests.pop(request, None)
         self._ctx_base -= request.prompt_len - seq.start
         self._report(seq, seq.length, seq.finish_reason)
 

@@ -263,3 +263,31 @@ def test_exact_stopping_puts_every_prompts_earlier_answers_first_in_the_engine()
     for prompt_waves in waves.values():
         answers = [p for priorities in prompt_waves for p in priorities]
         assert answers == list(range(len(answers))) and len(answers) >= 4
+
+
+def test_abort_all_stops_waves_in_the_order_they_were_issued() -> None:
+    """A weight update's abort reports the waves' answers in issue order, so a run whose
+    drain times out repeats exactly under its seed (engines hold waves in issue order,
+    not in a set, whose order follows memory addresses)."""
+
+    async def main() -> list[int]:
+        engine = SimBackend([0.5] * 40, FLAT, seed=0)
+        await engine.start()
+        reported: list[int] = []
+
+        async def one(prompt: int) -> None:
+            wave = engine.wave([prompt, 0, 0], 1, SamplingParams())
+            async for _, completion in wave:
+                assert completion.finish_reason == "abort"
+                reported.append(prompt)
+
+        try:
+            waves = [asyncio.create_task(one(p)) for p in range(40)]
+            await asyncio.sleep(FLAT.step_s(2))  # two run, the rest are queued
+            assert await engine.abort_all() == 40
+            await asyncio.gather(*waves)
+        finally:
+            await engine.close()
+        return reported
+
+    assert virtual_clock.run(main()) == list(range(40))
