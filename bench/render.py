@@ -120,7 +120,8 @@ def _step_staleness() -> str:
                 "met": "met" if t["met"] else "**missed**",
             }
         )
-    q = runs["bounded"]["quartiles"]
+    seeds = data.get("seeds", 1)
+    q = data["quartiles"]["bounded"] if "quartiles" in data else runs["bounded"]["quartiles"]
     counts = ", ".join(
         f"q{int(k) + 1} {v['stale_groups']}/{v['stale_groups'] + v['trained_groups']}"
         for k, v in q.items()
@@ -130,7 +131,7 @@ def _step_staleness() -> str:
             lines,
             [
                 ("target", "target"),
-                ("measured", "max_staleness 1, paced, oldest prompt first"),
+                ("measured", "max_staleness 1, paced"),
                 ("arrival", "engines in arrival order"),
                 ("unpaced", "not paced"),
                 ("unbounded", "no bound"),
@@ -138,11 +139,26 @@ def _step_staleness() -> str:
                 ("met", "met"),
             ],
         )
-        + f"\nStale-dropped groups / groups seen by pass-rate quartile (q1 hardest): {counts}; "
+        + f"\nStale-dropped groups / groups seen by pass-rate quartile (q1 hardest), over "
+        f"{seeds} prompt draw{'s' if seeds > 1 else ''}: {counts}; the first draw's "
         f"step {runs['bounded']['step_s']:.0f} s, {runs['arrival']['step_s']:.0f} s in arrival "
         f"order, {runs['unpaced']['step_s']:.0f} s not paced, "
         f"{runs['unbounded']['step_s']:.0f} s without a bound; "
-        f"{runs['bounded']['pacing']['delayed']} prompts delayed.\n"
+        f"{runs['bounded']['pacing']['delayed']} prompts delayed."
+        + _stale_groups(data.get("dropped"))
+        + "\n"
+    )
+
+
+def _stale_groups(dropped: dict[str, Any] | None) -> str:
+    """What the stale-dropped groups were, where the results say."""
+    if not dropped or not dropped["groups"]:
+        return ""
+    return (
+        f" Of the {dropped['groups']} groups dropped stale, {dropped['informative']} had a "
+        f"right and a wrong answer (the rest carry no GRPO signal); finished, they waited a "
+        f"median {dropped['median_frame_wait_s']:.0f} s for their frame to fill (a step "
+        f"takes {dropped['step_s']:.0f} s)."
     )
 
 
@@ -160,8 +176,15 @@ def _step_continue() -> str:
         }
         for name, r in runs.items()
     ]
+
+    def spread(t: dict[str, Any]) -> str:
+        values = t.get("per_seed", [])
+        if len(values) < 2:
+            return ""
+        return f", {min(values):.3g}-{max(values):.3g} over {len(values)} prompt draws"
+
     verdicts = "; ".join(
-        f"{key.partition('/')[2]} {t['measured']:.3g} (goal {t['goal']}: "
+        f"{key.partition('/')[2]} {t['measured']:.3g}{spread(t)} (goal {t['goal']}: "
         f"{'met' if t['met'] else 'missed'})"
         for key, t in data["targets"].items()
     )
@@ -177,7 +200,7 @@ def _step_continue() -> str:
                 ("engine", "engine-s / informative group"),
             ],
         )
-        + f"\nTargets: {verdicts}.\n"
+        + f"\nThe runs are the first prompt draw's. Targets: {verdicts}.\n"
     )
 
 

@@ -211,6 +211,10 @@ class Trainer(VolatileSink):
         self.training: list[Group] = []
         #: Groups dropped as stale since the last step was recorded.
         self.stale: list[Group] = []
+        #: When each group that waits for the rest of its frame finished, and how long
+        #: each framed group waited for its frame to fill (0 for a frame's last member).
+        self.finished_at: dict[str, float] = {}
+        self.frame_wait_s: dict[str, float] = {}
         self.frames = asyncio.Event()
         self.version = 0
         self.records: list[dict[str, Any]] = []
@@ -220,9 +224,18 @@ class Trainer(VolatileSink):
         #: Seconds weight updates waited for running answers (drained or aborted).
         self.drain_s = 0.0
 
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        self.finished_at[group.group_id] = asyncio.get_running_loop().time()
+
     async def add_frame(
         self, groups: list[Group], dropped: list[str], state: dict[str, Any] | None = None
     ) -> None:
+        now = asyncio.get_running_loop().time()
+        for group in groups:
+            # A member framed again after its frame was split keeps its first wait.
+            self.frame_wait_s.setdefault(
+                group.group_id, now - self.finished_at.pop(group.group_id, now)
+            )
         if groups:
             self.held.append(groups)
             self.frames.set()
@@ -296,6 +309,8 @@ class Trainer(VolatileSink):
                     ),
                     "groups_by_quartile": dict(Counter(map(self._quartile, frame))),
                     "stale_by_quartile": dict(Counter(map(self._quartile, self.stale))),
+                    "stale_informative": sum(map(_informative, self.stale)),
+                    "stale_frame_wait_s": [self.frame_wait_s[g.group_id] for g in self.stale],
                 }
             )
             self.stale = []
@@ -446,6 +461,10 @@ def summarize(
         "aborted_tokens": delta("aborted_tokens"),
         "drain_s_per_step": delta("drain_s") / k,
         "spanning_per_step": delta("spanning") / k,
+        # Of the groups dropped stale: how many had a right and a wrong answer (a GRPO
+        # signal), and the seconds each waited, finished, for its frame to fill.
+        "stale_informative": sum(r["stale_informative"] for r in measured),
+        "stale_frame_wait_s": [round(w, 1) for r in measured for w in r["stale_frame_wait_s"]],
         "quartiles": {
             str(q): {
                 "trained_samples": quartiles["trained_by_quartile"][q],
@@ -864,18 +883,21 @@ def _drop_rate(quartile: dict[str, int]) -> float:
     return quartile["stale_groups"] / seen if seen else 0.0
 
 
-def _hard_share(run: dict[str, Any]) -> float:
+def _hard_share(q: dict[str, dict[str, int]]) -> float:
     """The hardest quartile's share of the trained samples."""
-    q = run["quartiles"]
     return q["0"]["trained_samples"] / max(sum(v["trained_samples"] for v in q.values()), 1)
 
 
-def staleness_figures(run: dict[str, Any], unbounded: dict[str, Any]) -> dict[str, float]:
-    hard, easy = _drop_rate(run["quartiles"]["0"]), _drop_rate(run["quartiles"]["3"])
+def staleness_figures(
+    quartiles: dict[str, dict[str, int]], stale_share: float, unbounded: dict[str, dict[str, int]]
+) -> dict[str, float]:
+    """The staleness targets' figures of a run, from its quartile counts and stale share
+    (`unbounded`: the quartile counts of the same prompts without a bound)."""
+    hard, easy = _drop_rate(quartiles["0"]), _drop_rate(quartiles["3"])
     return {
-        "stale_share": run["stale_dropped_share"],
+        "stale_share": stale_share,
         "quartile_ratio": 1.0 if hard == easy else (hard / easy if easy else math.inf),
-        "hard_share": _hard_share(run) / max(_hard_share(unbounded), 1e-12),
+        "hard_share": _hard_share(quartiles) / max(_hard_share(unbounded), 1e-12),
     }
 
 
@@ -899,14 +921,74 @@ def best_row(table_rows: list[dict[str, Any]]) -> str:
 
 
 def measure_staleness(
-    args: argparse.Namespace, spec: EngineSpec, t4: float, log: Any, judged: str = STALENESS_ROW
+    args: argparse.Namespace, spec: EngineSpec, log: Any, judged: str = STALENESS_ROW
 ) -> dict[str, Any]:
-    """The `judged` row off-policy at r 0.7 in each of `STALENESS_RUNS`, side by side, and
-    the `staleness/<name>` targets of the bounded run."""
+    """The `judged` row off-policy at r 0.7 in each of `STALENESS_RUNS`, side by side, for
+    each of `args.seeds` prompt draws, and the `staleness/<name>` targets of the bounded
+    runs: the stale share is the draws' mean, the quartile figures come from the draws'
+    counts added up (drops are rare events). The runs shown are the first draw's."""
+    per_seed = [
+        _staleness_runs(
+            argparse.Namespace(**{**vars(args), "seed": args.seed + i}), spec, log, judged
+        )
+        for i in range(args.seeds)
+    ]
+    pooled = {name: _pooled_quartiles([runs[name] for runs in per_seed]) for name in STALENESS_RUNS}
+    figures = {
+        name: staleness_figures(
+            pooled[name],
+            float(np.mean([runs[name]["stale_dropped_share"] for runs in per_seed])),
+            pooled["unbounded"],
+        )
+        for name in STALENESS_RUNS
+    }
+    stale_shares = [runs["bounded"]["stale_dropped_share"] for runs in per_seed]
+    counts = ", ".join(
+        f"q{int(k) + 1} {v['stale_groups']} of {v['stale_groups'] + v['trained_groups']}"
+        for k, v in pooled["bounded"].items()
+    )
+    section_targets = {}
+    for key, (what, goal, sense) in STALENESS_GOALS.items():
+        measured = figures["bounded"][key]
+        met = measured <= goal if sense == "<=" else measured >= goal
+        section_targets[f"staleness/{key}"] = {
+            "measured": measured,
+            "goal": f"{sense} {goal}",
+            "met": met,
+            "reason": f"{what} of {judged} off-policy (max_staleness 1, r 0.7), "
+            f"{max(args.steps, STALENESS_STEPS)} measured steps, {len(per_seed)} prompt draws (stale share "
+            f"{min(stale_shares):.4f}-{max(stale_shares):.4f}); engines in arrival order "
+            f"{figures['arrival'][key]:.3f}, not paced {figures['unpaced'][key]:.3f}, without a "
+            f"bound {figures['unbounded'][key]:.3f}; "
+            f"stale-dropped groups by pass-rate quartile (q1 hardest): {counts}",
+        }
+    waits = [w for runs in per_seed for w in runs["bounded"]["stale_frame_wait_s"]]
+    return {
+        "row": judged,
+        "runs": per_seed[0],
+        "seeds": len(per_seed),
+        "quartiles": pooled,
+        "dropped": {
+            "groups": sum(q["stale_groups"] for q in pooled["bounded"].values()),
+            "informative": sum(runs["bounded"]["stale_informative"] for runs in per_seed),
+            "median_frame_wait_s": float(np.median(waits)) if waits else None,
+            "step_s": float(np.mean([runs["bounded"]["step_s"] for runs in per_seed])),
+        },
+        "figures": figures,
+        "targets": section_targets,
+    }
+
+
+def _staleness_runs(
+    args: argparse.Namespace, spec: EngineSpec, log: Any, judged: str
+) -> dict[str, dict[str, Any]]:
+    """One prompt draw's runs of `measure_staleness`, by name."""
     row = next(r for r in rows() if r.key == judged)
+    grpo4 = next(r for r in rows() if r.key == "grpo4")
     rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+    t4 = run_one(grpo4, "sync", rates, args, spec)["gen_s"]
     # More measured steps than the tables: drops are rare events, counted per quartile.
-    args = argparse.Namespace(**{**vars(args), "steps": max(args.steps, STALENESS_STEPS)})
+    longer = argparse.Namespace(**{**vars(args), "steps": max(args.steps, STALENESS_STEPS)})
     runs = {}
     for name, overrides in STALENESS_RUNS.items():
         started = time.monotonic()
@@ -914,35 +996,23 @@ def measure_staleness(
             row,
             "off_policy",
             rates,
-            args,
+            longer,
             spec,
             train_s_per_sample=0.7 * t4 / (4 * args.batch),
             overrides=overrides,
         )
         res.pop("groups", None)
         runs[name] = res
-        log(f"  staleness {name}: {time.monotonic() - started:.1f}s real")
-    figures = {name: staleness_figures(res, runs["unbounded"]) for name, res in runs.items()}
-    section_targets = {}
-    for key, (what, goal, sense) in STALENESS_GOALS.items():
-        measured = figures["bounded"][key]
-        met = measured <= goal if sense == "<=" else measured >= goal
-        quartiles = runs["bounded"]["quartiles"]
-        counts = ", ".join(
-            f"q{int(k) + 1} {v['stale_groups']} of {v['stale_groups'] + v['trained_groups']}"
-            for k, v in quartiles.items()
-        )
-        section_targets[f"staleness/{key}"] = {
-            "measured": measured,
-            "goal": f"{sense} {goal}",
-            "met": met,
-            "reason": f"{what} of {judged} off-policy (max_staleness 1, r 0.7), "
-            f"{args.steps} measured steps; engines in arrival order "
-            f"{figures['arrival'][key]:.3f}, not paced {figures['unpaced'][key]:.3f}, without a "
-            f"bound {figures['unbounded'][key]:.3f}; "
-            f"stale-dropped groups by pass-rate quartile (q1 hardest): {counts}",
-        }
-    return {"row": judged, "runs": runs, "figures": figures, "targets": section_targets}
+        log(f"  staleness seed {args.seed} {name}: {time.monotonic() - started:.1f}s real")
+    return runs
+
+
+def _pooled_quartiles(runs: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The runs' quartile counts added up."""
+    return {
+        q: {k: sum(r["quartiles"][q][k] for r in runs) for k in runs[0]["quartiles"][q]}
+        for q in runs[0]["quartiles"]
+    }
 
 
 #: Weight updates that neither drain nor abort, judged on the staleness row at r 0.7 with the
@@ -959,27 +1029,70 @@ def measure_continue(
     args: argparse.Namespace, spec: EngineSpec, log: Any, judged: str = STALENESS_ROW
 ) -> dict[str, Any]:
     """The `judged` row in each weight update mode on both asynchronous pipelines (and
-    off-policy without a bound), and GRPO n=4 on-policy; the `continue/<name>` targets on
-    the off-policy pipeline (max_staleness 1: on-policy, max_staleness 0, admits nothing
-    that an update could run across)."""
+    off-policy without a bound and unpaced), and GRPO n=4 on-policy, for each of
+    `args.seeds` prompt draws; the table is the first draw's runs, the `continue/<name>`
+    targets the mean of the draws' figures with their spread, on the off-policy pipeline
+    (max_staleness 1: on-policy, max_staleness 0, admits nothing that an update could
+    run across)."""
+    per_seed = [
+        _continue_runs(
+            argparse.Namespace(**{**vars(args), "seed": args.seed + i}), spec, log, judged
+        )
+        for i in range(args.seeds)
+    ]
+    figures = [_continue_figures(runs) for runs in per_seed]
+    runs = per_seed[0]
+    unbounded = "; ".join(
+        f"{name}: step {runs[f'{name}/continue']['step_s'] / runs[f'{name}/wait']['step_s']:.3f}x "
+        f"wait, engine-s {runs[f'{name}/continue']['engine_s_per_informative'] / runs['grpo4/on_policy']['engine_s_per_informative']:.3f}x "
+        "GRPO n=4"
+        for name in CONTINUE_VARIANTS
+    )
+    drains = ", ".join(f"{name} {r['drain_s_per_step']:.1f}" for name, r in runs.items())
+    section_targets = {}
+    for key, (what, goal, sense) in CONTINUE_GOALS.items():
+        values = [f[key] for f in figures]
+        measured = float(np.mean(values))
+        section_targets[f"continue/{key}"] = {
+            "measured": measured,
+            "per_seed": values,
+            "goal": f"{sense} {goal}",
+            "met": measured <= goal,
+            "reason": f"{what}: {judged} off-policy (max_staleness 1, r 0.7, kv "
+            f"{args.continue_kv}), {args.steps} measured steps; mean of {len(values)} "
+            f"prompt draws ({min(values):.3g}-{max(values):.3g}); first draw: {unbounded}; "
+            f"drain s/step by run: {drains}",
+        }
+    return {"row": judged, "runs": runs, "seeds": len(per_seed), "targets": section_targets}
+
+
+#: Off-policy variants of the weight update modes' runs: without max_staleness
+#: ("unbounded") and without paced admission ("unpaced"), what the bound and the pacing
+#: cost an answer an update ran across (its group is as old as its oldest version).
+CONTINUE_VARIANTS: dict[str, dict[str, Any]] = {
+    "unbounded": {"max_staleness": None},
+    "unpaced": {"max_delay_versions": 0},
+}
+
+
+def _continue_runs(
+    args: argparse.Namespace, spec: EngineSpec, log: Any, judged: str
+) -> dict[str, dict[str, Any]]:
+    """One prompt draw's runs of `measure_continue`, by `pipeline/mode`."""
     row = next(r for r in rows() if r.key == judged)
     grpo4 = next(r for r in rows() if r.key == "grpo4")
     rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
     t4 = run_one(grpo4, "sync", rates, args, spec)["gen_s"]
     train_s = 0.7 * t4 / (4 * args.batch)
     runs: dict[str, dict[str, Any]] = {}
-    # Off-policy without max_staleness ("unbounded") and without paced admission
-    # ("unpaced"): what the bound and the pacing cost an answer an update ran across (its
-    # group is as old as its oldest version).
-    variants = {"unbounded": {"max_staleness": None}, "unpaced": {"max_delay_versions": 0}}
     settings = [(p, m, {}) for p in ("off_policy", "on_policy") for m in CONTINUE_MODES] + [
-        (name, m, extra) for name, extra in variants.items() for m in ("wait", "continue")
+        (name, m, extra) for name, extra in CONTINUE_VARIANTS.items() for m in ("wait", "continue")
     ]
     for pipeline, mode, extra in settings:
         started = time.monotonic()
         res = run_one(
             row,
-            "off_policy" if pipeline in variants else pipeline,
+            "off_policy" if pipeline in CONTINUE_VARIANTS else pipeline,
             rates,
             args,
             spec,
@@ -989,38 +1102,24 @@ def measure_continue(
         res.pop("groups", None)
         runs[f"{pipeline}/{mode}"] = res
         log(
-            f"  continue {pipeline}/{mode}: step {res['step_s']:.1f}s, drain "
+            f"  continue seed {args.seed} {pipeline}/{mode}: step {res['step_s']:.1f}s, drain "
             f"{res['drain_s_per_step']:.1f}s/step ({time.monotonic() - started:.1f}s real)"
         )
     base = run_one(grpo4, "on_policy", rates, args, spec, train_s_per_sample=train_s)
     base.pop("groups", None)
     runs["grpo4/on_policy"] = base
+    return runs
+
+
+def _continue_figures(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """One draw's figures for the `continue/<name>` targets."""
     cont, wait = runs["off_policy/continue"], runs["off_policy/wait"]
-    measured = {
+    return {
         "step": cont["step_s"] / wait["step_s"],
         "engine_s_per_informative": cont["engine_s_per_informative"]
-        / base["engine_s_per_informative"],
+        / runs["grpo4/on_policy"]["engine_s_per_informative"],
         "aborted": cont["aborted_tokens"],
     }
-    unbounded = "; ".join(
-        f"{name}: step {runs[f'{name}/continue']['step_s'] / runs[f'{name}/wait']['step_s']:.3f}x "
-        f"wait, engine-s {runs[f'{name}/continue']['engine_s_per_informative'] / base['engine_s_per_informative']:.3f}x "
-        "GRPO n=4"
-        for name in variants
-    )
-    drains = ", ".join(f"{name} {r['drain_s_per_step']:.1f}" for name, r in runs.items())
-    section_targets = {
-        f"continue/{key}": {
-            "measured": measured[key],
-            "goal": f"{sense} {goal}",
-            "met": measured[key] <= goal,
-            "reason": f"{what}: {judged} off-policy (max_staleness 1, r 0.7, kv "
-            f"{args.continue_kv}), "
-            f"{args.steps} measured steps; {unbounded}; drain s/step by run: {drains}",
-        }
-        for key, (what, goal, sense) in CONTINUE_GOALS.items()
-    }
-    return {"row": judged, "runs": runs, "targets": section_targets}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -1037,7 +1136,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--seeds",
         type=int,
         default=1,
-        help="prompt draws of the difficulty table (the exact targets: their mean and spread)",
+        help="prompt draws of the difficulty table and of the weight update modes' runs "
+        "(their targets: the mean and spread)",
     )
     p.add_argument("--no-flat", action="store_true", help="skip the difficulty-free table")
     p.add_argument(
@@ -1111,7 +1211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     best = best_row(tables["difficulty"])
     if best != STALENESS_ROW:
         log(f"the best adaptive row is now {best}, not {STALENESS_ROW}: judged on {best}")
-    staleness = measure_staleness(args, ENGINE, _t4(tables["difficulty"]), log, best)
+    staleness = measure_staleness(args, ENGINE, log, best)
     judged.update(staleness["targets"])
     continued = measure_continue(args, ENGINE, log, best)
     judged.update(continued["targets"])
@@ -1148,19 +1248,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
-def _t4(table_rows: list[dict[str, Any]]) -> float:
-    """GRPO n=4's synchronous generation time per batch (what r scales)."""
-    return float(
-        next(r for r in table_rows if r["method"] == "grpo4" and r["pipeline"] == "sync")["gen_s"]
-    )
-
-
 def _staleness_only(args: argparse.Namespace, started: float) -> dict[str, Any]:
-    """`--staleness-only`: GRPO n=4 sync (for T4), then the staleness runs."""
-    grpo4 = next(r for r in rows() if r.key == "grpo4")
-    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
-    t4 = run_one(grpo4, "sync", rates, args, ENGINE)["gen_s"]
-    return _section_only("staleness", measure_staleness(args, ENGINE, t4, print), args, started)
+    """`--staleness-only`: the staleness runs."""
+    return _section_only("staleness", measure_staleness(args, ENGINE, print), args, started)
 
 
 def _continue_only(args: argparse.Namespace, started: float) -> dict[str, Any]:
@@ -1178,7 +1268,7 @@ def _section_only(
     path = RESULTS / "step_time.json"
     out = json.loads(path.read_text()) if path.exists() else {"targets": {}}
     out["targets"].update(section["targets"])
-    out[name] = {**section, "settings": flags(args, "batch", "steps", "warmup", "seed")}
+    out[name] = {**section, "settings": flags(args, "batch", "steps", "warmup", "seed", "seeds")}
     write_json("step_time", out, started=started)
     return out
 

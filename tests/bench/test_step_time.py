@@ -176,3 +176,65 @@ def test_paced_admission_runs_every_delayed_prompt_within_max_delay_versions() -
     assert pacing["longest_wait_versions"] <= 1
     stale = sum(q["stale_groups"] for q in result["quartiles"].values())
     assert (stale > 0) == (result["stale_dropped_share"] > 0)
+
+
+def test_staleness_figures_add_up_the_prompt_draws_quartile_counts() -> None:
+    """Drops are rare: the quartile figures come from the draws' counts added up, not from
+    a mean of per-draw ratios (one draw with no easy group dropped would make it inf)."""
+
+    def run(hard: tuple[int, int], easy: tuple[int, int]) -> dict[str, Any]:
+        counts = {"0": hard, "1": (0, 10), "2": (0, 10), "3": easy}
+        return {
+            "quartiles": {
+                q: {"stale_groups": s, "trained_groups": t, "trained_samples": 4 * t}
+                for q, (s, t) in counts.items()
+            }
+        }
+
+    pooled = step_time._pooled_quartiles([run((2, 98), (0, 50)), run((1, 99), (1, 49))])
+    assert pooled["0"] == {"stale_groups": 3, "trained_groups": 197, "trained_samples": 788}
+    assert pooled["3"]["stale_groups"] == 1 and pooled["3"]["trained_groups"] == 99
+    unbounded = step_time._pooled_quartiles([run((0, 100), (0, 50))] * 2)
+    figures = step_time.staleness_figures(pooled, 0.01, unbounded)
+    assert figures["stale_share"] == 0.01
+    assert figures["quartile_ratio"] == pytest.approx((3 / 200) / (1 / 100))
+    hard_share = 788 / (788 + 2 * 80 + 4 * 99)
+    assert figures["hard_share"] == pytest.approx(hard_share / (800 / (800 + 160 + 400)))
+    one_draw = step_time._pooled_quartiles([run((2, 98), (0, 50))])
+    assert step_time.staleness_figures(one_draw, 0.01, unbounded)["quartile_ratio"] == math.inf
+
+
+def test_weight_update_and_staleness_targets_read_every_prompt_draw() -> None:
+    """`--seeds 2`: each target is judged on both prompt draws (the weight update modes'
+    on their mean, the staleness quartiles on their counts added up), the table shows the
+    first draw's runs, and that draw repeats exactly when run alone."""
+    args = argparse.Namespace(batch=16, steps=2, warmup=1, prompts=64, seed=0, seeds=2,
+                              history_epochs=2, continue_kv="recompute")  # fmt: skip
+    quiet = lambda _: None  # noqa: E731
+    both = step_time.measure_continue(args, step_time.ENGINE, quiet)
+    first = step_time.measure_continue(
+        argparse.Namespace(**{**vars(args), "seeds": 1}), step_time.ENGINE, quiet
+    )
+    step = both["targets"]["continue/step"]
+    assert len(step["per_seed"]) == 2 and step["per_seed"][0] != step["per_seed"][1]
+    assert step["measured"] == pytest.approx(np.mean(step["per_seed"]))
+    assert first["targets"]["continue/step"]["per_seed"] == step["per_seed"][:1]
+    assert first["runs"] == both["runs"]
+
+    stale = step_time.measure_staleness(args, step_time.ENGINE, quiet)
+    alone = step_time.measure_staleness(
+        argparse.Namespace(**{**vars(args), "seeds": 1}), step_time.ENGINE, quiet
+    )
+    assert stale["seeds"] == 2 and stale["runs"] == alone["runs"]
+    hard_pooled, hard_first = stale["quartiles"]["bounded"]["0"], alone["quartiles"]["bounded"]["0"]
+    assert hard_pooled["trained_groups"] > hard_first["trained_groups"] > 0
+    dropped = stale["dropped"]
+    assert dropped["groups"] == sum(
+        q["stale_groups"] for q in stale["quartiles"]["bounded"].values()
+    )
+    assert 0 <= dropped["informative"] <= dropped["groups"] and dropped["groups"] > 0
+    waits = stale["runs"]["bounded"]["stale_frame_wait_s"]
+    assert len(waits) == sum(
+        q["stale_groups"] for q in stale["runs"]["bounded"]["quartiles"].values()
+    )
+    assert all(w >= 0 for w in waits)
