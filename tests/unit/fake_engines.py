@@ -163,12 +163,17 @@ class Rendezvous:
 
 class FakeVLLM(FakeSGLang):
     """`vllm serve` 0.32's answers (see the module docstring); `world_size` ranks, NCCL
-    weight transfer configured unless `transfer` is None."""
+    weight transfer configured unless `transfer` is None, started with
+    `--scheduling-policy` `scheduling_policy` (which only /server_info shows: a request's
+    priority changes nothing in a fake)."""
 
-    def __init__(self, world_size: int = 1, transfer: str | None = "nccl") -> None:
+    def __init__(
+        self, world_size: int = 1, transfer: str | None = "nccl", scheduling_policy: str = "fcfs"
+    ) -> None:
         super().__init__()
         self.world_size = world_size
         self.transfer = transfer
+        self.scheduling_policy = scheduling_policy
         self.healthy = True
         self.transfer_ready = False  # the worker's weight_transfer_engine joined a group
         self.updating = False  # the worker's _weight_update_active
@@ -216,6 +221,7 @@ class FakeVLLM(FakeSGLang):
             "model_config": {"logprobs_mode": "processed_logprobs", "max_model_len": 64},
             "parallel_config": {"tensor_parallel_size": self.world_size},
             "weight_transfer_config": transfer,
+            "scheduler_config": {"policy": self.scheduling_policy},
         }
         return web.json_response({"vllm_config": config, "vllm_env": {}, "system_env": {}})
 

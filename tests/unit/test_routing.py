@@ -1,6 +1,7 @@
-"""The fleet's wave router (no engines), the `--backend http` flags, and the HTTP fleet's
-refusal of partial updates before any server sees them. The rule that only members
-serving the committed version are handed waves is the fleet suite's (test_fleet.py)."""
+"""The fleet's wave router (no engines), the `--backend http` flags, the HTTP fleet's
+refusal of partial updates before any server sees them, and the answer priorities it
+sends by each server's scheduling policy. The rule that only members serving the
+committed version are handed waves is the fleet suite's (test_fleet.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from sampler_service.backends.base import SamplingParams
 from sampler_service.backends.http.transport import HTTPPoolSettings, build_http_fleet
 from sampler_service.cli import add_serve_arguments
 from sampler_service.config import ReplicaSettings, ServeSettings
@@ -149,3 +151,34 @@ async def test_http_fleet_refuses_a_partial_update_before_any_server_sees_it(
         assert not fake.calls
     finally:
         await backend.close()
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+async def test_answers_carry_their_priority_to_a_server_on_priority_scheduling_only(
+    toy: Any, tmp_path: Path, serve: Any, policy: str
+) -> None:
+    """The scheduling policy a server reports in /server_info decides: under `priority`
+    each answer's request carries its priority (a wave sent whole: its first answer's) and
+    the fleet orders by priority; under fcfs no request carries one."""
+    fake = FakeVLLM(scheduling_policy=policy)
+    settings = HTTPPoolSettings(
+        urls=(f"http://127.0.0.1:{await serve(fake)}",),
+        instance_id="t",
+        weights_dir=tmp_path / "w",
+        replica=ReplicaSettings(probe_s=60.0),
+    )
+    backend = build_http_fleet(toy.model_dir, settings)
+    await backend.start()
+    try:
+        assert backend.orders_by_priority == (policy == "priority")
+        sampling = SamplingParams(max_tokens=2)
+        answers = [a async for a in backend.wave([5, 6], 2, sampling, priorities=(7, 3))]
+        assert sorted(index for index, _ in answers) == [0, 1]
+        await backend.generate([5, 6], 2, sampling, priorities=(4, 9))
+    finally:
+        await backend.close()
+    sent = [body.get("priority") for path, body in fake.calls if path == "/v1/completions"]
+    if policy == "priority":
+        assert sorted(sent[:2]) == [3, 7] and sent[2:] == [4]
+    else:
+        assert sent == [None, None, None]

@@ -1,6 +1,7 @@
 """`adaptive-rollout serve --backend http` in front of two real `vllm serve` servers.
 
-Two servers start once for the module (on loopback, the toy model) and one sampler drives
+Two servers start once for the module (on loopback, the toy model; the first with
+`--scheduling-policy priority`, the second on vLLM's default fcfs) and one sampler drives
 them; the tests run in order: groups, the NCCL group the servers would form (refused:
 they run without a weight-transfer config), weight pushes (wait and abort modes), kill -9 of
 one server mid-run, that server coming back with other weights, which is not routed to
@@ -53,9 +54,12 @@ def fleet(toy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     pytest.importorskip("vllm.entrypoints.openai.api_server")
     root = tmp_path_factory.mktemp("http-engine")
     started = time.monotonic()
+    policies = [("--scheduling-policy", "priority"), ()]
     servers = [
-        EngineServer(toy.model_dir, root / f"vllm-{i}.log", args=("--enable-scale-out",)).start()
-        for i in range(2)
+        EngineServer(
+            toy.model_dir, root / f"vllm-{i}.log", args=("--enable-scale-out", *policy)
+        ).start()
+        for i, policy in enumerate(policies)
     ]
     try:
         for server in servers:
@@ -178,6 +182,9 @@ def test_groups_stream_from_both_servers_and_obey_the_rule(fleet: Fleet) -> None
     assert [s["url"] for s in servers] == [s.url for s in fleet.servers]
     assert all(s["state"] == "ok" and s["policy_version"] == 0 for s in servers)
     assert sum(s["waves"] for s in servers) > 0
+    # Each server's scheduling policy was read at attach (answers carry their priority to
+    # the first only; the cancelled-twin test below sends them there).
+    assert [s["scheduling_policy"] for s in servers] == ["priority", "fcfs"]
     # the sampler labelled the servers' start-up weights as its version 0
     assert [_weight_label(s) for s in fleet.servers] == [fleet.label(0)] * 2
 
@@ -244,7 +251,9 @@ def test_a_cancelled_answer_decodes_fewer_tokens_than_its_twin_over_http(
     """One request per answer under the server's own ids: greedy twins of one wave, the
     cancelled one aborted through the dialect's abort call comes back with the tokens it
     had decoded, a prefix of its twin's; a seeded wave's answers each have their own
-    seed, so they differ, and are the in-process engine's answers index by index."""
+    seed, so they differ, and are the in-process engine's answers index by index, sent
+    whole or one request per answer, each with its priority (server 0 runs priority
+    scheduling)."""
     from transformers import AutoTokenizer
 
     from sampler_service.backends.base import SamplingParams
@@ -260,10 +269,18 @@ def test_a_cancelled_answer_decodes_fewer_tokens_than_its_twin_over_http(
             f"{len(cut.token_ids)}/{longest}"
         )
         seeded = SamplingParams(temperature=1.0, max_tokens=longest, seed=9)
-        there = loop_thread.run(http.generate(prompt, 4, seeded))
+        priorities = (8, 6, 4, 2)
+        assert http.orders_by_priority
+        there = loop_thread.run(http.generate(prompt, 4, seeded, priorities=priorities))
         here = loop_thread.run(local.generate(prompt, 4, seeded))
         assert len({tuple(c.token_ids) for c in there}) == 4
         assert [c.token_ids for c in there] == [c.token_ids for c in here]
+
+        async def one_by_one() -> dict[int, Any]:
+            return {i: c async for i, c in http.wave(prompt, 4, seeded, priorities=priorities)}
+
+        apart = loop_thread.run(one_by_one())
+        assert [apart[i].token_ids for i in range(4)] == [c.token_ids for c in here]
 
 
 def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(

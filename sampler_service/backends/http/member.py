@@ -131,9 +131,6 @@ class HTTPMember:
 
     restartable = False
     cancels_answers = True
-    #: A server orders its queue only when started with `--scheduling-policy priority`,
-    #: which the sampler cannot see: no priority is sent.
-    orders_by_priority = False
 
     def __init__(self, url: str, servers: Servers) -> None:
         self.name = self.address = url.rstrip("/")
@@ -144,6 +141,10 @@ class HTTPMember:
         #: Its weight-transfer backend (vLLM's `weight_transfer_config`; None: not set),
         #: as /server_info told it at attach.
         self.transfer: str | None = None
+        #: Its scheduling policy, as /server_info told it at attach (None: a server kind
+        #: that reports none). Answers carry their priority only to a `priority` server:
+        #: one on `fcfs` refuses any priority but 0.
+        self.scheduling_policy: str | None = None
         self.label_text: str | None = None  # its label, as last seen or set
         self.checksum_digest: str | None = None  # of its /weight_checker checksums
         self._paused = False  # by our own calls: a server without a pause query
@@ -163,12 +164,18 @@ class HTTPMember:
     def continues(self) -> frozenset[ContinueKV]:
         return self._dialect.continues
 
+    @property
+    def orders_by_priority(self) -> bool:
+        """The server was started with `--scheduling-policy priority`."""
+        return self.scheduling_policy == "priority"
+
     def describe(self) -> dict[str, Any]:
         digest = self.checksum_digest
         return {
             "url": self.address,
             "weight_label": self.label_text,
             "weights_checksum": digest[:16] if digest else None,
+            "scheduling_policy": self.scheduling_policy,
         }
 
     # -- HTTP -------------------------------------------------------------------------
@@ -210,7 +217,7 @@ class HTTPMember:
         card = models["data"][0]
         self.model, self.max_model_len = str(card["id"]), int(card.get("max_model_len") or 0)
         try:
-            mode = await self._logprobs_mode()
+            mode = await self._read_server_info()
         except ServerError as exc:
             raise Misconfigured(str(exc)) from exc
         if mode != LOGPROBS_MODE:
@@ -228,11 +235,14 @@ class HTTPMember:
             specs=self._servers.checkpoint.weight_specs(),
         )
 
-    async def _logprobs_mode(self) -> str | None:
+    async def _read_server_info(self) -> str | None:
+        """The server's weight transfer and scheduling policy, and its logprobs mode."""
         if self._dialect.server_info is None:
             return LOGPROBS_MODE
         config = (await self._get(self._dialect.server_info, 60.0)).get("vllm_config", {})
         self.transfer = (config.get("weight_transfer_config") or {}).get("backend")
+        policy = (config.get("scheduler_config") or {}).get("policy")
+        self.scheduling_policy = str(policy) if policy is not None else None
         mode = config.get("model_config", {}).get("logprobs_mode")
         return str(mode) if mode is not None else None
 
@@ -278,13 +288,18 @@ class HTTPMember:
             max_model_len=self.max_model_len or None,
         )
         base = f"ar-{uuid.uuid4().hex}"
+        ordered = self.orders_by_priority and bool(request.priorities)
         if request.whole:  # nothing to cancel alone: one request, parsed once by the server
-            return WholeWave(self._request(prompt_token_ids, sampling, base, version, n), n)
+            priority = request.priority() if ordered else None
+            return WholeWave(
+                self._request(prompt_token_ids, sampling, base, version, n, priority), n
+            )
         ids = [f"{base}-{i}" for i in range(n)]
 
         async def one(index: int) -> Completion:
             own = replace(sampling, seed=answer_seed(sampling.seed, index))
-            [answer] = await self._request(prompt_token_ids, own, ids[index], version, 1)
+            priority = request.priority(index) if ordered else None
+            [answer] = await self._request(prompt_token_ids, own, ids[index], version, 1, priority)
             return answer
 
         async def cancel(indices: list[int]) -> None:
@@ -299,11 +314,19 @@ class HTTPMember:
         return wave
 
     async def _request(
-        self, prompt: list[int], sampling: SamplingParams, request_id: str, version: int, n: int
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        version: int,
+        n: int,
+        priority: int | None = None,
     ) -> list[Completion]:
-        """One request of n answers, to its answers (aborted, with what they had decoded,
-        where it was asked to abort)."""
+        """One request of n answers (with its engine priority where one is given), to its
+        answers (aborted, with what they had decoded, where it was asked to abort)."""
         body = self.request_body(prompt, n, sampling, request_id)
+        if priority is not None:  # both vLLM endpoints read it at the body's top level
+            body["priority"] = priority
         expected = self._servers.label(version)
         if self._dialect.cache_salt is not None:  # no cached block of other weights is read
             body[self._dialect.cache_salt] = expected.replace("/", "-")  # '/' is refused
