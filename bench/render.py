@@ -120,8 +120,7 @@ def _step_staleness() -> str:
                 "met": "met" if t["met"] else "**missed**",
             }
         )
-    seeds = data.get("seeds", 1)
-    q = data["quartiles"]["bounded"] if "quartiles" in data else runs["bounded"]["quartiles"]
+    seeds, q = data["seeds"], data["quartiles"]["bounded"]
     counts = ", ".join(
         f"q{int(k) + 1} {v['stale_groups']}/{v['stale_groups'] + v['trained_groups']}"
         for k, v in q.items()
@@ -145,14 +144,14 @@ def _step_staleness() -> str:
         f"order, {runs['unpaced']['step_s']:.0f} s not paced, "
         f"{runs['unbounded']['step_s']:.0f} s without a bound; "
         f"{runs['bounded']['pacing']['delayed']} prompts delayed."
-        + _stale_groups(data.get("dropped"))
+        + _stale_groups(data["dropped"])
         + "\n"
     )
 
 
-def _stale_groups(dropped: dict[str, Any] | None) -> str:
-    """What the stale-dropped groups were, where the results say."""
-    if not dropped or not dropped["groups"]:
+def _stale_groups(dropped: dict[str, Any]) -> str:
+    """What the stale-dropped groups were (nothing where none was dropped)."""
+    if not dropped["groups"]:
         return ""
     return (
         f" Of the {dropped['groups']} groups dropped stale, {dropped['informative']} had a "
@@ -178,7 +177,7 @@ def _step_continue() -> str:
     ]
 
     def spread(t: dict[str, Any]) -> str:
-        values = t.get("per_seed", [])
+        values = t["per_seed"]
         if len(values) < 2:
             return ""
         return f", {min(values):.3g}-{max(values):.3g} over {len(values)} prompt draws"

@@ -877,6 +877,11 @@ STALENESS_GOALS = {
 }
 
 
+def _draw(args: argparse.Namespace, i: int) -> argparse.Namespace:
+    """`args` for prompt draw `i` of `--seeds` (seed `args.seed + i`)."""
+    return argparse.Namespace(**{**vars(args), "seed": args.seed + i})
+
+
 def _drop_rate(quartile: dict[str, int]) -> float:
     """Stale-dropped groups of a quartile over its groups trained or dropped."""
     seen = quartile["stale_groups"] + quartile["trained_groups"]
@@ -927,12 +932,7 @@ def measure_staleness(
     each of `args.seeds` prompt draws, and the `staleness/<name>` targets of the bounded
     runs: the stale share is the draws' mean, the quartile figures come from the draws'
     counts added up (drops are rare events). The runs shown are the first draw's."""
-    per_seed = [
-        _staleness_runs(
-            argparse.Namespace(**{**vars(args), "seed": args.seed + i}), spec, log, judged
-        )
-        for i in range(args.seeds)
-    ]
+    per_seed = [_staleness_runs(_draw(args, i), spec, log, judged) for i in range(args.seeds)]
     pooled = {name: _pooled_quartiles([runs[name] for runs in per_seed]) for name in STALENESS_RUNS}
     figures = {
         name: staleness_figures(
@@ -1034,12 +1034,7 @@ def measure_continue(
     targets the mean of the draws' figures with their spread, on the off-policy pipeline
     (max_staleness 1: on-policy, max_staleness 0, admits nothing that an update could
     run across)."""
-    per_seed = [
-        _continue_runs(
-            argparse.Namespace(**{**vars(args), "seed": args.seed + i}), spec, log, judged
-        )
-        for i in range(args.seeds)
-    ]
+    per_seed = [_continue_runs(_draw(args, i), spec, log, judged) for i in range(args.seeds)]
     figures = [_continue_figures(runs) for runs in per_seed]
     runs = per_seed[0]
     unbounded = "; ".join(
@@ -1189,7 +1184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tables = {"difficulty": measure(args, ENGINE, log, bar)}
     per_seed = []
     for extra_seed in range(args.seeds):
-        seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + extra_seed})
+        seeded = _draw(args, extra_seed)
         table = tables["difficulty"] if extra_seed == 0 else measure(seeded, ENGINE, log, bar)
         if (figures := _exact_ratios(table)) is not None:
             figures["arrival"] = arrival_ratios(seeded, figures["method"], log)

@@ -131,10 +131,8 @@ def test_http_backend_flags(tmp_path: Path) -> None:
             _serve(*bad)
 
 
-async def test_http_fleet_refuses_a_partial_update_before_any_server_sees_it(
-    toy: Any, tmp_path: Path, serve: Any
-) -> None:
-    fake = FakeVLLM()
+async def _started_fleet(toy: Any, tmp_path: Path, serve: Any, fake: FakeVLLM) -> Any:
+    """An HTTP fleet of the one fake server, started (no probe runs during a test)."""
     settings = HTTPPoolSettings(
         urls=(f"http://127.0.0.1:{await serve(fake)}",),
         instance_id="t",
@@ -143,6 +141,14 @@ async def test_http_fleet_refuses_a_partial_update_before_any_server_sees_it(
     )
     backend = build_http_fleet(toy.model_dir, settings)
     await backend.start()
+    return backend
+
+
+async def test_http_fleet_refuses_a_partial_update_before_any_server_sees_it(
+    toy: Any, tmp_path: Path, serve: Any
+) -> None:
+    fake = FakeVLLM()
+    backend = await _started_fleet(toy, tmp_path, serve, fake)
     try:
         fake.calls.clear()
         with pytest.raises(WeightsRejected, match="whole checkpoints"):
@@ -161,14 +167,7 @@ async def test_answers_carry_their_priority_to_a_server_on_priority_scheduling_o
     each answer's request carries its priority (a wave sent whole: its first answer's) and
     the fleet orders by priority; under fcfs no request carries one."""
     fake = FakeVLLM(scheduling_policy=policy)
-    settings = HTTPPoolSettings(
-        urls=(f"http://127.0.0.1:{await serve(fake)}",),
-        instance_id="t",
-        weights_dir=tmp_path / "w",
-        replica=ReplicaSettings(probe_s=60.0),
-    )
-    backend = build_http_fleet(toy.model_dir, settings)
-    await backend.start()
+    backend = await _started_fleet(toy, tmp_path, serve, fake)
     try:
         assert backend.orders_by_priority == (policy == "priority")
         sampling = SamplingParams(max_tokens=2)

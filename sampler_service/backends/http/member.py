@@ -143,7 +143,7 @@ class HTTPMember:
         self.transfer: str | None = None
         #: Its scheduling policy, as /server_info told it at attach (None: a server kind
         #: that reports none). Answers carry their priority only to a `priority` server:
-        #: one on `fcfs` refuses any priority but 0.
+        #: vLLM documents a priority other than 0 as an error under `fcfs` (0.32 ignores it).
         self.scheduling_policy: str | None = None
         self.label_text: str | None = None  # its label, as last seen or set
         self.checksum_digest: str | None = None  # of its /weight_checker checksums
