@@ -28,7 +28,7 @@ from typing import Any
 
 from bench import episodes, front, http_hop, judge, learning, restart, scaleout, sessions
 from bench.common import RESULTS, ROOT, fmt, table
-from bench.step_time import steps_table
+from bench.step_time import EXACT_GOALS, steps_table
 
 DOC = ROOT / "BENCHMARKS.md"
 NOTES = ROOT / "bench" / "notes"
@@ -116,15 +116,19 @@ def _step_staleness() -> str:
                 "arrival": figures["arrival"][name],
                 "unpaced": figures["unpaced"][name],
                 "unbounded": figures["unbounded"][name],
+                "wide": figures["wide"][name],
                 "goal": t["goal"],
                 "met": "met" if t["met"] else "**missed**",
             }
         )
-    seeds, q = data["seeds"], data["quartiles"]["bounded"]
-    counts = ", ".join(
-        f"q{int(k) + 1} {v['stale_groups']}/{v['stale_groups'] + v['trained_groups']}"
-        for k, v in q.items()
-    )
+    seeds = data["seeds"]
+
+    def counts(run: str) -> str:
+        return ", ".join(
+            f"q{int(k) + 1} {v['stale_groups']}/{v['stale_groups'] + v['trained_groups']}"
+            for k, v in data["quartiles"][run].items()
+        )
+
     return (
         table(
             lines,
@@ -134,15 +138,19 @@ def _step_staleness() -> str:
                 ("arrival", "engines in arrival order"),
                 ("unpaced", "not paced"),
                 ("unbounded", "no bound"),
+                ("wide", "waves of 16"),
                 ("goal", "goal"),
                 ("met", "met"),
             ],
         )
         + f"\nStale-dropped groups / groups seen by pass-rate quartile (q1 hardest), over "
-        f"{seeds} prompt draw{'s' if seeds > 1 else ''}: {counts}; the first draw's "
+        f"{seeds} prompt draw{'s' if seeds > 1 else ''}: {counts('bounded')} (waves of 16: "
+        f"{counts('wide')}); the first draw's "
         f"step {runs['bounded']['step_s']:.0f} s, {runs['arrival']['step_s']:.0f} s in arrival "
         f"order, {runs['unpaced']['step_s']:.0f} s not paced, "
-        f"{runs['unbounded']['step_s']:.0f} s without a bound; "
+        f"{runs['unbounded']['step_s']:.0f} s without a bound, {runs['wide']['step_s']:.0f} s "
+        f"in waves of 16 (surplus {runs['wide']['surplus_share']:.1%} of decoded tokens "
+        f"against {runs['bounded']['surplus_share']:.1%}); "
         f"{runs['bounded']['pacing']['delayed']} prompts delayed."
         + _stale_groups(data["dropped"])
         + "\n"
@@ -172,6 +180,8 @@ def _step_continue() -> str:
             "aborted": r["aborted_tokens"],
             "spanning": r["spanning_per_step"],
             "engine": r["engine_s_per_informative"],
+            "occupancy": r["occupancy"],
+            "wasted": r["wasted_share"],
         }
         for name, r in runs.items()
     ]
@@ -197,6 +207,8 @@ def _step_continue() -> str:
                 ("aborted", "aborted tokens"),
                 ("spanning", "spanning answers / step"),
                 ("engine", "engine-s / informative group"),
+                ("occupancy", "engine occupancy"),
+                ("wasted", "wasted share of decoded tokens"),
             ],
         )
         + f"\nThe runs are the first prompt draw's. Targets: {verdicts}.\n"
@@ -479,6 +491,28 @@ def _step_exact() -> str:
     )
 
 
+def _step_widths() -> str:
+    """The exact row at each speculative width: each figure's mean over the seeds."""
+    measured = {
+        key: _load("step_time")["targets"][f"exact/{key}"]["measured"]
+        for key in (*EXACT_GOALS, "surplus_share")
+    }
+    rows = [
+        {"width": width, **{key: f"{m['widths'][width]:.3g}" for key, m in measured.items()}}
+        for width in measured["step"]["widths"]
+    ]
+    return table(
+        rows,
+        [
+            ("width", "speculative width"),
+            ("tokens_per_informative", "tokens / informative vs GRPO n=4"),
+            ("engine_s_per_informative", "engine-s / informative vs GRPO n=4"),
+            ("step", "on-policy step vs GRPO n=4 sync"),
+            ("surplus_share", "surplus share"),
+        ],
+    )
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "front.run": _front(front.run_line),
     "front.targets": _front(front.targets_table),
@@ -520,6 +554,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "step_time.staleness": _step_staleness,
     "step_time.continue": _step_continue,
     "step_time.exact": _step_exact,
+    "step_time.widths": _step_widths,
     "step_time.difficulty": lambda: _step_table("difficulty"),
     "step_time.flat": lambda: _step_table("flat"),
 }

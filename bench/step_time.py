@@ -31,6 +31,11 @@ informative group (every answer, dropped groups too), engine-seconds per informa
 group (time the engine was decoding or prefilling), and the policy-lag distribution of
 the trained samples.
 
+Exact stopping (the `exact/*` targets): the best exact twin against GRPO n=4 on-policy,
+beside its whole-wave twin and its engine in arrival order, and run again at each
+speculative width of `WIDTHS` (its `wave_size`; `bench/results/step_time_widths.png`):
+exactness holds at every width, so the sweep shows what the one free mechanism can buy.
+
 Self-checks that can fail: for the round-based rules (GRPO n=4, Seq-Pos K_pos 1,
 Seq-Balance 2/2) expected answers per prompt and the chance a group is informative have
 closed forms given a prompt's pass rate; over >= 5 independent prompt draws the
@@ -82,6 +87,7 @@ from sampler_service.grouping import fresh_tokens
 from sampler_service.outbox import split_stale, too_stale
 from sampler_service.scheduler import Scheduler
 from trainer_client.contract.protocol import Group
+from trainer_client.report import save_figure
 
 #: The simulated engine's defaults (a ~1.5B model on one GPU), with wrong and hard
 #: answers longer and the KV cache's cost per token held.
@@ -252,6 +258,8 @@ class Trainer(VolatileSink):
             "t": loop.time(),
             "answers": st.samples,
             "engine_s": self.engine.stats.decode_s + self.engine.stats.prefill_s,
+            "slot_s": self.engine.stats.busy_slot_s,
+            "slots": self.engine.spec.max_num_seqs,
             "skipped": sum(d.skipped for d in st.domains.values()),
             "admitted": sum(d.admitted for d in st.domains.values()),
             # Prompts finalized (their group formed or dropped), and groups dropped.
@@ -449,6 +457,9 @@ def summarize(
         "informative_frac": informative / max(delta("finalized"), n_groups, 1),
         "answers_per_informative": delta("answers") / max(informative, 1),
         "engine_s_per_informative": delta("engine_s") / max(informative, 1),
+        # Mean running sequences over the engine's slots, frame to frame.
+        "occupancy": delta("slot_s")
+        / max(end["slots"] * (end["t_frame"] - start["t_frame"]), 1e-9),
         "tokens_per_informative": delta("decoded") / max(informative, 1),
         "surplus_share": delta("surplus") / decoded,
         "wasted_share": delta("wasted") / decoded,
@@ -627,12 +638,9 @@ def measure(
             started = time.monotonic()
             if pipeline != "off_policy":
                 res = run_one(row, pipeline, rates, args, spec, overrides=overrides)
-                res["step_s_by_r"] = {}
                 if t4 is None:  # GRPO n=4 sync comes first
                     t4 = res["gen_s"]
-                for r in RATIOS:
-                    train = r * t4 * res["samples_trained"] / (4 * args.batch)
-                    res["step_s_by_r"][str(r)] = res["gen_s"] + train + SYNC_S
+                res["step_s_by_r"] = _steps_by_r(res, t4, args.batch)
             else:
                 assert t4 is not None
                 res = {"step_s_by_r": {}}
@@ -665,6 +673,15 @@ def measure(
     for r in table_rows:
         r["ratio_by_r"] = {k: v / base["step_s_by_r"][k] for k, v in r["step_s_by_r"].items()}
     return table_rows
+
+
+def _steps_by_r(res: dict[str, Any], t4: float, batch: int) -> dict[str, float]:
+    """A generate-then-train run's step at each r: its generation plus a trainer phase of r
+    times GRPO n=4's generation (`t4`) per 4 x B samples."""
+    return {
+        str(r): res["gen_s"] + r * t4 * res["samples_trained"] / (4 * batch) + SYNC_S
+        for r in RATIOS
+    }
 
 
 def steps_table(table_rows: list[dict[str, Any]]) -> str:
@@ -806,6 +823,31 @@ def arrival_ratios(args: argparse.Namespace, method: str, log: Any) -> dict[str,
     return _ratios(on[method], on["grpo4"])
 
 
+#: Speculative widths (answers a prompt's wave issues at most) the exact row is run at.
+#: Exact stopping holds at every width: a width only adds indices, so this is the trade
+#: the one mechanism free under exactness offers, from no surplus (width 1: answers one
+#: at a time after the first `min_answers`) to every answer the budget allows at once.
+WIDTHS = (1, 2, 4, 8, 16, 32)
+
+
+def width_ratios(
+    args: argparse.Namespace, table_rows: list[dict[str, Any]], method: str
+) -> dict[str, dict[str, float]]:
+    """The exact targets' figures of `method` on-policy at each of `WIDTHS` (its
+    `wave_size`), against GRPO n=4 in `table_rows` (one prompt draw's table)."""
+    by = {(r["method"], r["pipeline"]): r for r in table_rows}
+    sync4, on4 = by[("grpo4", "sync")], by[("grpo4", "on_policy")]
+    row = next(m for m in rows() if m.key == method)
+    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+    out = {}
+    for width in WIDTHS:
+        res = run_one(row, "on_policy", rates, args, ENGINE, overrides={"wave_size": width})
+        steps = _steps_by_r(res, sync4["gen_s"], args.batch)
+        res["ratio_by_r"] = {r: v / sync4["step_s_by_r"][r] for r, v in steps.items()}
+        out[str(width)] = _ratios(res, on4)
+    return out
+
+
 def exact_targets(per_seed: list[dict[str, Any] | None]) -> dict[str, Any]:
     """`exact/<name>` targets over the seeds' figures: the mean, with the spread."""
     seeds = [f for f in per_seed if f is not None]
@@ -831,6 +873,25 @@ def exact_targets(per_seed: list[dict[str, Any] | None]) -> dict[str, Any]:
             return ""
         return f", {twin['arrival_order']['mean']:.2f}x with engines in arrival order"
 
+    def by_width(key: str) -> dict[str, Any]:
+        """The seeds' mean figure at each speculative width, where measured."""
+        if not all("widths" in f for f in seeds):
+            return {}
+        widths = seeds[0]["widths"]
+        return {"widths": {w: float(np.mean([f["widths"][w][key] for f in seeds])) for w in widths}}
+
+    def widths_text(key: str, goal: float) -> str:
+        if not (measured := by_width(key)):
+            return ""
+        means = measured["widths"]
+        lowest = min(means, key=means.__getitem__)
+        reached = [w for w, v in means.items() if v <= goal]
+        return (
+            f"; over speculative widths {min(means, key=int)}-{max(means, key=int)} the lowest "
+            f"is {means[lowest]:.2f}x (width {lowest}), "
+            + (f"met at width {', '.join(reached)}" if reached else "no width meets the goal")
+        )
+
     for key, (what, goal) in EXACT_GOALS.items():
         exact, wave = summary("exact", key), summary("wave", key)
         met = exact["mean"] <= goal
@@ -838,23 +899,57 @@ def exact_targets(per_seed: list[dict[str, Any] | None]) -> dict[str, Any]:
             "target": what,
             "goal": f"<= {goal}x",
             "method": methods,
-            "measured": {**exact, "seeds": len(seeds), **beside(key)},
+            "measured": {**exact, "seeds": len(seeds), **beside(key), **by_width(key)},
             "met": met,
             "reason": f"{exact['mean']:.2f}x ({exact['min']:.2f}-{exact['max']:.2f} over "
             f"{len(seeds)} seeds) against {wave['mean']:.2f}x with whole-wave stopping"
-            + arrival_text(key),
+            + arrival_text(key)
+            + widths_text(key, goal),
         }
     surplus = summary("exact", "surplus_share")
     out["exact/surplus_share"] = {
         "target": "surplus tokens (above the index where the rule held) / decoded tokens",
         "goal": "reported (speculative waves trade it against parallelism)",
         "method": methods,
-        "measured": {**surplus, "seeds": len(seeds), **beside("surplus_share")},
+        "measured": {
+            **surplus,
+            "seeds": len(seeds),
+            **beside("surplus_share"),
+            **by_width("surplus_share"),
+        },
         "met": None,
         "reason": "whole-wave stopping has no surplus: it trains on the whole wave"
         + arrival_text("surplus_share"),
     }
     return out
+
+
+def plot_widths(judged: dict[str, Any], path: Path) -> Path | None:
+    """The exact row's figures against GRPO n=4 at each speculative width, each target's
+    goal drawn as a line: where a width would meet a goal, and what it pays in the others."""
+    if "widths" not in judged["exact/step"]["measured"]:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    widths = list(judged["exact/step"]["measured"]["widths"])
+    for n, (key, (what, goal)) in enumerate(EXACT_GOALS.items()):
+        means = judged[f"exact/{key}"]["measured"]["widths"]
+        colour = f"C{n}"
+        ax.plot(range(len(widths)), [means[w] for w in widths], "o-", color=colour, label=what)
+        ax.axhline(goal, color=colour, ls="--", lw=0.8)
+    ax.set_xticks(range(len(widths)), widths)
+    ax.set_xlabel("speculative width (answers a wave issues at most; the row's own is 8)")
+    ax.set_ylabel("x GRPO n=4 (dashed: goal)")
+    ax.set_title(f"Exact stopping at each width: {judged['exact/step']['method'][0]}, on-policy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 #: Staleness and weight update modes are judged on the best adaptive row, the lowest
@@ -868,6 +963,9 @@ STALENESS_RUNS: dict[str, dict[str, Any]] = {
     "arrival": {"engine_priority": "arrival"},
     "unpaced": {"max_delay_versions": 0},
     "unbounded": {"max_staleness": None},
+    # Waves of 16, not the row's 8: a hard prompt's answers in two waves, not four (what
+    # its lateness is made of), for more surplus.
+    "wide": {"wave_size": 16},
 }
 STALENESS_STEPS = 10
 STALENESS_GOALS = {
@@ -959,7 +1057,7 @@ def measure_staleness(
             f"{max(args.steps, STALENESS_STEPS)} measured steps, {len(per_seed)} prompt draws (stale share "
             f"{min(stale_shares):.4f}-{max(stale_shares):.4f}); engines in arrival order "
             f"{figures['arrival'][key]:.3f}, not paced {figures['unpaced'][key]:.3f}, without a "
-            f"bound {figures['unbounded'][key]:.3f}; "
+            f"bound {figures['unbounded'][key]:.3f}, waves of 16 {figures['wide'][key]:.3f}; "
             f"stale-dropped groups by pass-rate quartile (q1 hardest): {counts}",
         }
     waits = [w for runs in per_seed for w in runs["bounded"]["stale_frame_wait_s"]]
@@ -1063,10 +1161,12 @@ def measure_continue(
 
 #: Off-policy variants of the weight update modes' runs: without max_staleness
 #: ("unbounded") and without paced admission ("unpaced"), what the bound and the pacing
-#: cost an answer an update ran across (its group is as old as its oldest version).
+#: cost an answer an update ran across (its group is as old as its oldest version); and
+#: with the staleness runs' waves of 16 ("wide").
 CONTINUE_VARIANTS: dict[str, dict[str, Any]] = {
     "unbounded": {"max_staleness": None},
     "unpaced": {"max_delay_versions": 0},
+    "wide": STALENESS_RUNS["wide"],
 }
 
 
@@ -1188,6 +1288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         table = tables["difficulty"] if extra_seed == 0 else measure(seeded, ENGINE, log, bar)
         if (figures := _exact_ratios(table)) is not None:
             figures["arrival"] = arrival_ratios(seeded, figures["method"], log)
+            figures["widths"] = width_ratios(seeded, table, figures["method"])
         per_seed.append(figures)
     if not args.no_flat:
         tables["flat"] = measure(args, ENGINE_FLAT, log, bar)
@@ -1203,6 +1304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for competing in COMPETING
     }
     judged.update(exact_targets(per_seed))
+    plot_widths(judged, RESULTS / "step_time_widths.png")
     best = best_row(tables["difficulty"])
     if best != STALENESS_ROW:
         log(f"the best adaptive row is now {best}, not {STALENESS_ROW}: judged on {best}")

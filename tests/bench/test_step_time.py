@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -85,6 +86,9 @@ def test_pipelines_bound_the_policy_lag() -> None:
     row = next(r for r in step_time.rows() if r.key == "seqbal")
     on = step_time.run_one(row, "on_policy", rates, args, step_time.ENGINE)
     assert on["stale_share"] == 0.0 and on["step_s"] == pytest.approx(on["gen_s"])
+    # 32 prompts in waves of 8 fill at most all 256 slots, and the engine idles in part
+    # of a step (the trainer phase, the last prompts' waves): a share, below 1.
+    assert 0.0 < on["occupancy"] < 1.0
     train = 0.05
     off = step_time.run_one(
         row, "off_policy", rates, args, step_time.ENGINE, train_s_per_sample=train
@@ -131,6 +135,56 @@ def test_targets_take_the_fastest_step_and_the_cheapest_informative_group() -> N
     judged = step_time.exact_targets([arrival, {**arrival, "arrival": seed["exact"]}])
     assert judged["exact/step"]["measured"]["arrival_order"]["mean"] == pytest.approx(1.2)
     assert "1.20x with engines in arrival order" in judged["exact/step"]["reason"]
+
+
+def test_exact_targets_say_which_speculative_width_reaches_each_goal(tmp_path: Path) -> None:
+    def figures(tokens: float, step: float) -> dict[str, float]:
+        return {"tokens_per_informative": tokens, "engine_s_per_informative": 1.2,
+                "step": step, "surplus_share": 0.1}  # fmt: skip
+
+    def seed(step_at_32: float) -> dict[str, Any]:
+        own = figures(1.1, 1.7)
+        widths = {"1": figures(0.9, 2.1), "8": own, "32": figures(1.2, step_at_32)}
+        return {"method": "row_exact", "exact": own, "wave": figures(1.4, 1.9), "widths": widths}
+
+    judged = step_time.exact_targets([seed(1.45), seed(1.6)])
+    step = judged["exact/step"]
+    assert step["met"] is False  # judged at the row's own width
+    assert step["measured"]["widths"] == pytest.approx({"1": 2.1, "8": 1.7, "32": 1.525})
+    assert "the lowest is 1.52x (width 32), no width meets the goal" in step["reason"]
+    tokens = judged["exact/tokens_per_informative"]
+    assert "widths 1-32 the lowest is 0.90x (width 1), no width meets" in tokens["reason"]
+    judged = step_time.exact_targets([seed(1.45), seed(1.45)])
+    assert judged["exact/step"]["reason"].endswith("met at width 32")
+    assert judged["exact/surplus_share"]["measured"]["widths"]["8"] == pytest.approx(0.1)
+    png = step_time.plot_widths(judged, tmp_path / "widths.png")
+    assert png is not None and png.read_bytes().startswith(b"\x89PNG")
+    without = {**seed(1.45)}
+    del without["widths"]
+    judged = step_time.exact_targets([without])
+    assert "widths" not in judged["exact/step"]["measured"]
+    assert "width" not in judged["exact/step"]["reason"]
+    assert step_time.plot_widths(judged, tmp_path / "none.png") is None
+
+
+def test_the_width_sweep_repeats_the_exact_row_at_its_own_width() -> None:
+    """Width 8 is the row's own: the sweep's run repeats the table's figures exactly.
+    Width 1 issues one answer at a time past `min_answers`, so nothing is surplus."""
+    # A history epoch first, so the posterior budget lets waves past `min_answers`.
+    args = argparse.Namespace(batch=32, steps=2, warmup=1, seed=0, history_epochs=1, prompts=128)
+    method = "seqpos1_posterior_skip_exact"
+    table = step_time.measure(
+        args,
+        step_time.ENGINE,
+        lambda _: None,
+        only=("grpo4", method),
+        pipelines=("sync", "on_policy"),
+    )
+    on = {r["method"]: r for r in table if r["pipeline"] == "on_policy"}
+    widths = step_time.width_ratios(args, table, method)
+    assert list(widths) == [str(w) for w in step_time.WIDTHS]
+    assert widths["8"] == step_time._ratios(on[method], on["grpo4"])
+    assert widths["1"]["surplus_share"] == 0.0 < widths["32"]["surplus_share"]
 
 
 def test_the_judged_row_is_the_fastest_adaptive_row_at_90_percent_informative() -> None:
