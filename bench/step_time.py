@@ -488,6 +488,11 @@ def summarize(
     }
 
 
+def _hard_mix(args: argparse.Namespace) -> np.ndarray:
+    """The pass rates of a prompt draw's hard mix (`args.prompts` of them, `args.seed`)."""
+    return adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+
+
 def run_one(
     row: Method,
     pipeline: str,
@@ -628,7 +633,7 @@ def measure(
 ) -> list[dict[str, Any]]:
     """Every row (or those keyed `only`, GRPO n=4 first) on every pipeline (or those
     named), with `overrides` on every config; step times per r (module docstring)."""
-    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+    rates = _hard_mix(args)
     table_rows = []
     t4 = None
     for row in rows():
@@ -834,11 +839,12 @@ def width_ratios(
     args: argparse.Namespace, table_rows: list[dict[str, Any]], method: str
 ) -> dict[str, dict[str, float]]:
     """The exact targets' figures of `method` on-policy at each of `WIDTHS` (its
-    `wave_size`), against GRPO n=4 in `table_rows` (one prompt draw's table)."""
+    `wave_size`), against GRPO n=4 in `table_rows` (one prompt draw's table). The row's
+    own width is run again too: it must repeat the table's figures, a check on the sweep."""
     by = {(r["method"], r["pipeline"]): r for r in table_rows}
     sync4, on4 = by[("grpo4", "sync")], by[("grpo4", "on_policy")]
     row = next(m for m in rows() if m.key == method)
-    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+    rates = _hard_mix(args)
     out = {}
     for width in WIDTHS:
         res = run_one(row, "on_policy", rates, args, ENGINE, overrides={"wave_size": width})
@@ -942,9 +948,11 @@ def plot_widths(judged: dict[str, Any], path: Path) -> Path | None:
         ax.plot(range(len(widths)), [means[w] for w in widths], "o-", color=colour, label=what)
         ax.axhline(goal, color=colour, ls="--", lw=0.8)
     ax.set_xticks(range(len(widths)), widths)
-    ax.set_xlabel("speculative width (answers a wave issues at most; the row's own is 8)")
+    method = judged["exact/step"]["method"][0]
+    own = next((m.config.get("wave_size") for m in rows() if m.key == method), None)
+    ax.set_xlabel(f"speculative width (answers a wave issues at most; the row's own is {own})")
     ax.set_ylabel("x GRPO n=4 (dashed: goal)")
-    ax.set_title(f"Exact stopping at each width: {judged['exact/step']['method'][0]}, on-policy")
+    ax.set_title(f"Exact stopping at each width: {method}, on-policy")
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
@@ -1083,7 +1091,7 @@ def _staleness_runs(
     """One prompt draw's runs of `measure_staleness`, by name."""
     row = next(r for r in rows() if r.key == judged)
     grpo4 = next(r for r in rows() if r.key == "grpo4")
-    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+    rates = _hard_mix(args)
     t4 = run_one(grpo4, "sync", rates, args, spec)["gen_s"]
     # More measured steps than the tables: drops are rare events, counted per quartile.
     longer = argparse.Namespace(**{**vars(args), "steps": max(args.steps, STALENESS_STEPS)})
@@ -1176,7 +1184,7 @@ def _continue_runs(
     """One prompt draw's runs of `measure_continue`, by `pipeline/mode`."""
     row = next(r for r in rows() if r.key == judged)
     grpo4 = next(r for r in rows() if r.key == "grpo4")
-    rates = adaptive_sim.draw_pass_rates("hard", args.prompts, np.random.default_rng(args.seed))
+    rates = _hard_mix(args)
     t4 = run_one(grpo4, "sync", rates, args, spec)["gen_s"]
     train_s = 0.7 * t4 / (4 * args.batch)
     runs: dict[str, dict[str, Any]] = {}
