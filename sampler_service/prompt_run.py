@@ -12,7 +12,7 @@ from sampler_service.grouping import new_id, sampled_tokens
 from sampler_service.live_config import PromptPlan
 from sampler_service.verifiers.base import Verdict
 from strategies.allocation import AllocationPolicy
-from strategies.estimator import MAX_ANSWERS, UNSEEN, Estimator
+from strategies.estimator import MAX_ANSWERS, QUARTILES, UNSEEN, Estimator
 from strategies.stopping import StopReason
 
 
@@ -115,14 +115,27 @@ class PromptRun:
 
     def wave_size(self) -> int:
         """Answers to issue next; 0 once the prompt is finished. Exact stopping asks the
-        rule only from `min_answers` on, so it issues at least up to there; the
-        allocation budget bounds every wave either way."""
+        rule only from `min_answers` on, so it issues at least up to there, and widens a
+        hard prompt's waves (`_hard_wave`); the allocation budget bounds every wave."""
         if self.stopped:
             return 0
         want = self.plan.rule.next_wave(self.n_pos, self.n_neg, prompt_id=self.row.id)
         if self.exact and self.n_generated < self.min_answers:
             want = max(want, self.min_answers - self.n_generated)
+        if want and (hard := self._hard_wave()):
+            want = max(want, min(hard, self.plan.cfg.n_max - self.n_generated))
         return self._budgeted(want)
+
+    def _hard_wave(self) -> int | None:
+        """`hard_wave_size` under exact stopping for a prompt the estimator puts in the
+        hardest quartile, else None. Those run the most waves one after another, each as
+        long as its longest answer, which makes them the last to finish a step and the
+        first to outlive the staleness bound; a wider wave only adds indices, so the group
+        stays what sequential sampling forms."""
+        hard = self.plan.cfg.hard_wave_size
+        if hard is None or not self.exact or self.history is None:
+            return None
+        return hard if self.quartile() == QUARTILES[0] else None
 
     def _holds(self) -> bool:
         """Exact stopping: the prompt stops at the answer just counted (the rule holds

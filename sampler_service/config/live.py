@@ -92,6 +92,15 @@ class SamplerConfig(LiveModel):
         description="exact stopping asks the rule from this many answers on (null: "
         "group_size), so no group is smaller than what down-sampling keeps",
     )
+    hard_wave_size: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_ANSWERS,
+        description="exact stopping: a prompt in the hardest pass-rate quartile (estimated "
+        "below 0.25) issues waves of at least this many answers, within n_max and its "
+        "budget, so it takes fewer waves in a row and misses the staleness bound less, for "
+        "more surplus (null: the rule's own waves)",
+    )
     positive_threshold: float = Field(
         0.5, ge=-1e9, le=1e9, description="an answer is right iff its reward > this"
     )

@@ -125,21 +125,27 @@ async def _groups(
     cfg: SamplerConfig,
     pushes: str | None,
     seed: int,
+    pass_rate: float = PASS_RATE,
+    history_epochs: int = 0,
     **knobs: Any,
 ) -> dict[str, Any]:
-    """Run until PROMPTS groups are formed; weight pushes every 2 simulated seconds in
-    `pushes` mode (`wait`, `abort` or `continue`), if given, under more config `knobs`."""
+    """Run until PROMPTS groups are formed under more config `knobs`; weight pushes every
+    2 simulated seconds in `pushes` mode (`wait`, `abort` or `continue`), if given; with
+    `history_epochs`, the estimator has seen every prompt that often."""
     with tempfile.TemporaryDirectory() as tmp:
         data = adaptive_sim.write_dataset(Path(tmp), PROMPTS)
         dataset = adaptive_sim.simulated_dataset(data, PROMPTS, seed)
-    rates = np.full(PROMPTS, PASS_RATE)
+    rates = np.full(PROMPTS, pass_rate)
     engine = engine_cls(rates, SPEC, seed=seed)
     await engine.start()
     sink = MemorySink()
     if pushes is not None:
-        cfg = cfg.model_copy(update={"weight_update_mode": pushes, **knobs})
+        knobs = {"weight_update_mode": pushes, **knobs}
+    cfg = cfg.model_copy(update=knobs)
     check_consistency(cfg, dataset.domains)
     scheduler = sim_scheduler(engine, dataset, sink, cfg, seed)
+    if history_epochs:
+        adaptive_sim.load_history(scheduler, rates, history_epochs, seed)
     scheduler.start()
 
     async def push() -> None:
@@ -173,6 +179,7 @@ async def _groups(
         "dropped": dict(scheduler.tally.dropped),
         "spanning": [sum(s.version_spans is not None for s in g.samples) for g in groups],
         "continued_tokens": scheduler.tally.continued_tokens,
+        "wave_sizes": Counter(n for _, n, _ in engine.requests),
     }
 
 
@@ -180,8 +187,8 @@ def _z(measured: list[int], mean: float, var: float) -> float:
     return (float(np.mean(measured)) - mean) / math.sqrt(var / len(measured))
 
 
-def _zs(result: dict[str, Any], cfg: SamplerConfig) -> dict[str, float]:
-    closed = sequential(PASS_RATE, cfg)
+def _zs(result: dict[str, Any], cfg: SamplerConfig, p: float = PASS_RATE) -> dict[str, float]:
+    closed = sequential(p, cfg)
     return {name: _z(result[name], *closed[name]) for name in ("n_pos", "n_neg", "answers")}
 
 
@@ -237,6 +244,28 @@ def test_groups_match_sequential_sampling_and_a_finishing_order_rule_does_not() 
     z_finish = _zs(by_finish, CFG)
     print(f"finishing-order rule: z {z_finish}")
     assert max(abs(v) for v in z_finish.values()) > SE, z_finish
+
+
+def test_hard_prompts_issue_wider_waves_and_their_groups_stay_exact() -> None:
+    # Seen before at p = 0.1, most prompts are in the hardest quartile: their waves widen
+    # from 8 to hard_wave_size (16, n_max here), and only add indices.
+    hard = 0.1
+    wide = virtual_clock.run(
+        _groups(SimBackend, CFG, None, seed=3, pass_rate=hard, history_epochs=2, hard_wave_size=16)
+    )
+    z = _zs(wide, CFG, hard)
+    print(
+        f"hard prompts at p={hard}, waves {dict(wide['wave_sizes'])}: z {z}; waste {wide['waste']}"
+    )
+    assert all(abs(v) <= SE for v in z.values()), z
+    assert wide["ordered"] and not wide["waste"]["redrawn"]
+    assert wide["wave_sizes"][16] > PROMPTS / 2
+    narrow = virtual_clock.run(
+        _groups(SimBackend, CFG, None, seed=3, pass_rate=hard, history_epochs=2)
+    )
+    assert max(narrow["wave_sizes"]) == 8
+    assert wide["waste"]["surplus_answers"] > narrow["waste"]["surplus_answers"]
+    assert sum(wide["wave_sizes"].values()) < sum(narrow["wave_sizes"].values())
 
 
 def test_weight_pushes_in_wait_mode_stay_exact_and_abort_mode_redraws() -> None:
