@@ -212,6 +212,16 @@ METHODS: dict[str, dict[str, Any]] = {
         "kind": "adaptive",
         "config": {**_SEQPOS1_POSTERIOR, "replay": _REPLAY, "stopping": "exact"},
     },
+    "seqpos1_posterior_replay_exact_hard16": {
+        "label": "Seq-Pos K_pos 1 + posterior + skip + replay, exact, hard_wave_size 16",
+        "kind": "ablation",
+        "config": {
+            **_SEQPOS1_POSTERIOR,
+            "replay": _REPLAY,
+            "stopping": "exact",
+            "hard_wave_size": 16,
+        },
+    },
     "grpo4_replay": {
         "label": "GRPO n=4 + replay of earlier right answers",
         "kind": "adaptive",

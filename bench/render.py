@@ -116,6 +116,7 @@ def _step_staleness() -> str:
                 "arrival": figures["arrival"][name],
                 "unpaced": figures["unpaced"][name],
                 "unbounded": figures["unbounded"][name],
+                "hard16": figures["hard16"][name],
                 "wide": figures["wide"][name],
                 "goal": t["goal"],
                 "met": "met" if t["met"] else "**missed**",
@@ -138,19 +139,21 @@ def _step_staleness() -> str:
                 ("arrival", "engines in arrival order"),
                 ("unpaced", "not paced"),
                 ("unbounded", "no bound"),
-                ("wide", "waves of 16"),
+                ("hard16", "hard prompts' waves of 16"),
+                ("wide", "all waves of 16"),
                 ("goal", "goal"),
                 ("met", "met"),
             ],
         )
         + f"\nStale-dropped groups / groups seen by pass-rate quartile (q1 hardest), over "
-        f"{seeds} prompt draw{'s' if seeds > 1 else ''}: {counts('bounded')} (waves of 16: "
-        f"{counts('wide')}); the first draw's "
+        f"{seeds} prompt draw{'s' if seeds > 1 else ''}: {counts('bounded')} (hard prompts' waves of 16: "
+        f"{counts('hard16')}; all waves of 16: {counts('wide')}); the first draw's "
         f"step {runs['bounded']['step_s']:.0f} s, {runs['arrival']['step_s']:.0f} s in arrival "
         f"order, {runs['unpaced']['step_s']:.0f} s not paced, "
-        f"{runs['unbounded']['step_s']:.0f} s without a bound, {runs['wide']['step_s']:.0f} s "
-        f"in waves of 16 (surplus {runs['wide']['surplus_share']:.1%} of decoded tokens "
-        f"against {runs['bounded']['surplus_share']:.1%}); "
+        f"{runs['unbounded']['step_s']:.0f} s without a bound, {runs['hard16']['step_s']:.0f} s "
+        f"with hard prompts' waves of 16 and {runs['wide']['step_s']:.0f} s with all waves of "
+        f"16 (surplus {runs['hard16']['surplus_share']:.1%} and {runs['wide']['surplus_share']:.1%} "
+        f"of decoded tokens against {runs['bounded']['surplus_share']:.1%}); "
         f"{runs['bounded']['pacing']['delayed']} prompts delayed."
         + _stale_groups(data["dropped"])
         + "\n"

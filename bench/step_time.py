@@ -971,8 +971,10 @@ STALENESS_RUNS: dict[str, dict[str, Any]] = {
     "arrival": {"engine_priority": "arrival"},
     "unpaced": {"max_delay_versions": 0},
     "unbounded": {"max_staleness": None},
-    # Waves of 16, not the row's 8: a hard prompt's answers in two waves, not four (what
-    # its lateness is made of), for more surplus.
+    # Hard prompts' waves of 16, not the row's 8: two waves in a row, not four, for a
+    # prompt that runs to n_max 32 (what its lateness is made of).
+    "hard16": {"hard_wave_size": 16},
+    # Every prompt's waves of 16, not only the hard ones': more surplus.
     "wide": {"wave_size": 16},
 }
 STALENESS_STEPS = 10
@@ -1065,7 +1067,8 @@ def measure_staleness(
             f"{max(args.steps, STALENESS_STEPS)} measured steps, {len(per_seed)} prompt draws (stale share "
             f"{min(stale_shares):.4f}-{max(stale_shares):.4f}); engines in arrival order "
             f"{figures['arrival'][key]:.3f}, not paced {figures['unpaced'][key]:.3f}, without a "
-            f"bound {figures['unbounded'][key]:.3f}, waves of 16 {figures['wide'][key]:.3f}; "
+            f"bound {figures['unbounded'][key]:.3f}, hard prompts in waves of 16 "
+            f"{figures['hard16'][key]:.3f}, every prompt in waves of 16 {figures['wide'][key]:.3f}; "
             f"stale-dropped groups by pass-rate quartile (q1 hardest): {counts}",
         }
     waits = [w for runs in per_seed for w in runs["bounded"]["stale_frame_wait_s"]]
@@ -1174,6 +1177,7 @@ def measure_continue(
 CONTINUE_VARIANTS: dict[str, dict[str, Any]] = {
     "unbounded": {"max_staleness": None},
     "unpaced": {"max_delay_versions": 0},
+    "hard16": STALENESS_RUNS["hard16"],
     "wide": STALENESS_RUNS["wide"],
 }
 
