@@ -16,7 +16,10 @@ windows, and T the seconds per weight push. A prompt is admitted when the tokens
 ahead of the running prompts plus its cost fit in rate x (window start + s T - now);
 otherwise it is delayed, never skipped: delayed prompts are first in line once they
 fit, which a new version's window gives them, and one that has waited
-`max_delay_versions` versions is admitted whether it fits or not. With
+`max_delay_versions` versions is admitted whether it fits or not. For that to hold, the
+line holds at most what those versions admit, a training step of prompts each: while it
+is full, no new prompt is drawn (a longer line would hold its last prompts past
+`max_delay_versions`, behind the overdue ones ahead of them). With
 `max_delay_versions` 0, no bound, or nothing measured yet (two versions and a finished
 prompt), nothing is delayed.
 """
@@ -50,12 +53,18 @@ class Pacer:
     """See the module docstring."""
 
     def __init__(
-        self, live: LiveConfig, clock: Callable[[], float], decoded: Callable[[], int]
+        self,
+        live: LiveConfig,
+        clock: Callable[[], float],
+        decoded: Callable[[], int],
+        step_groups: Callable[[], int],
     ) -> None:
-        """`decoded()`: the tokens the engines have decoded so far (the tally's)."""
+        """`decoded()`: the tokens the engines have decoded so far (the tally's);
+        `step_groups()`: the groups the trainer takes per step (admission's)."""
         self.live = live
         self._clock = clock
         self._decoded = decoded
+        self._step_groups = step_groups
         self._costs = AnswerCosts()
         self._version: int | None = None
         self._window_start = 0.0
@@ -148,8 +157,15 @@ class Pacer:
         self.delays += 1
 
     def full(self) -> bool:
-        """No more prompts are delayed once as many wait as may run at once."""
-        return len(self.delayed) >= self.live.config.max_active_prompts
+        """No more prompts are delayed once as many wait as the next
+        `max_delay_versions` versions take (a step of groups each) or as may run at once:
+        a longer line would hold its last prompts past `max_delay_versions`. Never while
+        pacing is off: nothing is delayed then."""
+        if not self.active:
+            return False
+        cfg = self.live.config
+        line = min(cfg.max_active_prompts, cfg.max_delay_versions * self._step_groups())
+        return len(self.delayed) >= line
 
     def take_delayed(self, backlog: float) -> PromptRow | None:
         """The first delayed prompt that fits now or has waited long enough, if any."""

@@ -88,7 +88,9 @@ class Scheduler:
             live = LiveConfig(config, config_version, dataset.domains, dataset.prompt_ids())
         self.live = live
         self.admission = Admission(live, consumer_step)
-        self.pacer = Pacer(live, clock, lambda: self.tally.decoded)
+        self.pacer = Pacer(
+            live, clock, lambda: self.tally.decoded, lambda: self.admission.step_groups
+        )
         self.journal.held = self.pacer.delayed_rows
         self.admitter = mixing.DeficitAdmitter(dataset.domains, window=200)
         self.tally = tally or Tally(dataset.domains, clock)

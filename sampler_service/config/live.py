@@ -191,7 +191,9 @@ class SamplerConfig(LiveModel):
         "the bound (its rule's expected answers at its estimated pass rate, times the "
         "current answer length, behind the tokens the running prompts still need, at the "
         "engines' measured tokens/s and seconds per weight push) is delayed, first in line "
-        "once it fits, and admitted anyway after waiting this many versions; 0: no pacing",
+        "once it fits, and admitted anyway after waiting this many versions (the line holds "
+        "what that many training steps admit; while it is full no new prompt is drawn); 0: "
+        "no pacing",
     )
     engine_priority: Literal["auto", "oldest_prompt", "answer_index", "arrival"] = Field(
         "auto",

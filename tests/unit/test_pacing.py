@@ -75,16 +75,16 @@ def _row(prompt_id: str) -> PromptRow:
     return PromptRow(prompt_id, "q", "a", "d")
 
 
-def _pacer(max_delay_versions: int = 2) -> tuple[Pacer, Clock, list[int]]:
+def _pacer(max_delay_versions: int = 2, **knobs: Any) -> tuple[Pacer, Clock, list[int]]:
     """A pacer under Seq-Pos K_pos 1 (n_max 32) and max_staleness 1, pushes every 10 s
     and 1,000 tokens/s decoded, 100 tokens per answer: a prompt estimated easy costs
-    ~800 tokens, one estimated at p = 0.02 ~2,900."""
-    cfg = SamplerConfig(**SEQ_POS, max_staleness=1, max_delay_versions=max_delay_versions)
+    ~800 tokens, one estimated at p = 0.02 ~2,900; the trainer takes 3 groups a step."""
+    cfg = SamplerConfig(**SEQ_POS, max_staleness=1, max_delay_versions=max_delay_versions, **knobs)
     live = LiveConfig(cfg, 0, ["d"], ["easy", "hard", "other"])
     live.estimator.update("easy", 8, 8)
     live.estimator.update("hard", 200, 0)
     clock, decoded = Clock(), [0]
-    pacer = Pacer(live, clock, lambda: decoded[0])
+    pacer = Pacer(live, clock, lambda: decoded[0], lambda: 3)
     pacer.observe(0)
     clock.now, decoded[0] = 10.0, 10_000
     pacer.observe(1)  # a push after 10 s, 1,000 tokens/s meanwhile
@@ -126,6 +126,21 @@ def test_a_prompt_that_never_fits_runs_after_max_delay_versions() -> None:
     assert pacer.to_dict()["longest_wait_versions"] == 2
 
 
+def test_the_line_holds_what_the_next_max_delay_versions_versions_admit() -> None:
+    # Steps of 3 groups: two versions admit 6, so a line of 6 is full.
+    pacer, _, _ = _pacer(max_delay_versions=2)
+    for i in range(6):
+        assert not pacer.full()
+        pacer.delay(_row(f"p{i}"))
+    assert pacer.full()
+    # max_active_prompts caps it too.
+    capped, _, _ = _pacer(max_delay_versions=2, max_active_prompts=4)
+    for i in range(4):
+        assert not capped.full()
+        capped.delay(_row(f"p{i}"))
+    assert capped.full()
+
+
 def test_past_the_expected_push_nothing_is_held_back_and_zero_delay_versions_is_off() -> None:
     pacer, clock, _ = _pacer()
     clock.now = 21.0  # the push expected at 20 s has not come: the trainer waits for us
@@ -133,3 +148,4 @@ def test_past_the_expected_push_nothing_is_held_back_and_zero_delay_versions_is_
     off, clock, _ = _pacer(max_delay_versions=0)
     clock.now = 19.9
     assert not off.active and off.fits(_row("hard"), backlog=1e9)
+    assert not off.full()  # with pacing off nothing waits in line: admission goes on
