@@ -66,15 +66,18 @@ class ServiceHealth:
         return self.backend.health().detail.get("replicas")
 
     def warnings(self) -> list[str]:
-        """Verifier specs failing or cut off, judges failing, and an engine failing most of
-        its calls."""
+        """Verifier specs failing or cut off, judges failing, an engine failing most of
+        its calls, and a `weight_update_mode: continue` the engine cannot honour (it
+        drains instead: the run still works, slower than asked)."""
         if not self.ready:
             return []
         engine = self.scheduler.engine_warning()
+        drains = self.scheduler.continue_unsupported()
         return [
             *self.verifiers.warnings(),
             *self.judges.warnings(),
             *([engine] if engine else []),
+            *([f"weight_update_mode continue: {drains}"] if drains else []),
         ]
 
     def health(self) -> Health:

@@ -124,6 +124,12 @@ def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
         ("trained groups", stats.get("trained_groups")),
     ]
     parts: list[Any] = [_labelled("sampler", rows)]
+    if warnings := health.get("warnings"):
+        shown = Table(title="warnings", show_header=False, box=None, pad_edge=False)
+        shown.add_column(style="yellow")
+        for warning in warnings:
+            shown.add_row(warning)
+        parts.append(shown)
 
     domains = Table(title="domains")
     for col in ("domain", "pass rate", "target", "admitted", "emitted", "groups"):

@@ -141,6 +141,14 @@ function renderHealth(health) {
   el.textContent = health.status;
   el.className = "badge " + (health.status === "ok" ? "ok" : health.status === "starting" || health.status === "degraded" ? "warn" : "bad");
   setText("#policy-version", String(health.policy_version));
+  // What works badly while the sampler still serves: shown only while there is any.
+  const warnings = Array.isArray(health.warnings) ? health.warnings : [];
+  $("#warnings-panel").hidden = warnings.length === 0;
+  $("#warnings").replaceChildren(...warnings.map((w) => {
+    const li = document.createElement("li");
+    li.textContent = w;
+    return li;
+  }));
 }
 
 function renderStats(stats) {

@@ -144,3 +144,8 @@ def test_an_update_runs_across_answers_that_say_so(make_server, toy, tmp_path: P
         assert r.status_code == 200, r.text
         why = _stats(c)["weight_updates"]["drains_instead"]
         assert "cannot continue" in why and "recompute" in why
+        # ... and warns where an operator looks: /health (the dashboard's badge row and
+        # `adaptive-rollout stats`) and /v1/stats.
+        warning = f"weight_update_mode continue: {why}"
+        assert warning in c.get("/health").json()["warnings"]
+        assert warning in _stats(c)["warnings"]

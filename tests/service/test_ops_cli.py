@@ -117,6 +117,16 @@ def test_cli_against_live_sampler(make_server: Any, toy: Any, tmp_path: Path) ->
     weights = cli(url, "events", "--kind", "weights").stdout.splitlines()
     assert len(weights) == 1 and " weights api v1 via upload" in weights[0], weights
 
+    # A mode the engine cannot honour is a warning on the stats screen, not a silent drain:
+    # the hf engine continues answers only with the old weights' cache (kv keep).
+    assert "warnings" not in cli(url, "stats").stdout
+    asked = cli(url, "config", "set", "weight_update_mode=continue", "weight_update_kv=recompute")
+    assert asked.returncode == 0, asked.stderr
+    warned = cli(url, "stats").stdout
+    assert "warnings" in warned and "weight_update_mode continue: the hf engine cannot" in warned
+    assert cli(url, "config", "set", "weight_update_kv=keep").returncode == 0
+    assert "warnings" not in cli(url, "stats").stdout
+
     # Nothing listening: said at once, not after the retries meant for a starting sampler.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
