@@ -1088,14 +1088,23 @@ def measure_staleness(
     }
 
 
-def _staleness_runs(
-    args: argparse.Namespace, spec: EngineSpec, log: Any, judged: str
-) -> dict[str, dict[str, Any]]:
-    """One prompt draw's runs of `measure_staleness`, by name."""
+def _judged_draw(
+    args: argparse.Namespace, spec: EngineSpec, judged: str
+) -> tuple[Method, Method, np.ndarray, float]:
+    """The judged row, GRPO n=4, the draw's hard mix, and the trainer's seconds per sample
+    at r 0.7 (0.7x GRPO n=4's synchronous generation time per sample)."""
     row = next(r for r in rows() if r.key == judged)
     grpo4 = next(r for r in rows() if r.key == "grpo4")
     rates = _hard_mix(args)
     t4 = run_one(grpo4, "sync", rates, args, spec)["gen_s"]
+    return row, grpo4, rates, 0.7 * t4 / (4 * args.batch)
+
+
+def _staleness_runs(
+    args: argparse.Namespace, spec: EngineSpec, log: Any, judged: str
+) -> dict[str, dict[str, Any]]:
+    """One prompt draw's runs of `measure_staleness`, by name."""
+    row, _, rates, train_s = _judged_draw(args, spec, judged)
     # More measured steps than the tables: drops are rare events, counted per quartile.
     longer = argparse.Namespace(**{**vars(args), "steps": max(args.steps, STALENESS_STEPS)})
     runs = {}
@@ -1107,7 +1116,7 @@ def _staleness_runs(
             rates,
             longer,
             spec,
-            train_s_per_sample=0.7 * t4 / (4 * args.batch),
+            train_s_per_sample=train_s,
             overrides=overrides,
         )
         res.pop("groups", None)
@@ -1186,11 +1195,7 @@ def _continue_runs(
     args: argparse.Namespace, spec: EngineSpec, log: Any, judged: str
 ) -> dict[str, dict[str, Any]]:
     """One prompt draw's runs of `measure_continue`, by `pipeline/mode`."""
-    row = next(r for r in rows() if r.key == judged)
-    grpo4 = next(r for r in rows() if r.key == "grpo4")
-    rates = _hard_mix(args)
-    t4 = run_one(grpo4, "sync", rates, args, spec)["gen_s"]
-    train_s = 0.7 * t4 / (4 * args.batch)
+    row, grpo4, rates, train_s = _judged_draw(args, spec, judged)
     runs: dict[str, dict[str, Any]] = {}
     settings = [(p, m, {}) for p in ("off_policy", "on_policy") for m in CONTINUE_MODES] + [
         (name, m, extra) for name, extra in CONTINUE_VARIANTS.items() for m in ("wait", "continue")
