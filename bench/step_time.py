@@ -977,7 +977,10 @@ STALENESS_RUNS: dict[str, dict[str, Any]] = {
     # Every prompt's waves of 16, not only the hard ones': more surplus.
     "wide": {"wave_size": 16},
 }
-STALENESS_STEPS = 10
+#: Measured steps of the staleness and weight update runs, whatever `--steps` says (if
+#: more): drops are rare events, counted per quartile, and a step under `continue` varies
+#: by +-10% from one to the next (seed 0: 288-345 s), so 3 steps can flatter a mode.
+SECTION_STEPS = 10
 STALENESS_GOALS = {
     "stale_share": ("stale-dropped tokens / decoded tokens", 0.02, "<="),
     "quartile_ratio": ("drop rate, hardest pass-rate quartile / easiest", 1.2, "<="),
@@ -1064,7 +1067,7 @@ def measure_staleness(
             "goal": f"{sense} {goal}",
             "met": met,
             "reason": f"{what} of {judged} off-policy (max_staleness 1, r 0.7), "
-            f"{max(args.steps, STALENESS_STEPS)} measured steps, {len(per_seed)} prompt draws (stale share "
+            f"{_longer(args).steps} measured steps, {len(per_seed)} prompt draws (stale share "
             f"{min(stale_shares):.4f}-{max(stale_shares):.4f}); engines in arrival order "
             f"{figures['arrival'][key]:.3f}, not paced {figures['unpaced'][key]:.3f}, without a "
             f"bound {figures['unbounded'][key]:.3f}, hard prompts in waves of 16 "
@@ -1100,13 +1103,18 @@ def _judged_draw(
     return row, grpo4, rates, 0.7 * t4 / (4 * args.batch)
 
 
+def _longer(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with at least `SECTION_STEPS` measured steps."""
+    return argparse.Namespace(**{**vars(args), "steps": max(args.steps, SECTION_STEPS)})
+
+
 def _staleness_runs(
     args: argparse.Namespace, spec: EngineSpec, log: Any, judged: str
 ) -> dict[str, dict[str, Any]]:
     """One prompt draw's runs of `measure_staleness`, by name."""
     row, _, rates, train_s = _judged_draw(args, spec, judged)
     # More measured steps than the tables: drops are rare events, counted per quartile.
-    longer = argparse.Namespace(**{**vars(args), "steps": max(args.steps, STALENESS_STEPS)})
+    longer = _longer(args)
     runs = {}
     for name, overrides in STALENESS_RUNS.items():
         started = time.monotonic()
@@ -1172,7 +1180,7 @@ def measure_continue(
             "goal": f"{sense} {goal}",
             "met": measured <= goal,
             "reason": f"{what}: {judged} off-policy (max_staleness 1, r 0.7, kv "
-            f"{args.continue_kv}), {args.steps} measured steps; mean of {len(values)} "
+            f"{args.continue_kv}), {_longer(args).steps} measured steps; mean of {len(values)} "
             f"prompt draws ({min(values):.3g}-{max(values):.3g}); first draw: {unbounded}; "
             f"drain s/step by run: {drains}",
         }
@@ -1196,6 +1204,7 @@ def _continue_runs(
 ) -> dict[str, dict[str, Any]]:
     """One prompt draw's runs of `measure_continue`, by `pipeline/mode`."""
     row, grpo4, rates, train_s = _judged_draw(args, spec, judged)
+    longer = _longer(args)
     runs: dict[str, dict[str, Any]] = {}
     settings = [(p, m, {}) for p in ("off_policy", "on_policy") for m in CONTINUE_MODES] + [
         (name, m, extra) for name, extra in CONTINUE_VARIANTS.items() for m in ("wait", "continue")
@@ -1206,7 +1215,7 @@ def _continue_runs(
             row,
             "off_policy" if pipeline in CONTINUE_VARIANTS else pipeline,
             rates,
-            args,
+            longer,
             spec,
             train_s_per_sample=train_s,
             overrides={"weight_update_mode": mode, "weight_update_kv": args.continue_kv, **extra},
@@ -1217,7 +1226,7 @@ def _continue_runs(
             f"  continue seed {args.seed} {pipeline}/{mode}: step {res['step_s']:.1f}s, drain "
             f"{res['drain_s_per_step']:.1f}s/step ({time.monotonic() - started:.1f}s real)"
         )
-    base = run_one(grpo4, "on_policy", rates, args, spec, train_s_per_sample=train_s)
+    base = run_one(grpo4, "on_policy", rates, longer, spec, train_s_per_sample=train_s)
     base.pop("groups", None)
     runs["grpo4/on_policy"] = base
     return runs
