@@ -97,6 +97,20 @@ def _episode_rows(episodes: dict[str, Any]) -> list[tuple[str, Any]]:
     ]
 
 
+def _weight_updates(stats: dict[str, Any]) -> str:
+    """What a weight update does to running answers, and what `continue` kept so far."""
+    updates = stats.get("weight_updates") or {}
+    kept = stats.get("continue") or {}
+    mode = updates.get("mode", "-")
+    if mode != "continue" and not kept.get("spanning_answers"):
+        return str(mode)
+    # Answers an update ran across, and the tokens they had decoded by then.
+    return (
+        f"{mode} (kv {updates.get('kv')}): {kept.get('spanning_answers', 0)} answers / "
+        f"{kept.get('continued_tokens', 0)} tokens kept"
+    )
+
+
 def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
     """One screen of `stats`: a rich renderable built from /health and /v1/stats."""
     from rich.console import Group
@@ -122,6 +136,7 @@ def stats_frame(health: dict[str, Any], stats: dict[str, Any]) -> Any:
             f"{_fmt(staleness.get('max'), 0)} (bound {_fmt(staleness.get('max_staleness'))})",
         ),
         ("trained groups", stats.get("trained_groups")),
+        ("weight updates", _weight_updates(stats)),
     ]
     parts: list[Any] = [_labelled("sampler", rows)]
     if warnings := health.get("warnings"):

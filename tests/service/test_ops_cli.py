@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ def test_cli_against_live_sampler(make_server: Any, toy: Any, tmp_path: Path) ->
         assert domain in once.stdout
     assert "turns per episode" not in once.stdout  # single answers: no episodes table
     assert "decoded tokens" in once.stdout and "waste: surplus" in once.stdout
+    assert re.search(r"weight updates +wait *\n", once.stdout), once.stdout
     watched = cli(url, "stats", "--watch", "--count", "3", "--interval", "0.2")
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.count("stats at") == 3  # no TTY: one frame per refresh
@@ -124,6 +126,7 @@ def test_cli_against_live_sampler(make_server: Any, toy: Any, tmp_path: Path) ->
     assert asked.returncode == 0, asked.stderr
     warned = cli(url, "stats").stdout
     assert "warnings" in warned and "weight_update_mode continue: the hf engine cannot" in warned
+    assert "continue (kv recompute): 0 answers / 0 tokens kept" in warned
     assert cli(url, "config", "set", "weight_update_kv=keep").returncode == 0
     assert "warnings" not in cli(url, "stats").stdout
 
