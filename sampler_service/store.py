@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 #: After a checkpoint the WAL file is cut back to this size; without a limit it keeps its
 #: high-water mark for the life of the process. Set above what half a second of groups
@@ -445,7 +447,7 @@ class Store:
         db.executemany(
             "INSERT INTO kv (key, value) VALUES (?, ?) "
             "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-            [(k, json.dumps(v)) for k, v in items.items()],
+            [(k, json.dumps(v, default=_unpacked)) for k, v in items.items()],
         )
 
     def put(self, items: dict[str, Any]) -> None:
@@ -537,3 +539,12 @@ class AsyncStore:
     async def close(self) -> None:
         await self.call(self.sync.close)
         self._thread.shutdown(wait=True)
+
+
+def _unpacked(value: Any) -> Any:
+    """A state value's numpy parts as JSON: an engine on the far side of a process
+    boundary packs answers' token ids and logprobs into arrays (`backends.base.packed`),
+    and the replay store saves the answers it keeps as they came."""
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    raise TypeError(f"a state value of type {type(value).__name__} cannot be stored as JSON")

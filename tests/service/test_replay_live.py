@@ -36,12 +36,16 @@ def _ack(c: httpx.Client, groups: list[dict[str, Any]]) -> None:
     assert r.status_code == 200, r.text
 
 
+# Under exact stopping the default engine process streams each answer as it finishes,
+# as packed arrays, and the replay store saves them in the write that stores the groups.
+@pytest.mark.parametrize(("stopping", "engine"), [("wave", "thread"), ("exact", "process")])
 def test_replay_fills_all_wrong_groups_is_live_validated_and_persisted(
-    make_server: Any, toy: Any, tmp_path: Path
+    make_server: Any, toy: Any, tmp_path: Path, stopping: str, engine: str
 ) -> None:
     # Eight add2 prompts, visited again and again: each is solved now and then.
     data = write_jsonl(tmp_path / "add2.jsonl", rows_with(toy.data_files[1])[:8])
-    server = make_server(CONFIG, data=[data])
+    config = {**CONFIG, "stopping": stopping}
+    server = make_server(config, data=[data], engine=engine)
     with server.client() as c, server.client() as reader:
         # A consumer that declares nothing streams as before, until replay is switched on.
         with reader.stream("GET", "/v1/groups/stream", params={"consumer": "old"}) as stream:
@@ -94,8 +98,11 @@ def test_replay_fills_all_wrong_groups_is_live_validated_and_persisted(
             assert [s["reward"] for s in fresh] == [0.0] and old["reward"] == 1.0
             assert old["advantage"] > 0 > fresh[0]["advantage"]
             assert len(old["logprobs"]) == len(old["response_token_ids"]) > 0
-        stats = c.get("/v1/stats").json()["replay"]
+        everything = c.get("/v1/stats").json()
+        stats = everything["replay"]
         assert stats["replayed"] >= len(replayed) and stats["answers"] >= 1
+        # Every finished group was stored: a save that failed would lose its groups.
+        assert everything["last_error"] is None, everything["last_error"]
         assert "adaptive_rollout_replayed_answers_total" in c.get("/metrics").text
         # Admission then holds while one group waits for a trainer (max_staleness 0, saved
         # with the config): the restarted sampler generates nothing, so what its replay
@@ -111,7 +118,7 @@ def test_replay_fills_all_wrong_groups_is_live_validated_and_persisted(
         kept = c.get("/v1/stats").json()["replay"]["answers"]
 
     server.stop()
-    server = make_server(CONFIG, data=[data])
+    server = make_server(config, data=[data], engine=engine)
     with server.client() as c:
         assert c.get("/v1/config").json()["replay"] == REPLAY
         # The store came back with the scheduler's state (saved at shutdown).

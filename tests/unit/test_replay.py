@@ -4,9 +4,11 @@ out by hand."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from sampler_service.backends.base import Completion
+from sampler_service.backends.base import Completion, packed
 from sampler_service.replay import ReplayStore
+from sampler_service.store import Store
 
 
 def _answer(text: str, version: int) -> Completion:
@@ -54,3 +56,21 @@ def test_a_save_writes_only_the_prompts_that_changed() -> None:
     assert restored.stats()["prompts"] == 1 and restored.stats()["answers"] == 2
     taken = restored.take("q", served_version=3, max_version_lag=0)
     assert taken is not None and taken.completion == _answer("c", 3) and taken.reward == 1.0
+
+
+def test_answers_packed_by_an_engine_process_are_saved_and_restored(tmp_path: Path) -> None:
+    # Answers that crossed a process boundary (the hf engine's child, a Ray replica, the
+    # streaming waves of exact stopping) hold numpy arrays; the save that carries them is
+    # the one that stores finished groups, so it must not fail on them.
+    store = ReplayStore()
+    answer = packed(Completion([7, 8, 9], [-0.25, -0.5, -0.125], "a", "stop", 3))
+    store.remember("p", [answer], [1.0], 0.5, 2)
+    db = Store(tmp_path / "s.sqlite", checkpoint_every_s=None)
+    db.put(store.changes())
+    db.close()
+    restored = ReplayStore()
+    restored.restore(Store(tmp_path / "s.sqlite", checkpoint_every_s=None).get_many([], "replay/"))
+    taken = restored.take("p", served_version=3, max_version_lag=0)
+    assert taken is not None and taken.reward == 1.0
+    assert list(taken.completion.token_ids) == [7, 8, 9]
+    assert list(taken.completion.logprobs) == [-0.25, -0.5, -0.125]
