@@ -111,6 +111,10 @@ class Finalizer:
         #: Called after each batch: backpressure may have eased.
         self.on_stored: Callable[[], None] = lambda: None
         self._queued_tokens = 0
+        #: Finished prompts whose groups a failed write lost (not offered, not dropped),
+        #: and that write's error.
+        self.unstored = 0
+        self.unstored_error: str | None = None
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -158,7 +162,9 @@ class Finalizer:
             try:
                 await self.finalize(runs)
             except Exception as exc:  # a failed write must not stop the finalizer
-                self._on_error(f"storing {len(runs)} groups failed: {exc!r}")
+                self.unstored += len(runs)
+                self.unstored_error = f"storing {len(runs)} groups failed: {exc!r}"
+                self._on_error(self.unstored_error)
                 log.exception("storing the groups of %d prompts failed", len(runs))
             finally:
                 self.finalizing -= len(runs)

@@ -67,16 +67,19 @@ class ServiceHealth:
 
     def warnings(self) -> list[str]:
         """Verifier specs failing or cut off, judges failing, an engine failing most of
-        its calls, and a `weight_update_mode: continue` the engine cannot honour (it
-        drains instead: the run still works, slower than asked)."""
+        its calls, finished groups a failed write lost, and a `weight_update_mode:
+        continue` the engine cannot honour (it drains instead: the run still works,
+        slower than asked)."""
         if not self.ready:
             return []
         engine = self.scheduler.engine_warning()
         drains = self.scheduler.continue_unsupported()
+        store = self.scheduler.store_warning()
         return [
             *self.verifiers.warnings(),
             *self.judges.warnings(),
             *([engine] if engine else []),
+            *([store] if store else []),
             *([f"weight_update_mode continue: {drains}"] if drains else []),
         ]
 

@@ -216,6 +216,17 @@ class Scheduler:
             return f"engine: {failures} of its last {len(recent)} calls failed ({self.last_error})"
         return None
 
+    def store_warning(self) -> str | None:
+        """Set once a write of finished groups failed: those groups are not offered, and
+        nothing else says so but the log (it stays: the groups stay lost)."""
+        lost = self.finalizer.unstored
+        if not lost:
+            return None
+        return (
+            f"store: the groups of {lost} finished prompts could not be stored and are not "
+            f"offered ({self.finalizer.unstored_error})"
+        )
+
     @property
     def paused(self) -> bool:
         return not self._gate.is_set()

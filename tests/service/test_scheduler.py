@@ -467,6 +467,49 @@ async def test_finished_prompts_free_their_slot_and_are_stored_before_stop(new_s
     assert max(sink.writes) > 1 and sum(sink.writes) == len(sink.groups())
 
 
+class FailingOnceSink(MemorySink):
+    """A store whose first write fails (a full disk, a value it cannot encode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    async def add_pending(self, group: Any, state: Any) -> None:
+        self._fail_once()
+
+    async def add_frames(self, frames: Any, state: Any = None) -> None:
+        self._fail_once()
+        await super().add_frames(frames, state)
+
+    def _fail_once(self) -> None:
+        if not self.failed:
+            self.failed = True
+            raise OSError("database or disk is full")
+
+
+async def test_a_failed_write_is_a_warning_and_the_groups_after_it_are_stored(
+    new_scheduler,
+) -> None:
+    scheduler, _ = new_scheduler(
+        **fixed_groups(2, max_active_prompts=4, max_buffered_groups=1000),
+    )
+    sink = scheduler.finalizer.sink = FailingOnceSink()
+    assert scheduler.store_warning() is None
+    scheduler.start()
+    try:
+        async with asyncio.timeout(120):
+            while len(sink.groups()) < 8:
+                await asyncio.sleep(0.01)
+    finally:
+        await scheduler.stop()
+    lost = scheduler.finalizer.unstored
+    finished = sum(scheduler.tally.stop_reasons.values())
+    assert lost >= 1 and len(sink.groups()) + len(scheduler.finalizer.unframed) + lost == finished
+    warning = scheduler.store_warning()
+    assert warning is not None and f"of {lost} finished prompts" in warning
+    assert "database or disk is full" in warning
+
+
 async def test_an_estimator_rebuilt_off_the_loop_keeps_every_finished_group(new_scheduler) -> None:
     """A change of n_max rebuilds the estimator in a worker thread while prompts keep
     finishing: each finished group is counted once by whichever estimator serves after."""
