@@ -150,6 +150,7 @@ async def window(
 
     cfg = SamplerConfig(
         **grpo(n),
+        stopping="wave",  # a wave read whole: one request of n through HTTP
         max_tokens=max_tokens,
         temperature=1.0,
         max_buffered_groups=100_000,

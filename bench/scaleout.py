@@ -215,6 +215,7 @@ async def _drive(
 def _sim_config(replicas: int) -> SamplerConfig:
     return SamplerConfig(
         rule="balanced",
+        stopping="wave",  # as the committed figures were measured
         n_max=16,
         wave_size=8,
         group_size=4,
@@ -401,6 +402,7 @@ async def ray_hop(warmup_s: float, measure_s: float, pairs: int) -> list[dict[st
         for level in levels:
             cfg = SamplerConfig(
                 rule="balanced",
+                stopping="wave",
                 n_max=16,
                 wave_size=8,
                 group_size=4,

@@ -33,6 +33,7 @@ from trainer_client.launch import SamplerProcess
 
 # Consumers ack without training or pushing weights: nothing to bound.
 CONFIG = {
+    "stopping": "wave",  # as the committed figures were measured
     "max_tokens": 8,
     "max_active_prompts": 16,
     "max_buffered_groups": 64,

@@ -69,7 +69,7 @@ class PromptRun:
 
     @property
     def exact(self) -> bool:
-        return self.plan.cfg.stopping == "exact" and self.plan.cfg.mode == "continuous"
+        return self.plan.cfg.counts_in_order
 
     @property
     def min_answers(self) -> int:

@@ -79,7 +79,7 @@ class SamplerConfig(LiveModel):
     wave_size: stopping_rules.WaveSize = stopping_rules.DEFAULTS.wave_size
     group_size: stopping_rules.GroupSize = stopping_rules.DEFAULTS.group_size
     stopping: Literal["exact", "wave"] = Field(
-        "wave",
+        "exact",
         description="wave: the rule is asked when a whole wave is back, and the group trains "
         "on every answer generated; exact: answers are counted in index order as they finish "
         "and the rule is asked after each, so the group is answers 1..j for the first j where "
@@ -269,12 +269,20 @@ class SamplerConfig(LiveModel):
         return stopping_rules.build(self.rule, **params)
 
     @property
+    def counts_in_order(self) -> bool:
+        """Whether prompts count their answers in index order as they finish (`stopping:
+        exact`). Rounds form their groups from whole rounds, and `rule: fixed` cannot hold
+        inside a wave (its waves never go past `group_size`), so whole waves already give
+        those the group that counting in order would, with no request per answer."""
+        return self.stopping == "exact" and self.mode == "continuous" and self.rule != "fixed"
+
+    @property
     def engine_order(self) -> EngineOrder:
         """`engine_priority` resolved: what measured best for this stopping and bound
         (BENCHMARKS.md section 5)."""
         if self.engine_priority != "auto":
             return self.engine_priority
-        if self.stopping == "exact" and self.mode == "continuous":
+        if self.counts_in_order:
             return "answer_index"
         return "arrival" if self.max_staleness == 0 else "oldest_prompt"
 

@@ -242,7 +242,7 @@ def _wave_priorities(**config: object) -> dict[int, list[tuple[int, ...]]]:
 def test_wave_stopping_puts_the_earliest_admitted_prompt_first_in_the_engine() -> None:
     # Under a staleness bound (the default, 1): every answer of a prompt carries its place
     # in the admission order, so an old prompt's later waves go before a new prompt's.
-    waves = _wave_priorities()
+    waves = _wave_priorities(stopping="wave")
     places = []
     for prompt_waves in waves.values():
         answers = {p for priorities in prompt_waves for p in priorities}
@@ -252,14 +252,15 @@ def test_wave_stopping_puts_the_earliest_admitted_prompt_first_in_the_engine() -
     # Under max_staleness 0 every running prompt is due at the same push: arrival order,
     # as it is when asked for.
     for config in ({"max_staleness": 0}, {"engine_priority": "arrival"}):
-        assert all(p == () for w in _wave_priorities(**config).values() for p in w)
+        waves = _wave_priorities(stopping="wave", **config)
+        assert all(p == () for w in waves.values() for p in w)
 
 
 def test_exact_stopping_puts_every_prompts_earlier_answers_first_in_the_engine() -> None:
     # Answer i of a prompt (admitted at version 0: nothing pushes weights here) has
     # priority i, across its waves: a later answer, the likelier surplus, waits behind
     # the earlier answers of every prompt.
-    waves = _wave_priorities(stopping="exact")
+    waves = _wave_priorities()  # exact stopping, the default
     for prompt_waves in waves.values():
         answers = [p for priorities in prompt_waves for p in priorities]
         assert answers == list(range(len(answers))) and len(answers) >= 4

@@ -315,7 +315,7 @@ class WholeWavesCheaper(SimBackend):
 def test_an_engine_that_answers_whole_waves_cheaper_gets_them_unless_the_rule_is_exact() -> None:
     """Whole-wave stopping reads every answer and cancels none, so an engine that says
     whole waves cost it less (one HTTP request of n, not n) is sent `generate`; exact
-    stopping streams, to cancel the surplus."""
+    stopping streams, to cancel the surplus, unless the rule is fixed."""
     WholeWavesCheaper.calls.clear()
     whole = virtual_clock.run(
         _groups(WholeWavesCheaper, CFG.model_copy(update={"stopping": "wave"}), None, seed=3)
@@ -326,6 +326,14 @@ def test_an_engine_that_answers_whole_waves_cheaper_gets_them_unless_the_rule_is
     exact = virtual_clock.run(_groups(WholeWavesCheaper, CFG, None, seed=3))
     assert WholeWavesCheaper.calls["wave"] >= PROMPTS and not WholeWavesCheaper.calls["generate"]
     assert exact["waste"]["waste"]["surplus"] > 0
+    # A fixed group cannot hold inside a wave: counting in order would form the same
+    # group, so it is read whole under exact stopping too.
+    WholeWavesCheaper.calls.clear()
+    fixed = SamplerConfig(**{**CONFIG, "rule": "fixed", "downsample": "none"}, stopping="exact")
+    assert not fixed.counts_in_order and fixed.engine_order == "oldest_prompt"
+    grpo = virtual_clock.run(_groups(WholeWavesCheaper, fixed, None, seed=3))
+    assert WholeWavesCheaper.calls["generate"] >= PROMPTS and not WholeWavesCheaper.calls["wave"]
+    assert grpo["waste"]["waste"]["surplus"] == 0 and set(grpo["answers"]) == {4}
 
 
 class _DiesAfterOne(Wave):

@@ -36,15 +36,22 @@ def _ack(c: httpx.Client, groups: list[dict[str, Any]]) -> None:
     assert r.status_code == 200, r.text
 
 
-# Under exact stopping the default engine process streams each answer as it finishes,
-# as packed arrays, and the replay store saves them in the write that stores the groups.
-@pytest.mark.parametrize(("stopping", "engine"), [("wave", "thread"), ("exact", "process")])
+#: Exact stopping with a rule asked at the second answer (Seq-Balance 1/1 within n_max
+#: 2): the same groups of two, counted in index order as the answers finish.
+COUNTED = {"rule": "balanced", "k_pos": 1, "k_neg": 1, "stopping": "exact"}
+
+
+# Counting in order, the default engine process streams each answer as it finishes, as
+# packed arrays, and the replay store saves them in the write that stores the groups.
+@pytest.mark.parametrize(
+    ("knobs", "engine"), [({"stopping": "wave"}, "thread"), (COUNTED, "process")]
+)
 def test_replay_fills_all_wrong_groups_is_live_validated_and_persisted(
-    make_server: Any, toy: Any, tmp_path: Path, stopping: str, engine: str
+    make_server: Any, toy: Any, tmp_path: Path, knobs: dict[str, Any], engine: str
 ) -> None:
     # Eight add2 prompts, visited again and again: each is solved now and then.
     data = write_jsonl(tmp_path / "add2.jsonl", rows_with(toy.data_files[1])[:8])
-    config = {**CONFIG, "stopping": stopping}
+    config = {**CONFIG, **knobs}
     server = make_server(config, data=[data], engine=engine)
     with server.client() as c, server.client() as reader:
         # A consumer that declares nothing streams as before, until replay is switched on.
