@@ -127,6 +127,8 @@ class Scheduler:
         self._gate = asyncio.Event()  # cleared while weights are being swapped
         self._gate.set()
         self._weights_lock = asyncio.Lock()
+        #: Why the last weight update drained instead of continuing, as logged.
+        self._drains_logged: str | None = None
         self._in_flight = 0
         self._drained = asyncio.Event()  # set whenever no engine request is in flight
         self._drained.set()
@@ -468,10 +470,11 @@ class Scheduler:
         `wait` (what `abort` cut has stopped by then)."""
         if self.config.weight_update_mode != "continue":
             return "wait"
-        if (why := self.continue_unsupported()) is not None:
+        why = self.continue_unsupported()
+        if why is not None and why != self._drains_logged:  # once, not at every update
             log.warning("weight_update_mode continue: %s", why)
-            return "wait"
-        return self.config.weight_update_kv
+        self._drains_logged = why
+        return "wait" if why is not None else self.config.weight_update_kv
 
     def continue_unsupported(self) -> str | None:
         """Why `weight_update_mode: continue` drains instead, on this engine and with

@@ -15,10 +15,13 @@ answer, aborted): `generate` cannot free a row's slot while it runs, so the batc
 on for the other rows. `abort_all` (a weight update) ends every answer the same way.
 
 A weight load waits for the running batch, except under a `continue` update
-(`update_pause` `keep`): then the batch's own stopping criterion, which runs on the
-model thread between two decode steps, copies the weights in, and the rows go on under
-them from their next token (their earlier tokens keep the old weights' cache), each
-answer noting where the new version began (`version_spans`).
+(`update_pause` `keep` or `recompute`): then the batch's own stopping criterion, which
+runs on the model thread between two decode steps, copies the weights in, and the rows
+go on under them from their next token, each answer noting where the new version began
+(`version_spans`). Under `keep` their earlier tokens keep the old weights' cache; under
+`recompute` the next step first recomputes that cache under the new weights (a forward
+pre-hook on the model, one prefill of the batch's tokens so far), so every later token
+is the new weights' own, as a fresh forward pass would score it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -115,6 +119,9 @@ class _Batch:
     #: under; a load handed to the running batch (`_Swap`), installed at its next step.
     spans: list[tuple[int, int]] = field(default_factory=list)
     swap: _Swap | None = None
+    #: The batch's tokens when a `recompute` load was installed: the next decode step
+    #: recomputes their cache under the new weights first (`_CacheRebuild`).
+    rebuild: torch.Tensor | None = None
     #: generate is running (guarded by the backend's swap lock).
     running: bool = False
 
@@ -125,6 +132,8 @@ class _Swap:
 
     plan: list[tuple[torch.Tensor, torch.Tensor]]
     version: int
+    #: `recompute`: the running rows' cache is recomputed under the new weights.
+    recompute: bool = False
     done: Future[None] = field(default_factory=Future)
 
 
@@ -187,7 +196,12 @@ class _StoppedRows(StoppingCriteria):
     row is padded from there on while the others decode. Between two steps it also
     installs a weight load handed to the batch (`install`)."""
 
-    def __init__(self, batch: _Batch, width: int, install: Callable[[_Batch, int], None]) -> None:
+    def __init__(
+        self,
+        batch: _Batch,
+        width: int,
+        install: Callable[[_Batch, int, torch.Tensor], None],
+    ) -> None:
         self._batch, self._width, self._install = batch, width, install
 
     def __call__(
@@ -195,7 +209,7 @@ class _StoppedRows(StoppingCriteria):
     ) -> torch.BoolTensor:
         batch, rows = self._batch, input_ids.shape[0]
         if batch.swap is not None:
-            self._install(batch, input_ids.shape[1] - self._width)
+            self._install(batch, input_ids.shape[1] - self._width, input_ids)
         if batch.abort.is_set():
             stop = [True] * rows
         elif batch.stopped:
@@ -207,6 +221,35 @@ class _StoppedRows(StoppingCriteria):
             batch.cut.setdefault(row, decoded)
         # transformers' hint; torch types it a Tensor
         return cast(torch.BoolTensor, torch.tensor(stop, device=input_ids.device))
+
+
+class _CacheRebuild:
+    """A forward pre-hook on the model while a batch runs: after a `recompute` load (the
+    batch's `rebuild`), the step about to run first gets its cache recomputed under the
+    new weights, from the batch's tokens so far, with the attention mask and positions
+    generate uses (the cache holds every token but the one this step feeds)."""
+
+    def __init__(self, batch: _Batch) -> None:
+        self._batch = batch
+
+    def __call__(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        tokens, self._batch.rebuild = self._batch.rebuild, None
+        if tokens is None:
+            return
+        cache, mask = kwargs["past_key_values"], kwargs["attention_mask"]
+        cached = tokens.shape[1] - 1
+        prefix_mask = mask[:, :cached]
+        positions = prefix_mask.long().cumsum(-1) - 1
+        positions.masked_fill_(prefix_mask == 0, 1)
+        fresh = DynamicCache(config=model.config)
+        model.base_model(
+            input_ids=tokens[:, :cached],
+            attention_mask=prefix_mask,
+            position_ids=positions,
+            past_key_values=fresh,
+            use_cache=True,
+        )
+        cache.layers[:] = fresh.layers  # in place: generate holds this cache
 
 
 class HFBackend(CheckpointBackend, StreamingBackend):
@@ -494,6 +537,7 @@ class HFBackend(CheckpointBackend, StreamingBackend):
             criteria.append(_StopStrings(self._tokenizer, sampling.stop, width))
         with self._swap_lock:
             batch.running, batch.spans = True, [(self._version, 0)]
+        rebuild = model.register_forward_pre_hook(_CacheRebuild(batch), with_kwargs=True)
         try:
             with torch.inference_mode():
                 out = model.generate(
@@ -504,6 +548,7 @@ class HFBackend(CheckpointBackend, StreamingBackend):
                     stopping_criteria=StoppingCriteriaList(criteria),
                 )
         finally:
+            rebuild.remove()
             with self._swap_lock:
                 batch.running = False
                 if batch.swap is not None:  # it came after the last step: between batches
@@ -589,10 +634,12 @@ class HFBackend(CheckpointBackend, StreamingBackend):
             tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
             check_tensor(name, tuple(tensor.shape), safetensors_code(tensor.dtype), self._specs)
             plan.append((self._targets[self._names[name]], tensor))
-        swap = _Swap(plan, version)
+        swap = _Swap(plan, version, recompute=self.update_pause == "recompute")
         with self._swap_lock:
             batch = self._inflight
-            handed = self.update_pause == "keep" and batch is not None and batch.running
+            handed = (
+                self.update_pause in ("keep", "recompute") and batch is not None and batch.running
+            )
             if handed:
                 assert batch is not None
                 batch.swap = swap
@@ -607,13 +654,13 @@ class HFBackend(CheckpointBackend, StreamingBackend):
 
     @property
     def continues(self) -> frozenset[ContinueKV]:
-        """Answers go on across a load with their cache kept: generate cannot re-prefill
-        the rows it runs."""
-        return frozenset({"keep"})
+        return frozenset({"keep", "recompute"})
 
-    def _install_swap(self, batch: _Batch, decoded: int | None) -> None:
+    def _install_swap(
+        self, batch: _Batch, decoded: int | None, tokens: torch.Tensor | None = None
+    ) -> None:
         """Model thread: install the load handed to `batch`, its rows going on under it
-        from token `decoded` (None: the batch has ended)."""
+        from token `decoded`, their `tokens` so far (None: the batch has ended)."""
         swap, batch.swap = batch.swap, None
         assert swap is not None
         try:
@@ -623,6 +670,8 @@ class HFBackend(CheckpointBackend, StreamingBackend):
             raise
         if decoded is not None:
             batch.spans.append((swap.version, decoded))
+            if swap.recompute:
+                batch.rebuild = tokens
         swap.done.set_result(None)
 
     def _install(self, plan: list[tuple[torch.Tensor, torch.Tensor]], version: int) -> None:

@@ -224,7 +224,7 @@ class SamplerConfig(LiveModel):
         "under the new weights (exact: every token's logprob is its own version's; costs a "
         "prefill of the prompt and the tokens decoded so far) or kept (the old weights' "
         "keys and values stay for the tokens before the update: no prefill, later spans "
-        "only approximately their version's); hf keeps only",
+        "only approximately their version's)",
     )
     max_versions_per_answer: int | None = Field(
         None,

@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 from support import perturbed_state
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, Qwen2ForCausalLM
 
 from sampler_service.backends.base import Completion, GenerationAborted, SamplingParams
 from sampler_service.backends.hf import HFBackend
@@ -98,6 +98,22 @@ def reference_logprobs(
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     return logprobs.gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+def kept_cache_logprobs(
+    old: Any, new: Any, prompt: list[int], response: list[int], start: int
+) -> torch.Tensor:
+    """Logprobs of `response[start:]` decoded by `new` over the cache `old` built for the
+    tokens before (the last token before `start` is fed to `new`, as the step after a
+    `keep` load feeds it)."""
+    ids = torch.tensor([prompt + response])
+    fed = len(prompt) + start - 1
+    cache = DynamicCache()
+    with torch.no_grad():
+        old(input_ids=ids[:, :fed], past_key_values=cache, use_cache=True)
+        logits = new(input_ids=ids[:, fed:-1], past_key_values=cache, use_cache=True).logits[0]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(1, torch.tensor(response[start:])[:, None]).squeeze(1)
 
 
 def check_row(c: Completion, max_tokens: int) -> None:
@@ -281,42 +297,53 @@ async def test_weight_load_waits_for_the_running_batch(endless_dir: Path) -> Non
         assert later.policy_version == 1
 
 
-async def test_a_continue_load_lands_between_two_decode_steps(endless_dir: Path) -> None:
-    """Under a `continue` update (`update_pause` keep) the running rows go on under the
-    new weights from the step after the load, and each answer says where they began."""
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+async def test_a_continue_load_lands_between_two_decode_steps(endless_dir: Path, kv: str) -> None:
+    """Under a `continue` update the running rows go on under the new weights from the
+    step after the load, and each answer says where they began. Under `recompute` every
+    later token is exactly the new weights' own; under `keep` only approximately."""
     reference = AutoModelForCausalLM.from_pretrained(endless_dir, dtype=torch.float32).eval()
-    new = perturbed_state(reference, 0.5, seed=1, names=["lm_head.weight"])
+    new = perturbed_state(reference, 0.05, seed=1)  # every layer: the cache moves too
     updated = AutoModelForCausalLM.from_pretrained(endless_dir, dtype=torch.float32).eval()
     updated.load_state_dict(new, strict=False)
     async with started(endless_dir) as backend:
-        assert backend.continues == {"keep"}
+        assert backend.continues == {"keep", "recompute"}
+        # Rows of different lengths: the recomputed cache keeps generate's left padding.
         prompt, sampling = [5, 6], SamplingParams(max_tokens=400)
-        running = asyncio.create_task(backend.generate(prompt, 3, sampling))
+        running = asyncio.create_task(backend.generate(prompt, 2, sampling))
+        other = asyncio.create_task(backend.generate([7, 8, 9, 10], 1, sampling))
         await asyncio.sleep(0.2)
         assert not running.done() and backend.queue_depth == 0  # taken into a batch
         with pytest.raises(NotSupported):  # no pause of its own: it reads update_pause
-            await backend.pause_for_load("keep")
+            await backend.pause_for_load(kv)
         await backend.load_weights(new, 1)
         with pytest.raises(NotSupported):
             await backend.resume_after_load()
         assert backend.update_pause == "wait" and backend.policy_version == 1
-        answers = await running
-    for c in answers:
+        answers = [(prompt, c) for c in await running] + [([7, 8, 9, 10], c) for c in await other]
+    starts = set()
+    for row_prompt, c in answers:
         assert c.finish_reason == "length" and c.policy_version == 0
         assert c.version_spans is not None
         [(first, zero), (second, start)] = c.version_spans
         assert (first, zero, second) == (0, 0, 1) and 0 < start < len(c.token_ids)
-        # Tokens before the load are the old weights' own. After it, the keys and values
-        # of the earlier tokens stay the old weights' (the `keep` approximation), so the
-        # new weights' full forward pass scores them only approximately; the ratio is
-        # nearer 1 under the new weights than under the old.
-        old = reference_logprobs(reference, prompt, c.token_ids, 1.0)
-        fresh = reference_logprobs(updated, prompt, c.token_ids, 1.0)
+        starts.add(start)
+        old = reference_logprobs(reference, row_prompt, c.token_ids, 1.0)
+        fresh = reference_logprobs(updated, row_prompt, c.token_ids, 1.0)
         sampled = torch.tensor(c.logprobs)
+        # Tokens before the load are the old weights' own.
         torch.testing.assert_close(sampled[:start], old[:start], atol=1e-4, rtol=0)
         later = sampled[start:]
-        assert (later - fresh[start:]).abs().mean() < (later - old[start:]).abs().mean()
-    assert {c.version_spans[1][1] for c in answers if c.version_spans} == {start}
+        if kv == "recompute":
+            torch.testing.assert_close(later, fresh[start:], atol=1e-4, rtol=0)
+        else:
+            # The earlier tokens' keys and values stay the old weights' (the `keep`
+            # approximation): exactly what the new weights make of the old cache, and not
+            # what a fresh forward pass under them scores.
+            kept = kept_cache_logprobs(reference, updated, row_prompt, c.token_ids, start)
+            torch.testing.assert_close(later, kept, atol=1e-4, rtol=0)
+            assert (later - fresh[start:]).abs().max() > 1e-2
+    assert len(starts) == 1  # one batch: the load landed at one step for every row
 
 
 async def test_abort_all_and_a_responsive_event_loop(endless_dir: Path) -> None:

@@ -7,6 +7,7 @@ import functools
 import json
 import re
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,11 @@ def test_parse_assignments() -> None:
         parse_key_values(["k_pos"], "set")
 
 
-def test_cli_against_live_sampler(make_server: Any, toy: Any, tmp_path: Path) -> None:
+def test_cli_against_live_sampler(
+    make_server: Any, toy: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fault = tmp_path / "engine-errors"  # absent until the warnings below
+    monkeypatch.setenv("ADAPTIVE_ROLLOUT_FAULT_ENGINE_ERRORS", str(fault))
     server = make_server(extra=["--api-key", KEY])
     url = server.url
 
@@ -119,16 +124,25 @@ def test_cli_against_live_sampler(make_server: Any, toy: Any, tmp_path: Path) ->
     weights = cli(url, "events", "--kind", "weights").stdout.splitlines()
     assert len(weights) == 1 and " weights api v1 via upload" in weights[0], weights
 
-    # A mode the engine cannot honour is a warning on the stats screen, not a silent drain:
-    # the hf engine continues answers only with the old weights' cache (kv keep).
+    # A warning is on the stats screen: an engine failing its calls (the fault hook's file
+    # makes every generate call fail while it exists; acking keeps admission open).
     assert "warnings" not in cli(url, "stats").stdout
+    fault.touch()
+    deadline = time.monotonic() + 120
+    with server.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
+        while "engine: " not in (warned := cli(url, "stats").stdout):
+            assert time.monotonic() < deadline, warned
+            got = c.post("/v1/groups/lease", json={"max_groups": 64, "wait_s": 0}).json()
+            ids = [g["delivery_id"] for g in got["groups"]]
+            assert c.post("/v1/groups/ack", json={"delivery_ids": ids}).status_code == 200
+    assert "warnings" in warned and "fault hook" in warned
+    fault.unlink()
+    # The hf engine continues answers across an update with either kv: no warning.
     asked = cli(url, "config", "set", "weight_update_mode=continue", "weight_update_kv=recompute")
     assert asked.returncode == 0, asked.stderr
-    warned = cli(url, "stats").stdout
-    assert "warnings" in warned and "weight_update_mode continue: the hf engine cannot" in warned
-    assert "continue (kv recompute): 0 answers / 0 tokens kept" in warned
-    assert cli(url, "config", "set", "weight_update_kv=keep").returncode == 0
-    assert "warnings" not in cli(url, "stats").stdout
+    continued = cli(url, "stats").stdout
+    assert "weight_update_mode continue" not in continued
+    assert "continue (kv recompute): 0 answers / 0 tokens kept" in continued
 
     # Nothing listening: said at once, not after the retries meant for a starting sampler.
     with socket.socket() as sock:

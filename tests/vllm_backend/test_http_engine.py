@@ -471,6 +471,11 @@ def test_continue_needs_the_generate_dialect_whose_answers_carry_their_spans(
         updates = c.get("/v1/stats").json()["weight_updates"]
         assert updates["engine_continues"] == []
         assert "cannot continue" in updates["drains_instead"]
+        # ... and warns where an operator looks: /health (the dashboard's badge row and
+        # `adaptive-rollout stats`) and /v1/stats.
+        warning = f"weight_update_mode continue: {updates['drains_instead']}"
+        assert warning in c.get("/health").json()["warnings"]
+        assert warning in c.get("/v1/stats").json()["warnings"]
         assert c.patch("/v1/config", json={"weight_update_mode": "wait"}).status_code == 200
     tokenizer = AutoTokenizer.from_pretrained(str(toy.model_dir))
     prompt = tokenizer("1234567890")["input_ids"]  # no `=` to answer: greedy runs long
