@@ -94,7 +94,8 @@ def sampling_tables(history: Sequence[dict[str, Any]], stats: dict[str, Any]) ->
         total = sum(hist.values())
         mean = sum(int(k) * v for k, v in hist.items()) / max(total, 1)
         out.append(
-            f"  all groups the sampler emitted: {total}, mean {mean:.2f} answers/group; histogram "
+            f"  every prompt the sampler finished: {total}, mean {mean:.2f} "
+            "answers/prompt; histogram "
             + " ".join(f"{k}:{v}" for k, v in sorted(hist.items(), key=lambda kv: int(kv[0])))
         )
     reasons = stats.get("stop_reasons", {})
