@@ -637,9 +637,7 @@ class HFBackend(CheckpointBackend, StreamingBackend):
         swap = _Swap(plan, version, recompute=self.update_pause == "recompute")
         with self._swap_lock:
             batch = self._inflight
-            handed = (
-                self.update_pause in ("keep", "recompute") and batch is not None and batch.running
-            )
+            handed = self.update_pause in self.continues and batch is not None and batch.running
             if handed:
                 assert batch is not None
                 batch.swap = swap
