@@ -249,6 +249,11 @@ class GRPOTrainer:
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
         self._lag_warned = False
+        #: The sampler's max_staleness, as of the newest config read (None: unbounded).
+        self._max_staleness: int | None = None
+        self._held_ahead = held_pushes(
+            cfg.max_unacked or 2 * cfg.batch_groups, cfg.batch_groups, cfg.sync_every
+        )
 
     # -- one step: the whole algorithm ---------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -448,19 +453,20 @@ class GRPOTrainer:
         return acc
 
     def _check_lag(self, metrics: dict[str, float]) -> None:
-        """Say once when the groups trained on lag the weights by more than the threshold:
-        the sampler then generates far ahead of this trainer, on older weights."""
-        threshold = self.cfg.lag_warning
-        if self._lag_warned or not threshold or metrics["version_lag_mean"] <= threshold:
+        """Say once when the groups trained on lag the trainer's weights by more than the
+        threshold: the sampler then generates far ahead of this trainer, on older weights."""
+        if self._lag_warned:
             return
-        self._lag_warned = True
-        message = (
-            f"step {self.step} trained on groups {metrics['version_lag_mean']:.1f} policy "
-            f"versions behind on average (max {metrics['version_lag_max']:.0f}), more than "
-            f"--lag-warning {threshold:g}: the sampler is generating far ahead of this "
-            "trainer; bound it with its max_staleness (PATCH /v1/config)"
+        message = lag_warning(
+            metrics["version_lag_mean"],
+            metrics["version_lag_max"],
+            threshold=self.cfg.lag_warning,
+            max_staleness=self._max_staleness,
+            held_ahead=self._held_ahead,
         )
-        tqdm.write(f"warning: {message}", file=sys.stderr)
+        if message is not None:
+            self._lag_warned = True
+            tqdm.write(f"warning: step {self.step} {message}", file=sys.stderr)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _push(self, version: int) -> None:
@@ -488,7 +494,13 @@ class GRPOTrainer:
             config = self.client.get_config()
             if config.get("batch_groups") != self.cfg.batch_groups:
                 config = self.client.update_config(batch_groups=self.cfg.batch_groups)
-            self._temperatures[config["config_version"]] = float(config["temperature"])
+            self._remember(config)
+
+    def _remember(self, config: dict[str, Any]) -> None:
+        """Keep what training reads of a sampler config: the temperature it sampled under,
+        by config version, and the staleness bound the lag warning measures against."""
+        self._temperatures[config["config_version"]] = float(config["temperature"])
+        self._max_staleness = config.get("max_staleness")
 
     def _batches(self) -> Generator[TrainBatch, None, None]:
         assembler = BatchAssembler(self.cfg.batch_groups, self.pad_id)
@@ -502,8 +514,7 @@ class GRPOTrainer:
         """Per-sample sampling temperature, from the config version each group was admitted under."""
         versions = {g.config_version for g in batch.groups}
         if not versions <= self._temperatures.keys():
-            config = self.client.get_config()
-            self._temperatures[config["config_version"]] = float(config["temperature"])
+            self._remember(self.client.get_config())
 
         def temp(v: int) -> float:
             if v in self._temperatures:
@@ -574,3 +585,44 @@ def train(cfg: TrainConfig, on_trainer: Callable[[GRPOTrainer], None] | None = N
     finally:
         trainer.client.close()
     return trainer
+
+
+def held_pushes(credit: int, batch_groups: int, sync_every: int) -> int:
+    """Weight pushes a handed-out group can wait through in the trainer's hands: a stream
+    credit of `credit` groups holds whole steps beyond the one training, and a push
+    follows every `sync_every` steps."""
+    steps_ahead = max(0, math.ceil(credit / batch_groups) - 1)
+    return math.ceil(steps_ahead / sync_every)
+
+
+def lag_warning(
+    lag_mean: float,
+    lag_max: float,
+    *,
+    threshold: float | None,
+    max_staleness: int | None,
+    held_ahead: int,
+) -> str | None:
+    """What to say about a step whose groups lag the trainer's weights by `lag_mean`
+    versions on average, or None when that is expected.
+
+    A bounded sampler hands out groups at most `max_staleness` versions behind its
+    weights, and the trainer trains them up to `held_ahead` pushes later, so a lag up to
+    their sum is what the bound asked for; the default threshold (None) is that sum, or 2
+    versions when the sampler has no bound.
+    """
+    allowed = None if max_staleness is None else max_staleness + held_ahead
+    limit = threshold if threshold is not None else (2.0 if allowed is None else allowed)
+    if not limit or lag_mean <= limit:
+        return None
+    said = (
+        f"trained on groups {lag_mean:.1f} policy versions behind its weights on average "
+        f"(max {lag_max:.0f}), more than {limit:g}: the sampler generates far ahead of "
+        "this trainer; "
+    )
+    if max_staleness is None:
+        return said + "bound it with its max_staleness (PATCH /v1/config)"
+    return said + (
+        f"lower its max_staleness ({max_staleness} now; a group may lag it plus the "
+        f"{held_ahead} push(es) this trainer holds it through, {allowed} in all)"
+    )

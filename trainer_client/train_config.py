@@ -121,12 +121,13 @@ class TrainConfig(BaseModel):
     configure_sampler: bool = Field(
         True, description="PATCH the sampler's batch_groups to --batch-groups"
     )
-    lag_warning: float = Field(
-        2.0,
+    lag_warning: float | None = Field(
+        None,
         ge=0.0,
         allow_inf_nan=False,
         description="warn once when a step's groups lag the trainer's weights by more than "
-        "this many policy versions on average (0: never)",
+        "this many policy versions on average (0: never; unset: the sampler's max_staleness "
+        "plus the pushes a group waits through in the trainer's credit, 2 when unbounded)",
     )
     seed: int = Field(0, description="seed for the trainer's shuffling")
     progress: bool = Field(True, description="show a progress bar")

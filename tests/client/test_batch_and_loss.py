@@ -9,6 +9,7 @@ import pytest
 import torch
 from support import group, sample
 
+from sampler_service.config.live import SamplerConfig
 from trainer_client.batch import BatchAssembler, collate
 from trainer_client.contract.features import LOSS_MASK, NO_TEXT, REPLAYED, VERSION_SPANS
 from trainer_client.contract.protocol import Group
@@ -17,6 +18,8 @@ from trainer_client.grpo import (
     TrainConfig,
     approx_kl,
     grpo_advantages,
+    held_pushes,
+    lag_warning,
     ppo_clip_loss,
     token_logprobs,
 )
@@ -385,3 +388,61 @@ def test_the_loss_has_no_term_at_observation_tokens(tiny_model_dir: Path) -> Non
     assert grads[0][0] == grads[1][0]
     assert torch.equal(grads[0][1], grads[1][1])
     assert grads[0][1][0, 1] == 0 and grads[0][1][0, 2] == 0 and grads[0][1][0, 0] != 0
+
+
+@pytest.mark.parametrize(
+    ("credit", "batch_groups", "sync_every", "pushes"),
+    [
+        (32, 16, 1, 1),
+        (16, 16, 1, 0),
+        (48, 16, 1, 2),
+        (40, 16, 1, 2),
+        (32, 16, 2, 1),
+        (64, 16, 2, 2),
+    ],
+)
+def test_held_pushes_counts_the_pushes_a_held_step_waits_through(
+    credit: int, batch_groups: int, sync_every: int, pushes: int
+) -> None:
+    assert held_pushes(credit, batch_groups, sync_every) == pushes
+
+
+def test_the_lag_warning_measures_against_what_the_samplers_bound_allows() -> None:
+    """Under max_staleness 2, with one step held ahead, groups may lag 3 versions when
+    trained: the default threshold says nothing there (the demo's default run warned,
+    telling the user to bound what was bounded), and says so past it or unbounded."""
+    quiet = lag_warning(2.03, 3, threshold=None, max_staleness=2, held_ahead=1)
+    assert quiet is None
+    past = lag_warning(3.2, 4, threshold=None, max_staleness=2, held_ahead=1)
+    assert past is not None and "lower its max_staleness (2 now" in past and "3 in all" in past
+    unbounded = lag_warning(2.03, 3, threshold=None, max_staleness=None, held_ahead=1)
+    assert unbounded is not None and "bound it with its max_staleness" in unbounded
+    assert "more than 2:" in unbounded
+    told = lag_warning(0.6, 1, threshold=0.5, max_staleness=2, held_ahead=1)
+    assert told is not None and "more than 0.5:" in told
+    assert lag_warning(9.0, 9, threshold=0.0, max_staleness=None, held_ahead=1) is None
+
+
+class _ConfigClient(_NoClient):
+    """The sampler's own config as `GET /v1/config` returns it."""
+
+    def __init__(self, **changes: object) -> None:
+        self.config = {"config_version": 3, **SamplerConfig(**changes).model_dump(mode="json")}
+
+    def get_config(self) -> dict[str, object]:
+        return self.config
+
+
+@pytest.mark.parametrize(("bound", "warns"), [(2, False), (None, True)])
+def test_the_trainer_reads_the_bound_from_the_samplers_config(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], bound: int | None, warns: bool
+) -> None:
+    trainer = GRPOTrainer(
+        TrainConfig(url="http://unused", model=tiny_model_dir),
+        client=_ConfigClient(max_staleness=bound),  # type: ignore[arg-type]
+    )
+    g = _right_and_wrong([3, 4], [5, 6, 7], [-1.0, -1.0, -1.0], 0.5, (1.0, 1.0), [0.5, 0.5])
+    batch = collate([g], pad_id=0)
+    trainer._temperature_of(batch)  # the first batch's config version: read from the sampler
+    trainer._check_lag({"version_lag_mean": 2.5, "version_lag_max": 3.0})
+    assert ("warning: step 0 trained on groups 2.5" in capsys.readouterr().err) is warns
