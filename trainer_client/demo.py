@@ -226,9 +226,10 @@ def run_demo(settings: DemoSettings) -> int:
     if episode_stats.get("episodes"):
         turns = ", ".join(f"{k}: {v}" for k, v in episode_stats["turns"].items())
         print(
-            f"episodes (sampler): {episode_stats['episodes']}, turns per episode "
+            f"episodes finished (sampler): {episode_stats['episodes']}, turns per episode "
             f"{episode_stats['turns_per_episode']:.2f} ({turns}); environment errors "
-            f"{episode_stats['env_errors']}; tokens sampled {episode_stats['model_tokens']}, "
+            f"{episode_stats['env_errors']}; their tokens: sampled "
+            f"{episode_stats['model_tokens']} (decoded also counts cancelled episodes'), "
             f"from observations {episode_stats['observation_tokens']} (never trained on)"
         )
     print()
