@@ -202,7 +202,7 @@ class GRPOTrainer:
             api_key=cfg.api_key,
             consumer=cfg.consumer,
             watchdog_s=cfg.watchdog_s,
-            max_unacked=cfg.max_unacked or 2 * cfg.batch_groups,
+            max_unacked=cfg.stream_credit,
             groups_per_step=cfg.batch_groups,
             # It trains on token ids and logprobs and never reads a text (a third fewer
             # bytes per group on the wire), on an episode's sampled tokens only, and on
@@ -251,9 +251,7 @@ class GRPOTrainer:
         self._lag_warned = False
         #: The sampler's max_staleness, as of the newest config read (None: unbounded).
         self._max_staleness: int | None = None
-        self._held_ahead = held_pushes(
-            cfg.max_unacked or 2 * cfg.batch_groups, cfg.batch_groups, cfg.sync_every
-        )
+        self._held_ahead = held_pushes(cfg.stream_credit, cfg.batch_groups, cfg.sync_every)
 
     # -- one step: the whole algorithm ---------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -611,9 +609,11 @@ def lag_warning(
     their sum is what the bound asked for; the default threshold (None) is that sum, or 2
     versions when the sampler has no bound.
     """
+    if threshold == 0:  # --lag-warning 0: never
+        return None
     allowed = None if max_staleness is None else max_staleness + held_ahead
     limit = threshold if threshold is not None else (2.0 if allowed is None else allowed)
-    if not limit or lag_mean <= limit:
+    if lag_mean <= limit:
         return None
     said = (
         f"trained on groups {lag_mean:.1f} policy versions behind its weights on average "

@@ -145,3 +145,9 @@ class TrainConfig(BaseModel):
         if self.resume and self.fresh:
             raise ValueError("--resume and --fresh exclude each other")
         return self
+
+    @property
+    def stream_credit(self) -> int:
+        """Groups the stream may hand out unacked: `max_unacked`, else two steps' worth
+        (one training, the next one held)."""
+        return self.max_unacked or 2 * self.batch_groups

@@ -421,6 +421,9 @@ def test_the_lag_warning_measures_against_what_the_samplers_bound_allows() -> No
     told = lag_warning(0.6, 1, threshold=0.5, max_staleness=2, held_ahead=1)
     assert told is not None and "more than 0.5:" in told
     assert lag_warning(9.0, 9, threshold=0.0, max_staleness=None, held_ahead=1) is None
+    # on-policy, nothing held ahead: any lag is past what the bound allows
+    strict = lag_warning(0.5, 1, threshold=None, max_staleness=0, held_ahead=0)
+    assert strict is not None and "lower its max_staleness (0 now" in strict
 
 
 class _ConfigClient(_NoClient):
