@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -148,13 +149,24 @@ def write_json(name: str, data: dict[str, Any], *, started: float | None = None)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(
-        json.dumps({"environment": environment(), **data}, indent=1, default=_default) + "\n"
-    )
+    tmp.write_text(results_text({"environment": environment(), **data}))
     tmp.replace(path)
     if started is not None:
         print(f"wrote {path}; real time {data['real_s']:.0f}s")
     return path
+
+
+#: A JSON array of numbers, strings, booleans or nulls, one item a line (`json.dumps`
+#: with an indent writes them so).
+_SCALAR_ARRAY = re.compile(r'\[\n\s*((?:-?[\d.eE+-]+|"[^"\n]*"|true|false|null|,\n\s*)+?)\n\s*\]')
+
+
+def results_text(data: dict[str, Any]) -> str:
+    """A results file's text: indented, with arrays of scalars on one line (per-step
+    series one number a line made the files a third longer, and the repository must fit
+    the GPU check's carry)."""
+    text = json.dumps(data, indent=1, default=_default)
+    return _SCALAR_ARRAY.sub(lambda m: "[" + " ".join(m[1].split()) + "]", text) + "\n"
 
 
 def _default(value: Any) -> Any:

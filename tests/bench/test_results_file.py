@@ -1,4 +1,5 @@
-"""Every benchmark writes its results through one function, which stamps the run's length."""
+"""Every benchmark writes its results through one function, which stamps the run's length
+and keeps scalar arrays on one line."""
 
 from __future__ import annotations
 
@@ -32,3 +33,21 @@ def test_without_a_start_time_nothing_is_stamped_or_printed(
     path = common.write_json("sample", {"rows": []})
     assert "real_s" not in json.loads(path.read_text())
     assert capsys.readouterr().out == ""
+
+
+def test_results_text_keeps_the_data_and_puts_scalar_arrays_on_one_line() -> None:
+    data = {
+        "steps": [1.5, -2e-05, 3],
+        "names": ["a, b", "c"],
+        "flags": [True, None, False],
+        "runs": [{"lags": [0, 1], "note": "x"}, {"lags": []}],
+        "nested": [[1, 2], [3]],
+    }
+    text = common.results_text(data)
+    assert json.loads(text) == data
+    assert '"steps": [1.5, -2e-05, 3]' in text
+    assert '"names": ["a, b", "c"]' in text
+    assert '"flags": [true, null, false]' in text
+    assert '"lags": [0, 1]' in text
+    assert '"runs": [\n' in text  # arrays of objects stay one item a line
+    assert text.endswith("}\n")
