@@ -115,6 +115,7 @@ def _step_staleness() -> str:
                 "measured": t["measured"],
                 "arrival": figures["arrival"][name],
                 "unpaced": figures["unpaced"][name],
+                "unheld": figures["unheld"][name],
                 "unbounded": figures["unbounded"][name],
                 "hard16": figures["hard16"][name],
                 "wide": figures["wide"][name],
@@ -135,9 +136,10 @@ def _step_staleness() -> str:
             lines,
             [
                 ("target", "target"),
-                ("measured", "max_staleness 1, paced"),
+                ("measured", "max_staleness 1, paced, held"),
                 ("arrival", "engines in arrival order"),
                 ("unpaced", "not paced"),
+                ("unheld", "hand-outs not held"),
                 ("unbounded", "no bound"),
                 ("hard16", "hard prompts' waves of 16"),
                 ("wide", "all waves of 16"),
@@ -146,9 +148,14 @@ def _step_staleness() -> str:
             ],
         )
         + f"\nStale-dropped groups / groups seen by pass-rate quartile (q1 hardest), over "
-        f"{seeds} prompt draw{'s' if seeds > 1 else ''}: {counts('bounded')} (hard prompts' waves of 16: "
+        f"{seeds} prompt draw{'s' if seeds > 1 else ''}: {counts('bounded')} (hand-outs not held: "
+        f"{counts('unheld')}; hard prompts' waves of 16: "
         f"{counts('hard16')}; all waves of 16: {counts('wide')}); the first draw's "
-        f"step {runs['bounded']['step_s']:.0f} s, {runs['arrival']['step_s']:.0f} s in arrival "
+        f"step {runs['bounded']['step_s']:.0f} s (hand-outs held "
+        f"{runs['bounded']['hold_s_per_step']:.0f} s a step, "
+        f"{runs['bounded']['late_framed_per_step']:.1f} late groups a step taking a newer "
+        f"one's place), {runs['unheld']['step_s']:.0f} s not held, "
+        f"{runs['arrival']['step_s']:.0f} s in arrival "
         f"order, {runs['unpaced']['step_s']:.0f} s not paced, "
         f"{runs['unbounded']['step_s']:.0f} s without a bound, {runs['hard16']['step_s']:.0f} s "
         f"with hard prompts' waves of 16 and {runs['wide']['step_s']:.0f} s with all waves of "
@@ -165,7 +172,8 @@ def _stale_groups(dropped: dict[str, Any]) -> str:
     if not dropped["groups"]:
         return ""
     return (
-        f" Of the {dropped['groups']} groups dropped stale, {dropped['informative']} had a "
+        f" Of the {dropped['groups']} groups dropped stale with hand-outs not held, "
+        f"{dropped['informative']} had a "
         f"right and a wrong answer (the rest carry no GRPO signal); finished, they waited a "
         f"median {dropped['median_frame_wait_s']:.0f} s for their frame to fill (a step "
         f"takes {dropped['step_s']:.0f} s)."

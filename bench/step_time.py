@@ -82,9 +82,10 @@ from bench import adaptive_sim, virtual_clock
 from bench.common import DAPO_REFILL, RESULTS, Method, est, flags, grpo, table, write_json
 from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
+from sampler_service.delivery import HOLD_POLL_S
 from sampler_service.finalize import VolatileSink
 from sampler_service.grouping import fresh_tokens
-from sampler_service.outbox import split_stale, too_stale
+from sampler_service.outbox import out_of_order, split_stale, too_stale
 from sampler_service.scheduler import Scheduler
 from trainer_client.contract.protocol import Group
 from trainer_client.report import save_figure
@@ -272,6 +273,8 @@ class Trainer(VolatileSink):
             "aborted_tokens": st.waste["aborted"],
             "drain_s": self.drain_s,
             "spanning": st.spanning_answers,
+            "hold_s": st.handout_hold_s,
+            "late_framed": st.late_groups_framed,
         }
 
     async def run(self) -> None:
@@ -285,6 +288,7 @@ class Trainer(VolatileSink):
             self.stale += await self._drop_stale()
             if not self.held:
                 continue
+            await self._hold_for_late()
             frame = self.training = self._take_oldest()
             at_frame = self._snapshot()
             lags = Counter(self.version - s.policy_version for g in frame for s in g.samples)
@@ -357,13 +361,45 @@ class Trainer(VolatileSink):
             scheduler.poke()
         return dropped
 
-    def _take_oldest(self) -> list[Group]:
-        """The frame the service hands out next: oldest policy version first, then the
-        first framed."""
-        oldest = min(
+    async def _hold_for_late(self) -> None:
+        """The service's hand-out hold (`Delivery` with `handout_hold_s`): the frame
+        about to go out waits for late prompts, and their groups take the places of its
+        newer members (`Finalizer.frame_late_groups`). No weight push comes meanwhile
+        (this trainer makes them), so no stale check follows."""
+        assert self.scheduler is not None
+        scheduler, loop = self.scheduler, asyncio.get_running_loop()
+        since = loop.time()
+        while scheduler.holds_handout(self._next_newest(), loop.time() - since):
+            await asyncio.sleep(HOLD_POLL_S)
+        joined = await scheduler.finalizer.frame_late_groups(self._take_out_unordered)
+        if (held_s := loop.time() - since) >= HOLD_POLL_S or joined:
+            scheduler.tally.handout_held(held_s, joined)
+
+    def _next_newest(self) -> int:
+        """The newest policy version among the members of the frame handed out next."""
+        return max(g.policy_version_min for g in self.held[self._handout_order()[0]])
+
+    def _take_out_unordered(self, oldest_waiting: int | None) -> list[Group]:
+        """The frames waiting, taken out if they are not oldest first
+        (`Outbox.take_out_unordered`)."""
+        frames = [self.held[i] for i in self._handout_order()]
+        versions = [[g.policy_version_min for g in frame] for frame in frames]
+        if not out_of_order(versions, oldest_waiting):
+            return []
+        self.held.clear()
+        return [g for frame in frames for g in frame]
+
+    def _handout_order(self) -> list[int]:
+        """The indices of the frames waiting in the order the service hands them out:
+        oldest policy version first, then the first framed."""
+        return sorted(
             range(len(self.held)),
             key=lambda i: (min(g.policy_version_min for g in self.held[i]), i),
         )
+
+    def _take_oldest(self) -> list[Group]:
+        """The frame the service hands out next, taken out."""
+        oldest = self._handout_order()[0]
         frame = self.held[oldest]
         del self.held[oldest]
         return frame
@@ -471,6 +507,9 @@ def summarize(
         "stale_dropped_share": delta("stale_tokens") / decoded,
         "aborted_tokens": delta("aborted_tokens"),
         "drain_s_per_step": delta("drain_s") / k,
+        # Seconds hand-outs waited for late prompts, and the groups that joined frames.
+        "hold_s_per_step": delta("hold_s") / k,
+        "late_framed_per_step": delta("late_framed") / k,
         "spanning_per_step": delta("spanning") / k,
         # Of the groups dropped stale: how many had a right and a wrong answer (a GRPO
         # signal), and the seconds each waited, finished, for its frame to fill.
@@ -970,6 +1009,7 @@ STALENESS_RUNS: dict[str, dict[str, Any]] = {
     "bounded": {},
     "arrival": {"engine_priority": "arrival"},
     "unpaced": {"max_delay_versions": 0},
+    "unheld": {"handout_hold_s": 0},
     "unbounded": {"max_staleness": None},
     # Hard prompts' waves of 16, not the row's 8: two waves in a row, not four, for a
     # prompt that runs to n_max 32 (what its lateness is made of).
@@ -1069,22 +1109,25 @@ def measure_staleness(
             "reason": f"{what} of {judged} off-policy (max_staleness 1, r 0.7), "
             f"{_longer(args).steps} measured steps, {len(per_seed)} prompt draws (stale share "
             f"{min(stale_shares):.4f}-{max(stale_shares):.4f}); engines in arrival order "
-            f"{figures['arrival'][key]:.3f}, not paced {figures['unpaced'][key]:.3f}, without a "
+            f"{figures['arrival'][key]:.3f}, not paced {figures['unpaced'][key]:.3f}, hand-outs "
+            f"not held {figures['unheld'][key]:.3f}, without a "
             f"bound {figures['unbounded'][key]:.3f}, hard prompts in waves of 16 "
             f"{figures['hard16'][key]:.3f}, every prompt in waves of 16 {figures['wide'][key]:.3f}; "
             f"stale-dropped groups by pass-rate quartile (q1 hardest): {counts}",
         }
-    waits = [w for runs in per_seed for w in runs["bounded"]["stale_frame_wait_s"]]
+    # What the hand-out hold saves: the groups the same runs drop without it.
+    waits = [w for runs in per_seed for w in runs["unheld"]["stale_frame_wait_s"]]
     return {
         "row": judged,
         "runs": per_seed[0],
         "seeds": len(per_seed),
         "quartiles": pooled,
         "dropped": {
-            "groups": sum(q["stale_groups"] for q in pooled["bounded"].values()),
-            "informative": sum(runs["bounded"]["stale_informative"] for runs in per_seed),
+            "run": "unheld",
+            "groups": sum(q["stale_groups"] for q in pooled["unheld"].values()),
+            "informative": sum(runs["unheld"]["stale_informative"] for runs in per_seed),
             "median_frame_wait_s": float(np.median(waits)) if waits else None,
-            "step_s": float(np.mean([runs["bounded"]["step_s"] for runs in per_seed])),
+            "step_s": float(np.mean([runs["unheld"]["step_s"] for runs in per_seed])),
         },
         "figures": figures,
         "targets": section_targets,

@@ -28,10 +28,28 @@ from sampler_service.scheduler import Scheduler
 from sampler_service.store import AsyncStore, StoredGroup
 from sampler_service.tally import Tally
 from trainer_client.contract import features as wire_features
-from trainer_client.contract.protocol import AckResponse, Heartbeat
+from trainer_client.contract.protocol import AckResponse, Group, Heartbeat
 from trainer_client.contract.wire import unpack_group
 
 log = logging.getLogger(__name__)
+
+#: While a hand-out waits for late prompts (`handout_hold_s`), how often it looks again.
+HOLD_POLL_S = 0.25
+
+
+@dataclass
+class _Hold:
+    """The wait of the next hand-out for late prompts (`handout_hold_s`)."""
+
+    #: When it began (None: not yet).
+    since: float | None = None
+    #: The late prompts' groups were framed: the frame goes out now.
+    framed: bool = False
+
+    def wait_s(self, otherwise: float) -> float:
+        """How long to sleep for a change: briefly while holding (the late prompts'
+        ends are looked for, not signalled)."""
+        return min(otherwise, HOLD_POLL_S) if self.since is not None else otherwise
 
 
 @dataclass(eq=False)
@@ -153,6 +171,35 @@ class Delivery:
         await self.store.call(self.store.sync.discard, [m.group_id for m in dropped])
         await self.scheduler.finalizer.take_back([unpack_group(m.payload) for m in again])
 
+    def _holding(self, hold: _Hold) -> bool:
+        """Whether the frame about to go out waits on for late prompts
+        (`Scheduler.holds_handout`); starts the hold's clock."""
+        now = time.monotonic()
+        hold.since = hold.since or now
+        newest = self.outbox.next_frame_newest()
+        return self.scheduler.holds_handout(newest, now - hold.since)
+
+    async def _frame_late_groups(self, hold: _Hold) -> None:
+        """After a hold: the late prompts' groups take the places of newer members of
+        the frames never handed out (`Finalizer.frame_late_groups`)."""
+        hold.framed = True
+        assert hold.since is not None
+
+        def take_out_unordered(oldest_waiting: int | None) -> list[Group]:
+            taken = self.outbox.take_out_unordered(oldest_waiting)
+            return [unpack_group(m.payload) for m in taken]
+
+        joined = await self.scheduler.finalizer.frame_late_groups(take_out_unordered)
+        held_s = time.monotonic() - hold.since
+        if held_s >= HOLD_POLL_S or joined:
+            self.tally.handout_held(held_s, joined)
+            log.info(
+                "a hand-out waited %.1f s for prompts the next weight push would make too "
+                "stale; %d of their groups joined its frame",
+                held_s,
+                joined,
+            )
+
     def required_features(self) -> dict[str, str]:
         """Wire features a consumer must declare, each with what it must do about them:
         `loss_mask` while episodes are served (their observation tokens must not be
@@ -244,6 +291,7 @@ class Delivery:
             sending()
             yield encoding.message(self._heartbeat(consumer))
             next_beat = time.monotonic() + heartbeat_s
+            hold = _Hold()
             while outbox.is_current(consumer, token) and not self._closing.is_set():
                 self._streams[token] = (consumer, heartbeat_s, math.inf)
                 if (stale := self._take_out_stale()) != ([], []):
@@ -252,7 +300,13 @@ class Delivery:
                 changed = outbox.changed()
                 size = outbox.next_frame_size()
                 unacked = outbox.unacked(consumer)
-                if size is not None and (unacked + size <= max_unacked or unacked == 0):
+                if size is None or (unacked + size > max_unacked and unacked > 0):
+                    hold = _Hold()  # nothing to hand out yet
+                elif not self._holding(hold):
+                    if not hold.framed:
+                        await self._frame_late_groups(hold)
+                        continue  # check again: weights may have moved meanwhile
+                    hold = _Hold()
                     ttl = self.live.config.lease_ttl_s
                     sending()
                     # Every READY frame the credit allows goes out in one write: a
@@ -267,7 +321,7 @@ class Delivery:
                     sending()
                     yield encoding.message(self._heartbeat(consumer))
                     next_beat = now + heartbeat_s
-                await wait_event(changed, next_beat - now)
+                await wait_event(changed, hold.wait_s(next_beat - now))
             if self._closing.is_set():
                 yield encoding.message(self._heartbeat(consumer, closing=True))
         finally:
@@ -320,15 +374,19 @@ class Delivery:
         ttl = self.live.config.lease_ttl_s
         self.consumers.declare(lease_consumer(consumer), groups_per_step, time.monotonic() + ttl)
         deadline = time.monotonic() + min(wait_s, self.max_lease_wait_s)
+        hold = _Hold()
         while True:
             await self.drop_stale_frames()
-            if (
-                self.outbox.next_frame_size() is not None
-                or time.monotonic() >= deadline
-                or self._closing.is_set()
-            ):
+            if time.monotonic() >= deadline or self._closing.is_set():
                 break
-            await wait_event(self.outbox.changed(), deadline - time.monotonic())
+            if self.outbox.next_frame_size() is None:
+                hold = _Hold()
+            elif not self._holding(hold):
+                if hold.framed:
+                    break
+                await self._frame_late_groups(hold)
+                continue  # check again: weights may have moved meanwhile
+            await wait_event(self.outbox.changed(), hold.wait_s(deadline - time.monotonic()))
         ttl = self.live.config.lease_ttl_s
         delivered = self._delivered(
             self.outbox.take(lease_consumer(consumer), ttl, max_groups=max_groups)

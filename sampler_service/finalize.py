@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -108,6 +109,12 @@ class Finalizer:
         self._tasks: list[asyncio.Task[None]] = []
         #: Prompts whose answers are all in, their groups not yet stored.
         self.finalizing = 0
+        #: Groups taken out of the sink's frames on their way back here (`take_back`):
+        #: still buffered, for admission, while they wait for the frame lock (and,
+        #: harmlessly, counted twice while they are framed again).
+        self.returning = 0
+        #: Of those queued (`put`), how many were admitted under each weight version.
+        self._queued_versions: Counter[int] = Counter()
         #: Called after each batch: backpressure may have eased.
         self.on_stored: Callable[[], None] = lambda: None
         self._queued_tokens = 0
@@ -141,8 +148,18 @@ class Finalizer:
         journal still holds of it is not written: its group's write ends the attempt)."""
         self.journal.finished(run)
         self.finalizing += 1
+        self._queued_versions[run.admitted_version] += 1
         self._queued_tokens += run.recorded_tokens
         self._queue.put_nowait(run)
+
+    def queued_since(self, version: int) -> int:
+        """Prompts queued here (their groups not yet stored) admitted at `version` or
+        before."""
+        return sum(n for v, n in self._queued_versions.items() if v <= version)
+
+    def oldest_unframed(self) -> int | None:
+        """The oldest policy version among the groups waiting for a frame."""
+        return min((g.policy_version_min for g in self.unframed), default=None)
 
     def held_tokens(self) -> int:
         """Decoded tokens of prompts waiting here and of groups waiting for their frame."""
@@ -168,6 +185,8 @@ class Finalizer:
                 log.exception("storing the groups of %d prompts failed", len(runs))
             finally:
                 self.finalizing -= len(runs)
+                self._queued_versions.subtract(run.admitted_version for run in runs)
+                self._queued_versions = +self._queued_versions  # (zeros out)
                 for _ in runs:
                     self._queue.task_done()
                 self.on_stored()
@@ -257,25 +276,55 @@ class Finalizer:
             state = None
             if self._clock() - self._state_saved_at >= STATE_EVERY_S:
                 state, self._state_saved_at = self._saved_state(), self._clock()
-            size = self.live.config.batch_groups
-            unframed = len(self.unframed)
-            framed = (unframed + len(groups)) // size * size - unframed
-            for group in groups[max(framed, 0) :]:
-                await self.sink.add_pending(group, state)
-                state = None
             self.unframed.extend(groups)
+            self._oldest_first()
+            size = self.live.config.batch_groups
+            waiting = {g.group_id for g in self.unframed[len(self.unframed) // size * size :]}
+            for group in groups:
+                if group.group_id in waiting:
+                    await self.sink.add_pending(group, state)
+                    state = None
             await self._form_frames(state)
 
-    async def take_back(self, groups: list[Group]) -> None:
-        """Frame again the fresh members of a frame split by the staleness bound: they
-        go first in line (they are older than what waits), already counted as emitted."""
+    def _oldest_first(self) -> None:
+        """Frames take the oldest groups first (stable: then in the order they came), so
+        a slow prompt's group does not wait behind newer ones for a later frame, which
+        the staleness bound would drop."""
+        self.unframed.sort(key=lambda g: g.policy_version_min)
+
+    async def take_back(self, groups: list[Group]) -> int:
+        """Frame again the members of frames never handed out (the fresh members of a
+        frame split by the staleness bound, or a frame that older groups join before its
+        hand-out): first in line among groups of their version, already counted as
+        emitted. Returns how many groups that waited before joined frames."""
         if not groups:
-            return
-        async with self._frame_lock:
-            await self.sink.unframe([g.group_id for g in groups])
-            self._counted.update(g.group_id for g in groups)
-            self.unframed[:0] = groups
-            await self._form_frames()
+            return 0
+        self.returning += len(groups)
+        try:
+            async with self._frame_lock:
+                waiting = {g.group_id for g in self.unframed}
+                await self.sink.unframe([g.group_id for g in groups])
+                self._counted.update(g.group_id for g in groups)
+                self.unframed[:0] = groups
+                await self._form_frames()
+                return len(waiting - {g.group_id for g in self.unframed})
+        finally:
+            self.returning -= len(groups)
+
+    async def frame_late_groups(
+        self, take_out_unordered: Callable[[int | None], list[Group]]
+    ) -> int:
+        """Before a hand-out: frames go out oldest first, and an older group that finished
+        after they formed (a slow prompt's, which the next weight push would make too
+        stale) takes the place of a newer member, which waits for a later frame, within
+        the bound. `take_out_unordered(oldest waiting version)` takes the frames never
+        handed out out of the sink if they are not in that order (`out_of_order`); their
+        members are framed again with the groups waiting, oldest first. Returns how many
+        groups that waited joined frames. Not with batch selections (a frame is selected
+        once)."""
+        if self.live.policies.selections:
+            return 0
+        return await self.take_back(take_out_unordered(self.oldest_unframed()))
 
     async def form_frames(self) -> None:
         """Re-check framing (e.g. after batch_groups was lowered by a PATCH)."""
@@ -288,6 +337,7 @@ class Finalizer:
         count = len(self.unframed) // size * size
         if not count:
             return
+        self._oldest_first()
         frames = []
         policies = self.live.policies
         for start in range(0, count, size):

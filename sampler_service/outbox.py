@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -71,6 +72,19 @@ def split_stale(
         past = too_stale(served_version, member.policy_version_min, max_staleness)
         (dropped if whole or past else again).append(member)
     return dropped, again
+
+
+def out_of_order(frames: Sequence[Sequence[int]], oldest_waiting: int | None) -> bool:
+    """Whether frames (their members' policy versions, in the order they go out) hold a
+    member newer than one of a frame after it, or than the oldest group still waiting for
+    a frame (`oldest_waiting`): an older group that finished after the frames formed. The
+    staleness bound drops the oldest first, so they go out first."""
+    newest = -math.inf
+    for versions in filter(None, frames):
+        if min(versions) < newest:
+            return True
+        newest = max(newest, max(versions))
+    return oldest_waiting is not None and oldest_waiting < newest
 
 
 @dataclass
@@ -227,6 +241,31 @@ class Outbox:
         if stale:
             self._notify()
         return dropped, again
+
+    def next_frame_newest(self) -> int | None:
+        """The newest policy version among the members of the frame the next take()
+        would hand out (None if nothing is READY)."""
+        if self.next_frame_size() is None:
+            return None
+        frame = self._frames[self._ready[0][-1]]
+        return max(m.policy_version_min for m in frame.members)
+
+    def take_out_unordered(self, oldest_waiting: int | None) -> list[StoredGroup]:
+        """Take out the READY frames never handed out if they are not oldest first
+        (`out_of_order`, against the oldest group still waiting for a frame), and return
+        their members, to be framed again with the waiting groups, oldest first."""
+        fresh = sorted(
+            (f for f in self._frames.values() if f.consumer is None and not f.handed_out),
+            key=lambda f: (f.policy_version_min, f.seq),
+        )
+        versions = [[m.policy_version_min for m in f.members] for f in fresh]
+        if not out_of_order(versions, oldest_waiting):
+            return []
+        for frame in fresh:
+            del self._frames[frame.batch_id]
+            self._ready_count -= len(frame.members)
+        self._notify()
+        return [m for frame in fresh for m in frame.members]
 
     def _release(self, frame: _Frame) -> None:
         assert frame.consumer is not None

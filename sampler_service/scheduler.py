@@ -204,6 +204,38 @@ class Scheduler:
     def active_prompts(self) -> int:
         return len(self._active)
 
+    def late_prompts(self) -> int:
+        """Prompts still sampling (or their groups not yet stored) that the next weight
+        push makes too stale to hand out: admitted `max_staleness` or more versions ago (a hand-out waits for them:
+        `handout_hold_s`). Without a bound, none."""
+        bound = self.config.max_staleness
+        if bound is None:
+            return 0
+        last = self.backend.policy_version - bound
+        running = sum(run.admitted_version <= last for run in self._active.values())
+        return running + self.finalizer.queued_since(last)
+
+    def holds_handout(self, newest_member: int | None, held_s: float) -> bool:
+        """Whether a frame about to be handed out (`newest_member`: its newest member's
+        policy version) waits on, `held_s` into its hold: while late prompts (above) run
+        and it has a member newer than theirs for their groups to replace
+        (`Finalizer.frame_late_groups`), up to `handout_hold_s` (resolved:
+        `handout_hold`); never while the engine
+        is unhealthy (its prompts may not end)."""
+        cfg = self.config
+        if (
+            cfg.max_staleness is None
+            or newest_member is None
+            or held_s >= cfg.handout_hold
+            or self.live.policies.selections
+            or not self.backend.health().ok
+        ):
+            return False
+        return (
+            newest_member > self.backend.policy_version - cfg.max_staleness
+            and self.late_prompts() > 0
+        )
+
     @property
     def finalizing(self) -> int:
         """Prompts whose answers are all in, their groups not yet stored."""
@@ -289,7 +321,12 @@ class Scheduler:
     # -- admission --------------------------------------------------------------------
     def buffered(self) -> int:
         finalizer = self.finalizer
-        return finalizer.sink.buffered() + len(finalizer.unframed) + finalizer.finalizing
+        return (
+            finalizer.sink.buffered()
+            + len(finalizer.unframed)
+            + finalizer.returning
+            + finalizer.finalizing
+        )
 
     def capacity(self) -> int:
         """How many prompts may be admitted now (`admission`)."""

@@ -87,6 +87,7 @@ class Stats:
         return {
             **self.scheduler.tally.staleness(),
             "max_staleness": self.scheduler.config.max_staleness,
+            "handout_hold_s": self.scheduler.config.handout_hold,
             "step_groups": self.scheduler.admission.step_groups,
             "pacing": self.scheduler.pacer.to_dict(),
             "engine_priority": {

@@ -373,6 +373,11 @@ class Tally:
         #: Answers `continue` weight updates ran across, and the tokens kept by it.
         self.spanning_answers = 0
         self.continued_tokens = 0
+        #: Hand-outs that waited for late prompts (`handout_hold_s`), the seconds they
+        #: waited, and the groups that joined their frames instead of going stale.
+        self.handout_holds = 0
+        self.handout_hold_s = 0.0
+        self.late_groups_framed = 0
 
     # -- records ------------------------------------------------------------------------
     def admitted(self, domain: str) -> None:
@@ -463,6 +468,13 @@ class Tally:
             self.lags[lag] += 1
             self.recent_lags.append(lag)
 
+    def handout_held(self, seconds: float, joined: int) -> None:
+        """A hand-out that waited `seconds` for late prompts; `joined` of their groups
+        went out in it."""
+        self.handout_holds += 1
+        self.handout_hold_s += seconds
+        self.late_groups_framed += joined
+
     def lost(self, tokens: int, domain: str, quartile: str) -> None:
         """Decoded tokens of a prompt a stop abandons: a restart samples it again."""
         self._wasted("crash", tokens, domain, quartile)
@@ -501,6 +513,11 @@ class Tally:
             "window": len(lags),
             "histogram": {str(lag): n for lag, n in sorted(Counter(lags).items())},
             "dropped_stale": self.dropped.get("stale", 0),
+            "hold": {
+                "handouts": self.handout_holds,
+                "seconds": self.handout_hold_s,
+                "late_groups_framed": self.late_groups_framed,
+            },
         }
 
     def tokens_by_fate(self) -> dict[str, Any]:
@@ -691,7 +708,13 @@ class TallyCollector(Collector):
             "where abort would have lost them",
             value=t.continued_tokens,
         )
-        yield from (decoded, fates, surplus, redrawn, wasted, restart, spanning, continued)
+        held = self._counter(
+            "handout_hold_seconds",
+            "Seconds hand-outs waited for prompts the next weight push would make too stale "
+            "(handout_hold_s), so their groups went out instead of being dropped",
+            value=t.handout_hold_s,
+        )
+        yield from (decoded, fates, surplus, redrawn, wasted, restart, spanning, continued, held)
 
     def _judges(self) -> Iterator[Metric]:
         judges, p = self.tally.judges, self.prefix

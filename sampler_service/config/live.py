@@ -35,6 +35,9 @@ from strategies.allocation import ALLOCATIONS, AllocationPolicy
 from strategies.estimator import MAX_ANSWERS, Estimator, EstKnobs
 from strategies.registry import Policy, PolicyError
 
+#: `handout_hold_s: auto` under `weight_update_mode: wait`: no late prompt on the
+#: step-time model ran past 231 s of a hold (BENCHMARKS.md section 5).
+AUTO_HANDOUT_HOLD_S = 300.0
 #: The order engines serve queued answers in (`SamplerConfig.engine_order`).
 EngineOrder = Literal["oldest_prompt", "answer_index", "arrival"]
 
@@ -195,6 +198,18 @@ class SamplerConfig(LiveModel):
         "what that many training steps admit; while it is full no new prompt is drawn); 0: "
         "no pacing",
     )
+    handout_hold_s: Annotated[float, Field(ge=0.0, le=86_400.0)] | Literal["auto"] = Field(
+        "auto",
+        description="under max_staleness: a frame about to be handed out waits up to this "
+        "many seconds for prompts still sampling that the next weight push would make too "
+        "stale (admitted max_staleness or more versions ago), and their groups take the "
+        "places of its newest members, which wait for the next frame; without it those "
+        "slow, hard prompts' groups miss the frame and are dropped (`stale`) at the push. "
+        "Streams get heartbeats meanwhile. auto: 300 under weight_update_mode wait (the "
+        "engine idles at a push anyway, so the trainer's wait costs little), 0 under abort "
+        "and continue (the engine never idles at a push, and a held trainer stalls it); "
+        "0: hand out at once",
+    )
     engine_priority: Literal["auto", "oldest_prompt", "answer_index", "arrival"] = Field(
         "auto",
         description="the order engines serve queued answers in (vLLM's priority "
@@ -275,6 +290,14 @@ class SamplerConfig(LiveModel):
         inside a wave (its waves never go past `group_size`), so whole waves already give
         those the group that counting in order would, with no request per answer."""
         return self.stopping == "exact" and self.mode == "continuous" and self.rule != "fixed"
+
+    @property
+    def handout_hold(self) -> float:
+        """`handout_hold_s` resolved: what measured best for the weight update mode
+        (BENCHMARKS.md section 5)."""
+        if self.handout_hold_s != "auto":
+            return self.handout_hold_s
+        return AUTO_HANDOUT_HOLD_S if self.weight_update_mode == "wait" else 0.0
 
     @property
     def engine_order(self) -> EngineOrder:

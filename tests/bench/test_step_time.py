@@ -284,13 +284,13 @@ def test_weight_update_and_staleness_targets_read_every_prompt_draw() -> None:
     assert stale["seeds"] == 2 and stale["runs"] == alone["runs"]
     hard_pooled, hard_first = stale["quartiles"]["bounded"]["0"], alone["quartiles"]["bounded"]["0"]
     assert hard_pooled["trained_groups"] > hard_first["trained_groups"] > 0
-    dropped = stale["dropped"]
+    dropped = stale["dropped"]  # of the run without the hand-out hold
     assert dropped["groups"] == sum(
-        q["stale_groups"] for q in stale["quartiles"]["bounded"].values()
+        q["stale_groups"] for q in stale["quartiles"]["unheld"].values()
     )
     assert 0 <= dropped["informative"] <= dropped["groups"] and dropped["groups"] > 0
-    waits = stale["runs"]["bounded"]["stale_frame_wait_s"]
+    waits = stale["runs"]["unheld"]["stale_frame_wait_s"]
     assert len(waits) == sum(
-        q["stale_groups"] for q in stale["runs"]["bounded"]["quartiles"].values()
+        q["stale_groups"] for q in stale["runs"]["unheld"]["quartiles"].values()
     )
     assert all(w >= 0 for w in waits)

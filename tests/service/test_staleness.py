@@ -337,21 +337,13 @@ def test_every_decoded_token_has_one_fate_live(make_server: Any, toy: Any) -> No
         assert later["trained"] > 0 and later["waste"]["stale"] > 0
 
 
-def test_a_straggler_loses_only_its_own_group_and_its_frame_mates_are_delivered(
-    make_server: Any, toy: Any
-) -> None:
-    """The demo's sampler (Seq-Balance 2/2, adaptive waves up to 16 answers) under
-    `max_staleness` 1, against a trainer that leases a frame of 8, trains briefly, pushes
-    its weights and acks, 30 times: hard prompts sample over more than one version and
-    miss the bound. Each such straggler is dropped alone; the fresh groups framed with it
-    are framed again and delivered (whole-frame drops lost them too). Nothing delivered
-    is past the bound, and the stale waste by pass-rate bin adds up to the stale waste."""
-    config = {**SEQ_BALANCE, "max_tokens": 6, "batch_groups": 8, "max_active_prompts": 12,
-              "max_staleness": 1}  # fmt: skip
-    server = make_server(config)
+def _lease_train_push(server: Any, toy: Any, versions: int = 30) -> dict[str, Any]:
+    """A trainer that leases a frame of 8, trains briefly, pushes its weights and acks,
+    `versions` times; nothing it gets is past the bound (`max_staleness` 1). Returns the
+    sampler's /v1/stats."""
     weights = perturbed_file(toy.model_dir, 0.0)
     with server.client() as c:
-        for version in range(1, 31):
+        for version in range(1, versions + 1):
             got = _lease(c, 8, "trainer", groups_per_step=8)
             assert len(got) == 8, version
             lags = [version - 1 - g["policy_version_min"] for g in got]
@@ -359,7 +351,26 @@ def test_a_straggler_loses_only_its_own_group_and_its_frame_mates_are_delivered(
             time.sleep(0.05)  # the trainer's step
             _push(c, weights, version)
             _ack(c, got)
-        stats = c.get("/v1/stats").json()
+        return c.get("/v1/stats").json()
+
+
+#: The demo's sampler (Seq-Balance 2/2, adaptive waves up to 16 answers) under
+#: `max_staleness` 1, in frames of 8.
+STRAGGLERS = {**SEQ_BALANCE, "max_tokens": 6, "batch_groups": 8, "max_active_prompts": 12,
+              "max_staleness": 1}  # fmt: skip
+
+
+def test_a_straggler_loses_only_its_own_group_and_its_frame_mates_are_delivered(
+    make_server: Any, toy: Any
+) -> None:
+    """The demo's sampler under `max_staleness` 1, hand-outs not held, against a trainer
+    that leases a frame of 8, trains briefly, pushes its weights and acks, 30 times: hard
+    prompts sample over more than one version and miss the bound. Each such straggler is
+    dropped alone; the fresh groups framed with it are framed again and delivered
+    (whole-frame drops lost them too). Nothing delivered is past the bound, and the stale
+    waste by pass-rate bin adds up to the stale waste."""
+    server = make_server({**STRAGGLERS, "handout_hold_s": 0})
+    stats = _lease_train_push(server, toy)
     splits = [
         (int(m[1]), int(m[2]))
         for m in re.finditer(
@@ -371,3 +382,22 @@ def test_a_straggler_loses_only_its_own_group_and_its_frame_mates_are_delivered(
     assert sum(d for d, _ in splits) <= stats["dropped"]["stale"]
     by_bin = stats["waste_by_quartile"]
     assert sum(b["stale"] for b in by_bin.values()) == stats["waste"]["waste"]["stale"] > 0
+
+
+def test_a_held_hand_out_takes_the_stragglers_the_next_push_would_drop(
+    make_server: Any, toy: Any
+) -> None:
+    """The same sampler and trainer with hand-outs held (`handout_hold_s` auto: 300 s
+    under the default `weight_update_mode` wait):
+    a lease waits for the prompts admitted a version before the served weights that still
+    run, and frames go out oldest first, so their groups go out in it, ahead of newer
+    ones. No group is dropped stale (the unheld run above drops some; 30-43 before
+    hand-outs were held), nothing delivered is past the bound, and /v1/stats says how
+    long hand-outs waited."""
+    stats = _lease_train_push(make_server(STRAGGLERS), toy)
+    assert stats["dropped"].get("stale", 0) == 0, stats["staleness"]
+    assert stats["waste"]["waste"]["stale"] == 0
+    assert stats["staleness"]["handout_hold_s"] == 300  # auto, under weight_update_mode wait
+    hold = stats["staleness"]["hold"]
+    assert set(hold) == {"handouts", "seconds", "late_groups_framed"}
+    assert hold["seconds"] <= 30 * hold["handouts"]  # a lease holds no longer than it waits

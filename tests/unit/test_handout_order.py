@@ -1,0 +1,141 @@
+"""Frames go out oldest first: the finalizer frames the oldest waiting groups first, and
+before a hand-out an older group that finished after the frames formed takes the place
+of a newer member (`Finalizer.frame_late_groups`), with every group still stored once,
+counted once and never lost. The finalizer runs for real over an in-memory sink that
+records what it was asked to store."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from support import group
+
+from sampler_service.config import SamplerConfig
+from sampler_service.finalize import Finalizer, MemorySink
+from sampler_service.live_config import LiveConfig
+from sampler_service.outbox import out_of_order
+from sampler_service.replay import ReplayStore
+from sampler_service.tally import Tally
+from trainer_client.contract.protocol import Group
+
+
+@pytest.mark.parametrize(
+    ("frames", "oldest_waiting", "unordered"),
+    [
+        ([[1, 1], [2, 2]], None, False),
+        ([[1, 1], [2, 2]], 2, False),  # a tie is in order
+        ([[1, 2], [1, 1]], None, True),  # a later frame holds an older member
+        ([[1, 2], [2, 2]], 1, True),  # a waiting group is older than a framed one
+        ([[3]], 1, True),
+        ([], 0, False),  # nothing framed: nothing to reorder
+        ([[2, 1], []], None, False),  # members' order within a frame does not matter
+    ],
+)
+def test_out_of_order(frames: list[list[int]], oldest_waiting: int | None, unordered: bool) -> None:
+    assert out_of_order(frames, oldest_waiting) is unordered
+
+
+class _RecordingSink(MemorySink):
+    """What the finalizer stores: groups written as pending, and the frames offered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[str] = []
+
+    async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
+        self.pending.append(group.group_id)
+
+    def take_out_unordered(self, oldest_waiting: int | None) -> list[Group]:
+        """`Outbox.take_out_unordered` over the frames offered here (none handed out)."""
+        versions = [[g.policy_version_min for g in frame] for frame in self.frames]
+        if not out_of_order(versions, oldest_waiting):
+            return []
+        taken = [g for frame in self.frames for g in frame]
+        self.frames = []
+        return taken
+
+
+def _group(gid: str, version: int) -> Group:
+    return Group.model_validate(group(gid, policy_version_min=version, policy_version_max=version))
+
+
+def _finalizer(batch_groups: int) -> tuple[Finalizer, _RecordingSink, Tally]:
+    cfg = SamplerConfig(batch_groups=batch_groups)
+    sink, tally = _RecordingSink(), Tally(["d"], lambda: 0.0)
+    finalizer = Finalizer(
+        live=LiveConfig(cfg, 0, ["d"], []),
+        sink=sink,
+        tally=tally,
+        replay=ReplayStore(),
+        served_version=lambda: 2,
+        saved_state=dict,
+        clock=lambda: 0.0,
+        on_error=lambda message: None,
+    )
+    return finalizer, sink, tally
+
+
+def _ids(frames: list[list[Group]]) -> list[list[str]]:
+    return [[g.group_id for g in frame] for frame in frames]
+
+
+def test_a_late_older_group_is_framed_before_newer_ones_and_the_rest_wait_stored() -> None:
+    """Frames of 2: v2 group a waits; then v1 group c and v2 group d finish together.
+    The frame formed holds c (oldest) and a (first of v2); d waits. a and d were written
+    as pending while they waited (a restart finds them), c never was (it went straight
+    into a frame)."""
+    finalizer, sink, _ = _finalizer(batch_groups=2)
+
+    async def run() -> None:
+        await finalizer._store([_group("a", 2)])
+        await finalizer._store([_group("c", 1), _group("d", 2)])
+
+    asyncio.run(run())
+    assert _ids(sink.frames) == [["c", "a"]]
+    assert [g.group_id for g in finalizer.unframed] == ["d"]
+    assert sink.pending == ["a", "d"]
+
+
+def test_before_a_hand_out_a_late_group_takes_the_newest_members_place() -> None:
+    """Frames of 2 hold v1+v2 and v2+v2 when a v1 group finishes late and waits alone.
+    Before the hand-out the frames are formed again oldest first: both v1 groups go out in
+    the first frame, a v2 group waits in its place (stored as pending by the sink's
+    unframe), nothing is lost or counted twice as emitted, and the count of waiting
+    groups that joined frames is 1."""
+    finalizer, sink, tally = _finalizer(batch_groups=2)
+
+    async def run() -> tuple[int, int]:
+        await finalizer._store([_group("a", 1), _group("b", 2)])
+        await finalizer._store([_group("c", 2), _group("d", 2)])
+        await finalizer._store([_group("late", 1)])
+        assert _ids(sink.frames) == [["a", "b"], ["c", "d"]]
+        joined = await finalizer.frame_late_groups(sink.take_out_unordered)
+        # In order now: nothing is taken out again.
+        return joined, await finalizer.frame_late_groups(sink.take_out_unordered)
+
+    assert asyncio.run(run()) == (1, 0)
+    assert _ids(sink.frames) == [["a", "late"], ["b", "c"]]
+    assert [g.group_id for g in finalizer.unframed] == ["d"]
+    assert tally.groups_emitted == 5  # a b c d once each, late once: none twice
+
+
+@pytest.mark.parametrize(
+    ("knobs", "hold_s"),
+    [
+        ({}, 300.0),  # auto under wait: the engine idles at a push anyway
+        ({"weight_update_mode": "continue"}, 0.0),  # auto: a held trainer stalls the engine
+        ({"weight_update_mode": "abort"}, 0.0),
+        ({"handout_hold_s": 12.5, "weight_update_mode": "continue"}, 12.5),
+        ({"handout_hold_s": 0}, 0.0),
+    ],
+)
+def test_the_hold_resolves_by_weight_update_mode(knobs: dict[str, Any], hold_s: float) -> None:
+    assert SamplerConfig(**knobs).handout_hold == hold_s
+
+
+@pytest.mark.parametrize("bad", [-1, "soon", 86_401])
+def test_a_bad_hold_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="handout_hold_s"):
+        SamplerConfig(handout_hold_s=bad)
