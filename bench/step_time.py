@@ -371,9 +371,7 @@ class Trainer(VolatileSink):
         since = loop.time()
         while scheduler.holds_handout(self._next_newest(), loop.time() - since):
             await asyncio.sleep(HOLD_POLL_S)
-        joined = await scheduler.finalizer.frame_late_groups(self._take_out_unordered)
-        if (held_s := loop.time() - since) >= HOLD_POLL_S or joined:
-            scheduler.tally.handout_held(held_s, joined)
+        await scheduler.finalizer.frame_late_groups(self._take_out_unordered, loop.time() - since)
 
     def _next_newest(self) -> int:
         """The newest policy version among the members of the frame handed out next."""

@@ -41,8 +41,9 @@ HOLD_POLL_S = 0.25
 class _Hold:
     """The wait of the next hand-out for late prompts (`handout_hold_s`)."""
 
-    #: When it began (None: not yet).
+    #: When it began (None: not yet), and whether it has waited at all.
     since: float | None = None
+    waited: bool = False
     #: The late prompts' groups were framed: the frame goes out now.
     framed: bool = False
 
@@ -177,7 +178,9 @@ class Delivery:
         now = time.monotonic()
         hold.since = hold.since or now
         newest = self.outbox.next_frame_newest()
-        return self.scheduler.holds_handout(newest, now - hold.since)
+        holding = self.scheduler.holds_handout(newest, now - hold.since)
+        hold.waited |= holding
+        return holding
 
     async def _frame_late_groups(self, hold: _Hold) -> None:
         """After a hold: the late prompts' groups take the places of newer members of
@@ -189,10 +192,9 @@ class Delivery:
             taken = self.outbox.take_out_unordered(oldest_waiting)
             return [unpack_group(m.payload) for m in taken]
 
-        joined = await self.scheduler.finalizer.frame_late_groups(take_out_unordered)
-        held_s = time.monotonic() - hold.since
-        if held_s >= HOLD_POLL_S or joined:
-            self.tally.handout_held(held_s, joined)
+        held_s = time.monotonic() - hold.since if hold.waited else 0.0
+        finalizer = self.scheduler.finalizer
+        if (joined := await finalizer.frame_late_groups(take_out_unordered, held_s)) or held_s:
             log.info(
                 "a hand-out waited %.1f s for prompts the next weight push would make too "
                 "stale; %d of their groups joined its frame",

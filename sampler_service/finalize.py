@@ -312,19 +312,23 @@ class Finalizer:
             self.returning -= len(groups)
 
     async def frame_late_groups(
-        self, take_out_unordered: Callable[[int | None], list[Group]]
+        self, take_out_unordered: Callable[[int | None], list[Group]], held_s: float = 0.0
     ) -> int:
         """Before a hand-out: frames go out oldest first, and an older group that finished
         after they formed (a slow prompt's, which the next weight push would make too
         stale) takes the place of a newer member, which waits for a later frame, within
         the bound. `take_out_unordered(oldest waiting version)` takes the frames never
         handed out out of the sink if they are not in that order (`out_of_order`); their
-        members are framed again with the groups waiting, oldest first. Returns how many
-        groups that waited joined frames. Not with batch selections (a frame is selected
-        once)."""
-        if self.live.policies.selections:
-            return 0
-        return await self.take_back(take_out_unordered(self.oldest_unframed()))
+        members are framed again with the groups waiting, oldest first. `held_s`: how long
+        the hand-out waited for late prompts (`Scheduler.holds_handout`); the tally counts
+        a hand-out that waited or took late groups. Returns how many groups that waited
+        joined frames. Not with batch selections (a frame is selected once)."""
+        joined = 0
+        if not self.live.policies.selections:
+            joined = await self.take_back(take_out_unordered(self.oldest_unframed()))
+        if held_s or joined:
+            self.tally.handout_held(held_s, joined)
+        return joined
 
     async def form_frames(self) -> None:
         """Re-check framing (e.g. after batch_groups was lowered by a PATCH)."""

@@ -206,8 +206,8 @@ class Scheduler:
 
     def late_prompts(self) -> int:
         """Prompts still sampling (or their groups not yet stored) that the next weight
-        push makes too stale to hand out: admitted `max_staleness` or more versions ago (a hand-out waits for them:
-        `handout_hold_s`). Without a bound, none."""
+        push makes too stale to hand out: admitted `max_staleness` or more versions ago
+        (a hand-out waits for them: `handout_hold_s`). Without a bound, none."""
         bound = self.config.max_staleness
         if bound is None:
             return 0
@@ -219,9 +219,8 @@ class Scheduler:
         """Whether a frame about to be handed out (`newest_member`: its newest member's
         policy version) waits on, `held_s` into its hold: while late prompts (above) run
         and it has a member newer than theirs for their groups to replace
-        (`Finalizer.frame_late_groups`), up to `handout_hold_s` (resolved:
-        `handout_hold`); never while the engine
-        is unhealthy (its prompts may not end)."""
+        (`Finalizer.frame_late_groups`), up to `handout_hold_s` (resolved: `handout_hold`);
+        never while the engine is unhealthy (its prompts may not end)."""
         cfg = self.config
         if (
             cfg.max_staleness is None

@@ -119,6 +119,8 @@ def test_before_a_hand_out_a_late_group_takes_the_newest_members_place() -> None
     assert _ids(sink.frames) == [["a", "late"], ["b", "c"]]
     assert [g.group_id for g in finalizer.unframed] == ["d"]
     assert tally.groups_emitted == 5  # a b c d once each, late once: none twice
+    # The first call took a late group (counted), the second neither waited nor took one.
+    assert (tally.handout_holds, tally.late_groups_framed, tally.handout_hold_s) == (1, 1, 0.0)
 
 
 @pytest.mark.parametrize(
