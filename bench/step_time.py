@@ -70,7 +70,7 @@ import math
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -377,12 +377,12 @@ class Trainer(VolatileSink):
         """The newest policy version among the members of the frame handed out next."""
         return max(g.policy_version_min for g in self.held[self._handout_order()[0]])
 
-    def _take_out_unordered(self, oldest_waiting: int | None) -> list[Group]:
-        """The frames waiting, taken out if they are not oldest first
+    def _take_out_unordered(self, rank: Callable[[int], int], waiting: int | None) -> list[Group]:
+        """The frames waiting, taken out if their members are not in framing order
         (`Outbox.take_out_unordered`)."""
         frames = [self.held[i] for i in self._handout_order()]
-        versions = [[g.policy_version_min for g in frame] for frame in frames]
-        if not out_of_order(versions, oldest_waiting):
+        ranks = [[rank(g.policy_version_min) for g in frame] for frame in frames]
+        if not out_of_order(ranks, waiting):
             return []
         self.held.clear()
         return [g for frame in frames for g in frame]

@@ -188,8 +188,8 @@ class Delivery:
         hold.framed = True
         assert hold.since is not None
 
-        def take_out_unordered(oldest_waiting: int | None) -> list[Group]:
-            taken = self.outbox.take_out_unordered(oldest_waiting)
+        def take_out_unordered(rank: Callable[[int], int], waiting: int | None) -> list[Group]:
+            taken = self.outbox.take_out_unordered(rank, waiting)
             return [unpack_group(m.payload) for m in taken]
 
         held_s = time.monotonic() - hold.since if hold.waited else 0.0

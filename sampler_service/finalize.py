@@ -23,7 +23,7 @@ from sampler_service import grouping
 from sampler_service.grouping import fresh_tokens
 from sampler_service.journal import Journal
 from sampler_service.live_config import LiveConfig
-from sampler_service.outbox import too_stale
+from sampler_service.outbox import framing_rank, too_stale
 from sampler_service.prompt_run import PromptRun
 from sampler_service.replay import Replayed, ReplayStore
 from sampler_service.tally import PromptOutcome, Tally
@@ -157,10 +157,6 @@ class Finalizer:
         before."""
         return sum(n for v, n in self._queued_versions.items() if v <= version)
 
-    def oldest_unframed(self) -> int | None:
-        """The oldest policy version among the groups waiting for a frame."""
-        return min((g.policy_version_min for g in self.unframed), default=None)
-
     def held_tokens(self) -> int:
         """Decoded tokens of prompts waiting here and of groups waiting for their frame."""
         return self._queued_tokens + sum(map(fresh_tokens, self.unframed))
@@ -277,7 +273,7 @@ class Finalizer:
             if self._clock() - self._state_saved_at >= STATE_EVERY_S:
                 state, self._state_saved_at = self._saved_state(), self._clock()
             self.unframed.extend(groups)
-            self._oldest_first()
+            self._in_framing_order()
             size = self.live.config.batch_groups
             waiting = {g.group_id for g in self.unframed[len(self.unframed) // size * size :]}
             for group in groups:
@@ -286,16 +282,22 @@ class Finalizer:
                     state = None
             await self._form_frames(state)
 
-    def _oldest_first(self) -> None:
-        """Frames take the oldest groups first (stable: then in the order they came), so
-        a slow prompt's group does not wait behind newer ones for a later frame, which
-        the staleness bound would drop."""
-        self.unframed.sort(key=lambda g: g.policy_version_min)
+    def _framing_rank(self, policy_version_min: int) -> int:
+        """`outbox.framing_rank` under the served version and the bound in force."""
+        return framing_rank(
+            policy_version_min, self._served_version(), self.live.config.max_staleness
+        )
+
+    def _in_framing_order(self) -> None:
+        """Frames take first the groups the next weight push would make too stale, oldest
+        first (stable: the rest in the order they came), so a slow prompt's group does
+        not wait behind newer ones for a later frame, which the bound would drop."""
+        self.unframed.sort(key=lambda g: self._framing_rank(g.policy_version_min))
 
     async def take_back(self, groups: list[Group]) -> int:
         """Frame again the members of frames never handed out (the fresh members of a
         frame split by the staleness bound, or a frame that older groups join before its
-        hand-out): first in line among groups of their version, already counted as
+        hand-out): first in line among groups of their framing rank, already counted as
         emitted. Returns how many groups that waited before joined frames."""
         if not groups:
             return 0
@@ -312,20 +314,25 @@ class Finalizer:
             self.returning -= len(groups)
 
     async def frame_late_groups(
-        self, take_out_unordered: Callable[[int | None], list[Group]], held_s: float = 0.0
+        self,
+        take_out_unordered: Callable[[Callable[[int], int], int | None], list[Group]],
+        held_s: float = 0.0,
     ) -> int:
-        """Before a hand-out: frames go out oldest first, and an older group that finished
-        after they formed (a slow prompt's, which the next weight push would make too
-        stale) takes the place of a newer member, which waits for a later frame, within
-        the bound. `take_out_unordered(oldest waiting version)` takes the frames never
-        handed out out of the sink if they are not in that order (`out_of_order`); their
-        members are framed again with the groups waiting, oldest first. `held_s`: how long
-        the hand-out waited for late prompts (`Scheduler.holds_handout`); the tally counts
-        a hand-out that waited or took late groups. Returns how many groups that waited
-        joined frames. Not with batch selections (a frame is selected once)."""
+        """Before a hand-out: a group that finished after the frames formed and that the
+        next weight push would make too stale (a slow prompt's) takes the place of a
+        member it would not, which waits for a later frame, within the bound.
+        `take_out_unordered(rank, first waiting rank)` takes the frames never handed out
+        out of the sink if their members are not in framing order (`out_of_order` over
+        `rank`, this finalizer's `framing_rank`); their members are framed again with the
+        groups waiting. `held_s`: how long the hand-out waited for late prompts
+        (`Scheduler.holds_handout`); the tally counts a hand-out that waited or took late
+        groups. Returns how many groups that waited joined frames. Not with batch
+        selections (a frame is selected once)."""
         joined = 0
         if not self.live.policies.selections:
-            joined = await self.take_back(take_out_unordered(self.oldest_unframed()))
+            rank = self._framing_rank
+            waiting = min((rank(g.policy_version_min) for g in self.unframed), default=None)
+            joined = await self.take_back(take_out_unordered(rank, waiting))
         if held_s or joined:
             self.tally.handout_held(held_s, joined)
         return joined
@@ -341,7 +348,7 @@ class Finalizer:
         count = len(self.unframed) // size * size
         if not count:
             return
-        self._oldest_first()
+        self._in_framing_order()
         frames = []
         policies = self.live.policies
         for start in range(0, count, size):

@@ -74,11 +74,22 @@ def split_stale(
     return dropped, again
 
 
+def framing_rank(policy_version_min: int, served_version: int, max_staleness: int | None) -> int:
+    """A group's place in the framing order: a group the next weight push would make too
+    stale ranks by its version, oldest first, ahead of all others; the others share one
+    rank and keep the order they finished in (ordering them oldest first too hands the
+    trainer older samples and saves no drop). Without a bound, every group shares one
+    rank."""
+    if max_staleness is None:
+        return 0
+    return min(policy_version_min, served_version - max_staleness + 1)
+
+
 def out_of_order(frames: Sequence[Sequence[int]], oldest_waiting: int | None) -> bool:
-    """Whether frames (their members' policy versions, in the order they go out) hold a
-    member newer than one of a frame after it, or than the oldest group still waiting for
-    a frame (`oldest_waiting`): an older group that finished after the frames formed. The
-    staleness bound drops the oldest first, so they go out first."""
+    """Whether frames (their members' framing ranks, `framing_rank`, in the order they
+    go out) hold a member ranked after one of a frame after it, or after the first group
+    still waiting for a frame (`oldest_waiting`): a group the next push would drop that
+    finished after the frames formed."""
     newest = -math.inf
     for versions in filter(None, frames):
         if min(versions) < newest:
@@ -250,16 +261,19 @@ class Outbox:
         frame = self._frames[self._ready[0][-1]]
         return max(m.policy_version_min for m in frame.members)
 
-    def take_out_unordered(self, oldest_waiting: int | None) -> list[StoredGroup]:
-        """Take out the READY frames never handed out if they are not oldest first
-        (`out_of_order`, against the oldest group still waiting for a frame), and return
-        their members, to be framed again with the waiting groups, oldest first."""
+    def take_out_unordered(
+        self, rank: Callable[[int], int], oldest_waiting: int | None
+    ) -> list[StoredGroup]:
+        """Take out the READY frames never handed out if their members are not in framing
+        order (`out_of_order` over `rank` of their versions, against the first group still
+        waiting for a frame), and return their members, to be framed again with the
+        waiting groups."""
         fresh = sorted(
             (f for f in self._frames.values() if f.consumer is None and not f.handed_out),
             key=lambda f: (f.policy_version_min, f.seq),
         )
-        versions = [[m.policy_version_min for m in f.members] for f in fresh]
-        if not out_of_order(versions, oldest_waiting):
+        ranks = [[rank(m.policy_version_min) for m in f.members] for f in fresh]
+        if not out_of_order(ranks, oldest_waiting):
             return []
         for frame in fresh:
             del self._frames[frame.batch_id]

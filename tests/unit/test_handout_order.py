@@ -1,12 +1,13 @@
-"""Frames go out oldest first: the finalizer frames the oldest waiting groups first, and
-before a hand-out an older group that finished after the frames formed takes the place
-of a newer member (`Finalizer.frame_late_groups`), with every group still stored once,
+"""Frames put the groups the next weight push would drop first, oldest first, and the rest
+in the order they finished; before a hand-out such a group that finished after the
+frames formed takes the place of a member the push would not drop (`Finalizer.frame_late_groups`), with every group still stored once,
 counted once and never lost. The finalizer runs for real over an in-memory sink that
 records what it was asked to store."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,10 +16,27 @@ from support import group
 from sampler_service.config import SamplerConfig
 from sampler_service.finalize import Finalizer, MemorySink
 from sampler_service.live_config import LiveConfig
-from sampler_service.outbox import out_of_order
+from sampler_service.outbox import framing_rank, out_of_order
 from sampler_service.replay import ReplayStore
 from sampler_service.tally import Tally
 from trainer_client.contract.protocol import Group
+
+
+@pytest.mark.parametrize(
+    ("version", "max_staleness", "rank"),
+    [
+        (1, 2, 1),  # served 3, bound 2: v1 is dropped at the next push, so it ranks by version
+        (0, 2, 0),
+        (2, 2, 2),  # v2 and v3 survive the next push: one rank, finish order
+        (3, 2, 2),
+        (2, 1, 2),  # bound 1: v2 would lag 2 after the push
+        (3, 1, 3),
+        (0, None, 0),  # no bound: one rank for all
+        (3, None, 0),
+    ],
+)
+def test_framing_rank(version: int, max_staleness: int | None, rank: int) -> None:
+    assert framing_rank(version, 3, max_staleness) == rank
 
 
 @pytest.mark.parametrize(
@@ -47,10 +65,10 @@ class _RecordingSink(MemorySink):
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
         self.pending.append(group.group_id)
 
-    def take_out_unordered(self, oldest_waiting: int | None) -> list[Group]:
+    def take_out_unordered(self, rank: Callable[[int], int], waiting: int | None) -> list[Group]:
         """`Outbox.take_out_unordered` over the frames offered here (none handed out)."""
-        versions = [[g.policy_version_min for g in frame] for frame in self.frames]
-        if not out_of_order(versions, oldest_waiting):
+        ranks = [[rank(g.policy_version_min) for g in frame] for frame in self.frames]
+        if not out_of_order(ranks, waiting):
             return []
         taken = [g for frame in self.frames for g in frame]
         self.frames = []
@@ -61,15 +79,17 @@ def _group(gid: str, version: int) -> Group:
     return Group.model_validate(group(gid, policy_version_min=version, policy_version_max=version))
 
 
-def _finalizer(batch_groups: int) -> tuple[Finalizer, _RecordingSink, Tally]:
-    cfg = SamplerConfig(batch_groups=batch_groups)
+def _finalizer(
+    batch_groups: int, max_staleness: int = 1, served: int = 2
+) -> tuple[Finalizer, _RecordingSink, Tally]:
+    cfg = SamplerConfig(batch_groups=batch_groups, max_staleness=max_staleness)
     sink, tally = _RecordingSink(), Tally(["d"], lambda: 0.0)
     finalizer = Finalizer(
         live=LiveConfig(cfg, 0, ["d"], []),
         sink=sink,
         tally=tally,
         replay=ReplayStore(),
-        served_version=lambda: 2,
+        served_version=lambda: served,
         saved_state=dict,
         clock=lambda: 0.0,
         on_error=lambda message: None,
@@ -121,6 +141,28 @@ def test_before_a_hand_out_a_late_group_takes_the_newest_members_place() -> None
     assert tally.groups_emitted == 5  # a b c d once each, late once: none twice
     # The first call took a late group (counted), the second neither waited nor took one.
     assert (tally.handout_holds, tally.late_groups_framed, tally.handout_hold_s) == (1, 1, 0.0)
+
+
+def test_only_groups_the_next_push_would_drop_go_first() -> None:
+    """Bound 2, served v3, frames of 3: v3 a, v2 b and v3 c form a frame in the order
+    they finished (none is dropped at the next push; oldest first would have put b
+    first and handed the trainer older samples). A v2 group d finishing late waits and
+    displaces nobody; a v1 group finishing late (the push would drop it) takes c's place
+    before the hand-out."""
+    finalizer, sink, tally = _finalizer(batch_groups=3, max_staleness=2, served=3)
+
+    async def run() -> tuple[int, int]:
+        await finalizer._store([_group("a", 3), _group("b", 2), _group("c", 3)])
+        await finalizer._store([_group("d", 2)])
+        unmoved = await finalizer.frame_late_groups(sink.take_out_unordered)
+        assert _ids(sink.frames) == [["a", "b", "c"]]
+        await finalizer._store([_group("v1", 1)])
+        return unmoved, await finalizer.frame_late_groups(sink.take_out_unordered)
+
+    assert asyncio.run(run()) == (0, 1)
+    assert _ids(sink.frames) == [["v1", "a", "b"]]
+    assert [g.group_id for g in finalizer.unframed] == ["c", "d"]
+    assert tally.late_groups_framed == 1
 
 
 @pytest.mark.parametrize(
