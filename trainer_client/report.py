@@ -108,11 +108,12 @@ def sampling_tables(history: Sequence[dict[str, Any]], stats: dict[str, Any]) ->
                 for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])
             )
         )
-    dropped = stats.get("dropped", {})
     emitted = stats.get("groups_emitted", 0)
+    # Stale drops are groups generated and thrown away: each with its share of what the
+    # sampler emitted, so the cost of the staleness bound is read off one line, a run
+    # that dropped none included.
+    dropped = {"stale": 0, **stats.get("dropped", {})} if emitted else stats.get("dropped", {})
     if dropped:
-        # Stale drops are groups generated and thrown away: each with its share of what
-        # the sampler emitted, so the cost of the staleness bound is read off one line.
         out.append(
             "dropped groups: "
             + ", ".join(

@@ -35,3 +35,9 @@ def test_the_summary_says_where_the_decoded_tokens_went_and_the_stale_share() ->
     line = next(line for line in text.splitlines() if line.startswith("decoded tokens: "))
     assert "waste: stale 250 (25.0%)" in line and "trained 600 (60.0%)" in line
     assert "decoded tokens" not in sampling_tables([], {"groups_emitted": 1})
+
+
+def test_a_run_that_dropped_nothing_says_so() -> None:
+    text = sampling_tables([], {"groups_emitted": 40, "dropped": {}})
+    assert "dropped groups: stale 0 (0.0% of 40 emitted)" in text
+    assert "dropped groups" not in sampling_tables([], {})  # nothing emitted, nothing to say
