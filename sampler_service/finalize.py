@@ -282,17 +282,18 @@ class Finalizer:
                     state = None
             await self._form_frames(state)
 
-    def _framing_rank(self, policy_version_min: int) -> int:
-        """`outbox.framing_rank` under the served version and the bound in force."""
-        return framing_rank(
-            policy_version_min, self._served_version(), self.live.config.max_staleness
-        )
+    def _framing_rank(self) -> Callable[[int], int]:
+        """`outbox.framing_rank` under the served version and the bound in force now
+        (read once for a whole pass over the groups)."""
+        served, bound = self._served_version(), self.live.config.max_staleness
+        return lambda policy_version_min: framing_rank(policy_version_min, served, bound)
 
     def _in_framing_order(self) -> None:
         """Frames take first the groups the next weight push would make too stale, oldest
         first (stable: the rest in the order they came), so a slow prompt's group does
         not wait behind newer ones for a later frame, which the bound would drop."""
-        self.unframed.sort(key=lambda g: self._framing_rank(g.policy_version_min))
+        rank = self._framing_rank()
+        self.unframed.sort(key=lambda g: rank(g.policy_version_min))
 
     async def take_back(self, groups: list[Group]) -> int:
         """Frame again the members of frames never handed out (the fresh members of a
@@ -330,7 +331,7 @@ class Finalizer:
         selections (a frame is selected once)."""
         joined = 0
         if not self.live.policies.selections:
-            rank = self._framing_rank
+            rank = self._framing_rank()
             waiting = min((rank(g.policy_version_min) for g in self.unframed), default=None)
             joined = await self.take_back(take_out_unordered(rank, waiting))
         if held_s or joined:
