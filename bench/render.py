@@ -192,6 +192,7 @@ def _step_continue() -> str:
             "spanning": r["spanning_per_step"],
             "engine": r["engine_s_per_informative"],
             "occupancy": r["occupancy"],
+            "rate": r["decode_tok_s"],
             "wasted": r["wasted_share"],
         }
         for name, r in runs.items()
@@ -219,6 +220,7 @@ def _step_continue() -> str:
                 ("spanning", "spanning answers / step"),
                 ("engine", "engine-s / informative group"),
                 ("occupancy", "engine occupancy"),
+                ("rate", "decoded tokens / s"),
                 ("wasted", "wasted share of decoded tokens"),
             ],
         )
@@ -524,6 +526,33 @@ def _step_widths() -> str:
     )
 
 
+def _step_floor() -> str:
+    """Every exact twin one answer at a time (width 1): the tokens sequential sampling
+    spends on its groups, the least any width of the row decodes."""
+    target = _load("step_time")["targets"]["exact/tokens_per_informative"]
+    floor = target["measured"]["sequential_floor"]
+    rows = [
+        {
+            "row": key,
+            "tokens": f"{f['mean']:.3g} ({f['min']:.3g}-{f['max']:.3g})",
+            "informative": f["informative_frac"],
+        }
+        for key, f in sorted(floor.items(), key=lambda kv: kv[1]["mean"])
+    ]
+    seeds = target["measured"]["seeds"]
+    return table(
+        rows,
+        [
+            ("row", "exact twin"),
+            (
+                "tokens",
+                f"tokens / informative vs GRPO n=4 at width 1, mean (min-max, {seeds} seeds)",
+            ),
+            ("informative", "informative"),
+        ],
+    )
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "front.run": _front(front.run_line),
     "front.targets": _front(front.targets_table),
@@ -565,6 +594,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "step_time.staleness": _step_staleness,
     "step_time.continue": _step_continue,
     "step_time.exact": _step_exact,
+    "step_time.floor": _step_floor,
     "step_time.widths": _step_widths,
     "step_time.difficulty": lambda: _step_table("difficulty"),
     "step_time.flat": lambda: _step_table("flat"),

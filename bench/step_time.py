@@ -495,6 +495,8 @@ def summarize(
         "occupancy": delta("slot_s")
         / max(end["slots"] * (end["t_frame"] - start["t_frame"]), 1e-9),
         "tokens_per_informative": delta("decoded") / max(informative, 1),
+        # Decoded tokens a second, frame to frame: the engine's rate at the run's occupancy.
+        "decode_tok_s": delta("decoded") / max(end["t_frame"] - start["t_frame"], 1e-9),
         "surplus_share": delta("surplus") / decoded,
         "wasted_share": delta("wasted") / decoded,
         "dropped_per_step": delta("dropped") / k,
@@ -891,6 +893,59 @@ def width_ratios(
     return out
 
 
+def sequential_floor(
+    args: argparse.Namespace, table_rows: list[dict[str, Any]]
+) -> dict[str, dict[str, float]]:
+    """Every exact twin on-policy at width 1, against GRPO n=4 in `table_rows` (one prompt
+    draw's table): its tokens per informative group and its informative fraction. Width 1
+    decodes no surplus, so it spends what sequential sampling spends on the row's groups;
+    a wider wave forms the same groups and adds surplus, so no width of the row decodes
+    less, whatever the engine does."""
+    on4 = next(r for r in table_rows if r["method"] == "grpo4" and r["pipeline"] == "on_policy")
+    rates = _hard_mix(args)
+    out = {}
+    for row in rows():
+        if row.key.endswith("_exact"):
+            res = run_one(row, "on_policy", rates, args, ENGINE, overrides={"wave_size": 1})
+            out[row.key] = {
+                "tokens_per_informative": res["tokens_per_informative"]
+                / on4["tokens_per_informative"],
+                "informative_frac": res["informative_frac"],
+            }
+    return out
+
+
+def floor_summary(per_seed: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """`sequential_floor`'s figures of each row over the seeds: the mean tokens ratio with
+    its spread, and the mean informative fraction."""
+    out = {}
+    for key in per_seed[0]["floor"]:
+        tokens = [f["floor"][key]["tokens_per_informative"] for f in per_seed]
+        informative = [f["floor"][key]["informative_frac"] for f in per_seed]
+        out[key] = {
+            "mean": float(np.mean(tokens)),
+            "min": min(tokens),
+            "max": max(tokens),
+            "informative_frac": float(np.mean(informative)),
+        }
+    return out
+
+
+def _floor_text(floor: dict[str, dict[str, float]], goal: float) -> str:
+    """What the sequential floor says of the tokens goal."""
+    eligible = {k: v for k, v in floor.items() if v["informative_frac"] >= MIN_INFORMATIVE}
+    if not eligible:
+        return ""
+    lowest = min(eligible, key=lambda k: eligible[k]["mean"])
+    value = eligible[lowest]["mean"]
+    verdict = "so no width of any listed row meets the goal" if value > goal else "within the goal"
+    return (
+        f"; one answer at a time (width 1, no surplus: sequential sampling's tokens) the "
+        f"exact twins at >= {MIN_INFORMATIVE:.0%} informative spend at least {value:.2f}x "
+        f"({lowest}), {verdict}"
+    )
+
+
 def exact_targets(per_seed: list[dict[str, Any] | None]) -> dict[str, Any]:
     """`exact/<name>` targets over the seeds' figures: the mean, with the spread."""
     seeds = [f for f in per_seed if f is not None]
@@ -935,19 +990,26 @@ def exact_targets(per_seed: list[dict[str, Any] | None]) -> dict[str, Any]:
             + (f"met at width {', '.join(reached)}" if reached else "no width meets the goal")
         )
 
+    floor = floor_summary(seeds) if all("floor" in f for f in seeds) else {}
     for key, (what, goal) in EXACT_GOALS.items():
         exact, wave = summary("exact", key), summary("wave", key)
         met = exact["mean"] <= goal
+        measured = {**exact, "seeds": len(seeds), **beside(key), **by_width(key)}
+        floor_text = ""
+        if key == "tokens_per_informative" and floor:
+            measured["sequential_floor"] = floor
+            floor_text = _floor_text(floor, goal)
         out[f"exact/{key}"] = {
             "target": what,
             "goal": f"<= {goal}x",
             "method": methods,
-            "measured": {**exact, "seeds": len(seeds), **beside(key), **by_width(key)},
+            "measured": measured,
             "met": met,
             "reason": f"{exact['mean']:.2f}x ({exact['min']:.2f}-{exact['max']:.2f} over "
             f"{len(seeds)} seeds) against {wave['mean']:.2f}x with whole-wave stopping"
             + arrival_text(key)
-            + widths_text(key, goal),
+            + widths_text(key, goal)
+            + floor_text,
         }
     surplus = summary("exact", "surplus_share")
     out["exact/surplus_share"] = {
@@ -1211,6 +1273,10 @@ def measure_continue(
         for name in CONTINUE_VARIANTS
     )
     drains = ", ".join(f"{name} {r['drain_s_per_step']:.1f}" for name, r in runs.items())
+    full, work, share = (
+        [f[k] for f in figures] for k in ("full_engine_step", "work", "rate_share")
+    )
+    rates = ", ".join(f"{name} {r['decode_tok_s']:,.0f}" for name, r in runs.items())
     section_targets = {}
     for key, (what, goal, sense) in CONTINUE_GOALS.items():
         values = [f[key] for f in figures]
@@ -1225,6 +1291,14 @@ def measure_continue(
             f"prompt draws ({min(values):.3g}-{max(values):.3g}); first draw: {unbounded}; "
             f"drain s/step by run: {drains}",
         }
+    section_targets["continue/step"].update(full_engine_step=full, work=work, rate_share=share)
+    section_targets["continue/step"]["reason"] += (
+        f"; continue decodes {np.mean(work):.3g}x wait's tokens a step ({min(work):.3g}-"
+        f"{max(work):.3g}) at {np.mean(share):.3g} of the rate of an engine always full "
+        f"(continue without a bound; {min(share):.3g}-{max(share):.3g}), and wait's tokens "
+        f"at that full rate would take {np.mean(full):.3g}x wait's step ({min(full):.3g}-"
+        f"{max(full):.3g}); decoded tokens/s by run (first draw): {rates}"
+    )
     return {"row": judged, "runs": runs, "seeds": len(per_seed), "targets": section_targets}
 
 
@@ -1278,6 +1352,13 @@ def _continue_figures(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
     cont, wait = runs["off_policy/continue"], runs["off_policy/wait"]
     return {
         "step": cont["step_s"] / wait["step_s"],
+        # The step ratio is `work` x wait's rate / continue's: continue's decoded tokens a
+        # step over wait's, and its rate as a share of the engine always full (continue
+        # without a bound). At wait's tokens and the full rate it would be
+        # `full_engine_step`, how far the goal is within reach.
+        "work": cont["decode_tok_s"] * cont["step_s"] / (wait["decode_tok_s"] * wait["step_s"]),
+        "rate_share": cont["decode_tok_s"] / runs["unbounded/continue"]["decode_tok_s"],
+        "full_engine_step": wait["decode_tok_s"] / runs["unbounded/continue"]["decode_tok_s"],
         "engine_s_per_informative": cont["engine_s_per_informative"]
         / runs["grpo4/on_policy"]["engine_s_per_informative"],
         "aborted": cont["aborted_tokens"],
@@ -1356,6 +1437,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if (figures := _exact_ratios(table)) is not None:
             figures["arrival"] = arrival_ratios(seeded, figures["method"], log)
             figures["widths"] = width_ratios(seeded, table, figures["method"])
+            figures["floor"] = sequential_floor(seeded, table)
         per_seed.append(figures)
     if not args.no_flat:
         tables["flat"] = measure(args, ENGINE_FLAT, log, bar)

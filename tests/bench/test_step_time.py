@@ -187,6 +187,50 @@ def test_the_width_sweep_repeats_the_exact_row_at_its_own_width() -> None:
     assert widths["1"]["surplus_share"] == 0.0 < widths["32"]["surplus_share"]
 
 
+def test_the_sequential_floor_runs_every_exact_twin_one_answer_at_a_time() -> None:
+    """Width 1 decodes no surplus: each exact twin's tokens are its own groups', read
+    against GRPO n=4's on-policy run of the same table."""
+    args = argparse.Namespace(batch=32, steps=2, warmup=1, seed=0, history_epochs=1, prompts=128)
+    method = "seqpos1_posterior_skip_exact"
+    table = step_time.measure(
+        args,
+        step_time.ENGINE,
+        lambda _: None,
+        only=("grpo4", method),
+        pipelines=("sync", "on_policy"),
+    )
+    floor = step_time.sequential_floor(args, table)
+    assert set(floor) == {r.key for r in step_time.rows() if r.key.endswith("_exact")}
+    assert all(f["tokens_per_informative"] > 0 for f in floor.values())
+    assert all(0 < f["informative_frac"] <= 1 for f in floor.values())
+    one = step_time.width_ratios(args, table, method)["1"]
+    assert floor[method]["tokens_per_informative"] == one["tokens_per_informative"]
+
+
+def test_the_tokens_target_says_whether_sequential_sampling_could_meet_it() -> None:
+    def floor(row_tokens: float) -> dict[str, dict[str, float]]:
+        return {"row_exact": {"tokens_per_informative": row_tokens, "informative_frac": 0.93},
+                "other_exact": {"tokens_per_informative": 0.5, "informative_frac": 0.6}}  # fmt: skip
+
+    def seed(row_tokens: float) -> dict[str, Any]:
+        own = {"tokens_per_informative": 1.1, "engine_s_per_informative": 1.2, "step": 1.7,
+               "surplus_share": 0.1}  # fmt: skip
+        return {"method": "row_exact", "exact": own, "wave": own, "floor": floor(row_tokens)}
+
+    judged = step_time.exact_targets([seed(0.9), seed(1.1)])
+    tokens = judged["exact/tokens_per_informative"]
+    assert tokens["measured"]["sequential_floor"]["row_exact"] == pytest.approx(
+        {"mean": 1.0, "min": 0.9, "max": 1.1, "informative_frac": 0.93}
+    )
+    # The other twin decodes less but has too few informative groups to compete.
+    assert tokens["reason"].endswith(
+        "spend at least 1.00x (row_exact), so no width of any listed row meets the goal"
+    )
+    assert "sequential_floor" not in judged["exact/step"]["measured"]
+    reachable = step_time.exact_targets([seed(0.7)])["exact/tokens_per_informative"]
+    assert reachable["reason"].endswith("spend at least 0.70x (row_exact), within the goal")
+
+
 def test_the_judged_row_is_the_fastest_adaptive_row_at_90_percent_informative() -> None:
     def row(method: str, informative: float, ratio: float, extra: bool = False) -> dict[str, Any]:
         return {"method": method, "pipeline": "on_policy", "extra": extra,
@@ -275,6 +319,17 @@ def test_weight_update_and_staleness_targets_read_every_prompt_draw() -> None:
     assert len(step["per_seed"]) == 2 and step["per_seed"][0] != step["per_seed"][1]
     assert step["measured"] == pytest.approx(np.mean(step["per_seed"]))
     assert first["targets"]["continue/step"]["per_seed"] == step["per_seed"][:1]
+    # The step at wait's tokens and a full engine's rate, from the first draw's own runs.
+    runs, judged = first["runs"], first["targets"]["continue/step"]
+    wait, cont = runs["off_policy/wait"], runs["off_policy/continue"]
+    full_rate = runs["unbounded/continue"]["decode_tok_s"]
+    assert judged["full_engine_step"] == [wait["decode_tok_s"] / full_rate]
+    assert judged["rate_share"] == [cont["decode_tok_s"] / full_rate]
+    # The step ratio is the work ratio over the rate ratio.
+    assert judged["per_seed"][0] == pytest.approx(
+        judged["work"][0] * judged["full_engine_step"][0] / judged["rate_share"][0]
+    )
+    assert all(r["decode_tok_s"] > 0 for r in runs.values())
     assert first["runs"] == both["runs"]
 
     stale = step_time.measure_staleness(args, step_time.ENGINE, quiet)
