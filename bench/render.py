@@ -29,6 +29,7 @@ from typing import Any
 from bench import episodes, front, http_hop, judge, learning, restart, scaleout, sessions
 from bench.common import RESULTS, ROOT, fmt, table
 from bench.step_time import EXACT_GOALS, steps_table
+from bench.step_time import rows as step_time_rows
 
 DOC = ROOT / "BENCHMARKS.md"
 NOTES = ROOT / "bench" / "notes"
@@ -531,9 +532,10 @@ def _step_floor() -> str:
     spends on its groups, the least any width of the row decodes."""
     target = _load("step_time")["targets"]["exact/tokens_per_informative"]
     floor = target["measured"]["sequential_floor"]
-    rows = [
+    labels = {m.key: m.label.removesuffix(", exact") for m in step_time_rows()}
+    lines = [
         {
-            "row": key,
+            "row": labels.get(key, key),
             "tokens": f"{f['mean']:.3g} ({f['min']:.3g}-{f['max']:.3g})",
             "informative": f["informative_frac"],
         }
@@ -541,9 +543,9 @@ def _step_floor() -> str:
     ]
     seeds = target["measured"]["seeds"]
     return table(
-        rows,
+        lines,
         [
-            ("row", "exact twin"),
+            ("row", "row, exact stopping"),
             (
                 "tokens",
                 f"tokens / informative vs GRPO n=4 at width 1, mean (min-max, {seeds} seeds)",
