@@ -167,44 +167,49 @@ def test_exact_targets_say_which_speculative_width_reaches_each_goal(tmp_path: P
     assert step_time.plot_widths(judged, tmp_path / "none.png") is None
 
 
-def test_the_width_sweep_repeats_the_exact_row_at_its_own_width() -> None:
-    """Width 8 is the row's own: the sweep's run repeats the table's figures exactly.
-    Width 1 issues one answer at a time past `min_answers`, so nothing is surplus."""
+EXACT_ROW = "seqpos1_posterior_skip_exact"
+
+
+@pytest.fixture(scope="module")
+def exact_table() -> tuple[argparse.Namespace, list[dict[str, Any]]]:
+    """A small draw's table of GRPO n=4 and the judged exact row, sync and on-policy."""
     # A history epoch first, so the posterior budget lets waves past `min_answers`.
     args = argparse.Namespace(batch=32, steps=2, warmup=1, seed=0, history_epochs=1, prompts=128)
-    method = "seqpos1_posterior_skip_exact"
     table = step_time.measure(
         args,
         step_time.ENGINE,
         lambda _: None,
-        only=("grpo4", method),
+        only=("grpo4", EXACT_ROW),
         pipelines=("sync", "on_policy"),
     )
+    return args, table
+
+
+def test_the_width_sweep_repeats_the_exact_row_at_its_own_width(
+    exact_table: tuple[argparse.Namespace, list[dict[str, Any]]],
+) -> None:
+    """Width 8 is the row's own: the sweep's run repeats the table's figures exactly.
+    Width 1 issues one answer at a time past `min_answers`, so nothing is surplus."""
+    args, table = exact_table
     on = {r["method"]: r for r in table if r["pipeline"] == "on_policy"}
-    widths = step_time.width_ratios(args, table, method)
+    widths = step_time.width_ratios(args, table, EXACT_ROW)
     assert list(widths) == [str(w) for w in step_time.WIDTHS]
-    assert widths["8"] == step_time._ratios(on[method], on["grpo4"])
+    assert widths["8"] == step_time._ratios(on[EXACT_ROW], on["grpo4"])
     assert widths["1"]["surplus_share"] == 0.0 < widths["32"]["surplus_share"]
 
 
-def test_the_sequential_floor_runs_every_exact_twin_one_answer_at_a_time() -> None:
+def test_the_sequential_floor_runs_every_exact_twin_one_answer_at_a_time(
+    exact_table: tuple[argparse.Namespace, list[dict[str, Any]]],
+) -> None:
     """Width 1 decodes no surplus: each exact twin's tokens are its own groups', read
     against GRPO n=4's on-policy run of the same table."""
-    args = argparse.Namespace(batch=32, steps=2, warmup=1, seed=0, history_epochs=1, prompts=128)
-    method = "seqpos1_posterior_skip_exact"
-    table = step_time.measure(
-        args,
-        step_time.ENGINE,
-        lambda _: None,
-        only=("grpo4", method),
-        pipelines=("sync", "on_policy"),
-    )
+    args, table = exact_table
     floor = step_time.sequential_floor(args, table)
     assert set(floor) == {r.key for r in step_time.rows() if r.key.endswith("_exact")}
     assert all(f["tokens_per_informative"] > 0 for f in floor.values())
     assert all(0 < f["informative_frac"] <= 1 for f in floor.values())
-    one = step_time.width_ratios(args, table, method)["1"]
-    assert floor[method]["tokens_per_informative"] == one["tokens_per_informative"]
+    one = step_time.width_ratios(args, table, EXACT_ROW)["1"]
+    assert floor[EXACT_ROW]["tokens_per_informative"] == one["tokens_per_informative"]
 
 
 def test_the_tokens_target_says_whether_sequential_sampling_could_meet_it() -> None:
