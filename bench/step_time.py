@@ -259,6 +259,7 @@ class Trainer(VolatileSink):
             "t": loop.time(),
             "answers": st.samples,
             "engine_s": self.engine.stats.decode_s + self.engine.stats.prefill_s,
+            "prefill_s": self.engine.stats.prefill_s,
             "slot_s": self.engine.stats.busy_slot_s,
             "slots": self.engine.spec.max_num_seqs,
             "skipped": sum(d.skipped for d in st.domains.values()),
@@ -491,6 +492,9 @@ def summarize(
         "informative_frac": informative / max(delta("finalized"), n_groups, 1),
         "answers_per_informative": delta("answers") / max(informative, 1),
         "engine_s_per_informative": delta("engine_s") / max(informative, 1),
+        # Of the engine's busy time, what prefills took (prompts, and under `continue`
+        # with `recompute` the running answers' re-prefill at each update).
+        "prefill_share": delta("prefill_s") / max(delta("engine_s"), 1e-9),
         # Mean running sequences over the engine's slots, frame to frame.
         "occupancy": delta("slot_s")
         / max(end["slots"] * (end["t_frame"] - start["t_frame"]), 1e-9),

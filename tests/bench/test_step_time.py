@@ -335,6 +335,9 @@ def test_weight_update_and_staleness_targets_read_every_prompt_draw() -> None:
         judged["work"][0] * judged["full_engine_step"][0] / judged["rate_share"][0]
     )
     assert all(r["decode_tok_s"] > 0 for r in runs.values())
+    # Under recompute, continue re-prefills the answers an update runs across.
+    assert cont["spanning_per_step"] > 0
+    assert cont["prefill_share"] > wait["prefill_share"] > 0
     assert first["runs"] == both["runs"]
 
     stale = step_time.measure_staleness(args, step_time.ENGINE, quiet)
