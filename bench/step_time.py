@@ -84,7 +84,7 @@ from bench.sim_backend import EngineSpec, SimBackend, sim_scheduler
 from sampler_service.config import SamplerConfig, check_consistency
 from sampler_service.delivery import HOLD_POLL_S
 from sampler_service.finalize import VolatileSink
-from sampler_service.grouping import fresh_tokens
+from sampler_service.grouping import downsampled_tokens, fresh_tokens
 from sampler_service.outbox import out_of_order, split_stale, too_stale
 from sampler_service.scheduler import Scheduler
 from trainer_client.contract.protocol import Group
@@ -356,7 +356,9 @@ class Trainer(VolatileSink):
             self.held = kept
             for group in dropped:
                 quartile = scheduler.live.quartile(group.prompt_id)
-                scheduler.tally.dropped_group("stale", fresh_tokens(group), group.domain, quartile)
+                scheduler.tally.dropped_group(
+                    "stale", fresh_tokens(group), group.domain, quartile, downsampled_tokens(group)
+                )
                 scheduler.dataset.serve_again(group.domain, group.prompt_id)
             await scheduler.finalizer.take_back(again)
             scheduler.poke()

@@ -154,7 +154,9 @@ class Delivery:
             for member in dropped:
                 self.dataset.serve_again(member.domain, member.prompt_id)
                 quartile = self.live.quartile(member.prompt_id)
-                self.tally.dropped_group("stale", member.tokens, member.domain, quartile)
+                self.tally.dropped_group(
+                    "stale", member.tokens, member.domain, quartile, member.downsampled
+                )
             self.scheduler.poke()
             log.info(
                 "dropped %d READY groups more than %d versions behind v%d (their prompts "

@@ -236,17 +236,18 @@ class Finalizer:
             self.tally.dropped_group(str(result.drop_reason), counted, row.domain, run.quartile())
             self.journal.ended(run)
             return None
-        kept = fresh_tokens(group)
-        self.tally.grouped(kept, counted - kept)
         if too_stale(
             self._served_version(), group.policy_version_min, self.live.config.max_staleness
         ):
             # Past the bound already: it could never be handed out, and framed it would
-            # take a whole frame of fresh groups down with it.
-            self.tally.dropped_group("stale", kept, row.domain, run.quartile())
+            # take a whole frame of fresh groups down with it. Every answer it counted is
+            # waste: the prompt is sampled again from scratch.
+            self.tally.dropped_group("stale", counted, row.domain, run.quartile())
             self._serve_again(row.domain, row.id)
             self.journal.ended(run)
             return None
+        kept = fresh_tokens(group)
+        self.tally.grouped(kept, counted - kept)
         if replay is not None and any(s.replayed for s in group.samples):
             self.tally.replayed_answer()
         return group
@@ -361,7 +362,11 @@ class Finalizer:
             )
             for group, reason in frame.dropped:
                 self.tally.dropped_group(
-                    reason, fresh_tokens(group), group.domain, self.live.quartile(group.prompt_id)
+                    reason,
+                    fresh_tokens(group),
+                    group.domain,
+                    self.live.quartile(group.prompt_id),
+                    grouping.downsampled_tokens(group),
                 )
             for group in frame.kept:
                 if group.group_id in self._counted:

@@ -129,6 +129,12 @@ def fresh_tokens(group: Group) -> int:
     )
 
 
+def downsampled_tokens(group: Group) -> int:
+    """Sampled tokens of the answers down-sampling left out of a group: a group dropped
+    once built wastes them with its own (nobody trains on any of its prompt's answers)."""
+    return max(group.stats.sampled_tokens - fresh_tokens(group), 0)
+
+
 def build_group(
     *,
     row: PromptRow,
@@ -158,6 +164,7 @@ def build_group(
     rewards = np.array([v.reward for v in verdicts], dtype=np.float64)
     lengths = np.array([len(c.token_ids) for c in completions], dtype=np.float64)
     n_gen = len(rewards)
+    cost = sum(sampled_tokens(c.token_ids, c.loss_mask) for c in completions)
     generated_rewards = rewards
 
     def advantages(kept: np.ndarray) -> np.ndarray:
@@ -242,6 +249,7 @@ def build_group(
             reward_std=advantage.std(generated_rewards),
             n_env_errors=n_env_errors,
             outcomes=generated_rewards.tolist(),
+            sampled_tokens=cost,
         ),
         samples=samples,
         batch_id="",

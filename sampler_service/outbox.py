@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from sampler_service.grouping import FrameResult, fresh_tokens, new_id
+from sampler_service.grouping import FrameResult, downsampled_tokens, fresh_tokens, new_id
 from sampler_service.store import AsyncStore, FrameRows, StoredFrame, StoredGroup
 from trainer_client.contract.protocol import Group
 from trainer_client.contract.wire import pack_group, unpack_group
@@ -449,6 +449,7 @@ def _stored(seq: int, group: Group, payload: bytes) -> StoredGroup:
         group.prompt_id,
         group.domain,
         fresh_tokens(group),
+        downsampled_tokens(group),
     )
 
 

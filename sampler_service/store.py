@@ -110,6 +110,9 @@ class StoredGroup:
     #: Sampled tokens of its fresh answers (replayed ones were counted when sampled):
     #: what acking it trains on, or what dropping it wastes.
     tokens: int = 0
+    #: Sampled tokens of the prompt's answers down-sampling left out: dropping the group
+    #: wastes them too.
+    downsampled: int = 0
 
 
 @dataclass(frozen=True)

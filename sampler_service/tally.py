@@ -446,12 +446,22 @@ class Tally:
         """A group built from a prompt's counted answers: what down-sampling left out."""
         self.downsampled += downsampled_tokens
 
-    def dropped_group(self, reason: str, tokens: int, domain: str, quartile: str) -> None:
+    def dropped_group(
+        self, reason: str, tokens: int, domain: str, quartile: str, downsampled: int = 0
+    ) -> None:
         """A group not delivered, by reason (at finalizing, framing, or once stored), with
         the sampled tokens it held: a stale one is `stale` waste, the rest
-        `prompt_dropped`."""
+        `prompt_dropped`. `downsampled`: the tokens of its answers that down-sampling left
+        out, counted `downsampled` when it was built; they were spent on a group nobody
+        trains on, so they move to the same waste (a hard prompt's group keeps 4 of its
+        20-30 answers: its kept tokens alone understate what the drop cost several
+        times). No more moves than this process counted (a group stored before a
+        restart was counted by the process before it)."""
+        moved = min(downsampled, self.downsampled)
+        self.downsampled -= moved
         self.dropped[reason] += 1
-        self._wasted("stale" if reason == "stale" else "prompt_dropped", tokens, domain, quartile)
+        cause = "stale" if reason == "stale" else "prompt_dropped"
+        self._wasted(cause, tokens + moved, domain, quartile)
 
     def _wasted(self, cause: str, tokens: int, domain: str, quartile: str) -> None:
         """Every waste is written here: in all, by domain and by pass-rate bin."""

@@ -21,6 +21,7 @@ from sampler_service.grouping import (
     TOO_FEW_SAMPLES,
     apply_batch_policies,
     build_group,
+    downsampled_tokens,
     new_id,
     on_one_prompt,
 )
@@ -28,6 +29,7 @@ from sampler_service.replay import Replayed
 from sampler_service.verifiers.base import Verdict
 from strategies import reweighting, selection
 from trainer_client.contract.protocol import Group
+from trainer_client.contract.wire import pack_group, unpack_group
 
 ROW = PromptRow(id="p1", prompt="1+1=", answer="2", domain="add1", token_ids=[5, 6], text="1+1=")
 
@@ -87,6 +89,25 @@ def test_balanced_downsample_with_global_baseline() -> None:
     # Ids come from the injected source: four samples, then the group.
     assert [s.sample_id for s in g.samples] == ["id0", "id1", "id2", "id3"]
     assert g.group_id == "id4"
+
+
+def test_a_group_says_what_all_its_answers_cost_and_what_down_sampling_left_out() -> None:
+    # Answers of 1, 2, 4, 8, 16, 32 tokens, rewards 0 1 0 0 1 0: balanced down-sampling
+    # keeps 0, 1, 2, 4 (as above): 1 + 2 + 4 + 16 = 23 tokens; it leaves out answers 3
+    # and 5: 8 + 32 = 40. The six cost 63, and the count survives the wire (a restarted
+    # sampler reads its stored groups back from their bytes).
+    g = _build([0, 1, 0, 0, 1, 0], group_size=4, lengths=[1, 2, 4, 8, 16, 32]).group
+    assert g.stats.sampled_tokens == 63
+    assert downsampled_tokens(g) == 40
+    assert downsampled_tokens(unpack_group(pack_group(g))) == 40
+    # Six wrong answers of the same lengths and a replayed right one of 3 tokens in the
+    # last kept place: the group's own answers are 0, 1, 2 (7 tokens); the replay was
+    # paid for by an earlier group, so 63 - 7 = 56 were left out.
+    earlier = Completion([7, 8, 9], [-0.5, -0.25, -0.125], "old", "stop", 2)
+    replayed = _build(
+        [0] * 6, group_size=4, lengths=[1, 2, 4, 8, 16, 32], replay=Replayed(earlier, 1.0)
+    ).group
+    assert (replayed.stats.sampled_tokens, downsampled_tokens(replayed)) == (63, 56)
 
 
 def test_maxvar_keeps_half_and_recomputes_grpo_advantages() -> None:

@@ -111,6 +111,26 @@ def test_stats_and_metrics_read_the_same_counts() -> None:
     assert tally.allocation.to_dict()["cut"] == 1
 
 
+def test_a_dropped_group_takes_its_left_out_answers_into_its_waste() -> None:
+    """A group built and then dropped (stale once stored, or by a batch policy) wasted
+    every answer its prompt counted: the answers down-sampling left out move from
+    `downsampled` into the drop's waste, so the fates still add up to what was decoded
+    and the stale waste is what the drop cost. A group stored before a restart moves at
+    most what this process counted."""
+    tally = Tally(["add"], lambda: 0.0)
+    tally.wave(WaveOutcome("add", "q1", 30, 1, 3000, 1.0))
+    tally.grouped(400, 2600)
+    tally.dropped_group("stale", 400, "add", "q1", downsampled=2600)
+    fates = tally.tokens_by_fate()
+    assert (fates["decoded"], fates["downsampled"], fates["waste"]["stale"]) == (3000, 0, 3000)
+    assert fates["pending"] == 0
+    assert tally.to_dict({})["waste_by_quartile"]["q1"]["stale"] == 3000
+    # Nothing of it was counted here: the drop wastes its kept tokens alone.
+    tally.dropped_group("stale", 100, "add", "q1", downsampled=500)
+    fates = tally.tokens_by_fate()
+    assert (fates["downsampled"], fates["waste"]["stale"]) == (0, 3100)
+
+
 def test_waste_by_domain_and_pass_rate_bin_adds_up_to_the_waste() -> None:
     """Every waste cause lands in one writer, split by domain and by the prompt's
     pass-rate bin: each split sums to the totals, in /v1/stats and in /metrics."""

@@ -116,6 +116,12 @@ class GroupStats(_Wire):
         description="the rewards of the prompt's answers 1..j in the order they were issued, "
         "j being where its stopping rule first held (the group's samples are some of them)",
     )
+    sampled_tokens: int = Field(
+        0,
+        ge=0,
+        description="tokens the policy sampled in those answers 1..j, kept or not: what "
+        "forming the group cost (0: not reported)",
+    )
 
 
 class Group(_Wire):
