@@ -350,6 +350,7 @@ class Fleet(Backend):
         answers not back counted as re-issued."""
         if isinstance(error, ForeignWeights):
             self.table.distrust(seat, str(error))
+            self.upkeep.weights_moved(seat)
             reason = "foreign_weights"
         else:
             self.table.fail(seat, epoch, error.reason, repr(error))

@@ -9,7 +9,8 @@ roster of members that come and go.
 - Either way it is resynced with the committed weights (`FleetWeights.resync`) and
   resumed if a weight update it dropped out of left it paused, before it is routed to.
 - A probe that finds a member's weights moved behind the fleet's back (another label, or
-  none of ours) resyncs it; one that joined after start-up is synced the same way.
+  none of ours), or a wave sampled under a label the fleet did not set, resyncs it; one
+  that joined after start-up is synced the same way.
 """
 
 from __future__ import annotations
@@ -231,11 +232,21 @@ class Upkeep:
         seat.version, seat.paused = version, paused
         behind = self.serving and version != self.weights.committed
         if (version is None or seat.distrusted or behind) and not self.weights.awaits_nccl(seat):
-            log.warning("%s serves v%s: syncing it", seat.member.name, version)
-            self.table.set_state(seat, "syncing")
-            self.spawn_recovery(seat)
+            self._sync(seat, f"serves v{version}")
         elif paused != (seat.state == "paused"):
             self.table.set_state(seat, "paused" if paused else "ok")
+
+    def weights_moved(self, seat: Seat) -> None:
+        """A wave found the member's weights changed behind the fleet's back: resynced
+        now, not a probe interval later, since it is out of routing until then. While a
+        weight update or a sync owns the members, that load (or the next probe) does it."""
+        if seat.state in ("ok", "paused") and not self.weights.lock.locked():
+            self._sync(seat, "sampled under weights the fleet did not load")
+
+    def _sync(self, seat: Seat, why: str) -> None:
+        log.warning("%s %s: syncing it", seat.member.name, why)
+        self.table.set_state(seat, "syncing")
+        self.spawn_recovery(seat)
 
     # -- the roster -------------------------------------------------------------------
     async def discover(self) -> None:

@@ -21,6 +21,7 @@ from sampler_service.backends.base import (
 from sampler_service.errors import NotSupported
 from sampler_service.fleet.member import (
     Attached,
+    ForeignWeights,
     Member,
     MemberDown,
     MemberGone,
@@ -70,6 +71,9 @@ class FakeMember:
         self.healthy = True
         self.paused = False
         self.digest = "same"
+        #: Its answers say which label sampled them (as `vllm-generate` servers' spans
+        #: do): a whole wave under a label not the wave's raises ForeignWeights.
+        self.spans = False
         #: Its next loads raise this (a class: raised with a message naming the member).
         self.refuse: type[Exception] | None = None
         self.refuse_receive: type[Exception] | None = None
@@ -156,6 +160,8 @@ class FakeMember:
         await self.open.wait()
         if self.down:
             raise MemberDown(f"{self.name} lost the wave", "died")
+        if self.spans and self.labelled != version:
+            raise ForeignWeights(f"{self.name} sampled under {self.labelled}, not v{version}")
         return [_answer(version) for _ in range(n)]
 
     async def abort(self) -> int:

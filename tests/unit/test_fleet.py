@@ -326,6 +326,27 @@ async def test_weights_moved_behind_the_fleets_back_are_reloaded(fleet: Any) -> 
     assert members[0].named("load")[-1] == ("load", 1, 1)
 
 
+async def test_a_wave_sampled_under_foreign_weights_is_reissued_after_an_immediate_resync(
+    fleet: Any,
+) -> None:
+    """The probes are a minute apart: only the wave's own finding can have the member
+    reloaded within the test's 20 s, and the wave sent again is answered under v1."""
+    members = [FakeMember(0, restartable=False)]
+    members[0].spans = True
+    pool = await fleet(members, probe_s=60.0)
+    await pool.load_weight_files(["v1.safetensors"], 1, EVERY)
+    members[0].labelled = None  # someone else relabelled it
+    out = await asyncio.wait_for(pool.generate([1, 2], 3, SAMPLING), 20)
+    assert {c.policy_version for c in out} == {1} and len(out) == 3
+    assert members[0].named("generate") == [("generate", 3, 1), ("generate", 3, 1)]
+    assert members[0].named("load")[-1] == ("load", 1, 1) and members[0].labelled == 1
+    reissued = pool.metrics.registry.get_sample_value(
+        "adaptive_rollout_replica_reissued_waves_total",
+        {"replica": "0", "reason": "foreign_weights"},
+    )
+    assert reissued == 1 and pool.members()[0]["weights_mismatch"] is False
+
+
 async def test_a_member_left_paused_is_resumed_before_it_is_routed_to(fleet: Any) -> None:
     members = [FakeMember(0, restartable=False)]
     members[0].paused = True

@@ -289,7 +289,8 @@ def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(
     """The `vllm-generate` dialect (/inference/v1/generate, served with
     --enable-scale-out) returns the tokens /v1/completions does, and each answer's
     weight_versions spans: a server someone else relabelled is caught by the first wave
-    it answers, which is sent again once the server is resynced, never kept."""
+    it answers, which is sent again once the server is resynced, never kept. The probes
+    are a minute apart, so the wave alone finds it and has it resynced."""
     from sampler_service.backends.base import SamplingParams
     from sampler_service.backends.http.dialects import VLLM_GENERATE
     from sampler_service.config import ReplicaSettings
@@ -301,7 +302,7 @@ def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(
         loop_thread,
         tmp_path,
         dialect=VLLM_GENERATE,
-        replica=ReplicaSettings(probe_s=0.5),
+        replica=ReplicaSettings(probe_s=60.0),
     ) as http:
 
         def reissued() -> float | None:
