@@ -135,6 +135,19 @@ def downsampled_tokens(group: Group) -> int:
     return max(group.stats.sampled_tokens - fresh_tokens(group), 0)
 
 
+def freshest_first(completions: Sequence[Completion]) -> np.ndarray:
+    """Answer indices, the newest weights' first, then in generation order: the order
+    down-sampling breaks its ties in. Answers of one reward class are alike to the
+    estimate, so a group keeps the freshest its rewards allow, and its
+    `policy_version_min` (what staleness counts) moves with the prompt's latest waves: a
+    hard prompt sampled across weight updates would otherwise keep its first wave's
+    answers and miss the bound."""
+    return np.array(
+        sorted(range(len(completions)), key=lambda i: (-completions[i].policy_version, i)),
+        dtype=np.int64,
+    )
+
+
 def build_group(
     *,
     row: PromptRow,
@@ -154,7 +167,7 @@ def build_group(
 
     ``n_pos`` counts answers whose reward is above ``cfg.positive_threshold``; the
     caller has it already from the stopping rule's bookkeeping. ``replay``, given when
-    every answer is wrong, takes the place of the last kept answer after down-sampling
+    every answer is wrong, takes the place of the kept answer down-sampling preferred least
     (`sampler_service.replay`): it counts in the advantages' baseline as one more answer,
     and not in the group's generated counts or policy versions. ``group_id`` is the
     prompt's attempt id where it has one (the answer journal's key).
@@ -170,10 +183,11 @@ def build_group(
     def advantages(kept: np.ndarray) -> np.ndarray:
         return advantage.compute(rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std)
 
-    kept = np.array(
-        downsample.apply(cfg.downsample, rewards, cfg.group_size, cfg.positive_threshold),
-        dtype=np.int64,
+    preference = freshest_first(completions)
+    picked = downsample.apply(
+        cfg.downsample, rewards[preference], cfg.group_size, cfg.positive_threshold
     )
+    kept = np.sort(preference[picked])
     adv = advantages(kept)
     # The domain's own signal (what the mixers observe): a replay does not count in it.
     mean_abs = advantage.mean(np.abs(adv)) if len(adv) else 0.0
@@ -183,7 +197,7 @@ def build_group(
         completions = [*completions, replay.completion]
         rewards = np.append(rewards, replay.reward)
         lengths = np.append(lengths, len(replay.completion.token_ids))
-        kept = np.append(kept[:-1], n_gen)
+        kept = np.append(np.sort(preference[picked[:-1]]), n_gen)
         adv = advantages(kept)
 
     for policy in group_policies:

@@ -106,7 +106,7 @@ class Pacer:
         cfg = self.live.config
         return (
             cfg.max_staleness is not None
-            and cfg.max_delay_versions > 0
+            and cfg.delay_versions > 0
             and self.push_s is not None
             and self.token_rate is not None
             and self.answer_tokens is not None
@@ -164,13 +164,13 @@ class Pacer:
         if not self.active:
             return False
         cfg = self.live.config
-        line = min(cfg.max_active_prompts, cfg.max_delay_versions * self._step_groups())
+        line = min(cfg.max_active_prompts, cfg.delay_versions * self._step_groups())
         return len(self.delayed) >= line
 
     def take_delayed(self, backlog: float) -> PromptRow | None:
         """The first delayed prompt that fits now or has waited long enough, if any."""
         version = self._version or 0
-        wait = self.live.config.max_delay_versions
+        wait = self.live.config.delay_versions
         for i, item in enumerate(self.delayed):
             fits = self.fits(item.row, backlog)
             if fits or version - item.since >= wait:

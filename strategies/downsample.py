@@ -3,8 +3,9 @@
 Adaptive sampling generates more answers than the group keeps; which ones are kept decides
 the signal. ``balanced`` is Reinforce-Ada's choice (as many positives as negatives where
 possible), ``max_variance`` is PODS' (the subset whose rewards spread the most), ``none``
-keeps everything. All return ascending indices into the generated answers; ``n == 0``
-(or n at least the number of answers) keeps all of them. Ties go to generation order.
+keeps everything. All return ascending indices into the answers given; ``n == 0``
+(or n at least the number of answers) keeps all of them. Ties go to the order the answers
+are given in (the service gives the newest weights' answers first).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def balanced(rewards: Rewards, n: int, threshold: float) -> list[int]:
 
     Take tp = min(floor(n/2), |pos|) positives and tn = min(n - tp, |neg|) negatives,
     then fill up to n from the remaining positives, then the remaining negatives, each in
-    generation order. A sample is positive iff its reward > threshold (strict).
+    the order given. A sample is positive iff its reward > threshold (strict).
     """
     values = np.asarray(rewards, dtype=float)
     if _keeps_all(len(values), n):
@@ -51,7 +52,7 @@ def max_variance(rewards: Rewards, n: int, threshold: float = 0.0) -> list[int]:
 
     Some optimal subset is always the i largest plus the n - i smallest rewards, so only
     n + 1 candidates are compared. Within equal rewards the earlier answer is taken, and
-    among candidates of equal variance the one first in generation order (smallest
+    among candidates of equal variance the one first in the order given (smallest
     sorted index list) wins. ``threshold`` is unused; it keeps the downsampler signature.
     """
     values = np.asarray(rewards, dtype=float)

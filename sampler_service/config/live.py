@@ -38,6 +38,10 @@ from strategies.registry import Policy, PolicyError
 #: `handout_hold_s: auto` under `weight_update_mode: wait`: no late prompt on the
 #: step-time model ran past 231 s of a hold (BENCHMARKS.md section 5).
 AUTO_HANDOUT_HOLD_S = 300.0
+#: `max_delay_versions: auto` per weight update mode: on the step-time model (three
+#: prompt draws) `continue` at 4 took 0.847x `wait`'s step, against 0.860x at 2, and
+#: `wait` at 4 took 1.02x its own step at 2 (`abort` keeps 2, not measured at 4).
+AUTO_DELAY_VERSIONS: dict[str, int] = {"wait": 2, "abort": 2, "continue": 4}
 #: The order engines serve queued answers in (`SamplerConfig.engine_order`).
 EngineOrder = Literal["oldest_prompt", "answer_index", "arrival"]
 
@@ -108,7 +112,9 @@ class SamplerConfig(LiveModel):
         0.5, ge=-1e9, le=1e9, description="an answer is right iff its reward > this"
     )
     downsample: Literal["balanced", "max_variance", "none"] = Field(
-        "balanced", description="which answers a group of more than group_size keeps"
+        "balanced",
+        description="which answers a group of more than group_size keeps; among answers "
+        "it ranks alike, those of the newest weights first",
     )
     advantage: Literal["grpo", "global", "est", "maxrl"] = Field(
         "global",
@@ -186,17 +192,16 @@ class SamplerConfig(LiveModel):
         "fall further behind at a weight update are dropped (`stale`) and their prompts "
         "served again; null: no bound",
     )
-    max_delay_versions: int = Field(
-        2,
-        ge=0,
-        le=1_000,
+    max_delay_versions: Annotated[int, Field(ge=0, le=1_000)] | Literal["auto"] = Field(
+        "auto",
         description="paced admission under max_staleness: a prompt expected to finish past "
         "the bound (its rule's expected answers at its estimated pass rate, times the "
         "current answer length, behind the tokens the running prompts still need, at the "
         "engines' measured tokens/s and seconds per weight push) is delayed, first in line "
         "once it fits, and admitted anyway after waiting this many versions (the line holds "
         "what that many training steps admit; while it is full no new prompt is drawn); 0: "
-        "no pacing",
+        "no pacing; auto: 4 under weight_update_mode continue (its answers run on across "
+        "a push, so a longer line keeps the engine full), 2 under wait and abort",
     )
     handout_hold_s: Annotated[float, Field(ge=0.0, le=86_400.0)] | Literal["auto"] = Field(
         "auto",
@@ -290,6 +295,14 @@ class SamplerConfig(LiveModel):
         inside a wave (its waves never go past `group_size`), so whole waves already give
         those the group that counting in order would, with no request per answer."""
         return self.stopping == "exact" and self.mode == "continuous" and self.rule != "fixed"
+
+    @property
+    def delay_versions(self) -> int:
+        """`max_delay_versions` resolved: what measured best for the weight update mode
+        (BENCHMARKS.md section 5)."""
+        if self.max_delay_versions != "auto":
+            return self.max_delay_versions
+        return AUTO_DELAY_VERSIONS[self.weight_update_mode]
 
     @property
     def handout_hold(self) -> float:

@@ -66,24 +66,27 @@ def _build(rewards: list[float], **cfg: Any) -> Any:
 
 
 def test_balanced_downsample_with_global_baseline() -> None:
-    # Answers 0..5 with rewards 0 1 0 0 1 0. Positives {1, 4}, negatives {0, 2, 3, 5}:
-    # tp = min(4 // 2, 2) = 2, tn = min(4 - 2, 4) = 2 -> kept 0, 1, 2, 4.
-    # Global baseline over all six: 2/6 = 1/3, no std division -> -1/3, 2/3, -1/3, 2/3.
+    # Answers 0..5 with rewards 0 1 0 0 1 0, versions 0 0 1 1 1 1. Ties are broken newest
+    # weights first, then in generation order: 2, 3, 4, 5, 0, 1. Positives in that order
+    # {4, 1}, negatives {2, 3, 5, 0}: tp = min(4 // 2, 2) = 2, tn = min(4 - 2, 4) = 2 ->
+    # kept 1, 2, 3, 4 (answer 0, first in generation order but of version 0, is left out).
+    # Global baseline over all six: 2/6 = 1/3, no std division -> 2/3, -1/3, -1/3, 2/3.
     result = _build(
         [0, 1, 0, 0, 1, 0], group_size=4, versions=[0, 0, 1, 1, 1, 1], advantage="global"
     )
     g = result.group
     assert result.drop_reason is None
-    assert [s.response_text for s in g.samples] == ["a0", "a1", "a2", "a4"]
-    assert [s.advantage for s in g.samples] == pytest.approx([-1 / 3, 2 / 3, -1 / 3, 2 / 3])
+    assert [s.response_text for s in g.samples] == ["a1", "a2", "a3", "a4"]
+    assert [s.advantage for s in g.samples] == pytest.approx([2 / 3, -1 / 3, -1 / 3, 2 / 3])
     # Mixers see mean |A| of the down-sampled group: (1/3 + 2/3 + 1/3 + 2/3) / 4 = 1/2.
     assert result.mean_abs_advantage == pytest.approx(0.5)
     # Stats cover all six answers: mean 1/3; ddof-1 variance (2(2/3)^2 + 4(1/3)^2) / 5 = 4/15.
     assert (g.stats.n_generated, g.stats.n_pos, g.stats.n_neg) == (6, 2, 4)
     assert g.stats.reward_mean == pytest.approx(1 / 3)
     assert g.stats.reward_std == pytest.approx(math.sqrt(4 / 15))
-    # Kept answers came from versions 0, 0, 1, 1.
+    # Kept answers came from versions 0, 1, 1, 1: the one positive of version 0 has to stay.
     assert (g.policy_version_min, g.policy_version_max) == (0, 1)
+    assert [s.policy_version for s in g.samples] == [0, 1, 1, 1]
     assert (g.config_version, g.stop_reason, g.prompt_id, g.domain) == (7, "rule", "p1", "add1")
     assert g.prompt_token_ids == [5, 6] and g.answer == "2"
     # Ids come from the injected source: four samples, then the group.
@@ -92,8 +95,8 @@ def test_balanced_downsample_with_global_baseline() -> None:
 
 
 def test_a_group_says_what_all_its_answers_cost_and_what_down_sampling_left_out() -> None:
-    # Answers of 1, 2, 4, 8, 16, 32 tokens, rewards 0 1 0 0 1 0: balanced down-sampling
-    # keeps 0, 1, 2, 4 (as above): 1 + 2 + 4 + 16 = 23 tokens; it leaves out answers 3
+    # Answers of 1, 2, 4, 8, 16, 32 tokens, rewards 0 1 0 0 1 0, all of version 0:
+    # balanced down-sampling keeps 0, 1, 2, 4 (generation order breaks the ties): 1 + 2 + 4 + 16 = 23 tokens; it leaves out answers 3
     # and 5: 8 + 32 = 40. The six cost 63, and the count survives the wire (a restarted
     # sampler reads its stored groups back from their bytes).
     g = _build([0, 1, 0, 0, 1, 0], group_size=4, lengths=[1, 2, 4, 8, 16, 32]).group
@@ -262,6 +265,18 @@ def test_a_replay_takes_the_last_kept_place_of_an_all_wrong_group() -> None:
     assert (g.policy_version_min, g.policy_version_max) == (5, 5)
     assert (g.stats.n_generated, g.stats.n_pos, g.stats.reward_mean) == (6, 0, 0.0)
     assert result.mean_abs_advantage == 0.0
+
+
+def test_a_replay_takes_the_place_of_the_oldest_kept_answer_across_versions() -> None:
+    # Five wrong answers of versions 0 0 1 1 1. Newest weights first: 2, 3, 4, 0, 1;
+    # all negative, balanced keeps the first four in that order (2, 3, 4, 0), and the
+    # replay takes the place of the one preferred least: answer 0, of version 0. The
+    # group's versions are its own answers' (2, 3, 4): 1..1, not 0..1.
+    earlier = Completion([7], [-0.5], "old", "stop", 0)
+    g = _build([0] * 5, group_size=4, versions=[0, 0, 1, 1, 1], replay=Replayed(earlier, 1.0))
+    g = g.group
+    assert [s.response_text for s in g.samples] == ["a2", "a3", "a4", "old"]
+    assert (g.policy_version_min, g.policy_version_max) == (1, 1)
 
 
 def test_a_replay_with_the_global_baseline_counts_as_one_more_answer() -> None:

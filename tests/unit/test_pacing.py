@@ -75,7 +75,7 @@ def _row(prompt_id: str) -> PromptRow:
     return PromptRow(prompt_id, "q", "a", "d")
 
 
-def _pacer(max_delay_versions: int = 2, **knobs: Any) -> tuple[Pacer, Clock, list[int]]:
+def _pacer(max_delay_versions: int | str = 2, **knobs: Any) -> tuple[Pacer, Clock, list[int]]:
     """A pacer under Seq-Pos K_pos 1 (n_max 32) and max_staleness 1, pushes every 10 s
     and 1,000 tokens/s decoded, 100 tokens per answer: a prompt estimated easy costs
     ~800 tokens, one estimated at p = 0.02 ~2,900; the trainer takes 3 groups a step."""
@@ -149,3 +149,33 @@ def test_past_the_expected_push_nothing_is_held_back_and_zero_delay_versions_is_
     clock.now = 19.9
     assert not off.active and off.fits(_row("hard"), backlog=1e9)
     assert not off.full()  # with pacing off nothing waits in line: admission goes on
+
+
+@pytest.mark.parametrize(
+    ("knobs", "versions"),
+    [
+        ({}, 2),  # auto under wait
+        ({"weight_update_mode": "abort"}, 2),
+        ({"weight_update_mode": "continue"}, 4),  # answers run on across a push
+        ({"weight_update_mode": "continue", "max_delay_versions": 1}, 1),
+        ({"max_delay_versions": 0}, 0),
+    ],
+)
+def test_the_delay_resolves_by_weight_update_mode(knobs: dict[str, Any], versions: int) -> None:
+    assert SamplerConfig(**knobs).delay_versions == versions
+
+
+def test_under_continue_the_line_holds_four_versions_of_admission() -> None:
+    # auto under continue: 4 versions x steps of 3 groups = 12 in line (6 under wait).
+    pacer, _, _ = _pacer(max_delay_versions="auto", weight_update_mode="continue")
+    for i in range(11):
+        pacer.delay(_row(f"p{i}"))
+    assert not pacer.full()
+    pacer.delay(_row("p11"))
+    assert pacer.full()
+
+
+@pytest.mark.parametrize("bad", [-1, "later", 1_001])
+def test_a_bad_delay_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_delay_versions"):
+        SamplerConfig(max_delay_versions=bad)
