@@ -621,10 +621,18 @@ async def test_a_group_past_the_bound_when_it_finishes_is_dropped_alone_and_serv
     toy, backend, tmp_path: Path
 ) -> None:
     """Prompts that never meet the rule run 16 one-answer waves, across two weight
-    pushes: their groups start at v0 and end with v2 served, past `max_staleness` 1. Each
-    is dropped on its own (framed, it would take its frame-mates down with it) as stale
-    waste, and its prompt is served again; no group is framed past the bound."""
-    one_answer_waves = {**ROUNDS, "mode": "continuous", "wave_size": 1, "group_size": 4}
+    pushes (the rule is asked from the 4th on): their groups keep all 16 (down-sampling
+    cannot leave the oldest out), so they start at v0 and end with v2 served, past
+    `max_staleness` 1. Each is dropped on its own (framed, it would take its frame-mates
+    down with it) as stale waste, and its prompt is served again; no group is framed past
+    the bound."""
+    one_answer_waves = {
+        **ROUNDS,
+        "mode": "continuous",
+        "wave_size": 1,
+        "group_size": 16,
+        "min_answers": 4,
+    }
     bound = {"max_staleness": 1, "batch_groups": 2, "max_active_prompts": 4}
     data = [unanswerable(toy, tmp_path)]
     scheduler, _ = make_scheduler(toy, backend, data, **one_answer_waves, **bound)
