@@ -380,7 +380,9 @@ class Trainer(VolatileSink):
         """The newest policy version among the members of the frame handed out next."""
         return max(g.policy_version_min for g in self.held[self._handout_order()[0]])
 
-    def _take_out_unordered(self, rank: Callable[[int], int], waiting: int | None) -> list[Group]:
+    def _take_out_unordered(
+        self, rank: Callable[[int], int], waiting: int | None
+    ) -> list[list[Group]]:
         """The frames waiting, taken out if their members are not in framing order
         (`Outbox.take_out_unordered`)."""
         frames = [self.held[i] for i in self._handout_order()]
@@ -388,7 +390,7 @@ class Trainer(VolatileSink):
         if not out_of_order(ranks, waiting):
             return []
         self.held.clear()
-        return [g for frame in frames for g in frame]
+        return frames
 
     def _handout_order(self) -> list[int]:
         """The indices of the frames waiting in the order the service hands them out:
@@ -513,7 +515,7 @@ def summarize(
         "stale_dropped_share": delta("stale_tokens") / decoded,
         "aborted_tokens": delta("aborted_tokens"),
         "drain_s_per_step": delta("drain_s") / k,
-        # Seconds hand-outs waited for late prompts, and the groups that joined frames.
+        # Seconds hand-outs waited for late prompts, and the groups moved to earlier frames.
         "hold_s_per_step": delta("hold_s") / k,
         "late_framed_per_step": delta("late_framed") / k,
         "spanning_per_step": delta("spanning") / k,

@@ -182,6 +182,7 @@ class Delivery:
         newest = self.outbox.next_frame_newest()
         holding = self.scheduler.holds_handout(newest, now - hold.since)
         hold.waited |= holding
+        hold.framed &= not holding  # groups that end this wait are framed at its end
         return holding
 
     async def _frame_late_groups(self, hold: _Hold) -> None:
@@ -190,16 +191,18 @@ class Delivery:
         hold.framed = True
         assert hold.since is not None
 
-        def take_out_unordered(rank: Callable[[int], int], waiting: int | None) -> list[Group]:
+        def take_out_unordered(
+            rank: Callable[[int], int], waiting: int | None
+        ) -> list[list[Group]]:
             taken = self.outbox.take_out_unordered(rank, waiting)
-            return [unpack_group(m.payload) for m in taken]
+            return [[unpack_group(m.payload) for m in frame] for frame in taken]
 
         held_s = time.monotonic() - hold.since if hold.waited else 0.0
         finalizer = self.scheduler.finalizer
         if (joined := await finalizer.frame_late_groups(take_out_unordered, held_s)) or held_s:
             log.info(
                 "a hand-out waited %.1f s for prompts the next weight push would make too "
-                "stale; %d of their groups joined its frame",
+                "stale; %d groups moved to an earlier frame",
                 held_s,
                 joined,
             )

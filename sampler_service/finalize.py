@@ -296,45 +296,62 @@ class Finalizer:
         rank = self._framing_rank()
         self.unframed.sort(key=lambda g: rank(g.policy_version_min))
 
-    async def take_back(self, groups: list[Group]) -> int:
+    async def take_back(self, groups: list[Group]) -> None:
         """Frame again the members of frames never handed out (the fresh members of a
         frame split by the staleness bound, or a frame that older groups join before its
         hand-out): first in line among groups of their framing rank, already counted as
-        emitted. Returns how many groups that waited before joined frames."""
+        emitted."""
         if not groups:
-            return 0
+            return
         self.returning += len(groups)
         try:
             async with self._frame_lock:
-                waiting = {g.group_id for g in self.unframed}
-                await self.sink.unframe([g.group_id for g in groups])
-                self._counted.update(g.group_id for g in groups)
-                self.unframed[:0] = groups
-                await self._form_frames()
-                return len(waiting - {g.group_id for g in self.unframed})
+                await self._frame_again(groups)
         finally:
             self.returning -= len(groups)
 
+    async def _frame_again(self, groups: list[Group]) -> list[grouping.FrameResult]:
+        """`take_back`, the frame lock held; returns the frames formed. The groups are
+        unframed here before the store hears of it: out of the sink's frames, they must
+        count as buffered at once, or admission sees room they take."""
+        if not groups:
+            return []
+        self._counted.update(g.group_id for g in groups)
+        self.unframed[:0] = groups
+        await self.sink.unframe([g.group_id for g in groups])
+        return await self._form_frames()
+
     async def frame_late_groups(
         self,
-        take_out_unordered: Callable[[Callable[[int], int], int | None], list[Group]],
+        take_out_unordered: Callable[[Callable[[int], int], int | None], list[list[Group]]],
         held_s: float = 0.0,
     ) -> int:
         """Before a hand-out: a group that finished after the frames formed and that the
         next weight push would make too stale (a slow prompt's) takes the place of a
         member it would not, which waits for a later frame, within the bound.
         `take_out_unordered(rank, first waiting rank)` takes the frames never handed out
-        out of the sink if their members are not in framing order (`out_of_order` over
-        `rank`, this finalizer's `framing_rank`); their members are framed again with the
-        groups waiting. `held_s`: how long the hand-out waited for late prompts
-        (`Scheduler.holds_handout`); the tally counts a hand-out that waited or took late
-        groups. Returns how many groups that waited joined frames. Not with batch
-        selections (a frame is selected once)."""
+        out of the sink, in hand-out order, if their members are not in framing order
+        (`out_of_order` over `rank`, this finalizer's `framing_rank`); their members are
+        framed again with the groups waiting. `held_s`: how long the hand-out waited for
+        late prompts (`Scheduler.holds_handout`); the tally counts a hand-out that waited
+        or moved groups ahead. Returns how many groups went out in an earlier frame than
+        before (a waiting group framed, or a framed one moved to an earlier frame). Not
+        with batch selections (a frame is selected once)."""
         joined = 0
         if not self.live.policies.selections:
-            rank = self._framing_rank()
-            waiting = min((rank(g.policy_version_min) for g in self.unframed), default=None)
-            joined = await self.take_back(take_out_unordered(rank, waiting))
+            # Judged and framed again under the frame lock: a frame formed while this
+            # waited for the lock (the late group's own, say) is judged with the rest, not
+            # left behind the frame about to go out.
+            async with self._frame_lock:
+                rank = self._framing_rank()
+                waiting = min((rank(g.policy_version_min) for g in self.unframed), default=None)
+                taken = take_out_unordered(rank, waiting)
+                place = dict.fromkeys((g.group_id for g in self.unframed), len(taken))
+                place.update((g.group_id, i) for i, frame in enumerate(taken) for g in frame)
+                frames = await self._frame_again([g for frame in taken for g in frame])
+                joined = sum(
+                    place[g.group_id] > i for i, frame in enumerate(frames) for g in frame.kept
+                )
         if held_s or joined:
             self.tally.handout_held(held_s, joined)
         return joined
@@ -344,12 +361,13 @@ class Finalizer:
         async with self._frame_lock:
             await self._form_frames()
 
-    async def _form_frames(self, state: dict[str, Any] | None = None) -> None:
-        """Frame what is unframed, every frame in one write; `state` is stored with them."""
+    async def _form_frames(self, state: dict[str, Any] | None = None) -> list[grouping.FrameResult]:
+        """Frame what is unframed, every frame in one write; `state` is stored with them.
+        Returns the frames, in the order they go out."""
         size = self.live.config.batch_groups
         count = len(self.unframed) // size * size
         if not count:
-            return
+            return []
         self._in_framing_order()
         frames = []
         policies = self.live.policies
@@ -381,6 +399,7 @@ class Finalizer:
             await self.sink.add_frames(frames, state)
         finally:
             del self.unframed[:count]
+        return frames
 
 
 class VolatileSink:

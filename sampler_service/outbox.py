@@ -263,11 +263,11 @@ class Outbox:
 
     def take_out_unordered(
         self, rank: Callable[[int], int], oldest_waiting: int | None
-    ) -> list[StoredGroup]:
+    ) -> list[list[StoredGroup]]:
         """Take out the READY frames never handed out if their members are not in framing
         order (`out_of_order` over `rank` of their versions, against the first group still
-        waiting for a frame), and return their members, to be framed again with the
-        waiting groups."""
+        waiting for a frame), and return their members frame by frame, in hand-out order,
+        to be framed again with the waiting groups."""
         fresh = sorted(
             (f for f in self._frames.values() if f.consumer is None and not f.handed_out),
             key=lambda f: (f.policy_version_min, f.seq),
@@ -279,7 +279,7 @@ class Outbox:
             del self._frames[frame.batch_id]
             self._ready_count -= len(frame.members)
         self._notify()
-        return [m for frame in fresh for m in frame.members]
+        return [frame.members for frame in fresh]
 
     def _release(self, frame: _Frame) -> None:
         assert frame.consumer is not None

@@ -479,8 +479,8 @@ class Tally:
             self.recent_lags.append(lag)
 
     def handout_held(self, seconds: float, joined: int) -> None:
-        """A hand-out that waited `seconds` for late prompts; `joined` of their groups
-        went out in it."""
+        """A hand-out that waited `seconds` for late prompts; `joined` groups moved to an
+        earlier frame for it (late groups, out of waiting or from a later frame)."""
         self.handout_holds += 1
         self.handout_hold_s += seconds
         self.late_groups_framed += joined

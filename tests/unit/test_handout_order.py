@@ -61,17 +61,27 @@ class _RecordingSink(MemorySink):
     def __init__(self) -> None:
         super().__init__()
         self.pending: list[str] = []
+        #: While set and not open, a write of frames waits for it (`blocked` says so).
+        self.gate: asyncio.Event | None = None
+        self.blocked = asyncio.Event()
+
+    async def add_frames(self, frames: Any, state: dict[str, Any] | None = None) -> None:
+        if self.gate is not None:
+            self.blocked.set()
+            await self.gate.wait()
+        await super().add_frames(frames, state)
 
     async def add_pending(self, group: Group, state: dict[str, Any] | None) -> None:
         self.pending.append(group.group_id)
 
-    def take_out_unordered(self, rank: Callable[[int], int], waiting: int | None) -> list[Group]:
+    def take_out_unordered(
+        self, rank: Callable[[int], int], waiting: int | None
+    ) -> list[list[Group]]:
         """`Outbox.take_out_unordered` over the frames offered here (none handed out)."""
         ranks = [[rank(g.policy_version_min) for g in frame] for frame in self.frames]
         if not out_of_order(ranks, waiting):
             return []
-        taken = [g for frame in self.frames for g in frame]
-        self.frames = []
+        taken, self.frames = self.frames, []
         return taken
 
 
@@ -123,7 +133,7 @@ def test_before_a_hand_out_a_late_group_takes_the_newest_members_place() -> None
     Before the hand-out the frames are formed again oldest first: both v1 groups go out in
     the first frame, a v2 group waits in its place (stored as pending by the sink's
     unframe), nothing is lost or counted twice as emitted, and the count of waiting
-    groups that joined frames is 1."""
+    groups moved to an earlier frame is 1 (b and c moved back)."""
     finalizer, sink, tally = _finalizer(batch_groups=2)
 
     async def run() -> tuple[int, int]:
@@ -163,6 +173,33 @@ def test_only_groups_the_next_push_would_drop_go_first() -> None:
     assert _ids(sink.frames) == [["v1", "a", "b"]]
     assert [g.group_id for g in finalizer.unframed] == ["c", "d"]
     assert tally.late_groups_framed == 1
+
+
+def test_a_frame_formed_while_the_hand_out_waits_for_the_frame_lock_is_judged_too() -> None:
+    """Frames of 2, bound 1, served v2: a1+b2 is framed and late1 waits. The finalizer
+    frames late1 with d2 and is still writing that frame when the hand-out's framing
+    starts. The framing waits for the write and judges both frames: the v1 groups go out
+    in one frame. (Judged before the write, it moved a1+b2 behind late1+d2, so each
+    frame held a v1 group and the next push dropped one.)"""
+    finalizer, sink, tally = _finalizer(batch_groups=2)
+
+    async def run() -> int:
+        await finalizer._store([_group("a", 1), _group("b", 2)])
+        await finalizer._store([_group("late", 1)])
+        sink.gate = asyncio.Event()
+        storing = asyncio.create_task(finalizer._store([_group("d", 2)]))
+        await sink.blocked.wait()
+        framing = asyncio.create_task(finalizer.frame_late_groups(sink.take_out_unordered))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        sink.gate.set()
+        await storing
+        return await framing
+
+    assert asyncio.run(run()) == 1  # late1 moved from the second frame to the first
+    assert _ids(sink.frames) == [["a", "late"], ["b", "d"]]
+    assert finalizer.unframed == []
+    assert tally.groups_emitted == 4
 
 
 @pytest.mark.parametrize(
