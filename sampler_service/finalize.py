@@ -113,7 +113,7 @@ class Finalizer:
         #: still buffered, for admission, while they wait for the frame lock (and,
         #: harmlessly, counted twice while they are framed again).
         self.returning = 0
-        #: Of those queued (`put`), how many were admitted under each weight version.
+        #: Of those queued (`put`), how many groups will be of each weight version.
         self._queued_versions: Counter[int] = Counter()
         #: Called after each batch: backpressure may have eased.
         self.on_stored: Callable[[], None] = lambda: None
@@ -148,13 +148,19 @@ class Finalizer:
         journal still holds of it is not written: its group's write ends the attempt)."""
         self.journal.finished(run)
         self.finalizing += 1
-        self._queued_versions[run.admitted_version] += 1
+        self._queued_versions[self._queued_version(run)] += 1
         self._queued_tokens += run.recorded_tokens
         self._queue.put_nowait(run)
 
+    @staticmethod
+    def _queued_version(run: PromptRun) -> int:
+        """The version a queued prompt's group will have (its answers are all in)."""
+        version = run.group_version_min()
+        return run.admitted_version if version is None else version
+
     def queued_since(self, version: int) -> int:
-        """Prompts queued here (their groups not yet stored) admitted at `version` or
-        before."""
+        """Prompts queued here (their groups not yet stored) whose groups will be of
+        `version` or older."""
         return sum(n for v, n in self._queued_versions.items() if v <= version)
 
     def held_tokens(self) -> int:
@@ -181,7 +187,7 @@ class Finalizer:
                 log.exception("storing the groups of %d prompts failed", len(runs))
             finally:
                 self.finalizing -= len(runs)
-                self._queued_versions.subtract(run.admitted_version for run in runs)
+                self._queued_versions.subtract(map(self._queued_version, runs))
                 self._queued_versions = +self._queued_versions  # (zeros out)
                 for _ in runs:
                     self._queue.task_done()

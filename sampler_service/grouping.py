@@ -148,6 +148,33 @@ def freshest_first(completions: Sequence[Completion]) -> np.ndarray:
     )
 
 
+def kept_by_preference(
+    cfg: SamplerConfig, completions: Sequence[Completion], rewards: np.ndarray
+) -> np.ndarray:
+    """The indices of the answers down-sampling keeps, the one it preferred most first
+    (ties broken `freshest_first`)."""
+    preference = freshest_first(completions)
+    picked = downsample.apply(
+        cfg.downsample, rewards[preference], cfg.group_size, cfg.positive_threshold
+    )
+    return preference[picked]
+
+
+def kept_version_min(
+    cfg: SamplerConfig, completions: Sequence[Completion], verdicts: Sequence[Verdict]
+) -> int | None:
+    """The oldest weights among the answers a group of these would keep (None for no
+    answers): the `policy_version_min` staleness would judge it by. More answers of the
+    same prompt are newer and only displace older ones of their class, so for a prompt
+    still sampling this is the version its group would have if it ended now, and the
+    oldest it is likely to end with."""
+    if not completions:
+        return None
+    rewards = np.array([v.reward for v in verdicts], dtype=np.float64)
+    kept = kept_by_preference(cfg, completions, rewards)
+    return min((completions[i].policy_version for i in kept), default=None)
+
+
 def build_group(
     *,
     row: PromptRow,
@@ -183,11 +210,8 @@ def build_group(
     def advantages(kept: np.ndarray) -> np.ndarray:
         return advantage.compute(rewards[kept], rewards, cfg.advantage, norm_by_std=cfg.norm_by_std)
 
-    preference = freshest_first(completions)
-    picked = downsample.apply(
-        cfg.downsample, rewards[preference], cfg.group_size, cfg.positive_threshold
-    )
-    kept = np.sort(preference[picked])
+    ranked = kept_by_preference(cfg, completions, rewards)
+    kept = np.sort(ranked)
     adv = advantages(kept)
     # The domain's own signal (what the mixers observe): a replay does not count in it.
     mean_abs = advantage.mean(np.abs(adv)) if len(adv) else 0.0
@@ -197,7 +221,7 @@ def build_group(
         completions = [*completions, replay.completion]
         rewards = np.append(rewards, replay.reward)
         lengths = np.append(lengths, len(replay.completion.token_ids))
-        kept = np.append(np.sort(preference[picked[:-1]]), n_gen)
+        kept = np.append(np.sort(ranked[:-1]), n_gen)
         adv = advantages(kept)
 
     for policy in group_policies:

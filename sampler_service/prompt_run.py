@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from sampler_service.backends.base import Completion
 from sampler_service.dataset import PromptRow
-from sampler_service.grouping import new_id, sampled_tokens
+from sampler_service.grouping import kept_version_min, new_id, sampled_tokens
 from sampler_service.live_config import PromptPlan
 from sampler_service.verifiers.base import Verdict
 from strategies.allocation import AllocationPolicy
@@ -90,6 +90,12 @@ class PromptRun:
         if order == "answer_index":
             return tuple(self.admitted_version * MAX_ANSWERS + i for i in indices)
         return ()
+
+    def group_version_min(self) -> int | None:
+        """The `policy_version_min` its group would have if it ended on the answers
+        counted so far (`grouping.kept_version_min`; None before the first): what decides
+        whether the staleness bound drops it."""
+        return kept_version_min(self.plan.cfg, self.completions, self.verdicts)
 
     def sampled_tokens(self) -> int:
         """Sampled tokens of the counted answers."""

@@ -205,14 +205,22 @@ class Scheduler:
         return len(self._active)
 
     def late_prompts(self) -> int:
-        """Prompts still sampling (or their groups not yet stored) that the next weight
-        push makes too stale to hand out: admitted `max_staleness` or more versions ago
-        (a hand-out waits for them: `handout_hold_s`). Without a bound, none."""
+        """Prompts still sampling (or their groups not yet stored) whose groups the next
+        weight push makes too stale to hand out: the answers they keep so far are from
+        weights `max_staleness` or more versions old (a hand-out waits for them:
+        `handout_hold_s`). A prompt admitted that long ago whose kept answers are all
+        newer (down-sampling keeps a class's newest) is not waited for: it would go out
+        fresh. Without a bound, none."""
         bound = self.config.max_staleness
         if bound is None:
             return 0
         last = self.backend.policy_version - bound
-        running = sum(run.admitted_version <= last for run in self._active.values())
+        running = sum(
+            run.admitted_version <= last  # (its answers are no older than its admission)
+            and (version := run.group_version_min()) is not None
+            and version <= last
+            for run in self._active.values()
+        )
         return running + self.finalizer.queued_since(last)
 
     def holds_handout(self, newest_member: int | None, held_s: float) -> bool:

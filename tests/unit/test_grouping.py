@@ -22,6 +22,7 @@ from sampler_service.grouping import (
     apply_batch_policies,
     build_group,
     downsampled_tokens,
+    kept_version_min,
     new_id,
     on_one_prompt,
 )
@@ -92,6 +93,30 @@ def test_balanced_downsample_with_global_baseline() -> None:
     # Ids come from the injected source: four samples, then the group.
     assert [s.sample_id for s in g.samples] == ["id0", "id1", "id2", "id3"]
     assert g.group_id == "id4"
+
+
+@pytest.mark.parametrize(
+    ("rewards", "versions", "oldest"),
+    [
+        # A hard prompt: six wrong answers of v0, then a v1 wave with two right: the
+        # group keeps 2 right + 2 wrong, all v1; its first wave's answers leave no mark.
+        ([0] * 6 + [1, 0, 1, 0], [0] * 6 + [1] * 4, 1),
+        # Its only right answer is of v0: kept (down-sampling needs it), so the group is v0.
+        ([1, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1], 0),
+        ([0, 0], [3, 4], 3),  # fewer answers than a group: every one is kept
+        ([], [], None),  # nothing counted yet
+    ],
+)
+def test_the_version_a_group_would_have_is_its_kept_answers_oldest(
+    rewards: list[float], versions: list[int], oldest: int | None
+) -> None:
+    """`kept_version_min` is the `policy_version_min` `build_group` gives the same answers
+    (what the hand-out hold asks of a prompt still sampling)."""
+    completions, verdicts = _answers(rewards, versions)
+    cfg = SamplerConfig(group_size=4)
+    assert kept_version_min(cfg, completions, verdicts) == oldest
+    if len(rewards) >= 2:
+        assert _build(rewards, group_size=4, versions=versions).group.policy_version_min == oldest
 
 
 def test_a_group_says_what_all_its_answers_cost_and_what_down_sampling_left_out() -> None:
