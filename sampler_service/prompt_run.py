@@ -62,6 +62,8 @@ class PromptRun:
     #: Sampled tokens of counted answers the tally has recorded as decoded (those of
     #: finished waves).
     recorded_tokens: int = 0
+    #: `group_version_min` as of how many counted answers (a hold asks it every poll).
+    _kept_version: tuple[int, int | None] = (0, None)
 
     @property
     def n_generated(self) -> int:
@@ -95,7 +97,11 @@ class PromptRun:
         """The `policy_version_min` its group would have if it ended on the answers
         counted so far (`grouping.kept_version_min`; None before the first): what decides
         whether the staleness bound drops it."""
-        return kept_version_min(self.plan.cfg, self.completions, self.verdicts)
+        counted, version = self._kept_version
+        if counted != len(self.completions):
+            version = kept_version_min(self.plan.cfg, self.completions, self.verdicts)
+            self._kept_version = (len(self.completions), version)
+        return version
 
     def sampled_tokens(self) -> int:
         """Sampled tokens of the counted answers."""

@@ -393,8 +393,8 @@ def test_a_held_hand_out_takes_the_stragglers_the_next_push_would_drop(
 ) -> None:
     """The same sampler and trainer with hand-outs held (`handout_hold_s` auto: 300 s
     under the default `weight_update_mode` wait):
-    a lease waits for the prompts admitted a version before the served weights that still
-    run, and frames take the groups the next push would drop first, so theirs go out
+    a lease waits for the prompts still running whose kept answers are a version behind
+    the served weights, and frames take the groups the next push would drop first, so theirs go out
     in it, ahead of newer ones. No group is dropped stale (the unheld run above drops some; 30-43 before
     hand-outs were held), nothing delivered is past the bound, and /v1/stats says how
     long hand-outs waited."""
