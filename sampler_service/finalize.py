@@ -340,8 +340,8 @@ class Finalizer:
         (`out_of_order` over `rank`, this finalizer's `framing_rank`); their members are
         framed again with the groups waiting. `held_s`: how long the hand-out waited for
         late prompts (`Scheduler.holds_handout`); the tally counts a hand-out that waited
-        or moved groups ahead. Returns how many groups went out in an earlier frame than
-        before (a waiting group framed, or a framed one moved to an earlier frame). Not
+        or moved groups ahead. Returns how many groups were framed earlier than before (a
+        waiting group framed, or a framed one moved to an earlier frame). Not
         with batch selections (a frame is selected once)."""
         joined = 0
         if not self.live.policies.selections:
@@ -369,7 +369,7 @@ class Finalizer:
 
     async def _form_frames(self, state: dict[str, Any] | None = None) -> list[grouping.FrameResult]:
         """Frame what is unframed, every frame in one write; `state` is stored with them.
-        Returns the frames, in the order they go out."""
+        Returns the frames, in the order they were formed."""
         size = self.live.config.batch_groups
         count = len(self.unframed) // size * size
         if not count:
