@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ray_helpers import BASE_CONFIG, ENV, Sampler, free_port, wait_for
+from ray_helpers import BASE_CONFIG, ENV, Sampler, free_ports, wait_for
 
 from sampler_service.backends.ray.replica import FAULT_EXIT_IN_LOAD_ENV
 
@@ -82,16 +82,17 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[RayCluster]:
 
     # Short: Ray puts unix sockets under it, and their paths are limited to ~100 bytes.
     temp = Path(tempfile.mkdtemp(prefix="ar-ray-", dir="/tmp"))
-    port = free_port()
-    ports = {
-        "--ray-client-server-port": free_port(),
-        "--node-manager-port": free_port(),
-        "--object-manager-port": free_port(),
-        "--metrics-export-port": free_port(),
-        "--dashboard-agent-listen-port": free_port(),
-        "--dashboard-agent-grpc-port": free_port(),
-        "--runtime-env-agent-port": free_port(),
-    }
+    flags = (
+        "--ray-client-server-port",
+        "--node-manager-port",
+        "--object-manager-port",
+        "--metrics-export-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+    )
+    port, *component_ports = free_ports(1 + len(flags))
+    ports = dict(zip(flags, component_ports, strict=True))
     fault_file = temp / "exit-in-load"
     cmd = [
         str(Path(sys.executable).parent / "ray"),
