@@ -152,11 +152,23 @@ class SamplerProcess:
         self.stop()
 
 
+#: Ports `free_port` has handed out in this process. The kernel may hand a port it just
+#: gave and got back out again, and two children told the same port collide.
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    """A loopback port free now (for a child that cannot report the one it took)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now and not handed out before in this process (for a child that
+    cannot report the one it took)."""
+    with _handed_out_lock:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 class EngineServer:

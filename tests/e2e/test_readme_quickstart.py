@@ -10,7 +10,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+
+from trainer_client.launch import free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -44,12 +45,6 @@ def quick_start_commands() -> list[str]:
     return commands
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _ctrl_c_as_in_a_terminal() -> None:
     """In the child: SIGINT with its default action, as a user's terminal delivers it. A
     test run started as a background job of a non-interactive shell has SIGINT ignored,
@@ -71,7 +66,7 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     commands = quick_start_commands()
     assert any(" serve " in c for c in commands) and any(" train " in c for c in commands)
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parents[1])
-    port = str(_free_port())
+    port = str(free_port())
     env = dict(os.environ)
     server: subprocess.Popen[str] | None = None
     outputs: dict[str, str] = {}
@@ -181,7 +176,7 @@ def test_the_episode_examples_run_as_written(tmp_path: Path) -> None:
             )  # fmt: skip
             assert done.returncode == 0, (written, done.stderr[-3000:])
             continue
-        port = str(_free_port())
+        port = str(free_port())
         command = re.sub(r"--port \d+", f"--port {port}", written)
         with (tmp_path / f"serve-{port}.log").open("w") as log:
             server = subprocess.Popen(

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ray_helpers import BASE_CONFIG, ENV, Sampler, free_ports, wait_for
+from ray_helpers import BASE_CONFIG, ENV, Sampler, wait_for
 
 from sampler_service.backends.ray.replica import FAULT_EXIT_IN_LOAD_ENV
+from trainer_client.launch import free_port
 
 # The suite's own Ray token: Ray's default token file in the home directory is shared by
 # every Ray on the machine. Set before anything imports ray (it reads these at import);
@@ -91,8 +92,9 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[RayCluster]:
         "--dashboard-agent-grpc-port",
         "--runtime-env-agent-port",
     )
-    port, *component_ports = free_ports(1 + len(flags))
-    ports = dict(zip(flags, component_ports, strict=True))
+    # Distinct: Ray refuses a head whose components share a port.
+    port = free_port()
+    ports = {flag: free_port() for flag in flags}
     fault_file = temp / "exit-in-load"
     cmd = [
         str(Path(sys.executable).parent / "ray"),

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,20 +32,6 @@ ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "OMP_NUM_THREADS": "1",
 }
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct loopback ports free now.
-
-    The sockets stay bound until all are chosen: ports taken one at a time can repeat
-    (the kernel may hand a just-closed port out again), and Ray refuses a head whose
-    components share a port.
-    """
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 0.5) -> Any:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 
 import httpx
@@ -27,12 +26,6 @@ def _cuda_devices() -> int:
     except ImportError:
         return 0
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(_cuda_devices() < 1, reason="needs a CUDA GPU")
@@ -105,7 +98,7 @@ def test_nccl_weight_transfer_into_the_service(toy, tmp_path, backend: str) -> N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer_client.launch import EngineServer, SamplerProcess
+    from trainer_client.launch import EngineServer, SamplerProcess, free_port
     from trainer_client.nccl import NCCLTransferError, NCCLWeightSender
 
     config = {
@@ -169,7 +162,7 @@ def test_nccl_weight_transfer_into_the_service(toy, tmp_path, backend: str) -> N
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()  # a zero model has uniform logits: every logprob is -ln(vocab)
-        sender = NCCLWeightSender(server.url, master_address="127.0.0.1", master_port=_free_port())
+        sender = NCCLWeightSender(server.url, master_address="127.0.0.1", master_port=free_port())
         sender.connect(model)
         started = time.monotonic()
         sender.send(version=1)

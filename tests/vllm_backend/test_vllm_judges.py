@@ -12,7 +12,6 @@ becomes a negative, and the toy's groups keep coming meanwhile.
 from __future__ import annotations
 
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import pytest
 from support import Server, collect, rows_with, start_server, write_jsonl
 from vllm_suite import REPORT
 
-from trainer_client.launch import EngineServer
+from trainer_client.launch import EngineServer, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -60,12 +59,6 @@ CONFIG = {
         "garbage": {**SCRIPTED, "api": "chat"},
     },
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ScriptedJudge:
@@ -109,7 +102,7 @@ def judged(toy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judged]:
         ]  # fmt: skip
         urls = {
             "toy": judge.url,
-            "down": f"http://127.0.0.1:{_free_port()}",  # nobody listens there
+            "down": f"http://127.0.0.1:{free_port()}",  # nobody listens there
             "slow": scripted[0].url,
             "garbage": scripted[1].url,
         }
