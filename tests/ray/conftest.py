@@ -83,18 +83,17 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[RayCluster]:
 
     # Short: Ray puts unix sockets under it, and their paths are limited to ~100 bytes.
     temp = Path(tempfile.mkdtemp(prefix="ar-ray-", dir="/tmp"))
-    flags = (
-        "--ray-client-server-port",
-        "--node-manager-port",
-        "--object-manager-port",
-        "--metrics-export-port",
-        "--dashboard-agent-listen-port",
-        "--dashboard-agent-grpc-port",
-        "--runtime-env-agent-port",
-    )
-    # Distinct: Ray refuses a head whose components share a port.
+    # Distinct (`free_port` never repeats one): Ray refuses a head whose parts share a port.
     port = free_port()
-    ports = {flag: free_port() for flag in flags}
+    ports = {
+        "--ray-client-server-port": free_port(),
+        "--node-manager-port": free_port(),
+        "--object-manager-port": free_port(),
+        "--metrics-export-port": free_port(),
+        "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(),
+        "--runtime-env-agent-port": free_port(),
+    }
     fault_file = temp / "exit-in-load"
     cmd = [
         str(Path(sys.executable).parent / "ray"),
