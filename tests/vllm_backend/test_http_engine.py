@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
 import shutil
 import signal
@@ -289,8 +290,10 @@ def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(
     """The `vllm-generate` dialect (/inference/v1/generate, served with
     --enable-scale-out) returns the tokens /v1/completions does, and each answer's
     weight_versions spans: a server someone else relabelled is caught by the first wave
-    it answers, which is sent again once the server is resynced, never kept. The probes
-    are a minute apart, so the wave alone finds it and has it resynced."""
+    it answers, which is sent again once the server is resynced, never kept. This client
+    probes a minute apart, and the fleet's own sampler (which probes server 0 every half
+    second and would resync it first) is frozen from the relabel to the resync, so the
+    wave alone finds it."""
     from sampler_service.backends.base import SamplingParams
     from sampler_service.backends.http.dialects import VLLM_GENERATE
     from sampler_service.config import ReplicaSettings
@@ -315,13 +318,17 @@ def test_answers_sampled_under_a_foreign_label_are_reissued_not_kept(
         here = loop_thread.run(local.generate(PROMPT, 4, sampling))
         assert [c.token_ids for c in there] == [c.token_ids for c in here]
         assert not reissued()
-        r = httpx.post(
-            fleet.servers[0].url + "/update_weight_version",
-            json={"new_version": "someone-else"},
-            timeout=30,
-        )
-        assert r.status_code == 200, r.text
-        again = loop_thread.run(http.generate(PROMPT, 4, sampling), timeout=120)
+        os.kill(fleet.sampler.pid, signal.SIGSTOP)
+        try:
+            r = httpx.post(
+                fleet.servers[0].url + "/update_weight_version",
+                json={"new_version": "someone-else"},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            again = loop_thread.run(http.generate(PROMPT, 4, sampling), timeout=120)
+        finally:
+            os.kill(fleet.sampler.pid, signal.SIGCONT)
         assert reissued() == 1
         assert [c.token_ids for c in again] == [c.token_ids for c in here]
         assert {c.policy_version for c in again} == {0}
