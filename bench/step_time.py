@@ -1295,13 +1295,18 @@ def measure_continue(
             "goal": f"{sense} {goal}",
             "met": measured <= goal,
             "reason": f"{what}: {judged} off-policy (max_staleness 1, r 0.7, kv "
-            f"{args.continue_kv}), {_longer(args).steps} measured steps; mean of {len(values)} "
+            f"{args.continue_kv}, wave_min_need {CONTINUE_KNOBS['wave_min_need']:g}), "
+            f"{_longer(args).steps} measured steps; mean of {len(values)} "
             f"prompt draws ({min(values):.3g}-{max(values):.3g}); first draw: {unbounded}; "
             f"drain s/step by run: {drains}",
         }
-    section_targets["continue/step"].update(full_engine_step=full, work=work, rate_share=share)
+    whole = [f["step_vs_whole_wait"] for f in figures]
+    section_targets["continue/step"].update(
+        full_engine_step=full, work=work, rate_share=share, vs_whole_wave_wait=whole
+    )
     section_targets["continue/step"]["reason"] += (
-        f"; continue decodes {np.mean(work):.3g}x wait's tokens a step ({min(work):.3g}-"
+        f"; against the faster wait of whole or cut waves {np.mean(whole):.3g}x "
+        f"({min(whole):.3g}-{max(whole):.3g}); continue decodes {np.mean(work):.3g}x wait's tokens a step ({min(work):.3g}-"
         f"{max(work):.3g}) at {np.mean(share):.3g} of the rate of an engine always full "
         f"(continue without a bound; {min(share):.3g}-{max(share):.3g}), and wait's tokens "
         f"at that full rate would take {np.mean(full):.3g}x wait's step ({min(full):.3g}-"
@@ -1310,11 +1315,18 @@ def measure_continue(
     return {"row": judged, "runs": runs, "seeds": len(per_seed), "targets": section_targets}
 
 
+#: The judged row's waves in every weight update mode's run: cut where an answer is less
+#: likely than this to be needed. Continue keeps the engine full, so the answers a cut
+#: wave leaves out are replaced by other prompts' answers, not by idle slots.
+CONTINUE_KNOBS: dict[str, Any] = {"wave_min_need": 0.6}
+
 #: Off-policy variants of the weight update modes' runs: without max_staleness
 #: ("unbounded") and without paced admission ("unpaced"), what the bound and the pacing
-#: cost an answer an update ran across (its group is as old as its oldest version); and
-#: with the staleness runs' waves of 16 ("wide").
+#: cost an answer an update ran across (its group is as old as its oldest version); with
+#: the staleness runs' waves of 16 ("wide"); and with whole waves ("whole_waves", the
+#: row as the other sections run it).
 CONTINUE_VARIANTS: dict[str, dict[str, Any]] = {
+    "whole_waves": {"wave_min_need": 0.0},
     "unbounded": {"max_staleness": None},
     "unpaced": {"max_delay_versions": 0},
     "hard16": STALENESS_RUNS["hard16"],
@@ -1341,7 +1353,12 @@ def _continue_runs(
             longer,
             spec,
             train_s_per_sample=train_s,
-            overrides={"weight_update_mode": mode, "weight_update_kv": args.continue_kv, **extra},
+            overrides={
+                "weight_update_mode": mode,
+                "weight_update_kv": args.continue_kv,
+                **CONTINUE_KNOBS,
+                **extra,
+            },
         )
         res.pop("groups", None)
         runs[f"{pipeline}/{mode}"] = res
@@ -1360,6 +1377,10 @@ def _continue_figures(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
     cont, wait = runs["off_policy/continue"], runs["off_policy/wait"]
     return {
         "step": cont["step_s"] / wait["step_s"],
+        # Against the faster wait of the two: with whole waves, wait's engine idles less
+        # at the tail of a step.
+        "step_vs_whole_wait": cont["step_s"]
+        / min(wait["step_s"], runs["whole_waves/wait"]["step_s"]),
         # The step ratio is `work` x wait's rate / continue's: continue's decoded tokens a
         # step over wait's, and its rate as a share of the engine always full (continue
         # without a bound). At wait's tokens and the full rate it would be

@@ -127,15 +127,27 @@ class PromptRun:
 
     def wave_size(self) -> int:
         """Answers to issue next; 0 once the prompt is finished. Exact stopping asks the
-        rule only from `min_answers` on, so it issues at least up to there, and widens a
-        hard prompt's waves (`_hard_wave`); the allocation budget bounds every wave."""
+        rule only from `min_answers` on, so it issues at least up to there, cuts the wave
+        where its answers become unlikely to be needed (`wave_min_need`), and widens a
+        hard prompt's waves (`_hard_wave`); the allocation budget bounds every wave. Wave
+        sizes only decide which indices decode at once: the group stays the first j."""
         if self.stopped:
             return 0
-        want = self.plan.rule.next_wave(self.n_pos, self.n_neg, prompt_id=self.row.id)
+        rule, cfg = self.plan.rule, self.plan.cfg
+        want = rule.next_wave(self.n_pos, self.n_neg, prompt_id=self.row.id)
         if self.exact and self.n_generated < self.min_answers:
             want = max(want, self.min_answers - self.n_generated)
+        if want and self.exact and cfg.wave_min_need > 0:
+            want = rule.likely_needed(
+                self.n_pos,
+                self.n_neg,
+                want,
+                keep=max(self.min_answers - self.n_generated, 1),
+                min_need=cfg.wave_min_need,
+                prompt_id=self.row.id,
+            )
         if want and (hard := self._hard_wave()):
-            want = max(want, min(hard, self.plan.cfg.n_max - self.n_generated))
+            want = max(want, min(hard, cfg.n_max - self.n_generated))
         return self._budgeted(want)
 
     def _hard_wave(self) -> int | None:

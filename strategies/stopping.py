@@ -8,7 +8,9 @@ Every rule caps a prompt at n_max answers: the last wave is cut to fit.
 
 Adaptive waves (positive and balanced only) size each wave to the answers expected to
 satisfy the rule, ceil(max(m_pos / p, m_neg / (1 - p))), which cuts the overshoot of
-fixed-size waves at the price of more, smaller waves.
+fixed-size waves at the price of more, smaller waves. Under exact stopping a wave can
+instead be cut where its answers become unlikely to be needed (``likely_needed``): the
+chance that answer t + 1 counts is the chance that the t before it leave the rule open.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class StoppingRule(Policy, ABC):
     params: StoppingParams
     #: Whether the waves depend on the prompt beyond its answers (a per-prompt budget).
     per_prompt: ClassVar[bool] = False
+    #: Whether it stops on which answers are right, not on their count alone.
+    stops_on_outcomes: ClassVar[bool] = False
 
     def __init__(self, params: StoppingParams) -> None:
         super().__init__(params)
@@ -96,6 +100,44 @@ class StoppingRule(Policy, ABC):
         """Why a finished prompt stopped: the rule held (it wins ties) or n_max was hit."""
         return "rule" if self.done(n_pos, n_neg, prompt_id=prompt_id) else "n_max"
 
+    def likely_needed(
+        self,
+        n_pos: int,
+        n_neg: int,
+        want: int,
+        *,
+        keep: int,
+        min_need: float,
+        prompt_id: str | None = None,
+    ) -> int:
+        """Answer t + 1 of a wave is needed only if the t before it leave the rule open.
+        The chance of that is the mass of the outcomes of t answers under which the rule
+        is not done, each answer drawn from the pass rate's Beta belief (the estimator's
+        posterior, or a uniform prior, updated by the prompt's answers so far and by the
+        wave's earlier ones); the wave stops at the first answer past `keep` whose chance
+        is below `min_need`. A rule that stops on its count alone needs every answer it
+        wants."""
+        if not self.stops_on_outcomes:
+            return want
+        est = self.params.estimator
+        right_a, wrong_b = (
+            est.posterior(prompt_id) if est is not None and prompt_id is not None else (1, 1)
+        )
+        right_a, wrong_b = right_a + n_pos, wrong_b + n_neg
+        #: Right answers among the wave's first t -> chance of that with the rule open.
+        still_open = {0: 1.0}
+        t = 0
+        while t < want and (t < keep or sum(still_open.values()) >= min_need):
+            grown: dict[int, float] = {}
+            for right, chance in still_open.items():
+                p = (right_a + right) / (right_a + wrong_b + t)
+                for k, q in ((right + 1, p), (right, 1.0 - p)):
+                    if q > 0 and not self.done(n_pos + k, n_neg + t + 1 - k):
+                        grown[k] = grown.get(k, 0.0) + chance * q
+            still_open = grown
+            t += 1
+        return t
+
     @abstractmethod
     def _want(self, n_pos: int, n_neg: int, prompt_id: str | None) -> int:
         """Answers this rule would like before the wave_size and n_max caps."""
@@ -125,6 +167,8 @@ class Fixed(StoppingRule):
 
 class _CountRule(StoppingRule):
     """Rules that stop on counts of correct/incorrect answers (Seq-Pos, Seq-Balance)."""
+
+    stops_on_outcomes = True
 
     @abstractmethod
     def _missing(self, n_pos: int, n_neg: int) -> tuple[int, int]:

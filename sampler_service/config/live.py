@@ -108,6 +108,17 @@ class SamplerConfig(LiveModel):
         "budget, so it takes fewer waves in a row and misses the staleness bound less, for "
         "more surplus (null: the rule's own waves)",
     )
+    wave_min_need: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="exact stopping: a wave issues an answer above min_answers only while "
+        "the chance that the rule still needs it (the answers before it in the wave leave "
+        "the rule open, at the prompt's estimated pass rate) is at least this; 0 issues "
+        "whole waves. It cuts the surplus decoded for prompts that stop early, for more "
+        "waves in a row: worth it where the engine is kept full (weight_update_mode "
+        "continue), not where a wave's tail idles it",
+    )
     positive_threshold: float = Field(
         0.5, ge=-1e9, le=1e9, description="an answer is right iff its reward > this"
     )
@@ -283,8 +294,9 @@ class SamplerConfig(LiveModel):
             group_size=self.group_size,
             wave="fixed" if self.mode == "rounds" else self.wave,
         )
-        if self.rule == "est" or self.wave == "adaptive":
-            # Adaptive waves size a seen prompt's first wave from its estimated pass rate.
+        if self.rule == "est" or self.wave == "adaptive" or self.wave_min_need > 0:
+            # Adaptive and need-cut waves size a seen prompt's first wave from its
+            # estimated pass rate.
             params["estimator"] = estimator
         return stopping_rules.build(self.rule, **params)
 

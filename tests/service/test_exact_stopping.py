@@ -268,6 +268,20 @@ def test_hard_prompts_issue_wider_waves_and_their_groups_stay_exact() -> None:
     assert sum(wide["wave_sizes"].values()) < sum(narrow["wave_sizes"].values())
 
 
+def test_waves_cut_at_need_decode_less_surplus_and_their_groups_stay_exact() -> None:
+    # Balanced 2/2 from answer 4 under a uniform belief needs answer 5 with chance 4/5 and
+    # answer 6 with 4/6, answer 7 only with 4/7: at wave_min_need 0.6 a first wave is 6.
+    cut = virtual_clock.run(_groups(SimBackend, CFG, None, seed=3, wave_min_need=0.6))
+    z = _zs(cut, CFG)
+    print(f"waves cut at need 0.6 {dict(cut['wave_sizes'])}: z {z}; waste {cut['waste']}")
+    assert all(abs(v) <= SE for v in z.values()), z
+    assert cut["ordered"] and not cut["waste"]["redrawn"]
+    assert cut["wave_sizes"][6] >= PROMPTS  # every prompt's first wave
+    whole = virtual_clock.run(_groups(SimBackend, CFG, None, seed=3))
+    assert cut["waste"]["surplus_answers"] < whole["waste"]["surplus_answers"] / 2
+    assert sum(cut["wave_sizes"].values()) > sum(whole["wave_sizes"].values())
+
+
 def test_weight_pushes_in_wait_mode_stay_exact_and_abort_mode_redraws() -> None:
     waited = virtual_clock.run(_groups(SimBackend, CFG, "wait", seed=2))
     z = _zs(waited, CFG)

@@ -103,6 +103,31 @@ def test_adaptive_wave_uses_estimate_of_prompt_seen_in_earlier_epoch():
     assert rule.next_wave(0, 1, prompt_id="seen") == 6  # counts take over: p = 1/3
 
 
+def test_waves_are_cut_where_an_answer_becomes_unlikely_to_be_needed():
+    # Hand-checked under a uniform belief: Seq-Pos 1 needs answer t + 1 iff the first t
+    # are all wrong, chance 1 / (t + 1); Seq-Balance 1/1 iff they all agree, 2 / (t + 1).
+    pos = stopping.build("positive", k_pos=1, n_max=32, wave_size=8)
+    assert pos.likely_needed(0, 0, 8, keep=1, min_need=0.45) == 2  # 1/2 kept, 1/3 cut
+    assert pos.likely_needed(0, 0, 8, keep=1, min_need=0.3) == 3  # 1/3 kept, 1/4 cut
+    assert pos.likely_needed(0, 0, 8, keep=5, min_need=0.45) == 5  # never below keep
+    assert pos.likely_needed(0, 0, 3, keep=1, min_need=0.0) == 3  # never above want
+    bal = stopping.build("balanced", k_pos=1, k_neg=1, n_max=32, wave_size=8)
+    assert bal.likely_needed(0, 0, 8, keep=1, min_need=0.45) == 4  # 2/3, 2/4 kept; 2/5 cut
+    # The prompt's answers so far move the belief: after 2 wrong it is Beta(1, 3), and
+    # t more wrong in a row has chance 3 / (t + 3): 3/4, 3/5, 3/6 kept, 3/7 cut.
+    assert pos.likely_needed(0, 2, 8, keep=1, min_need=0.45) == 4
+    # A prompt seen before starts from the estimator's posterior, Beta(1, 7) after 0 of 6:
+    # 7 / (t + 7) stays above 0.6 up to t = 4.
+    est = Estimator()
+    est.update("seen", n=6, k=0)
+    known = stopping.build("positive", k_pos=1, wave_size=8, estimator=est)
+    assert known.likely_needed(0, 0, 8, keep=1, min_need=0.6, prompt_id="seen") == 5
+    assert known.likely_needed(0, 0, 8, keep=1, min_need=0.6, prompt_id="unseen") == 1
+    # A rule that stops on its count alone needs every answer it wants.
+    fixed = stopping.build("fixed", group_size=4, wave_size=4)
+    assert fixed.likely_needed(0, 0, 4, keep=1, min_need=0.99) == 4
+
+
 def test_est_rule_generates_its_budget_in_waves():
     est = Estimator(mean_budget=12)
     est.set_prompts(["easy", "mid", "hard", "new"])
