@@ -71,6 +71,7 @@ def test_unbounded_and_non_finite_config_is_refused(make_server) -> None:
             "k_pos": True,
             "max_tokens": 100_000,  # the toy model's context is 64 tokens
             "top_p": "1",
+            "wave_min_need": 1.5,  # a chance
         }
         for key, value in refused.items():
             err = _error(c.patch("/v1/config", json={key: value}), 422)
@@ -78,12 +79,13 @@ def test_unbounded_and_non_finite_config_is_refused(make_server) -> None:
         err = _error(c.patch("/v1/config", json={"config_version": None, "k_pos": 1}), 422)
         assert err["field"] == "config_version"
         # The event loop keeps answering while admission fills a large window.
-        r = c.patch("/v1/config", json={"max_active_prompts": 4096})
+        r = c.patch("/v1/config", json={"max_active_prompts": 4096, "wave_min_need": 0.6})
         assert r.status_code == 200, r.text
         assert c.get("/health").json()["status"] == "ok"
         after = c.get("/v1/config").json()
         assert after["positive_threshold"] == before["positive_threshold"]
         assert after["lease_ttl_s"] == before["lease_ttl_s"]
+        assert after["wave_min_need"] == 0.6
         # /metrics has no doubled _created series, and passes promtool where it is installed
         # (Debian's prometheus package).
         metrics = c.get("/metrics").text
