@@ -72,6 +72,7 @@ def test_unbounded_and_non_finite_config_is_refused(make_server) -> None:
             "max_tokens": 100_000,  # the toy model's context is 64 tokens
             "top_p": "1",
             "wave_min_need": 1.5,  # a chance
+            "max_delay_versions": 5_000,  # a value or "auto": the knob is named, not the member
         }
         for key, value in refused.items():
             err = _error(c.patch("/v1/config", json={key: value}), 422)
