@@ -137,13 +137,13 @@ class PromptRun:
         want = rule.next_wave(self.n_pos, self.n_neg, prompt_id=self.row.id)
         if self.exact and self.n_generated < self.min_answers:
             want = max(want, self.min_answers - self.n_generated)
-        if want and self.exact and cfg.wave_need > 0:
+        if want and self.exact and cfg.wave_min_need > 0:
             want = rule.likely_needed(
                 self.n_pos,
                 self.n_neg,
                 want,
                 keep=max(self.min_answers - self.n_generated, 1),
-                min_need=cfg.wave_need,
+                min_need=cfg.wave_min_need,
                 prompt_id=self.row.id,
             )
         if want and (hard := self._hard_wave()):

@@ -43,10 +43,6 @@ AUTO_HANDOUT_HOLD_S = 300.0
 #: prompt draws) `continue` at 4 took 0.847x `wait`'s step, against 0.860x at 2, and
 #: `wait` at 4 took 1.02x its own step at 2 (`abort` keeps 2, not measured at 4).
 AUTO_DELAY_VERSIONS: dict[str, int] = {"wait": 2, "abort": 2, "continue": 4}
-#: `wave_min_need: auto` under `weight_update_mode: continue`: on the step-time model
-#: (three prompt draws) `continue` took 0.840x `wait`'s step at 0.6, against 0.858x at 0.5
-#: and 0.871x with whole waves; at 0.7 `wait`'s own step grew 4-8%.
-AUTO_WAVE_MIN_NEED = 0.6
 #: The order engines serve queued answers in (`SamplerConfig.engine_order`).
 EngineOrder = Literal["oldest_prompt", "answer_index", "arrival"]
 
@@ -113,15 +109,16 @@ class SamplerConfig(LiveModel):
         "budget, so it takes fewer waves in a row and misses the staleness bound less, for "
         "more surplus (null: the rule's own waves)",
     )
-    wave_min_need: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = Field(
-        "auto",
+    wave_min_need: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
         description="exact stopping: a wave issues an answer above min_answers only while "
         "the chance that the rule still needs it (the answers before it in the wave leave "
         "the rule open, at the prompt's estimated pass rate) is at least this; 0 issues "
         "whole waves. It cuts the surplus decoded for prompts that stop early, for more "
-        "waves in a row: worth it where the engine is kept full, not where a wave's tail "
-        "idles it. auto: 0.6 under weight_update_mode continue with max_staleness other "
-        "than 0, else 0",
+        "waves in a row: worth it where the engine is kept full (weight_update_mode "
+        "continue) and is what a step waits on, not where a wave's tail idles it",
     )
     positive_threshold: float = Field(
         0.5, ge=-1e9, le=1e9, description="an answer is right iff its reward > this"
@@ -298,7 +295,7 @@ class SamplerConfig(LiveModel):
             group_size=self.group_size,
             wave="fixed" if self.mode == "rounds" else self.wave,
         )
-        if self.rule == "est" or self.wave == "adaptive" or self.wave_need > 0:
+        if self.rule == "est" or self.wave == "adaptive" or self.wave_min_need > 0:
             # Adaptive and need-cut waves size a seen prompt's first wave from its
             # estimated pass rate.
             params["estimator"] = estimator
@@ -319,17 +316,6 @@ class SamplerConfig(LiveModel):
         if self.max_delay_versions != "auto":
             return self.max_delay_versions
         return AUTO_DELAY_VERSIONS[self.weight_update_mode]
-
-    @property
-    def wave_need(self) -> float:
-        """`wave_min_need` resolved: what measured best for the weight update mode
-        (BENCHMARKS.md section 5). Under `continue` the slots a cut wave frees go to other
-        prompts' answers; where the engine idles at a push or a wave's tail (`wait`,
-        `abort`, or nothing running across a push under `max_staleness` 0) they stay empty."""
-        if self.wave_min_need != "auto":
-            return self.wave_min_need
-        runs_across = self.weight_update_mode == "continue" and self.max_staleness != 0
-        return AUTO_WAVE_MIN_NEED if runs_across else 0.0
 
     @property
     def handout_hold(self) -> float:

@@ -282,22 +282,6 @@ def test_waves_cut_at_need_decode_less_surplus_and_their_groups_stay_exact() -> 
     assert sum(cut["wave_sizes"].values()) > sum(whole["wave_sizes"].values())
 
 
-@pytest.mark.parametrize(
-    ("knobs", "need"),
-    [
-        ({}, 0.0),  # auto under wait: the engine idles at a push, cut waves leave it emptier
-        ({"weight_update_mode": "abort"}, 0.0),
-        ({"weight_update_mode": "continue"}, 0.6),  # freed slots go to other prompts
-        ({"weight_update_mode": "continue", "max_staleness": None}, 0.6),
-        ({"weight_update_mode": "continue", "max_staleness": 0}, 0.0),  # nothing runs across
-        ({"weight_update_mode": "continue", "wave_min_need": 0.0}, 0.0),
-        ({"wave_min_need": 0.3}, 0.3),
-    ],
-)
-def test_the_wave_cut_resolves_by_weight_update_mode(knobs: dict[str, Any], need: float) -> None:
-    assert SamplerConfig(**knobs).wave_need == need
-
-
 def test_weight_pushes_in_wait_mode_stay_exact_and_abort_mode_redraws() -> None:
     waited = virtual_clock.run(_groups(SimBackend, CFG, "wait", seed=2))
     z = _zs(waited, CFG)
