@@ -296,8 +296,8 @@ class SamplerConfig(LiveModel):
             wave="fixed" if self.mode == "rounds" else self.wave,
         )
         if self.rule == "est" or self.wave == "adaptive" or self.wave_min_need > 0:
-            # Adaptive and need-cut waves size a seen prompt's first wave from its
-            # estimated pass rate.
+            # Adaptive waves size a seen prompt's first wave from its estimated pass
+            # rate; need-cut waves start every wave's belief from its posterior.
             params["estimator"] = estimator
         return stopping_rules.build(self.rule, **params)
 
